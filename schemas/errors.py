@@ -1,0 +1,53 @@
+"""Every error cpplan raises on purpose, in one place.
+
+User errors subclass ``ValueError`` (bad config, bad step, bad file); distributed failures
+subclass ``RuntimeError`` (ranks disagree, a rank is gone). Each message is one line that says
+what was got and what was expected; the CLI prints it as is and exits 2 (or the code the
+subclass names).
+"""
+
+from __future__ import annotations
+
+
+class CpplanError(Exception):
+    """Base of every error cpplan raises on purpose."""
+
+    exit_code = 2
+
+
+class ConfigError(CpplanError, ValueError):
+    """A ParallelConfig breaks a rule (unsupported topology, bad size, workspace too small)."""
+
+
+class StepInputError(CpplanError, ValueError):
+    """A StepInput is invalid for the config (bad counts, duplicate req_id, extent too long)."""
+
+
+class PlanFormatError(CpplanError, ValueError):
+    """Bytes that are not a valid cpplan file: truncated, mutated, wrong kind, too large."""
+
+
+class SchemaVersionError(PlanFormatError):
+    """A file written by a newer schema than this cpplan reads."""
+
+
+class CapacityError(CpplanError, ValueError):
+    """A plan needs more rows than a runtime buffer sized at start-up holds."""
+
+
+class PlanMismatchError(CpplanError, RuntimeError):
+    """Ranks compiled different plans for one step; raised on every rank before any collective."""
+
+    exit_code = 3
+
+
+class RankLostError(CpplanError, RuntimeError):
+    """A rank did not take part in a control exchange within the timeout."""
+
+    exit_code = 4
+
+
+class CollectiveLedgerError(CpplanError, RuntimeError):
+    """The collectives a step issued differ from the plan's list (debug mode)."""
+
+    exit_code = 3
