@@ -1,0 +1,42 @@
+"""cpplan.schemas: the plan, step and config structs, the codec and the digest (no torch)."""
+
+from cpplan.schemas.arrays import Array
+from cpplan.schemas.codec import (
+    SCHEMA_VERSION,
+    config_fingerprint,
+    decode_config,
+    decode_plan,
+    decode_step,
+    digest,
+    encode_config,
+    encode_config_json,
+    encode_plan,
+    encode_step,
+    encode_step_json,
+    plan_payload,
+)
+from cpplan.schemas.config import ParallelConfig, shard_rows
+from cpplan.schemas.errors import (
+    CapacityError,
+    CollectiveLedgerError,
+    ConfigError,
+    CpplanError,
+    PlanFormatError,
+    PlanMismatchError,
+    RankLostError,
+    SchemaVersionError,
+    StepInputError,
+)
+from cpplan.schemas.plan import (
+    EAGER,
+    MODE_DECODE,
+    MODE_NAMES,
+    MODE_REPLICATED,
+    MODE_SPLIT,
+    Collective,
+    GatherChunk,
+    StepPlan,
+)
+from cpplan.schemas.step import RequestInput, StepInput
+
+__all__ = [name for name in dir() if not name.startswith("_")]

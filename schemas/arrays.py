@@ -1,0 +1,60 @@
+"""Arrays inside plans: contiguous little-endian bytes plus dtype and shape.
+
+Decoded arrays are read-only views (``np.frombuffer``) over the decoded bytes: no copy, and no
+way to mutate a plan through them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import numpy as np
+
+# The only dtypes a plan carries; index dtypes are explicit.
+ALLOWED_DTYPES = ("<i4", "<i8", "|u1")
+
+
+class Array(msgspec.Struct, frozen=True, array_like=True):
+    """An n-d array as ``(dtype, shape, data)``; ``data`` holds ``prod(shape)`` items, C order."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ALLOWED_DTYPES:
+            raise ValueError(f"array dtype must be one of {ALLOWED_DTYPES}: got {self.dtype!r}")
+        if len(self.shape) > 4 or any(d < 0 for d in self.shape):
+            raise ValueError(f"array shape must have <= 4 non-negative dims: got {self.shape}")
+        expected = math.prod(self.shape) * int(self.dtype[-1])
+        if len(self.data) != expected:
+            raise ValueError(
+                f"array of shape {self.shape} {self.dtype} needs {expected} bytes: "
+                f"got {len(self.data)}"
+            )
+
+    @classmethod
+    def of(cls, values: np.ndarray | list, dtype: str) -> "Array":
+        """Pack ``values`` as ``dtype`` (one of ALLOWED_DTYPES)."""
+        arr = np.ascontiguousarray(values, dtype=np.dtype(dtype))
+        return cls(dtype, tuple(int(d) for d in arr.shape), arr.tobytes())
+
+    def np(self) -> np.ndarray:
+        """A read-only numpy view of the data."""
+        return np.frombuffer(self.data, dtype=np.dtype(self.dtype)).reshape(self.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+
+def i32(values) -> Array:
+    return Array.of(values, "<i4")
+
+
+def i64(values) -> Array:
+    return Array.of(values, "<i8")
+
+
+def u8(values) -> Array:
+    return Array.of(values, "|u1")

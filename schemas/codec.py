@@ -1,0 +1,241 @@
+"""The one module that encodes and decodes cpplan data (STYLE rule 7).
+
+File format (msgpack), for plans, steps and configs alike::
+
+    msgpack([kind, schema_version, cpplan_version, config_fingerprint, payload, digest])
+    + checksum   # 16 raw bytes: xxh3_128 over everything before it
+
+``payload`` is the canonical msgpack of the object; ``digest`` = xxh3_128(payload), the value
+ranks compare (the cpplan version is outside it). Nothing in a file depends on time, host or
+hash seed: the same object always gives the same bytes.
+
+Decoding untrusted bytes raises only :class:`PlanFormatError` (or :class:`SchemaVersionError`),
+with one line saying what was wrong. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, TypeVar
+
+import msgspec
+import xxhash
+
+from cpplan._version import __version__
+from cpplan.schemas.config import ParallelConfig
+from cpplan.schemas.errors import PlanFormatError, SchemaVersionError
+from cpplan.schemas.plan import StepPlan
+from cpplan.schemas.step import RequestInput, StepInput
+
+SCHEMA_VERSION = 1
+KIND_PLAN = "cpplan.plan"
+KIND_STEP = "cpplan.step"
+KIND_CONFIG = "cpplan.config"
+CHECKSUM_BYTES = 16
+MAX_FILE_BYTES = 256 * 2**20  # refused before any decoding
+
+_Count = Annotated[int, msgspec.Meta(ge=-(2**53), le=2**53)]
+
+
+class Envelope(msgspec.Struct, frozen=True, array_like=True):
+    """The file wrapper; its layout never changes (new fields only at the end, with defaults)."""
+
+    kind: str
+    schema_version: int
+    cpplan_version: str
+    config_fingerprint: str
+    payload: bytes
+    digest: bytes
+
+
+class _RequestFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    req_id: str
+    num_computed_tokens: _Count
+    num_scheduled_tokens: _Count
+    is_prefilling: bool
+
+
+class _StepFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A step as a file holds it (DESIGN.md section 2)."""
+
+    step_id: _Count
+    requests: list[_RequestFile]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_json_encoder = msgspec.json.Encoder()
+_envelope_decoder = msgspec.msgpack.Decoder(Envelope)
+_payload_decoders = {
+    KIND_PLAN: msgspec.msgpack.Decoder(StepPlan),
+    KIND_STEP: msgspec.msgpack.Decoder(_StepFile),
+    KIND_CONFIG: msgspec.msgpack.Decoder(ParallelConfig),
+}
+_step_json_decoder = msgspec.json.Decoder(_StepFile)
+_config_json_decoder = msgspec.json.Decoder(ParallelConfig)
+
+T = TypeVar("T")
+
+
+def _hash128(data: bytes) -> bytes:
+    return xxhash.xxh3_128_digest(data)
+
+
+# ---------------------------------------------------------------- digests
+def plan_payload(plan: StepPlan) -> bytes:
+    """Canonical msgpack bytes of a plan (what the digest covers and goldens pin)."""
+    return _encoder.encode(plan)
+
+
+def digest(plan: StepPlan) -> bytes:
+    """128-bit digest of the canonical plan payload: the value every rank compares."""
+    return _hash128(_encoder.encode(plan))
+
+
+def config_fingerprint(config: ParallelConfig) -> str:
+    """Hex xxh3_128 of the canonical config bytes."""
+    return _hash128(_encoder.encode(config)).hex()
+
+
+# ---------------------------------------------------------------- envelopes
+def _wrap(kind: str, payload: bytes, fingerprint: str) -> bytes:
+    body = _encoder.encode(
+        Envelope(kind, SCHEMA_VERSION, __version__, fingerprint, payload, _hash128(payload))
+    )
+    return body + _hash128(body)
+
+
+def _unwrap(data: bytes, kind: str, max_bytes: int) -> Envelope:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise PlanFormatError(f"expected bytes: got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise PlanFormatError(f"file too large: got {len(data):,} bytes, limit {max_bytes:,}")
+    if len(data) <= CHECKSUM_BYTES:
+        raise PlanFormatError(f"not a cpplan file: got only {len(data)} bytes")
+    body, checksum = bytes(data[:-CHECKSUM_BYTES]), bytes(data[-CHECKSUM_BYTES:])
+    if _hash128(body) != checksum:
+        raise PlanFormatError("checksum mismatch: the file is truncated or corrupted")
+    try:
+        env = _envelope_decoder.decode(body)
+    except msgspec.MsgspecError as exc:
+        raise PlanFormatError(f"not a cpplan file: {_one_line(exc)}") from None
+    if env.schema_version > SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"{env.kind} written by schema version {env.schema_version} (cpplan "
+            f"{env.cpplan_version}): this cpplan reads <= {SCHEMA_VERSION}; upgrade cpplan"
+        )
+    if env.kind != kind:
+        raise PlanFormatError(f"wrong kind of file: got {env.kind!r}, expected {kind!r}")
+    if _hash128(env.payload) != env.digest:
+        raise PlanFormatError("payload digest mismatch: the file is corrupted")
+    return env
+
+
+def _decode_payload(env: Envelope):
+    try:
+        return _payload_decoders[env.kind].decode(env.payload)
+    except msgspec.MsgspecError as exc:
+        raise PlanFormatError(f"invalid {env.kind} payload: {_one_line(exc)}") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+# ---------------------------------------------------------------- plans
+def encode_plan(plan: StepPlan) -> bytes:
+    """A plan file's bytes; canonical (same plan, same bytes, any process)."""
+    return _wrap(KIND_PLAN, _encoder.encode(plan), config_fingerprint(plan.config))
+
+
+def decode_plan(data: bytes, *, max_bytes: int = MAX_FILE_BYTES) -> StepPlan:
+    env = _unwrap(data, KIND_PLAN, max_bytes)
+    plan = _decode_payload(env)
+    if config_fingerprint(plan.config) != env.config_fingerprint:
+        raise PlanFormatError("config fingerprint does not match the plan's config")
+    return plan
+
+
+def read_envelope(data: bytes, *, max_bytes: int = MAX_FILE_BYTES) -> Envelope:
+    """Check a file of any kind and return its envelope (kind, versions, digest)."""
+    if len(data) > CHECKSUM_BYTES:
+        try:
+            kind = _envelope_decoder.decode(bytes(data[:-CHECKSUM_BYTES])).kind
+        except msgspec.MsgspecError:
+            kind = KIND_PLAN
+    else:
+        kind = KIND_PLAN
+    return _unwrap(data, kind, max_bytes)
+
+
+# ---------------------------------------------------------------- steps
+def _step_from_file(f: _StepFile) -> StepInput:
+    try:
+        return StepInput.build(
+            f.step_id,
+            [r.req_id for r in f.requests],
+            [r.num_computed_tokens for r in f.requests],
+            [r.num_scheduled_tokens for r in f.requests],
+            [r.is_prefilling for r in f.requests],
+        )
+    except (ValueError, OverflowError) as exc:
+        raise PlanFormatError(f"invalid step: {_one_line(exc)}") from None
+
+
+def _step_to_file(step: StepInput) -> _StepFile:
+    return _StepFile(
+        step_id=step.step_id,
+        requests=[_RequestFile(**msgspec.structs.asdict(r)) for r in step.requests()],
+    )
+
+
+def encode_step(step: StepInput) -> bytes:
+    return _wrap(KIND_STEP, _encoder.encode(_step_to_file(step)), "")
+
+
+def encode_step_json(step: StepInput) -> bytes:
+    return msgspec.json.format(_json_encoder.encode(_step_to_file(step)), indent=1)
+
+
+def decode_step(data: bytes, *, max_bytes: int = MAX_FILE_BYTES) -> StepInput:
+    """A step from a cpplan step file, a bare msgpack map or JSON (detected by content)."""
+    if isinstance(data, (bytes, bytearray, memoryview)) and len(data) > max_bytes:
+        raise PlanFormatError(f"file too large: got {len(data):,} bytes, limit {max_bytes:,}")
+    head = bytes(data[:1]) if isinstance(data, (bytes, bytearray, memoryview)) else b""
+    if head[:1].isspace() or head == b"{":
+        try:
+            return _step_from_file(_step_json_decoder.decode(data))
+        except msgspec.MsgspecError as exc:
+            raise PlanFormatError(f"invalid step JSON: {_one_line(exc)}") from None
+    if head and 0x80 <= head[0] <= 0x8F or head in (b"\xde", b"\xdf"):  # a bare msgpack map
+        try:
+            return _step_from_file(_payload_decoders[KIND_STEP].decode(data))
+        except msgspec.MsgspecError as exc:
+            raise PlanFormatError(f"invalid step msgpack: {_one_line(exc)}") from None
+    return _step_from_file(_decode_payload(_unwrap(data, KIND_STEP, max_bytes)))
+
+
+# ---------------------------------------------------------------- configs
+def encode_config(config: ParallelConfig) -> bytes:
+    return _wrap(KIND_CONFIG, _encoder.encode(config), config_fingerprint(config))
+
+
+def encode_config_json(config: ParallelConfig) -> bytes:
+    return msgspec.json.format(_json_encoder.encode(config), indent=1)
+
+
+def decode_config(data: bytes, *, max_bytes: int = MAX_FILE_BYTES) -> ParallelConfig:
+    """A config from JSON or a cpplan config file. Rule violations surface as PlanFormatError
+    here (the file is not a valid config); build ParallelConfig directly to get ConfigError."""
+    if isinstance(data, (bytes, bytearray, memoryview)) and len(data) > max_bytes:
+        raise PlanFormatError(f"file too large: got {len(data):,} bytes, limit {max_bytes:,}")
+    head = bytes(data[:1]) if isinstance(data, (bytes, bytearray, memoryview)) else b""
+    if head[:1].isspace() or head == b"{":
+        try:
+            return _config_json_decoder.decode(data)
+        except msgspec.MsgspecError as exc:
+            raise PlanFormatError(f"invalid config JSON: {_one_line(exc)}") from None
+    return _decode_payload(_unwrap(data, KIND_CONFIG, max_bytes))
+
+
+def to_builtins(obj) -> object:
+    """Plain Python data (dicts, lists, str, int) for JSON reports."""
+    return msgspec.to_builtins(obj)

@@ -1,0 +1,125 @@
+"""ParallelConfig: the static facts every rank shares for the life of a serving process.
+
+Validated at construction (also when decoded from a file): an invalid config never exists.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from cpplan.schemas.errors import ConfigError
+
+KV_BYTES_PER_TOKEN = {"fp8_ds_mla": 656, "bf16": 1152}
+INDEXER_K_BYTES_PER_TOKEN = 132  # 128 fp8 values + one fp32 scale
+MAX_SUPPORTED_TOKENS = 2**31 - 1  # every token count in a plan fits int32
+
+KvCacheDtype = Literal["fp8_ds_mla", "bf16"]
+ActivationDtype = Literal["bfloat16", "float16", "float32"]
+
+
+def shard_rows(extent: int, dcp_size: int, interleave_size: int) -> int:
+    """KV tokens DCP rank 0 (the fullest shard) holds of a request of ``extent`` tokens."""
+    if dcp_size == 1:
+        return extent
+    period = dcp_size * interleave_size
+    return (extent // period) * interleave_size + min(extent % period, interleave_size)
+
+
+class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Topology, model dimensions and buffer budgets, fixed at start-up.
+
+    ``gather_workspace_tokens`` is the number of gathered KV rows (``dcp_size * PT``) one gather
+    chunk may use; 0 asks for the minimum, ``dcp_size * shard_rows(max_model_len)``, which is
+    what the constructed config then holds.
+    """
+
+    pcp_size: int = 1
+    dcp_size: int = 1
+    interleave_size: int = 1
+    block_size: int = 64
+    kv_cache_dtype: KvCacheDtype = "fp8_ds_mla"
+    num_heads: int = 128
+    num_layers: int = 61
+    qk_head_dim: int = 576
+    v_head_dim: int = 512
+    topk: int = 2048
+    index_num_heads: int = 64
+    index_head_dim: int = 128
+    hidden_size: int = 7168
+    activation_dtype: ActivationDtype = "bfloat16"
+    max_model_len: int = 131072
+    cudagraph_token_sizes: tuple[int, ...] = ()
+    gather_workspace_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "pcp_size", "dcp_size", "interleave_size", "block_size", "num_heads", "num_layers",
+            "qk_head_dim", "v_head_dim", "topk", "index_num_heads", "index_head_dim",
+            "hidden_size", "max_model_len",
+        ):
+            value = getattr(self, name)
+            if value < 1:
+                raise ConfigError(f"{name} must be positive: got {value}")
+        if self.max_model_len > MAX_SUPPORTED_TOKENS:
+            raise ConfigError(
+                f"max_model_len must be <= {MAX_SUPPORTED_TOKENS}: got {self.max_model_len}"
+            )
+        p, w = self.pcp_size, self.dcp_size
+        if not (w == 1 or p == 1 or w == p):
+            raise ConfigError(
+                f"unsupported topology pcp_size={p} dcp_size={w}: expected dcp_size == 1, "
+                f"pcp_size == 1 or dcp_size == pcp_size"
+            )
+        if self.block_size % self.interleave_size != 0:
+            raise ConfigError(
+                f"block_size % interleave_size must be 0: got block_size={self.block_size}, "
+                f"interleave_size={self.interleave_size}"
+            )
+        if self.qk_head_dim < self.v_head_dim:
+            raise ConfigError(
+                f"qk_head_dim must be >= v_head_dim: got {self.qk_head_dim} < {self.v_head_dim}"
+            )
+        sizes = self.cudagraph_token_sizes
+        if any(s < 1 for s in sizes) or list(sizes) != sorted(set(sizes)):
+            raise ConfigError(
+                f"cudagraph_token_sizes must be positive, strictly increasing: got {list(sizes)}"
+            )
+        minimum = self.min_gather_workspace_tokens
+        if self.gather_workspace_tokens == 0:
+            msgspec.structs.force_setattr(self, "gather_workspace_tokens", minimum)
+        elif self.gather_workspace_tokens < minimum:
+            raise ConfigError(
+                f"gather_workspace_tokens must be >= dcp_size * shard_rows(max_model_len) = "
+                f"{minimum}: got {self.gather_workspace_tokens}"
+            )
+        elif self.gather_workspace_tokens > MAX_SUPPORTED_TOKENS:
+            raise ConfigError(
+                f"gather_workspace_tokens must be <= {MAX_SUPPORTED_TOKENS}: "
+                f"got {self.gather_workspace_tokens}"
+            )
+
+    @property
+    def min_gather_workspace_tokens(self) -> int:
+        return self.dcp_size * shard_rows(self.max_model_len, self.dcp_size, self.interleave_size)
+
+    @property
+    def world_size(self) -> int:
+        return max(self.pcp_size, self.dcp_size)
+
+    @property
+    def num_prefill_chunks(self) -> int:
+        """S = 2P: chunks a split prefill is cut into."""
+        return 2 * self.pcp_size
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return KV_BYTES_PER_TOKEN[self.kv_cache_dtype]
+
+    @property
+    def index_k_bytes_per_token(self) -> int:
+        return INDEXER_K_BYTES_PER_TOKEN
+
+    def shard_rows(self, extent: int) -> int:
+        return shard_rows(extent, self.dcp_size, self.interleave_size)

@@ -1,0 +1,162 @@
+"""StepPlan: one scheduler step compiled for every rank (DESIGN.md section 3).
+
+A plan is a frozen, keyword-only msgspec Struct holding integers, strings and arrays only (no
+floats), so its canonical msgpack bytes and digest are the same in every process. Tables are
+per request (``[N]``) and per published row (``[R]`` or ``[P, R]``); token-level arrays are not
+stored, and are materialised on demand by the methods here (numpy only).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from cpplan.schemas.arrays import Array
+from cpplan.schemas.config import ParallelConfig
+
+MODE_DECODE = 0
+MODE_SPLIT = 1
+MODE_REPLICATED = 2
+MODE_NAMES = ("decode", "split", "replicated")
+
+EAGER = 0  # cudagraph_size of a step that runs eager
+
+
+class Collective(msgspec.Struct, frozen=True, kw_only=True):
+    """One collective the step issues, per rank, in issue order (DESIGN 3.8).
+
+    ``shape`` is the per-rank input; ``bytes`` = prod(shape) * itemsize (summed over the dtypes
+    of a packed entry such as ``topk_candidates``: ``float32+int64``). ``per_layer`` entries are
+    issued once per layer, the others once per step.
+    """
+
+    name: str
+    op: str  # "all_gather" | "all_reduce"
+    group: str  # "pcp" | "dcp"
+    dtype: str
+    shape: tuple[int, ...]
+    bytes: int
+    per_layer: bool
+
+
+class GatherChunk(msgspec.Struct, frozen=True, kw_only=True):
+    """A run of prefill requests whose DCP-gathered KV fits the workspace (DESIGN 3.5).
+
+    Per region (request) j of the chunk: ``requests[j]`` the request index, ``pad[j]`` =
+    shard_rows(E) rows every DCP rank contributes; ``padded_local_cu`` [n+1] and ``global_cu``
+    [n+1] the exclusive prefix sums of pad and of extents. ``padded_local_total`` is PT (each
+    rank all-gathers ``[PT, bytes]``); ``total`` the chunk's tokens in global order.
+    """
+
+    requests: Array  # [n] int32
+    pad: Array  # [n] int32
+    padded_local_cu: Array  # [n + 1] int64
+    global_cu: Array  # [n + 1] int64
+    padded_local_total: int
+    total: int
+
+    def gathered_row(self, region: np.ndarray, token: np.ndarray, dcp_size: int,
+                     interleave_size: int) -> np.ndarray:
+        """Row of the rank-major gathered buffer ``[W * PT]`` holding token ``token`` of region
+        ``region`` (both int arrays of one shape): owner(t) * PT + pcu[region] + local(t)."""
+        w, i = dcp_size, interleave_size
+        token = np.asarray(token, dtype=np.int64)
+        owner = (token // i) % w
+        local = (token // (w * i)) * i + token % i
+        pcu = self.padded_local_cu.np()
+        return owner * self.padded_local_total + pcu[np.asarray(region)] + local
+
+    def deinterleave(self, dcp_size: int, interleave_size: int) -> np.ndarray:
+        """int64 [total]: gathered row of every token of the chunk, in global token order."""
+        gcu = self.global_cu.np()
+        extents = np.diff(gcu)
+        region = np.repeat(np.arange(len(extents)), extents)
+        token = np.arange(self.total, dtype=np.int64) - gcu[region]
+        return self.gathered_row(region, token, dcp_size, interleave_size)
+
+
+class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything every rank does in one step. Names follow DESIGN.md section 2.
+
+    Requests (input order), each ``[N]``: ``num_computed_tokens``, ``num_scheduled_tokens``
+    (int32), ``is_prefilling`` and ``mode`` (uint8, MODE_*), ``chunk_size`` (cs = ceil(q/S) for
+    split requests, q otherwise), ``dcp_shard_rows`` (int32, = extent when W == 1) and
+    ``dcp_local_lens`` ``[N, W]`` int32 (KV tokens of the extent on each DCP rank).
+
+    Rows (published order, identical on all ranks; zero-length rows kept): ``row_request``
+    ``[R]`` int32; per PCP rank ``row_query_offset``, ``row_num_tokens`` and
+    ``row_token_start`` (row's first token in the rank's token order) ``[P, R]`` int32;
+    ``row_kv_write`` ``[P, R]`` uint8: 1 where rank p's copy of the row's new KV is written (a
+    replicated prefill is written from PCP rank 0 only). The first ``num_decode_rows`` rows are
+    decodes, holding ``num_decode_tokens`` tokens on every rank.
+
+    Shapes: ``num_tokens[p]`` real tokens of PCP rank p, ``padded_num_tokens`` T for all ranks,
+    ``cudagraph_size`` the graph size T came from (EAGER = 0).
+    """
+
+    config: ParallelConfig
+    step_id: int
+    req_ids: tuple[str, ...]
+    num_computed_tokens: Array
+    num_scheduled_tokens: Array
+    is_prefilling: Array
+    mode: Array
+    chunk_size: Array
+    dcp_shard_rows: Array
+    dcp_local_lens: Array
+    row_request: Array
+    row_query_offset: Array
+    row_num_tokens: Array
+    row_token_start: Array
+    row_kv_write: Array
+    num_decode_rows: int
+    num_decode_tokens: int
+    num_tokens: tuple[int, ...]
+    padded_num_tokens: int
+    cudagraph_size: int
+    gather_chunks: tuple[GatherChunk, ...]
+    collectives: tuple[Collective, ...]
+
+    # ---- derived views (not stored) ----
+    @property
+    def num_requests(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def num_rows(self) -> int:
+        return self.row_request.shape[0]
+
+    def extent(self) -> np.ndarray:
+        """int64 [N]: c + q."""
+        return self.num_computed_tokens.np().astype(np.int64) + self.num_scheduled_tokens.np()
+
+    def row_position_start(self) -> np.ndarray:
+        """int64 [P, R]: position of each row's first token (c of its request + query offset)."""
+        c = self.num_computed_tokens.np().astype(np.int64)
+        return c[self.row_request.np()][None, :] + self.row_query_offset.np()
+
+    def mode_names(self) -> list[str]:
+        return [MODE_NAMES[m] for m in self.mode.np()]
+
+    def restore_index(self) -> np.ndarray:
+        """int64 [sum q]: for every query token in global order (request by request), its row
+        in the PCP-gathered ``[P * T]`` buffer. Split tokens come from the rank that computed
+        them; decode and replicated tokens from PCP rank 0."""
+        p_size, t_pad = self.config.pcp_size, self.padded_num_tokens
+        req = self.row_request.np()
+        mode = self.mode.np()[req]
+        offs = self.row_query_offset.np()
+        lens = self.row_num_tokens.np()
+        start = self.row_token_start.np()
+        take = np.ones((p_size, len(req)), dtype=bool)
+        take[1:, mode != MODE_SPLIT] = False
+        rank, row = np.nonzero(take & (lens > 0))
+        q = self.num_scheduled_tokens.np().astype(np.int64)
+        qcu = np.concatenate(([0], np.cumsum(q)))
+        out = np.empty(int(qcu[-1]), dtype=np.int64)
+        seg_len = lens[rank, row].astype(np.int64)
+        seg_dst = qcu[req[row]] + offs[rank, row]
+        seg_src = rank.astype(np.int64) * t_pad + start[rank, row]
+        within = np.arange(int(seg_len.sum())) - np.repeat(np.cumsum(seg_len) - seg_len, seg_len)
+        out[np.repeat(seg_dst, seg_len) + within] = np.repeat(seg_src, seg_len) + within
+        return out
