@@ -1,0 +1,5 @@
+import sys
+
+from cpplan.cli import main
+
+sys.exit(main())
