@@ -1,0 +1,93 @@
+"""One dispatch table for the kernel backends (STYLE rule 13: no ``if backend == ...`` in steps).
+
+``get_kernels(device, backend)`` returns a frozen ``KernelSet``: one callable per op, each with
+the signature and semantics of the same-named function in ``reference.py`` /
+``reference_indexer.py`` (read their docstrings for every array's shape and dtype).
+
+Backends: ``"reference"`` (plain torch, CPU and CUDA; the CPU default), ``"triton"`` (CUDA
+default where Triton imports; ops without a Triton kernel fall back to the reference, listed in
+``KernelSet.backend_of``), ``"flashmla"`` (slot left empty: FlashMLA is not installed on the
+lent GPU image, so asking for it raises ``KernelBackendError``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from cpplan.schemas.errors import CpplanError
+
+from . import reference as ref
+
+BACKENDS = ("reference", "triton", "flashmla")
+
+
+class KernelBackendError(CpplanError, ValueError):
+    """A kernel backend that is unknown or unavailable on this device."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSet:
+    """Callables for every kernel op; see ``reference.py`` for each contract."""
+
+    name: str
+    quantize_fp8_ds_mla: Callable
+    dequantize_fp8_ds_mla: Callable
+    quantize_indexer_k: Callable
+    dequantize_indexer_k: Callable
+    pack_fp8_ds_mla_into: Callable
+    pack_indexer_k_into: Callable
+    sparse_mla_attention: Callable
+    lse_merge: Callable
+    remap_to_gathered: Callable
+    filter_local_slots: Callable
+    deinterleave_index_select: Callable
+    indexer_scores: Callable
+    topk_reference_order: Callable
+    indexer_topk: Callable
+    indexer_topk_prefill: Callable
+    indexer_topk_decode: Callable
+    # op name -> backend that implements it (ops not named here are the set's own backend)
+    backend_of: tuple[tuple[str, str], ...] = ()
+
+
+OP_NAMES = tuple(f.name for f in dataclasses.fields(KernelSet) if f.name not in ("name", "backend_of"))
+
+REFERENCE = KernelSet(name="reference", **{op: getattr(ref, op) for op in OP_NAMES})
+
+
+def get_kernels(device: str, backend: str | None = None) -> KernelSet:
+    """The kernel set for ``device`` ("cpu", "cuda", "cuda:1", ...).
+
+    backend None picks "reference" on CPU and "triton" on CUDA (falling back to "reference" if
+    Triton does not import). An explicit backend that cannot run on the device raises
+    ``KernelBackendError`` with what was asked and what is available.
+    """
+    kind = str(device).split(":")[0]
+    if kind not in ("cpu", "cuda"):
+        raise KernelBackendError(f"device {device!r}: expected 'cpu' or 'cuda[:n]'")
+    if backend is None:
+        backend = "reference" if kind == "cpu" else ("triton" if _triton_available() else "reference")
+    if backend == "reference":
+        return REFERENCE
+    if backend == "triton":
+        if kind != "cuda":
+            raise KernelBackendError(f"backend 'triton' on device {device!r}: expected a cuda device "
+                                     "(the CPU runs the reference; tests use TRITON_INTERPRET=1)")
+        if not _triton_available():
+            raise KernelBackendError("backend 'triton': triton does not import here")
+        from .triton_ops import TRITON
+
+        return TRITON
+    if backend == "flashmla":
+        raise KernelBackendError("backend 'flashmla': not installed (no FlashMLA build on the lent "
+                                 "GPU image); use 'triton' or 'reference'")
+    raise KernelBackendError(f"backend {backend!r}: expected one of {BACKENDS}")
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

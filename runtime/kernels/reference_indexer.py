@@ -1,0 +1,148 @@
+"""Plain torch reference of the sparse-attention indexer (DESIGN 3.6 and 4).
+
+score(query j, key) = sum_h w[j, h] * ReLU(q[j, h] . k_dequant), then the top-k keys in the
+**reference order**: score descending, then global token id ascending. The key set of a query is
+given as a rectangle of key rows (rows of a packed K buffer) plus their global token ids, with
+NO_KEY (-1) where a query has fewer keys than the rectangle is wide. Two helpers build that
+rectangle for the two cases the runtime has:
+
+- prefill (``prefill_key_rows``): keys = the request's tokens ``0 .. key_len[j]-1`` (key_len =
+  query position + 1, causal) in a gather chunk's rank-major gathered K buffer; rows through
+  ``remap_to_gathered``, ids = token positions.
+- decode (``decode_key_slots``): keys = the tokens of this DCP rank's local shard of the request,
+  ``local_len[j]`` of them, as cache slots through the local block table; ids = their global
+  token positions ``(l // I) * W * I + rank * I + l % I``. Each rank's local top-k is then merged
+  across ranks by the same order (exact, DESIGN 3.6).
+
+``indexer_topk_prefill`` / ``indexer_topk_decode`` compose these; the Triton backend implements
+the same two entry points without materialising the rectangles.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NO_KEY = -1
+_SCORE_BUDGET = 1 << 22  # gathered [t, L, 128] elements per chunk in indexer_scores
+
+
+def indexer_scores(
+    q: torch.Tensor, weights: torch.Tensor, k_packed: torch.Tensor, key_rows: torch.Tensor
+) -> torch.Tensor:
+    """Indexer logits for a rectangle of keys.
+
+    q: ``[T, Hi, 128]`` float; weights: ``[T, Hi]`` float; k_packed: ``[N, 132]`` uint8 packed
+    indexer keys (128 fp8 + fp32 scale); key_rows: ``[T, L]`` int, rows of k_packed, NO_KEY = none.
+    Returns ``[T, L]`` scores: float64 on CPU (exact for the oracle, DESIGN 7), float32 on CUDA;
+    -inf where key_rows is NO_KEY.
+    """
+    from .reference import dequantize_indexer_k
+
+    cdt = torch.float64 if q.device.type == "cpu" else torch.float32
+    T, L = key_rows.shape
+    out = torch.empty(T, L, dtype=cdt, device=q.device)
+    step = max(1, _SCORE_BUDGET // max(L * q.shape[-1], 1))
+    for t0 in range(0, T, step):
+        rows = key_rows[t0 : t0 + step]
+        valid = rows >= 0
+        k = dequantize_indexer_k(k_packed.index_select(0, torch.where(valid, rows, 0).reshape(-1).long()))
+        k = k.to(cdt).reshape(*rows.shape, -1)  # [t, L, 128]
+        logits = torch.einsum("thd,tld->thl", q[t0 : t0 + step].to(cdt), k).clamp_min(0)
+        s = torch.einsum("th,thl->tl", weights[t0 : t0 + step].to(cdt), logits)
+        out[t0 : t0 + step] = s.masked_fill(~valid, float("-inf"))
+    return out
+
+
+def topk_reference_order(
+    scores: torch.Tensor, key_ids: torch.Tensor, topk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k in the reference order: score descending, then id ascending.
+
+    scores: ``[T, L]`` float; key_ids: ``[T, L]`` int global token ids, NO_KEY = not a key (its
+    score is ignored). Returns ``(top_scores [T, topk] scores.dtype, top_ids [T, topk] int32)``;
+    slots beyond the valid keys hold id NO_KEY and score -inf. Exact (two stable sorts), so it
+    also serves the cross-rank merge of local candidates.
+    """
+    T, L = scores.shape
+    valid = key_ids >= 0
+    s = scores.masked_fill(~valid, float("-inf"))
+    ids = torch.where(valid, key_ids.long(), torch.iinfo(torch.int64).max)
+    o1 = torch.sort(ids, dim=1, stable=True).indices
+    s1 = torch.gather(s, 1, o1)
+    o2 = torch.sort(s1, dim=1, descending=True, stable=True).indices
+    order = torch.gather(o1, 1, o2)[:, :topk]
+    top_s = torch.gather(s, 1, order)
+    top_ids = torch.where(torch.gather(valid, 1, order), torch.gather(key_ids.long(), 1, order), NO_KEY)
+    if order.shape[1] < topk:
+        pad = topk - order.shape[1]
+        top_s = torch.cat([top_s, top_s.new_full((T, pad), float("-inf"))], dim=1)
+        top_ids = torch.cat([top_ids, top_ids.new_full((T, pad), NO_KEY)], dim=1)
+    return top_s, top_ids.to(torch.int32)
+
+
+def indexer_topk(q, weights, k_packed, key_rows, key_ids, topk: int):
+    """``topk_reference_order(indexer_scores(q, weights, k_packed, key_rows), key_ids, topk)``.
+
+    key_ids: ``[T, L]`` global token ids matching key_rows (NO_KEY where key_rows is NO_KEY).
+    """
+    ids = torch.where(key_rows >= 0, key_ids.long(), NO_KEY)
+    return topk_reference_order(indexer_scores(q, weights, k_packed, key_rows), ids, topk)
+
+
+def prefill_key_rows(key_len, region_pcu, padded_local_total: int, dcp_size: int, interleave: int,
+                     max_keys: int | None = None):
+    """Key rectangle of prefill queries over a gather chunk's gathered K buffer.
+
+    key_len: ``[T]`` int, keys of query j are its request's tokens ``0 .. key_len[j]-1``
+    (0 = no keys, e.g. a padded row); region_pcu: ``[T]`` int (see ``remap_to_gathered``).
+    max_keys: the rectangle width L (default ``max(key_len)``, which syncs).
+    Returns ``(key_rows [T, L] int32, key_ids [T, L] int64)``, NO_KEY beyond key_len.
+    """
+    from .reference import remap_to_gathered
+
+    L = int(key_len.max()) if max_keys is None else max_keys
+    t = torch.arange(L, device=key_len.device)[None, :].expand(key_len.shape[0], L)
+    ids = torch.where(t < key_len.long()[:, None], t, NO_KEY)
+    rows = remap_to_gathered(ids, region_pcu, padded_local_total, dcp_size, interleave)
+    return rows, ids
+
+
+def decode_key_slots(local_len, block_table, block_size: int, dcp_size: int, dcp_rank: int,
+                     interleave: int, max_keys: int | None = None):
+    """Key rectangle of decode queries over this DCP rank's local paged K cache.
+
+    local_len: ``[T]`` int, tokens of query j's request held by this rank (its shard of the
+    extent); block_table: ``[T, max_blocks]`` int32 local block table of query j's request.
+    Returns ``(slots [T, L] int32, key_ids [T, L] int64)``: local index l -> slot
+    ``block_table[j, l // B] * B + l % B`` and global id ``(l // I) * W * I + rank * I + l % I``.
+    """
+    W, I, B = dcp_size, interleave, block_size
+    L = int(local_len.max()) if max_keys is None else max_keys
+    l = torch.arange(L, device=local_len.device)[None, :].expand(local_len.shape[0], L)
+    valid = l < local_len.long()[:, None]
+    blocks = torch.gather(block_table.long(), 1, torch.where(valid, l // B, 0))
+    slots = torch.where(valid, blocks * B + l % B, NO_KEY).to(torch.int32)
+    ids = torch.where(valid, (l // I) * W * I + dcp_rank * I + l % I, NO_KEY)
+    return slots, ids
+
+
+def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_local_total: int,
+                         dcp_size: int, interleave: int, topk: int):
+    """Prefill top-k over a gather chunk. Returns ``(top_scores [T, topk], top_ids [T, topk]
+    int32)``, ids = token positions in the request (feed them to ``remap_to_gathered`` for the
+    attention rows). k_gathered: ``[W * PT, 132]`` uint8. Other args: ``prefill_key_rows``.
+    """
+    rows, ids = prefill_key_rows(key_len, region_pcu, padded_local_total, dcp_size, interleave)
+    return indexer_topk(q, weights, k_gathered, rows, ids, topk)
+
+
+def indexer_topk_decode(q, weights, k_cache_flat, local_len, block_table, block_size: int,
+                        dcp_size: int, dcp_rank: int, interleave: int, topk: int):
+    """This rank's local top-k of decode queries, as (score, global id) candidates.
+
+    k_cache_flat: ``[S, 132]`` uint8, the rank's paged indexer K cache viewed flat. Returns
+    ``(top_scores [T, topk], top_ids [T, topk] int32)``; merge across DCP ranks with
+    ``topk_reference_order`` over the all-gathered ``[T, W * topk]`` candidates.
+    """
+    slots, ids = decode_key_slots(local_len, block_table, block_size, dcp_size, dcp_rank, interleave)
+    return indexer_topk(q, weights, k_cache_flat, slots, ids, topk)

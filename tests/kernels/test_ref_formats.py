@@ -1,0 +1,104 @@
+"""Reference fp8 formats against a per-value naive quantiser written from DESIGN section 4."""
+
+import math
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from cpplan.runtime.kernels import reference as ref
+
+
+def _naive_scale(amax: float) -> float:
+    # float32 arithmetic of the spec formula, checked to be exact for these inputs by frexp below
+    a = max(amax, 2.0**-126)
+    m, e = math.frexp(a)
+    exp = e - 9 + (1 if m > 0.875 else 0)
+    assert 2.0 ** (exp - 1) < a / 448 <= 2.0**exp
+    return 2.0**exp
+
+
+def _fp8(x: float) -> int:
+    return int(torch.tensor([x], dtype=torch.float64).to(torch.float8_e4m3fn).view(torch.uint8)[0])
+
+
+def _naive_pack_row(row: np.ndarray) -> bytes:
+    out = bytearray()
+    scales = []
+    for g in range(4):
+        vals = row[g * 128 : (g + 1) * 128].astype(np.float32)
+        s = _naive_scale(float(np.abs(vals).max()))
+        scales.append(s)
+        out += bytes(_fp8(float(v) / s) for v in vals)
+    for s in scales:
+        out += struct.pack("<f", s)
+    rope = torch.tensor(row[512:], dtype=torch.float32).to(torch.bfloat16).view(torch.int16)
+    for r in rope.tolist():
+        out += struct.pack("<h", r)
+    return bytes(out)
+
+
+def _rows(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 576, generator=g) * torch.logspace(-3, 3, n)[:, None]
+    x[0] = 0.0  # all-zero groups: scale floor 2**-126 -> 2**-135 (subnormal) scale
+    x[1, :128] = 448.0  # amax exactly 448 -> scale 1
+    x[1, 128:256] = 448.0 * 2**-20
+    x[2, :128] = 1e-30  # tiny values: subnormal scale, exact round trip through float64
+    return x
+
+
+def test_fp8_ds_mla_bytes_match_naive():
+    x = _rows(6, 0)
+    packed = ref.quantize_fp8_ds_mla(x)
+    assert packed.shape == (6, 656) and packed.dtype == torch.uint8
+    for i in range(6):
+        assert bytes(packed[i].tolist()) == _naive_pack_row(x[i].numpy()), f"row {i}"
+
+
+def test_fp8_ds_mla_dequant_exact_and_close():
+    x = _rows(16, 1)
+    packed = ref.quantize_fp8_ds_mla(x)
+    deq = ref.dequantize_fp8_ds_mla(packed)
+    # dequantisation is exact: fp8 value times its power-of-two scale, computed in float64
+    vals = packed[:, :512].view(torch.float8_e4m3fn).double().reshape(16, 4, 128)
+    scale = packed[:, 512:528].contiguous().view(torch.float32).double().reshape(16, 4, 1)
+    assert torch.equal(deq[:, :512].double(), (vals * scale).reshape(16, 512))
+    # fp8 e4m3 has 3 mantissa bits: relative error <= 2**-4 of the group's scale range
+    lat, latd = x[:, :512].reshape(16, 4, 128), deq[:, :512].reshape(16, 4, 128)
+    bound = lat.abs().amax(-1, keepdim=True) * 2**-4 + 1e-37
+    assert ((lat - latd).abs() <= bound).all()
+    assert torch.equal(deq[:, 512:], x[:, 512:].to(torch.bfloat16).float())
+
+
+def test_indexer_k_bytes_and_roundtrip():
+    g = torch.Generator().manual_seed(2)
+    k = torch.randn(5, 128, generator=g) * 3
+    packed = ref.quantize_indexer_k(k)
+    assert packed.shape == (5, 132)
+    for i in range(5):
+        s = _naive_scale(float(k[i].abs().max()))
+        want = bytes(_fp8(float(v) / s) for v in k[i]) + struct.pack("<f", s)
+        assert bytes(packed[i].tolist()) == want
+    deq = ref.dequantize_indexer_k(packed).double()
+    want = packed[:, :128].view(torch.float8_e4m3fn).double() * packed[:, 128:].contiguous().view(torch.float32).double()
+    assert torch.equal(deq, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_quantize_input_dtypes_agree(dtype):
+    x = _rows(4, 3).to(torch.bfloat16)  # representable in every dtype
+    assert torch.equal(ref.quantize_fp8_ds_mla(x.to(dtype)), ref.quantize_fp8_ds_mla(x.float()))
+
+
+def test_pack_into_skips_negative_slots():
+    cache = torch.full((10, 656), 7, dtype=torch.uint8)
+    kv = _rows(3, 4)
+    ref.pack_fp8_ds_mla_into(cache, torch.tensor([9, -1, 0]), kv)
+    packed = ref.quantize_fp8_ds_mla(kv)
+    assert torch.equal(cache[9], packed[0]) and torch.equal(cache[0], packed[2])
+    assert (cache[1:9] == 7).all()
+    kc = torch.zeros(4, 132, dtype=torch.uint8)
+    ref.pack_indexer_k_into(kc, torch.tensor([-1, 3]), torch.ones(2, 128))
+    assert torch.equal(kc[3], ref.quantize_indexer_k(torch.ones(1, 128))[0]) and (kc[:3] == 0).all()
