@@ -115,7 +115,7 @@ def _unwrap(data: bytes, kind: str, max_bytes: int) -> Envelope:
         raise PlanFormatError("checksum mismatch: the file is truncated or corrupted")
     try:
         env = _envelope_decoder.decode(body)
-    except msgspec.MsgspecError as exc:
+    except _DECODE_FAILURES as exc:
         raise PlanFormatError(f"not a cpplan file: {_one_line(exc)}") from None
     if env.schema_version > SCHEMA_VERSION:
         raise SchemaVersionError(
@@ -132,8 +132,13 @@ def _unwrap(data: bytes, kind: str, max_bytes: int) -> Envelope:
 def _decode_payload(env: Envelope):
     try:
         return _payload_decoders[env.kind].decode(env.payload)
-    except msgspec.MsgspecError as exc:
+    except _DECODE_FAILURES as exc:
         raise PlanFormatError(f"invalid {env.kind} payload: {_one_line(exc)}") from None
+
+
+# What msgspec may raise on hostile bytes: its own errors, and a UnicodeDecodeError (a
+# ValueError) for invalid UTF-8 in strings; RecursionError for absurd nesting.
+_DECODE_FAILURES = (msgspec.MsgspecError, ValueError, RecursionError, OverflowError)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -159,7 +164,7 @@ def read_envelope(data: bytes, *, max_bytes: int = MAX_FILE_BYTES) -> Envelope:
     if len(data) > CHECKSUM_BYTES:
         try:
             kind = _envelope_decoder.decode(bytes(data[:-CHECKSUM_BYTES])).kind
-        except msgspec.MsgspecError:
+        except _DECODE_FAILURES:
             kind = KIND_PLAN
     else:
         kind = KIND_PLAN
@@ -203,12 +208,12 @@ def decode_step(data: bytes, *, max_bytes: int = MAX_FILE_BYTES) -> StepInput:
     if head[:1].isspace() or head == b"{":
         try:
             return _step_from_file(_step_json_decoder.decode(data))
-        except msgspec.MsgspecError as exc:
+        except _DECODE_FAILURES as exc:
             raise PlanFormatError(f"invalid step JSON: {_one_line(exc)}") from None
     if head and 0x80 <= head[0] <= 0x8F or head in (b"\xde", b"\xdf"):  # a bare msgpack map
         try:
             return _step_from_file(_payload_decoders[KIND_STEP].decode(data))
-        except msgspec.MsgspecError as exc:
+        except _DECODE_FAILURES as exc:
             raise PlanFormatError(f"invalid step msgpack: {_one_line(exc)}") from None
     return _step_from_file(_decode_payload(_unwrap(data, KIND_STEP, max_bytes)))
 
@@ -231,7 +236,7 @@ def decode_config(data: bytes, *, max_bytes: int = MAX_FILE_BYTES) -> ParallelCo
     if head[:1].isspace() or head == b"{":
         try:
             return _config_json_decoder.decode(data)
-        except msgspec.MsgspecError as exc:
+        except _DECODE_FAILURES as exc:
             raise PlanFormatError(f"invalid config JSON: {_one_line(exc)}") from None
     return _decode_payload(_unwrap(data, KIND_CONFIG, max_bytes))
 
