@@ -1,0 +1,147 @@
+"""``compile(config, step) -> StepPlan``: one scheduler step compiled for every rank (DESIGN 3).
+
+A pure function of ``(ParallelConfig, StepInput)``: no rank, clock, hash seed, set/dict order or
+float enters it, so every rank builds the same plan and the same digest. The per-request and
+per-row work is one numba call (:mod:`cpplan.planner._kernels`); this module validates, picks the
+padded size, lists the collectives and wraps the arrays (each packed once, as contiguous
+little-endian bytes).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+
+import numpy as np
+
+from cpplan.planner._kernels import plan_kernel
+from cpplan.schemas.arrays import Array
+from cpplan.schemas.config import INDEXER_K_BYTES_PER_TOKEN, MAX_SUPPORTED_TOKENS, ParallelConfig
+from cpplan.schemas.errors import StepInputError
+from cpplan.schemas.plan import EAGER, Collective, GatherChunk, StepPlan
+from cpplan.schemas.step import StepInput
+
+ACTIVATION_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+TOPK_CANDIDATE_DTYPE = "float32+int64"  # (score, global token id) per candidate
+TOPK_CANDIDATE_BYTES = 4 + 8
+
+
+def compile(config: ParallelConfig, step: StepInput) -> StepPlan:  # noqa: A001 (the API name)
+    """The StepPlan of ``step`` under ``config`` (every field per DESIGN 3 and schemas/plan.py).
+
+    Raises StepInputError for a step the config cannot run (bad counts, duplicate req_id, an
+    extent above max_model_len, more tokens than int32 holds).
+    """
+    step.validate(config)
+    c = _column(step.num_computed_tokens, np.int64)
+    q = _column(step.num_scheduled_tokens, np.int64)
+    pre = _column(step.is_prefilling, np.uint8)
+    (c32, q32, mode, chunk, shard, local, row_req, off, length, start, kv_write, num_tokens,
+     nd_rows, nd_tokens, creq, cpad, bounds, pcu, gcu) = plan_kernel(
+        c, q, pre, config.pcp_size, config.dcp_size, config.interleave_size,
+        config.gather_workspace_tokens)
+    counts = tuple(num_tokens.tolist())
+    if max(counts) > MAX_SUPPORTED_TOKENS:
+        raise StepInputError(
+            f"step {step.step_id}: tokens per PCP rank must be <= {MAX_SUPPORTED_TOKENS}: "
+            f"got {max(counts)}")
+    padded, graph = padded_size(max(counts), config.cudagraph_token_sizes)
+    chunks = _gather_chunks(creq, cpad, bounds.tolist(), pcu, gcu)
+    n, p_size, n_rows = len(step.req_ids), config.pcp_size, len(row_req)
+    return StepPlan(
+        config=config,
+        step_id=step.step_id,
+        req_ids=step.req_ids,
+        num_computed_tokens=Array("<i4", (n,), c32.tobytes()),
+        num_scheduled_tokens=Array("<i4", (n,), q32.tobytes()),
+        is_prefilling=Array("|u1", (n,), pre.tobytes()),
+        mode=Array("|u1", (n,), mode.tobytes()),
+        chunk_size=Array("<i4", (n,), chunk.tobytes()),
+        dcp_shard_rows=Array("<i4", (n,), shard.tobytes()),
+        dcp_local_lens=Array("<i4", (n, config.dcp_size), local.tobytes()),
+        row_request=Array("<i4", (n_rows,), row_req.tobytes()),
+        row_query_offset=Array("<i4", (p_size, n_rows), off.tobytes()),
+        row_num_tokens=Array("<i4", (p_size, n_rows), length.tobytes()),
+        row_token_start=Array("<i4", (p_size, n_rows), start.tobytes()),
+        row_kv_write=Array("|u1", (p_size, n_rows), kv_write.tobytes()),
+        num_decode_rows=nd_rows,
+        num_decode_tokens=nd_tokens,
+        num_tokens=counts,
+        padded_num_tokens=padded,
+        cudagraph_size=graph,
+        gather_chunks=chunks,
+        collectives=collectives(config, padded, nd_tokens, n_rows > nd_rows,
+                                [ch.padded_local_total for ch in chunks]),
+    )
+
+
+def _column(column: Array, dtype) -> np.ndarray:
+    """A step column as the kernel's dtype (a no-op view for columns StepInput.build made)."""
+    arr = column.np()
+    return arr if arr.dtype == dtype else arr.astype(dtype)
+
+
+def padded_size(max_tokens: int, graph_sizes: tuple[int, ...]) -> tuple[int, int]:
+    """(T, cudagraph_size) per DESIGN 3.7: the smallest configured graph size holding the
+    largest rank's token count, else eager (EAGER) at that count."""
+    k = bisect_left(graph_sizes, max_tokens)
+    if k < len(graph_sizes):
+        return graph_sizes[k], graph_sizes[k]
+    return max_tokens, EAGER
+
+
+def _gather_chunks(creq, cpad, bounds: list[int], pcu, gcu) -> tuple[GatherChunk, ...]:
+    """GatherChunk k from the kernel's flat arrays (see ``_kernels._cut_chunks``): slices of one
+    bytes object per array, so each chunk costs a few struct constructions."""
+    if len(bounds) < 2:
+        return ()
+    req_b, pad_b, pcu_b, gcu_b = creq.tobytes(), cpad.tobytes(), pcu.tobytes(), gcu.tobytes()
+    pcu_l, gcu_l = pcu.tolist(), gcu.tolist()
+    out = []
+    for k in range(len(bounds) - 1):
+        a, b = bounds[k], bounds[k + 1]
+        lo, hi = a + k, b + k + 1
+        out.append(GatherChunk(
+            requests=Array("<i4", (b - a,), req_b[4 * a:4 * b]),
+            pad=Array("<i4", (b - a,), pad_b[4 * a:4 * b]),
+            padded_local_cu=Array("<i8", (b - a + 1,), pcu_b[8 * lo:8 * hi]),
+            global_cu=Array("<i8", (b - a + 1,), gcu_b[8 * lo:8 * hi]),
+            padded_local_total=pcu_l[hi - 1],
+            total=gcu_l[hi - 1],
+        ))
+    return tuple(out)
+
+
+def collectives(config: ParallelConfig, padded: int, nd_tokens: int, has_prefill: bool,
+                chunk_rows: list[int]) -> tuple[Collective, ...]:
+    """The step's collectives in issue order, each present exactly when its DESIGN 3.8 condition
+    holds. ``padded`` is T, ``nd_tokens`` the decode tokens (nd), ``chunk_rows`` PT per chunk."""
+    p_size, w_size = config.pcp_size, config.dcp_size
+    kv, ik = config.kv_bytes_per_token, INDEXER_K_BYTES_PER_TOKEN
+    act, act_size = config.activation_dtype, ACTIVATION_ITEMSIZE[config.activation_dtype]
+    out = []
+    if p_size > 1 and has_prefill:
+        rows = padded - nd_tokens
+        out.append(_coll("kv_insert", "all_gather", "pcp", "uint8", (rows, kv), rows * kv))
+        out.append(_coll("indexer_k_insert", "all_gather", "pcp", "uint8", (rows, ik), rows * ik))
+    for k, pt in enumerate(chunk_rows):
+        out.append(_coll(f"indexer_k_gather[{k}]", "all_gather", "dcp", "uint8", (pt, ik),
+                         pt * ik))
+        out.append(_coll(f"kv_gather[{k}]", "all_gather", "dcp", "uint8", (pt, kv), pt * kv))
+    if w_size > 1 and nd_tokens > 0:
+        nd, h, topk = nd_tokens, config.num_heads, config.topk
+        out.append(_coll("topk_candidates", "all_gather", "dcp", TOPK_CANDIDATE_DTYPE,
+                         (nd, topk), nd * topk * TOPK_CANDIDATE_BYTES))
+        out.append(_coll("decode_lse", "all_gather", "dcp", "float32", (nd, h), nd * h * 4))
+        out.append(_coll("decode_out", "all_reduce", "dcp", act, (nd, h, config.v_head_dim),
+                         nd * h * config.v_head_dim * act_size))
+    if p_size > 1:
+        hidden = config.hidden_size
+        out.append(_coll("restore", "all_gather", "pcp", act, (padded, hidden),
+                         padded * hidden * act_size, per_layer=False))
+    return tuple(out)
+
+
+def _coll(name: str, op: str, group: str, dtype: str, shape: tuple[int, ...], nbytes: int,
+          per_layer: bool = True) -> Collective:
+    return Collective(name=name, op=op, group=group, dtype=dtype, shape=shape, bytes=nbytes,
+                      per_layer=per_layer)
