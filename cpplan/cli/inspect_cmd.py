@@ -1,0 +1,137 @@
+"""cpplan inspect: a readable report of a plan (or of a step compiled on the fly)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from cpplan.cli.common import add_config_flags, load_plan
+from cpplan.report import plan_report
+from cpplan.schemas import StepInputError
+
+EXAMPLE = """examples:
+  cpplan inspect step.msgpack                     # a recorded plan
+  cpplan inspect step.msgpack --rank 1            # only PCP rank 1's rows
+  cpplan inspect step.json --pcp 4 --dcp 4        # compile a step on the fly
+  cpplan inspect step.msgpack --json | jq .collectives
+"""
+
+MAX_ROWS_SHOWN = 64  # per rank in the text report; --json always has every row
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "inspect", help="show what a plan does, rank by rank", epilog=EXAMPLE,
+        description="Report a plan: config and digest, requests, per-rank rows and padding, "
+                    "gather chunks, collectives, cost and workspace.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("plan", metavar="PLAN", help="plan file, or a step file plus config")
+    parser.add_argument("--rank", type=int, metavar="R", help="show one PCP rank's rows only")
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    parser.add_argument("--indices", action="store_true",
+                        help="include each gather chunk's deinterleave indices (JSON)")
+    add_config_flags(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = load_plan(args.plan, args)
+    if args.rank is not None and not 0 <= args.rank < plan.config.pcp_size:
+        raise StepInputError(
+            f"--rank must be in [0, {plan.config.pcp_size}) for pcp_size "
+            f"{plan.config.pcp_size}: got {args.rank}")
+    report = plan_report(plan, with_indices=args.indices)
+    if args.rank is not None:
+        report["ranks"] = [report["ranks"][args.rank]]
+    if args.json:
+        sys.stdout.write(json.dumps(report, separators=(",", ":")) + "\n")
+        return 0
+    _print_text(report)
+    return 0
+
+
+def _print_text(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    # piped output keeps full cell text instead of folding tables to 80 columns
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    cfg = report["config"]
+    graph = f"cuda graph {report['cudagraph_size']}" if report["cudagraph_size"] else "eager"
+    console.print(
+        f"[bold]step {report['step_id']}[/]  digest {report['digest']}  "
+        f"schema v{report['schema_version']}\n"
+        f"P={cfg['pcp_size']} W={cfg['dcp_size']} I={cfg['interleave_size']} "
+        f"B={cfg['block_size']} kv={cfg['kv_cache_dtype']} heads={cfg['num_heads']} "
+        f"topk={cfg['topk']} max_model_len={cfg['max_model_len']} "
+        f"workspace={cfg['gather_workspace_tokens']} rows  |  T={report['padded_num_tokens']} "
+        f"({graph}), {report['num_decode_rows']} decode rows")
+
+    table = Table(title=f"requests ({len(report['requests'])})", title_justify="left")
+    for col in ("#", "req_id", "mode", "c", "q", "cs", "extent", "shard rows"):
+        table.add_column(col, justify="right" if col not in ("req_id", "mode") else "left")
+    colour = {"decode": "cyan", "split": "green", "replicated": "yellow"}
+    for r in report["requests"]:
+        table.add_row(str(r["index"]), r["req_id"], f"[{colour[r['mode']]}]{r['mode']}[/]",
+                      str(r["num_computed_tokens"]), str(r["num_scheduled_tokens"]),
+                      str(r["chunk_size"]), str(r["extent"]), str(r["dcp_shard_rows"]))
+    console.print(table)
+
+    for rank in report["ranks"]:
+        real, padded = rank["num_tokens"], rank["padded_num_tokens"]
+        waste = 100.0 * rank["padding"] / padded if padded else 0.0
+        table = Table(title=f"PCP rank {rank['rank']}: {real} tokens, padded to {padded} "
+                            f"({rank['padding']} padding, {waste:.1f}% waste)",
+                      title_justify="left")
+        for col in ("row", "request", "query offset", "tokens", "first position", "kv write"):
+            table.add_column(col, justify="right")
+        for j, row in enumerate(rank["rows"][:MAX_ROWS_SHOWN]):
+            table.add_row(str(j), str(row["request"]), str(row["query_offset"]),
+                          str(row["num_tokens"]), str(row["position_start"]),
+                          "yes" if row["kv_write"] else "-")
+        console.print(table)
+        hidden = len(rank["rows"]) - MAX_ROWS_SHOWN
+        if hidden > 0:
+            console.print(f"  ... {hidden} more rows (--json shows all)")
+
+    if report["gather_chunks"]:
+        table = Table(title="gather chunks", title_justify="left")
+        for col in ("chunk", "requests", "PT", "gathered rows", "total tokens"):
+            table.add_column(col, justify="right")
+        w = cfg["dcp_size"]
+        for c in report["gather_chunks"]:
+            reqs = c["requests"]
+            shown = ",".join(map(str, reqs[:12])) + (f",... ({len(reqs)})" if len(reqs) > 12
+                                                     else "")
+            table.add_row(str(c["index"]), shown, str(c["padded_local_total"]),
+                          str(w * c["padded_local_total"]), str(c["total"]))
+        console.print(table)
+
+    table = Table(title=f"collectives (per rank; {cfg['num_layers']} layers)",
+                  title_justify="left")
+    for col in ("name", "op", "group", "dtype", "shape", "bytes/layer", "bytes/step"):
+        table.add_column(col, justify="right" if col.startswith("bytes") else "left")
+    for c in report["collectives"]:
+        table.add_row(c["name"], c["op"], c["group"], c["dtype"],
+                      "x".join(map(str, c["shape"])),
+                      f"{c['bytes']:,}" if c["per_layer"] else "-", f"{c['bytes_per_step']:,}")
+    console.print(table)
+
+    cost, ws = report["cost"], report["workspace"]
+    table = Table(title=f"cost per layer (imbalance max/mean {cost['imbalance']:.3f})",
+                  title_justify="left")
+    for col in ("rank", "attention keys", "indexer keys", "attention GFLOP", "indexer GFLOP",
+                "gathered MB"):
+        table.add_column(col, justify="right")
+    for r in range(len(cost["attention_flops"])):
+        table.add_row(str(r), f"{cost['attention_keys'][r]:,}", f"{cost['indexer_keys'][r]:,}",
+                      f"{cost['attention_flops'][r] / 1e9:.2f}",
+                      f"{cost['indexer_flops'][r] / 1e9:.2f}",
+                      f"{cost['gathered_bytes'][r] / 1e6:.2f}")
+    console.print(table)
+    console.print(
+        f"workspace per rank: gather {ws['gather_bytes']:,} B of {ws['gather_capacity_bytes']:,} "
+        f"B capacity ({ws['gather_rows']} rows), insert {ws['insert_bytes']:,} B, restore "
+        f"{ws['restore_bytes']:,} B")

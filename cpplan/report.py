@@ -1,0 +1,137 @@
+"""A plan as plain data: what ``cpplan inspect --json`` prints and ``cpplan diff`` compares.
+
+Keys are stable (scripts rely on them): digest, schema_version, step_id, config, requests,
+ranks, gather_chunks, collectives, plus cost and workspace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgspec
+import numpy as np
+
+from cpplan.schemas import MODE_NAMES, SCHEMA_VERSION, StepPlan, digest
+
+
+def _cost_dict(plan: StepPlan) -> dict:
+    from cpplan.planner import estimate_cost
+
+    cost = estimate_cost(plan)
+    if dataclasses.is_dataclass(cost):
+        return _plain(dataclasses.asdict(cost))
+    return _plain(msgspec.to_builtins(cost))
+
+
+def _plain(obj):
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def requests_table(plan: StepPlan) -> list[dict]:
+    c = plan.num_computed_tokens.np().tolist()
+    q = plan.num_scheduled_tokens.np().tolist()
+    pre = plan.is_prefilling.np().tolist()
+    mode = plan.mode.np().tolist()
+    cs = plan.chunk_size.np().tolist()
+    shard = plan.dcp_shard_rows.np().tolist()
+    local = plan.dcp_local_lens.np().tolist()
+    return [
+        {"index": i, "req_id": rid, "num_computed_tokens": c[i], "num_scheduled_tokens": q[i],
+         "is_prefilling": bool(pre[i]), "mode": MODE_NAMES[mode[i]], "chunk_size": cs[i],
+         "extent": c[i] + q[i], "dcp_shard_rows": shard[i], "dcp_local_lens": local[i]}
+        for i, rid in enumerate(plan.req_ids)
+    ]
+
+
+def ranks_table(plan: StepPlan) -> list[dict]:
+    req = plan.row_request.np().tolist()
+    offs = plan.row_query_offset.np().tolist()
+    lens = plan.row_num_tokens.np().tolist()
+    starts = plan.row_token_start.np().tolist()
+    writes = plan.row_kv_write.np().tolist()
+    pos = plan.row_position_start().tolist()
+    out = []
+    for p in range(plan.config.pcp_size):
+        rows = [
+            {"request": req[j], "query_offset": offs[p][j], "num_tokens": lens[p][j],
+             "position_start": pos[p][j], "token_start": starts[p][j],
+             "kv_write": bool(writes[p][j]), "decode": j < plan.num_decode_rows}
+            for j in range(len(req))
+        ]
+        out.append({"rank": p, "num_tokens": plan.num_tokens[p],
+                    "padded_num_tokens": plan.padded_num_tokens,
+                    "padding": plan.padded_num_tokens - plan.num_tokens[p], "rows": rows})
+    return out
+
+
+def chunks_table(plan: StepPlan, with_indices: bool) -> list[dict]:
+    cfg = plan.config
+    out = []
+    for k, chunk in enumerate(plan.gather_chunks):
+        entry = {"index": k, "requests": chunk.requests.np().tolist(),
+                 "pad": chunk.pad.np().tolist(), "padded_local_total": chunk.padded_local_total,
+                 "total": chunk.total, "padded_local_cu": chunk.padded_local_cu.np().tolist(),
+                 "global_cu": chunk.global_cu.np().tolist()}
+        if with_indices:
+            entry["deinterleave"] = chunk.deinterleave(cfg.dcp_size,
+                                                       cfg.interleave_size).tolist()
+        out.append(entry)
+    return out
+
+
+def collectives_table(plan: StepPlan) -> list[dict]:
+    layers = plan.config.num_layers
+    return [
+        {"name": c.name, "op": c.op, "group": c.group, "dtype": c.dtype, "shape": list(c.shape),
+         "bytes": c.bytes, "per_layer": c.per_layer,
+         "bytes_per_step": c.bytes * (layers if c.per_layer else 1)}
+        for c in plan.collectives
+    ]
+
+
+def workspace(plan: StepPlan) -> dict:
+    """Bytes a rank's buffers need for this step, next to what the config sizes them for."""
+    cfg = plan.config
+    per_token = cfg.kv_bytes_per_token + cfg.index_k_bytes_per_token
+    gathered = max((cfg.dcp_size * c.padded_local_total for c in plan.gather_chunks), default=0)
+    insert = cfg.pcp_size * (plan.padded_num_tokens - plan.num_decode_tokens) \
+        if cfg.pcp_size > 1 and plan.num_decode_rows < plan.num_rows else 0
+    act_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}[cfg.activation_dtype]
+    return {
+        "gather_rows": gathered,
+        "gather_bytes": gathered * per_token,
+        "gather_capacity_bytes": cfg.gather_workspace_tokens * per_token,
+        "insert_rows": insert,
+        "insert_bytes": insert * per_token,
+        "restore_bytes": cfg.pcp_size * plan.padded_num_tokens * cfg.hidden_size * act_bytes
+        if cfg.pcp_size > 1 else 0,
+    }
+
+
+def plan_report(plan: StepPlan, *, with_indices: bool = False, with_cost: bool = True) -> dict:
+    report = {
+        "digest": digest(plan).hex(),
+        "schema_version": SCHEMA_VERSION,
+        "step_id": plan.step_id,
+        "config": msgspec.to_builtins(plan.config),
+        "num_decode_rows": plan.num_decode_rows,
+        "num_decode_tokens": plan.num_decode_tokens,
+        "padded_num_tokens": plan.padded_num_tokens,
+        "cudagraph_size": plan.cudagraph_size,
+        "requests": requests_table(plan),
+        "ranks": ranks_table(plan),
+        "gather_chunks": chunks_table(plan, with_indices),
+        "collectives": collectives_table(plan),
+        "workspace": workspace(plan),
+    }
+    if with_cost:
+        report["cost"] = _cost_dict(plan)
+    return report
