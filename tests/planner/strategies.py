@@ -1,0 +1,51 @@
+"""Hypothesis strategies for planner tests: supported configs and global batches."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from cpplan.schemas.config import ParallelConfig, shard_rows
+from cpplan.schemas.step import StepInput
+
+SIZES = (1, 2, 3, 4, 8)
+TOPOLOGIES = tuple((p, w) for p in SIZES for w in SIZES if w == 1 or p == 1 or w == p)
+INTERLEAVES = (1, 2, 16, 64)
+
+
+@st.composite
+def configs(draw, max_model_len: int = 262144, small_dims: bool = False) -> ParallelConfig:
+    """A supported ParallelConfig: topology, interleave, dtypes, graph sizes and a workspace from
+    the minimum up to a few times it (so steps need one or several gather chunks)."""
+    p, w = draw(st.sampled_from(TOPOLOGIES))
+    inter = draw(st.sampled_from(INTERLEAVES))
+    minimum = w * shard_rows(max_model_len, w, inter)
+    workspace = draw(st.sampled_from((0, minimum, minimum + 1, 2 * minimum, 5 * minimum)))
+    graphs = draw(st.sampled_from(((), (1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+                                   (8, 64, 512, 4096, 32768))))
+    return ParallelConfig(
+        pcp_size=p, dcp_size=w, interleave_size=inter, max_model_len=max_model_len,
+        gather_workspace_tokens=workspace, cudagraph_token_sizes=graphs,
+        kv_cache_dtype=draw(st.sampled_from(("fp8_ds_mla", "bf16"))),
+        activation_dtype=draw(st.sampled_from(("bfloat16", "float32"))),
+        num_heads=draw(st.sampled_from((128, 16))) if not small_dims else 8,
+    )
+
+
+@st.composite
+def steps(draw, max_requests: int = 300, max_context: int = 200_000,
+          max_query: int = 20_000) -> StepInput:
+    """A global batch of 0..max_requests requests: decodes (q 1..4, speculative) and prefills
+    (short q, where the replicated rule lives, or long), contexts up to ``max_context``."""
+    n = draw(st.integers(0, max_requests))
+    small_q = st.integers(1, 80)
+    request = st.tuples(
+        st.booleans(),
+        st.integers(0, max_context),
+        st.one_of(small_q, st.integers(1, max_query)),
+        st.integers(1, 4),
+    )
+    rows = draw(st.lists(request, min_size=n, max_size=n))
+    c = [ctx for _, ctx, _, _ in rows]
+    q = [(qp if pre else qd) for pre, _, qp, qd in rows]
+    pre = [pre for pre, _, _, _ in rows]
+    return StepInput.build(draw(st.integers(0, 2**40)), [f"r{i}" for i in range(n)], c, q, pre)
