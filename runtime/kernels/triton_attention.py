@@ -1,0 +1,175 @@
+"""Triton sparse-MLA attention (prefill and decode) over bf16 or fp8_ds_mla KV rows.
+
+One program per (query token, block of heads, split of the top-k). Each step gathers BLOCK_K
+rows named by the indices, dequantises fp8_ds_mla rows in registers (scales are powers of two,
+so the product is exact), and runs an online softmax with two matrix products: scores over the
+512 latent + 64 RoPE dims, then P . V with V = the 512 latent dims of the same rows.
+
+Heads: BLOCK_H = next power of two of H, clamped to [16, 64]; H = 8..32 per rank pays for 16..32
+rows of the product, not 64. Few tokens (decode): the top-k is split over programs, each writes a
+float32 partial (out, lse) and ``triton_merge.lse_merge_into`` combines them (DESIGN 3.6).
+Optional fused remap: indices may be global token ids of a gather chunk, mapped to rows of the
+rank-major gathered buffer in the kernel (DESIGN 3.5), so no deinterleaved copy is needed.
+Contract: ``reference.sparse_mla_attention``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import D_QK, D_V, FP8_DS_MLA_BYTES
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _load_kv_tile(kv_ptr, rows, valid, stride_kv, KV_FP8: tl.constexpr, BLOCK_K: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr):
+    """Rows ``kv[rows]`` as (latent [BLOCK_K, 512], rope [BLOCK_K, 64]) in DOT_DTYPE; 0 if invalid."""
+    d_lat = tl.arange(0, 512)
+    d_rope = tl.arange(0, 64)
+    base = kv_ptr + rows.to(tl.int64) * stride_kv
+    if KV_FP8:
+        raw = tl.load(base[:, None] + d_lat[None, :], mask=valid[:, None], other=0)
+        vals = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        sc_ptr = (base + 512).to(tl.pointer_type(tl.float32))
+        scale = tl.load(sc_ptr[:, None] + tl.arange(0, 4)[None, :], mask=valid[:, None], other=0.0)
+        lat = tl.reshape(tl.reshape(vals, (BLOCK_K, 4, 128)) * scale[:, :, None], (BLOCK_K, 512))
+        rope_ptr = (base + 528).to(tl.pointer_type(tl.bfloat16))
+        rope = tl.load(rope_ptr[:, None] + d_rope[None, :], mask=valid[:, None], other=0.0)
+        return lat.to(DOT_DTYPE), rope.to(DOT_DTYPE)
+    else:
+        lat = tl.load(base[:, None] + d_lat[None, :], mask=valid[:, None], other=0.0)
+        rope = tl.load(base[:, None] + 512 + d_rope[None, :], mask=valid[:, None], other=0.0)
+        return lat.to(DOT_DTYPE), rope.to(DOT_DTYPE)
+
+
+@triton.jit
+def _sparse_mla_fwd(
+    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, pcu_ptr,
+    stride_qt, stride_qh, stride_kv, stride_it,
+    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+    H, TOPK, keys_per_split, padded_local_total, dcp_size, interleave, qk_scale_log2,
+    KV_FP8: tl.constexpr, REMAP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_h = tl.program_id(0)  # head blocks of one token run side by side: they share rows in L2
+    t = tl.program_id(1)
+    split = tl.program_id(2)
+    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    q_base = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+    q_lat = tl.load(q_base + tl.arange(0, 512)[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+    q_rope = tl.load(q_base + 512 + tl.arange(0, 64)[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+    if REMAP:
+        pcu = tl.load(pcu_ptr + t).to(tl.int64)
+
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, 512), tl.float32)
+    k_begin = split * keys_per_split
+    k_end = tl.minimum(k_begin + keys_per_split, TOPK)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        idx = tl.load(idx_ptr + t.to(tl.int64) * stride_it + offs, mask=offs < k_end, other=-1)
+        valid = idx >= 0
+        rows = tl.where(valid, idx, 0).to(tl.int64)
+        if REMAP:
+            grp = rows // interleave
+            rows = ((grp % dcp_size) * padded_local_total + pcu
+                    + (grp // dcp_size) * interleave + rows % interleave)
+        lat, rope = _load_kv_tile(kv_ptr, rows, valid, stride_kv, KV_FP8, BLOCK_K, DOT_DTYPE)
+        s = tl.dot(q_lat, tl.trans(lat), input_precision=PRECISION)
+        s = tl.dot(q_rope, tl.trans(rope), s, input_precision=PRECISION)
+        s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(DOT_DTYPE), lat, acc, input_precision=PRECISION)
+        m_i = m_new
+
+    has = l_i > 0.0
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    lse = tl.where(has, (m_safe + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    o_ptr = out_ptr + split.to(tl.int64) * stride_os + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+    tl.store(o_ptr + tl.arange(0, 512)[None, :], out.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+    tl.store(lse_ptr + split.to(tl.int64) * stride_ls + t.to(tl.int64) * stride_lt + heads, lse, mask=hmask)
+
+
+_DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def _block_h(H: int) -> int:
+    return max(16, min(64, triton.next_power_of_2(H)))
+
+
+def _num_splits(T: int, H: int, topk: int, block_k: int, device: torch.device) -> int:
+    """Split the top-k over programs until the grid covers the machine about twice."""
+    if device.type != "cuda":
+        return 1 if T > 1 else min(2, triton.cdiv(topk, block_k))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    programs = T * triton.cdiv(H, _block_h(H))
+    splits = 1
+    while programs * splits < 2 * sms and splits * 2 * block_k * 2 <= topk:
+        splits *= 2
+    return splits
+
+
+def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16", *,
+                         remap=None, num_splits: int | None = None, block_k: int | None = None,
+                         num_warps: int | None = None, num_stages: int | None = None):
+    """Triton ``sparse_mla_attention``; same contract as the reference, plus keyword options.
+
+    remap: None, or ``(region_pcu [T] int, padded_local_total, dcp_size, interleave)``: indices
+    are then global token ids (NO_KEY = none) mapped in the kernel to rows of the rank-major
+    gathered buffer as ``reference.remap_to_gathered`` does. num_splits: top-k splits (default:
+    chosen from T and the SM count; > 1 writes float32 partials and merges them).
+    Operands: q's dtype (bf16 on GPU; fp16/fp32 in the interpreter) is the matrix dtype; bf16
+    rows are cast to it, fp8 rows are dequantised to it.
+    """
+    from .triton_merge import lse_merge_into
+
+    if kv.dim() == 3:
+        kv = kv.reshape(-1, kv.shape[-1])
+    T, H, D = q.shape
+    assert D == D_QK and q.stride(-1) == 1 and kv.stride(-1) == 1
+    fp8 = kv_format == "fp8_ds_mla"
+    if fp8:
+        assert kv.dtype == torch.uint8 and kv.shape[1] == FP8_DS_MLA_BYTES
+    elif kv_format != "bf16":
+        raise ValueError(f"kv_format {kv_format!r}, expected 'bf16' or 'fp8_ds_mla'")
+    indices = indices.contiguous()
+    topk = indices.shape[1]
+    block_h = _block_h(H)
+    block_k = block_k or (64 if block_h >= 64 else 64)
+    splits = num_splits or _num_splits(T, H, topk, block_k, q.device)
+    per_split = triton.cdiv(triton.cdiv(topk, splits), block_k) * block_k
+    splits = max(1, triton.cdiv(topk, per_split))
+    lse = torch.empty(splits, T, H, dtype=torch.float32, device=q.device)
+    out = torch.empty(splits, T, H, D_V, dtype=q.dtype if splits == 1 else torch.float32, device=q.device)
+    pcu, pt, w, il = (remap if remap is not None else (indices, 0, 1, 1))
+    grid = (triton.cdiv(H, block_h), T, splits)
+    _sparse_mla_fwd[grid](
+        q, kv, indices, out, lse, pcu,
+        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        H, topk, per_split, pt, w, il, sm_scale * _LOG2E,
+        KV_FP8=fp8, REMAP=remap is not None, BLOCK_H=block_h, BLOCK_K=block_k,
+        DOT_DTYPE=_DOT_DTYPES[q.dtype], PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps or (8 if block_h >= 64 else 4), num_stages=num_stages or 2,
+    )
+    if splits == 1:
+        return out[0], lse[0]
+    final = torch.empty(T, H, D_V, dtype=q.dtype, device=q.device)
+    final_lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    lse_merge_into(out, lse, final, final_lse)
+    return final, final_lse

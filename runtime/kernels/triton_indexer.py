@@ -1,0 +1,176 @@
+"""Triton indexer: scores sum_h w_h * ReLU(q_h . k) over packed fp8 keys, then the top-k in the
+reference order (score descending, token id ascending; DESIGN 3.6).
+
+One program per (query, block of BLOCK_L keys): a [Hi, 128] x [128, BLOCK_L] product on the
+fp8 keys upcast exactly to the operand dtype, the per-key scale applied after the product (a
+power of two, so exact), ReLU, then the weighted sum over heads. The key rows come from one of
+three sources, chosen at compile time:
+
+- ROWS: an explicit ``key_rows [T, L]`` rectangle (``reference.indexer_scores``);
+- PREFILL: keys ``0 .. key_len[j]-1`` of query j's request, rows computed in the kernel from the
+  gather chunk's region parameters (zero-copy deinterleave, DESIGN 3.5);
+- DECODE: the rank's local shard, ``local_len[j]`` keys, slots through the block table.
+
+For PREFILL and DECODE the kernel writes one int64 sort key per (query, key):
+``ordered(score_bits) << 32 | (2**32 - 1 - c)`` with c the key's local position, which is
+monotonic in the global token id; ``torch.topk`` on those keys is then exactly the reference
+order. Queries are processed in chunks so the keys fit ``logits_budget_bytes``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import INDEXER_K_BYTES, NO_KEY
+
+MODE_ROWS, MODE_PREFILL, MODE_DECODE = 0, 1, 2
+LOGITS_BUDGET_BYTES = 1 << 28
+_BLOCK_L = 128
+_DOT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _indexer_kernel(q_ptr, w_ptr, k_ptr, out_ptr, rows_ptr, len_ptr, pcu_ptr, bt_ptr,
+                    stride_qt, stride_qh, stride_wt, stride_ot, stride_rt, stride_bt,
+                    HI, L, PT, W, I, B, RANK,
+                    MODE: tl.constexpr, COMPOSITE: tl.constexpr, BLOCK_H: tl.constexpr,
+                    BLOCK_L: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    lb = tl.program_id(0)
+    j = tl.program_id(1).to(tl.int64)
+    c = lb * BLOCK_L + tl.arange(0, BLOCK_L)
+    if MODE == 0:
+        rows = tl.load(rows_ptr + j * stride_rt + c, mask=c < L, other=-1).to(tl.int64)
+        valid = rows >= 0
+        n_keys = L
+    else:
+        n_keys = tl.load(len_ptr + j)
+        valid = c < n_keys
+        if MODE == 1:
+            pcu = tl.load(pcu_ptr + j).to(tl.int64)
+            g = c // I
+            rows = (g % W) * PT + pcu + (g // W) * I + c % I
+        else:
+            blk = tl.load(bt_ptr + j * stride_bt + c // B, mask=valid, other=0).to(tl.int64)
+            rows = blk * B + c % B
+    rows = tl.where(valid, rows, 0).to(tl.int64)
+    score = tl.full((BLOCK_L,), float("-inf"), tl.float32)
+    if lb * BLOCK_L < n_keys:
+        heads = tl.arange(0, BLOCK_H)
+        hmask = heads < HI
+        q = tl.load(q_ptr + j * stride_qt + heads[:, None] * stride_qh + tl.arange(0, 128)[None, :],
+                    mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+        w = tl.load(w_ptr + j * stride_wt + heads, mask=hmask, other=0.0).to(tl.float32)
+        kb = k_ptr + rows * 132
+        raw = tl.load(kb[:, None] + tl.arange(0, 128)[None, :], mask=valid[:, None], other=0)
+        k = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32).to(DOT_DTYPE)
+        scale = tl.load((kb + 128).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale[None, :]
+        s = tl.sum(tl.maximum(s, 0.0) * w[:, None], 0)
+        score = tl.where(valid, s, float("-inf"))
+    if COMPOSITE:
+        bits = score.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+        key = (ordered << 32) | (4294967295 - c.to(tl.int64))
+        tl.store(out_ptr + j * stride_ot + c, key, mask=c < L)
+    else:
+        tl.store(out_ptr + j * stride_ot + c, score, mask=c < L)
+
+
+def _launch(q, weights, k, out, mode, composite, L, rows=None, lens=None, pcu=None, bt=None,
+            PT=0, W=1, I=1, B=1, rank=0):
+    T, HI, _ = q.shape
+    dummy = out
+    rows_, lens_, pcu_, bt_ = (x if x is not None else dummy for x in (rows, lens, pcu, bt))
+    grid = (triton.cdiv(L, _BLOCK_L), T)
+    _indexer_kernel[grid](
+        q, weights, k, out, rows_, lens_, pcu_, bt_,
+        q.stride(0), q.stride(1), weights.stride(0), out.stride(0),
+        rows.stride(0) if rows is not None else 0, bt.stride(0) if bt is not None else 0,
+        HI, L, PT, W, I, B, rank,
+        MODE=mode, COMPOSITE=composite, BLOCK_H=max(16, triton.next_power_of_2(HI)),
+        BLOCK_L=_BLOCK_L, DOT_DTYPE=_DOT[q.dtype],
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2)
+
+
+def indexer_scores(q, weights, k_packed, key_rows):
+    """Triton ``indexer_scores`` (float32 scores ``[T, L]``, -inf where key_rows is NO_KEY)."""
+    T, L = key_rows.shape
+    out = torch.empty(T, L, dtype=torch.float32, device=q.device)
+    if T and L:
+        _launch(q, weights, k_packed, out, MODE_ROWS, False, L, rows=key_rows.contiguous())
+    return out
+
+
+def indexer_topk(q, weights, k_packed, key_rows, key_ids, topk: int):
+    """Triton scores + exact reference-order top-k over explicit (key_rows, key_ids)."""
+    from .reference_indexer import topk_reference_order
+
+    ids = torch.where(key_rows >= 0, key_ids.long(), NO_KEY)
+    return topk_reference_order(indexer_scores(q, weights, k_packed, key_rows), ids, topk)
+
+
+def _decode_keys(keys, topk):
+    """int64 sort keys [t, L] -> (scores [t, topk] float32, positions c [t, topk] int64, valid)."""
+    top = torch.topk(keys, min(topk, keys.shape[1]), dim=1, largest=True, sorted=True).values
+    ordered = (top >> 32).to(torch.int32)
+    bits = torch.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered)
+    scores = bits.view(torch.float32)
+    c = 4294967295 - (top & 4294967295)
+    return scores, c, ~torch.isneginf(scores)
+
+
+def _chunked_topk(q, topk, L, budget, launch, to_ids):
+    T = q.shape[0]
+    top_s = torch.full((T, topk), float("-inf"), dtype=torch.float32, device=q.device)
+    top_i = torch.full((T, topk), NO_KEY, dtype=torch.int32, device=q.device)
+    if T == 0 or L == 0:
+        return top_s, top_i
+    step = max(1, budget // (8 * L))
+    keys = torch.empty(min(step, T), L, dtype=torch.int64, device=q.device)
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        launch(t0, t1, keys[: t1 - t0])
+        s, c, valid = _decode_keys(keys[: t1 - t0], topk)
+        kk = s.shape[1]
+        top_s[t0:t1, :kk] = s
+        top_i[t0:t1, :kk] = torch.where(valid, to_ids(c), NO_KEY).to(torch.int32)
+    return top_s, top_i
+
+
+def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_local_total: int,
+                         dcp_size: int, interleave: int, topk: int, *, max_keys: int | None = None,
+                         logits_budget_bytes: int = LOGITS_BUDGET_BYTES):
+    """Triton ``indexer_topk_prefill`` (contract in ``reference_indexer``); scores float32.
+
+    max_keys: the widest key_len (from the plan; default ``max(key_len)``, which syncs).
+    """
+    L = int(key_len.max()) if max_keys is None else max_keys
+    key_len, region_pcu = key_len.contiguous(), region_pcu.contiguous()
+
+    def launch(t0, t1, out):
+        _launch(q[t0:t1], weights[t0:t1], k_gathered, out, MODE_PREFILL, True, L,
+                lens=key_len[t0:t1], pcu=region_pcu[t0:t1], PT=padded_local_total,
+                W=dcp_size, I=interleave)
+
+    return _chunked_topk(q, topk, L, logits_budget_bytes, launch, lambda c: c)
+
+
+def indexer_topk_decode(q, weights, k_cache_flat, local_len, block_table, block_size: int,
+                        dcp_size: int, dcp_rank: int, interleave: int, topk: int, *,
+                        max_keys: int | None = None, logits_budget_bytes: int = LOGITS_BUDGET_BYTES):
+    """Triton ``indexer_topk_decode``: the rank's local top-k as (score, global id) candidates."""
+    L = int(local_len.max()) if max_keys is None else max_keys
+    if k_cache_flat.dim() == 3:
+        k_cache_flat = k_cache_flat.view(-1, INDEXER_K_BYTES)
+    local_len, block_table = local_len.contiguous(), block_table.contiguous()
+    W, I = dcp_size, interleave
+
+    def launch(t0, t1, out):
+        _launch(q[t0:t1], weights[t0:t1], k_cache_flat, out, MODE_DECODE, True, L,
+                lens=local_len[t0:t1], bt=block_table[t0:t1], W=W, I=I, B=block_size,
+                rank=dcp_rank)
+
+    return _chunked_topk(q, topk, L, logits_budget_bytes, launch,
+                         lambda c: (c // I) * W * I + dcp_rank * I + c % I)

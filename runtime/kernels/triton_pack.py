@@ -1,0 +1,112 @@
+"""Triton fp8 packing of new KV / indexer-K tokens into their cache slots (the KV insert's write).
+
+Bit-identical to ``reference.quantize_fp8_ds_mla`` / ``quantize_indexer_k``: the scale exponent
+comes from the float32 bits of the group's amax (``reference.fp8_scale_exponent``), values are
+scaled by 2**-e in two exact power-of-two steps (no subnormal scale is ever formed in the
+multiply), cast to fp8 e4m3 with round-to-nearest-even (integer bit arithmetic, ``_to_e4m3_bits``), RoPE cast to bf16 (RNE).
+One program per token; slots < 0 are skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import FP8_DS_MLA_BYTES, INDEXER_K_BYTES
+
+
+@triton.jit
+def _pow2(e):
+    """2**e as float32 for int32 e in [-126, 127] (normal range), from the bits."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_e4m3_bits(y):
+    """float32 -> fp8 e4m3fn bits (uint8), round to nearest even, saturating at 448.
+
+    Written out in integer arithmetic rather than ``.to(tl.float8e4nv)`` because Triton's
+    interpreter rounds that cast wrongly (31.0 -> 16.0); one code path for the GPU and the
+    interpreter keeps the CPU tests meaningful.
+    """
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    # normal e4m3 (|y| >= 2**-6): drop 20 mantissa bits with round-to-nearest-even
+    lsb = (a >> 20) & 1
+    code_n = ((a + 0x7FFFF + lsb) >> 20) - (120 << 3)
+    # subnormal e4m3: multiples of 2**-9, RNE through the float32 add-and-subtract trick
+    mag = a.to(tl.float32, bitcast=True)
+    code_s = ((mag * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    code = tl.where(a >= (121 << 23), code_n, code_s)
+    code = tl.minimum(code, 0x7E)
+    return (code | sign).to(tl.uint8)
+
+
+@triton.jit
+def _pack_fp8(x_ptr, slots_ptr, cache_ptr, stride_x, stride_c,
+              GROUPS: tl.constexpr, HAS_ROPE: tl.constexpr):
+    i = tl.program_id(0)
+    slot = tl.load(slots_ptr + i).to(tl.int64)
+    if slot >= 0:
+        x = tl.load(x_ptr + i.to(tl.int64) * stride_x + tl.arange(0, GROUPS * 128)).to(tl.float32)
+        xg = tl.reshape(x, (GROUPS, 128))
+        amax = tl.max(tl.abs(xg), 1)
+        amax = tl.maximum(amax, 1.1754943508222875e-38)  # 2**-126
+        bits = amax.to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        ne = -e
+        a = ne // 2
+        b = ne - a
+        y = xg * _pow2(a)[:, None] * _pow2(b)[:, None]
+        f8 = _to_e4m3_bits(y)
+        row = cache_ptr + slot * stride_c
+        tl.store(row + tl.arange(0, GROUPS * 128), tl.reshape(f8, (GROUPS * 128,)))
+        # scale 2**e as float32 bits; subnormal below 2**-126
+        sbits = tl.where(e >= -126, (e + 127) << 23, 1 << tl.maximum(e + 149, 0))
+        tl.store((row + GROUPS * 128).to(tl.pointer_type(tl.int32)) + tl.arange(0, GROUPS), sbits)
+        if HAS_ROPE:
+            r = tl.load(x_ptr + i.to(tl.int64) * stride_x + GROUPS * 128 + tl.arange(0, 64))
+            # bf16 RNE from the bits (the interpreter's float32 -> bf16 cast truncates)
+            rb = r.to(tl.float32).to(tl.int32, bitcast=True)
+            rb = (rb + 0x7FFF + ((rb >> 16) & 1)) >> 16
+            rope_ptr = (row + GROUPS * 128 + 4 * GROUPS).to(tl.pointer_type(tl.int16))
+            tl.store(rope_ptr + tl.arange(0, 64), rb.to(tl.int16))
+
+
+def _pack(cache_flat, slots, x, groups: int, has_rope: bool) -> None:
+    assert cache_flat.dtype == torch.uint8 and cache_flat.stride(-1) == 1 and x.stride(-1) == 1
+    n = x.shape[0]
+    if n == 0:
+        return
+    _pack_fp8[(n,)](x, slots.contiguous(), cache_flat, x.stride(0), cache_flat.stride(0),
+                    GROUPS=groups, HAS_ROPE=has_rope, num_warps=4)
+
+
+def pack_fp8_ds_mla_into(cache_flat, slots, kv) -> None:
+    """Triton ``pack_fp8_ds_mla_into``: ``kv [n, 576]`` float into ``cache_flat [S, 656]``."""
+    if cache_flat.dim() == 3:
+        cache_flat = cache_flat.view(-1, FP8_DS_MLA_BYTES)
+    _pack(cache_flat, slots, kv, 4, True)
+
+
+def pack_indexer_k_into(cache_flat, slots, k) -> None:
+    """Triton ``pack_indexer_k_into``: ``k [n, 128]`` float into ``cache_flat [S, 132]``."""
+    if cache_flat.dim() == 3:
+        cache_flat = cache_flat.view(-1, INDEXER_K_BYTES)
+    _pack(cache_flat, slots, k, 1, False)
+
+
+def quantize_fp8_ds_mla(kv):
+    """Triton ``quantize_fp8_ds_mla``: ``[n, 576]`` -> ``[n, 656]`` uint8."""
+    out = torch.empty(kv.shape[0], FP8_DS_MLA_BYTES, dtype=torch.uint8, device=kv.device)
+    pack_fp8_ds_mla_into(out, torch.arange(kv.shape[0], device=kv.device), kv)
+    return out
+
+
+def quantize_indexer_k(k):
+    """Triton ``quantize_indexer_k``: ``[n, 128]`` -> ``[n, 132]`` uint8."""
+    out = torch.empty(k.shape[0], INDEXER_K_BYTES, dtype=torch.uint8, device=k.device)
+    pack_indexer_k_into(out, torch.arange(k.shape[0], device=k.device), k)
+    return out

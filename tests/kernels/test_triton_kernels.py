@@ -1,0 +1,239 @@
+"""Triton kernels against the torch reference.
+
+Two environments: ``interp`` (CPU, TRITON_INTERPRET=1, small shapes, fp16/fp32 operands: the
+interpreter's bf16 ``tl.dot`` is wrong, DESIGN 7) and ``cuda`` (marked gpu: bf16 at full shapes,
+H up to 128, topk 2048). Tolerances: norm-relative error of the output against a float32
+reference on the same rounded inputs, 3e-3 for fp16 operands and 1.5e-2 for bf16 (the matrix
+dtype's rounding of P and of dequantised rows), 1e-5 for fp32; lse absolute 1e-3.
+"""
+
+import os
+
+import pytest
+import torch
+
+from cpplan.runtime.kernels import reference as ref
+
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+CUDA = torch.cuda.is_available() and not INTERP
+ENVS = [
+    pytest.param("interp", marks=pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]),
+]
+TOL = {torch.float16: 3e-3, torch.bfloat16: 1.5e-2, torch.float32: 1e-5}
+
+
+def _dev(env):
+    return "cuda" if env == "cuda" else "cpu"
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _case(env, T, H, topk, N, seed, dtype=None):
+    dev = _dev(env)
+    dtype = dtype or (torch.bfloat16 if env == "cuda" else torch.float16)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, H, 576, generator=g).to(dtype)
+    kv = torch.randn(N, 576, generator=g)
+    idx = torch.randint(0, N, (T, topk), generator=g, dtype=torch.int32)
+    idx[torch.rand(T, topk, generator=g) < 0.2] = ref.NO_KEY
+    if T > 1:
+        idx[0] = ref.NO_KEY  # an all-invalid row
+    idx[-1, -1] = N - 1  # the last row of the buffer
+    if T > 2:
+        idx[1, :] = torch.arange(N - topk, N)  # a run of rows at the end of the buffer
+    return q.to(dev), kv.to(dev), idx.to(dev)
+
+
+def _check_attention(out, lse, want_o, want_l, dtype):
+    assert not out.isnan().any() and not lse.isnan().any()
+    fin = torch.isfinite(want_l)
+    assert (out[~fin] == 0).all() and torch.isneginf(lse[~fin]).all()
+    assert torch.equal(torch.isfinite(lse), fin)
+    assert _rel(out, want_o) < TOL[dtype]
+    assert (lse[fin] - want_l[fin]).abs().max().item() < 1e-3
+
+
+def _attention_params(env):
+    if env == "cuda":
+        return [(64, 128, 2048, 8192), (1, 16, 2048, 8192), (33, 64, 2048, 4096), (4, 128, 2000, 3000)]
+    return [(3, 16, 70, 100), (1, 64, 70, 90), (2, 128, 64, 80)]
+
+
+@pytest.mark.parametrize("env", ENVS)
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
+def test_attention_matches_reference(env, kv_format):
+    from cpplan.runtime.kernels.triton_attention import sparse_mla_attention
+
+    for i, (T, H, topk, N) in enumerate(_attention_params(env)):
+        q, kv, idx = _case(env, T, H, topk, N, 100 + i)
+        buf = ref.quantize_fp8_ds_mla(kv) if kv_format == "fp8_ds_mla" else kv.to(q.dtype)
+        want_o, want_l = ref.sparse_mla_attention(q.float(), buf, idx, 576**-0.5, kv_format)
+        for splits in (None, 3):
+            out, lse = sparse_mla_attention(q, buf, idx, 576**-0.5, kv_format, num_splits=splits)
+            assert out.dtype == q.dtype and out.shape == (T, H, 512)
+            _check_attention(out, lse, want_o, want_l, q.dtype)
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_attention_fp32_operands_and_paged_view(env):
+    from cpplan.runtime.kernels.triton_attention import sparse_mla_attention
+
+    q, kv, idx = _case(env, 3, 16, 40, 128, 7, dtype=torch.float32)
+    cache = ref.quantize_fp8_ds_mla(kv).reshape(2, 64, 656)
+    out, lse = sparse_mla_attention(q, cache, idx, 0.05, "fp8_ds_mla")
+    want_o, want_l = ref.sparse_mla_attention(q, cache, idx, 0.05, "fp8_ds_mla")
+    tol = 1e-5 if env == "interp" else 3e-3  # tf32 on the GPU
+    assert _rel(out, want_o) < tol
+    _check_attention(out, lse, want_o, want_l, torch.float32 if env == "interp" else torch.bfloat16)
+
+
+@pytest.mark.parametrize("env", ENVS)
+@pytest.mark.parametrize("W,I", [(2, 1), (4, 64)])
+def test_attention_fused_remap(env, W, I):
+    from cpplan.runtime.kernels.triton_attention import sparse_mla_attention
+
+    dev = _dev(env)
+    PT, T, topk = (160, 2, 48) if env == "interp" else (4096, 64, 2048)
+    q, _, ids = _case(env, T, 16 if env == "interp" else 64, topk, 300 if env == "interp" else 8192, 9)
+    ids = torch.where(ids >= 0, ids % (W * PT // 2), ids)  # global token ids of one region
+    kv = torch.randn(W * PT, 576, device=dev).to(q.dtype)
+    pcu = torch.full((T,), PT // 2, device=dev, dtype=torch.int32)
+    rows = ref.remap_to_gathered(ids, pcu, PT, W, I)
+    out, lse = sparse_mla_attention(q, kv, ids, 0.05, remap=(pcu, PT, W, I))
+    want_o, want_l = ref.sparse_mla_attention(q.float(), kv, rows, 0.05)
+    _check_attention(out, lse, want_o, want_l, q.dtype)
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_lse_merge(env):
+    from cpplan.runtime.kernels.triton_merge import lse_merge
+
+    dev = _dev(env)
+    R, T, H = (3, 2, 16) if env == "interp" else (8, 64, 128)
+    g = torch.Generator().manual_seed(3)
+    out = torch.randn(R, T, H, 512, generator=g).to(dev)
+    lse = (torch.randn(R, T, H, generator=g) * 5).to(dev)
+    lse[:, 0] = float("-inf")  # every part empty
+    lse[1:, 1, :3] = float("-inf")  # one live part
+    o, l = lse_merge(out, lse)
+    wo, wl = ref.lse_merge(out, lse)
+    assert not o.isnan().any() and (o[0] == 0).all() and torch.isneginf(l[0]).all()
+    torch.testing.assert_close(o, wo, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(l, wl, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("env", ENVS)
+@pytest.mark.parametrize("W,rank,I", [(1, 0, 1), (2, 1, 1), (4, 3, 2), (2, 0, 64)])
+def test_remap_and_filter(env, W, rank, I):
+    from cpplan.runtime.kernels import triton_index as ti
+
+    dev = _dev(env)
+    T, K = (3, 1100) if env == "interp" else (256, 2048)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(-1, 5000, (T, K), generator=g).to(dev)
+    pcu = torch.randint(0, 100, (T,), generator=g).to(dev)
+    assert torch.equal(ti.remap_to_gathered(ids, pcu, 3000, W, I), ref.remap_to_gathered(ids, pcu, 3000, W, I))
+    bt = torch.randint(0, 1000, (T, 80), generator=g, dtype=torch.int32).to(dev)
+    assert torch.equal(ti.filter_local_slots(ids, bt, 64, W, rank, I),
+                       ref.filter_local_slots(ids, bt, 64, W, rank, I))
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_pack_bit_identical(env):
+    from cpplan.runtime.kernels import triton_pack as tp
+
+    dev = _dev(env)
+    n = 40 if env == "interp" else 4096
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, 576, generator=g) * torch.logspace(-30, 30, n)[:, None]
+    x[0] = 0.0
+    x[1, :128] = 448.0
+    x[2, :128] = 2.0**-130  # subnormal inputs: scale 2**-134
+    for dtype in (torch.float32, torch.bfloat16):
+        xx = (x if dtype == torch.float32 else x / x.abs().amax(1, keepdim=True).clamp_min(1e-30)).to(dtype).to(dev)
+        cache = torch.full((n + 5, 656), 0xAB, dtype=torch.uint8, device=dev)
+        slots = torch.randperm(n + 5, generator=g)[:n].to(dev)
+        slots[3] = -1
+        tp.pack_fp8_ds_mla_into(cache, slots, xx)
+        want = torch.full_like(cache, 0xAB)
+        ref.pack_fp8_ds_mla_into(want, slots, xx)
+        assert torch.equal(cache, want)
+    k = torch.randn(n, 128, generator=g).to(dev)
+    assert torch.equal(tp.quantize_indexer_k(k), ref.quantize_indexer_k(k))
+
+
+def _indexer_inputs(env, T, Hi, N, seed):
+    dev = _dev(env)
+    dtype = torch.bfloat16 if env == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(seed)
+    # integer-valued inputs: every score is exact in float32 and float64 (DESIGN 7), ties abound
+    q = torch.randint(-2, 3, (T, Hi, 128), generator=g).to(dtype).to(dev)
+    w = torch.randint(-2, 3, (T, Hi), generator=g).float().to(dev)
+    k = ref.quantize_indexer_k(torch.randint(-3, 4, (N, 128), generator=g).float()).to(dev)
+    return q, w, k
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_indexer_scores_rows(env):
+    from cpplan.runtime.kernels import triton_indexer as tx
+
+    q, w, k = _indexer_inputs(env, 3, 4, 50, 6)
+    rows = torch.randint(-1, 50, (3, 200), generator=torch.Generator().manual_seed(1)).to(q.device)
+    s = tx.indexer_scores(q, w, k, rows)
+    want = ref.indexer_scores(q.cpu().double(), w.cpu(), k.cpu(), rows.cpu())
+    assert torch.equal(s.cpu().double(), want)
+
+
+@pytest.mark.parametrize("env", ENVS)
+@pytest.mark.parametrize("W,I", [(1, 1), (2, 1), (2, 64)])
+def test_indexer_topk_prefill(env, W, I):
+    from cpplan.runtime.kernels import triton_indexer as tx
+
+    dev = _dev(env)
+    T, Hi, PT, topk = (4, 4, 200, 20) if env == "interp" else (64, 64, 8192, 2048)
+    q, w, k = _indexer_inputs(env, T, Hi, W * PT, 7)
+    key_len = torch.randint(1, PT, (T,), generator=torch.Generator().manual_seed(2)).to(dev)
+    key_len[0] = 0  # a padded row
+    key_len[-1] = min(topk // 2, PT)  # fewer keys than topk
+    pcu = torch.zeros(T, dtype=torch.int64, device=dev)
+    s, ids = tx.indexer_topk_prefill(q, w, k, key_len, pcu, PT, W, I, topk,
+                                     logits_budget_bytes=8 * 200 * 2)  # forces several chunks
+    ws, wids = ref.indexer_topk_prefill(q.cpu().double(), w.cpu(), k.cpu(), key_len.cpu(), pcu.cpu(),
+                                        PT, W, I, topk)
+    assert torch.equal(ids.cpu(), wids)
+    assert torch.equal(s.cpu().double(), ws)
+
+
+@pytest.mark.parametrize("env", ENVS)
+@pytest.mark.parametrize("W,rank,I", [(1, 0, 1), (4, 2, 1), (2, 1, 64)])
+def test_indexer_topk_decode(env, W, rank, I):
+    from cpplan.runtime.kernels import triton_indexer as tx
+
+    dev = _dev(env)
+    T, Hi, B, topk, nblk = (3, 4, 64, 16, 4) if env == "interp" else (128, 64, 64, 2048, 64)
+    q, w, k = _indexer_inputs(env, T, Hi, 2 * T * nblk * B, 8)
+    g = torch.Generator().manual_seed(3)
+    bt = torch.stack([torch.randperm(2 * T * nblk, generator=g)[:nblk] for _ in range(T)]).int().to(dev)
+    local_len = torch.randint(1, nblk * B, (T,), generator=g).to(dev)
+    local_len[-1] = 5
+    s, ids = tx.indexer_topk_decode(q, w, k, local_len, bt, B, W, rank, I, topk)
+    ws, wids = ref.indexer_topk_decode(q.cpu().double(), w.cpu(), k.cpu(), local_len.cpu(), bt.cpu(),
+                                       B, W, rank, I, topk)
+    assert torch.equal(ids.cpu(), wids)
+    assert torch.equal(s.cpu().double(), ws)
+
+
+def test_dispatch_table():
+    from cpplan.runtime.kernels import OP_NAMES, REFERENCE, KernelBackendError, get_kernels
+
+    assert get_kernels("cpu") is REFERENCE
+    with pytest.raises(KernelBackendError, match="flashmla"):
+        get_kernels("cuda", "flashmla")
+    with pytest.raises(KernelBackendError):
+        get_kernels("cpu", "triton")
+    from cpplan.runtime.kernels.triton_ops import TRITON
+
+    assert all(callable(getattr(TRITON, op)) for op in OP_NAMES)
