@@ -51,6 +51,21 @@ def diff_reports(a: dict, b: dict) -> list[str]:
     out += _compare_dicts("step", a, b, skip=("digest", "config", "requests", "ranks",
                                               "gather_chunks", "collectives", "cost",
                                               "workspace"))
+    col_a, col_b = _by_key(a["collectives"], "name"), _by_key(b["collectives"], "name")
+    section = []
+    for name in list(col_a) + [n for n in col_b if n not in col_a]:
+        if name not in col_b:
+            section.append(f"collective {name}: removed")
+        elif name not in col_a:
+            c = col_b[name]
+            section.append(f"collective {name}: added {c['op']} {c['group']} "
+                           f"{_fmt(c['shape'])} {c['dtype']}")
+        else:
+            section += _compare_dicts(f"collective {name}", col_a[name], col_b[name])
+    if [c["name"] for c in a["collectives"] if c["name"] in col_b] != \
+            [c["name"] for c in b["collectives"] if c["name"] in col_a]:
+        section.append("collectives: issue order changed")
+    out += _cap(section)
     req_a, req_b = _by_key(a["requests"], "req_id"), _by_key(b["requests"], "req_id")
     section = []
     for rid in [r["req_id"] for r in a["requests"]] + [r["req_id"] for r in b["requests"]
@@ -61,7 +76,7 @@ def diff_reports(a: dict, b: dict) -> list[str]:
             section.append(f"request {rid!r}: added (mode {req_b[rid]['mode']})")
         else:
             section += _compare_dicts(f"request {rid!r}", req_a[rid], req_b[rid])
-    out += _cap(section)
+    out += _cap(sorted(section, key=lambda line: ": mode " not in line))  # mode changes first
     section = []
     for ra, rb in zip(a["ranks"], b["ranks"]):
         section += _compare_dicts(f"rank {ra['rank']}", ra, rb, skip=("rows",))
@@ -82,21 +97,6 @@ def diff_reports(a: dict, b: dict) -> list[str]:
             section.append(f"gather chunk {k}: {'added' if ca is None else 'removed'}")
         else:
             section += _compare_dicts(f"gather chunk {k}", ca, cb)
-    out += _cap(section)
-    col_a, col_b = _by_key(a["collectives"], "name"), _by_key(b["collectives"], "name")
-    section = []
-    for name in list(col_a) + [n for n in col_b if n not in col_a]:
-        if name not in col_b:
-            section.append(f"collective {name}: removed")
-        elif name not in col_a:
-            c = col_b[name]
-            section.append(f"collective {name}: added {c['op']} {c['group']} "
-                           f"{_fmt(c['shape'])} {c['dtype']}")
-        else:
-            section += _compare_dicts(f"collective {name}", col_a[name], col_b[name])
-    if [c["name"] for c in a["collectives"] if c["name"] in col_b] != \
-            [c["name"] for c in b["collectives"] if c["name"] in col_a]:
-        section.append("collectives: issue order changed")
     out += _cap(section)
     return out
 

@@ -66,7 +66,7 @@ def draw_plan(plan: StepPlan, path: str, dpi: int = 120) -> None:
             ax.add_patch(Rectangle((starts[p, j], y), lens[p, j], LANE_HEIGHT,
                                    facecolor=cmap(int(req[j]) % 20), edgecolor=edge,
                                    hatch=hatch, linewidth=0.6))
-            if lens[p, j] > 0.04 * t_pad:
+            if lens[p, j] > 0.08 * t_pad:  # room for the label
                 ax.text(starts[p, j] + lens[p, j] / 2, y + LANE_HEIGHT / 2, f"r{req[j]} q{offs[p, j]}:{offs[p, j] + lens[p, j]}",
                         ha="center", va="center", fontsize=7)
         real = plan.num_tokens[p]
@@ -83,16 +83,16 @@ def draw_plan(plan: StepPlan, path: str, dpi: int = 120) -> None:
     graph = f"CUDA graph {plan.cudagraph_size}" if plan.cudagraph_size else "eager"
     ax.set_title(f"step {plan.step_id}: P={p_size} W={cfg.dcp_size} I={cfg.interleave_size}, "
                  f"{plan.num_requests} requests, T={plan.padded_num_tokens} ({graph}), "
-                 f"{len(plan.gather_chunks)} gather chunks")
+                 f"{len(plan.gather_chunks)} gather chunks", loc="left", pad=22)
     ax.legend(handles=[
         Patch(facecolor="white", edgecolor=MODE_STYLE[MODE_DECODE][1], label="decode"),
         Patch(facecolor="white", edgecolor="black", label="split prefill"),
         Patch(facecolor="white", edgecolor=MODE_STYLE[MODE_REPLICATED][1], hatch="///",
               label="replicated prefill"),
         Patch(facecolor="#dddddd", edgecolor="grey", hatch="xx", label="padding"),
-    ], loc="upper right", fontsize=8, ncols=4, bbox_to_anchor=(1.0, -0.12 - 0.05 * p_size))
+    ], loc="lower right", fontsize=8, ncols=4, bbox_to_anchor=(1.0, 1.06), frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -1,0 +1,55 @@
+"""Golden plans under plan-diff regression: every scenario must compile to its committed plan.
+
+On a change the failure message is the `cpplan diff` of the golden plan against the new
+compile. If the change is intended, regenerate with `python -m tests.golden.regen` and commit.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cpplan.planner import compile as compile_plan
+from cpplan.schemas import decode_config, decode_plan, decode_step, plan_payload
+from tests.golden.regen import golden_dir, report_json
+
+ROOT = Path(__file__).resolve().parents[2]
+NAMES = sorted(p.name[: -len(".step.json")] for p in golden_dir().glob("*.step.json"))
+
+
+def test_corpus_is_large_enough():
+    assert len(NAMES) >= 40
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_plan_matches_golden(name):
+    folder = golden_dir()
+    step_path, config_path = folder / f"{name}.step.json", folder / f"{name}.config.json"
+    golden_path = folder / f"{name}.msgpack"
+    plan = compile_plan(decode_config(config_path.read_bytes()),
+                        decode_step(step_path.read_bytes()))
+    golden = decode_plan(golden_path.read_bytes())
+    if plan_payload(plan) != plan_payload(golden):
+        proc = subprocess.run(
+            [sys.executable, "-m", "cpplan", "diff", str(golden_path), str(step_path),
+             "--config", str(config_path)], capture_output=True, text=True, cwd=ROOT)
+        pytest.fail(f"plan for {name} changed (regenerate on purpose with "
+                    f"`python -m tests.golden.regen`):\n{proc.stdout}{proc.stderr}")
+    expected = (folder / f"{name}.inspect.json").read_text()
+    if report_json(plan) != expected:
+        new, old = json.loads(report_json(plan)), json.loads(expected)
+        changed = sorted(k for k in set(new) | set(old) if new.get(k) != old.get(k))
+        pytest.fail(f"inspect --json of {name} changed in sections {changed}")
+
+
+def test_regen_refuses_on_unbumped_schema(tmp_path, monkeypatch):
+    import tests.golden.regen as regen
+
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v7").mkdir()
+    monkeypatch.setattr(regen, "ROOT", tmp_path)
+    with pytest.raises(SystemExit, match="refusing: schema version is 1 but the newest golden "
+                                         "folder is v7"):
+        regen.check_version_folder()
