@@ -6,28 +6,31 @@ way to mutate a plan through them.
 
 from __future__ import annotations
 
-import math
+from typing import Annotated, Literal
 
 import msgspec
 import numpy as np
 
 # The only dtypes a plan carries; index dtypes are explicit.
 ALLOWED_DTYPES = ("<i4", "<i8", "|u1")
+_ITEMSIZE = {"<i4": 4, "<i8": 8, "|u1": 1}
+# msgspec checks these in C while decoding; __post_init__ only checks the byte count.
+_Dtype = Literal["<i4", "<i8", "|u1"]
+_Shape = Annotated[tuple[Annotated[int, msgspec.Meta(ge=0, le=2**40)], ...],
+                   msgspec.Meta(max_length=4)]
 
 
 class Array(msgspec.Struct, frozen=True, array_like=True):
     """An n-d array as ``(dtype, shape, data)``; ``data`` holds ``prod(shape)`` items, C order."""
 
-    dtype: str
-    shape: tuple[int, ...]
+    dtype: _Dtype
+    shape: _Shape
     data: bytes
 
     def __post_init__(self) -> None:
-        if self.dtype not in ALLOWED_DTYPES:
-            raise ValueError(f"array dtype must be one of {ALLOWED_DTYPES}: got {self.dtype!r}")
-        if len(self.shape) > 4 or any(d < 0 for d in self.shape):
-            raise ValueError(f"array shape must have <= 4 non-negative dims: got {self.shape}")
-        expected = math.prod(self.shape) * int(self.dtype[-1])
+        expected = _ITEMSIZE[self.dtype]
+        for dim in self.shape:
+            expected *= dim
         if len(self.data) != expected:
             raise ValueError(
                 f"array of shape {self.shape} {self.dtype} needs {expected} bytes: "
