@@ -1,0 +1,78 @@
+"""A ring of pinned host arenas for a step's int64 tables, one H2D copy per bind.
+
+Each arena holds ``capacity`` int64 words, sized once at start-up. ``pack`` waits until the
+arena's previous copy has completed (:meth:`ArenaRing.wait_arena_free`, the one named sync of a
+step; in steady state it never blocks), writes the tables into it, issues one non-blocking copy
+to the matching device arena and records an event behind it. On CPU the host arena is used
+directly (no copy, no event). Overflow is a CapacityError that states the numbers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cpplan.schemas.errors import CapacityError
+
+
+class ArenaRing:
+    """``depth`` arenas of ``capacity`` int64 words on ``device``.
+
+    Views returned by :meth:`pack` live until the same arena is packed again, ``depth`` binds
+    later: a bound step must finish before then.
+    """
+
+    def __init__(self, capacity: int, device: torch.device, depth: int = 2) -> None:
+        self.capacity, self.device, self.depth = int(capacity), torch.device(device), depth
+        on_cuda = self.device.type == "cuda"
+        self.host = [torch.zeros(self.capacity, dtype=torch.int64, pin_memory=on_cuda)
+                     for _ in range(depth)]
+        self.dev = ([torch.zeros(self.capacity, dtype=torch.int64, device=self.device)
+                     for _ in range(depth)] if on_cuda else self.host)
+        self.events = [None] * depth
+        self.next = 0
+
+    def wait_arena_free(self, slot: int) -> None:
+        """The named sync: block until the last H2D copy out of arena ``slot`` has completed."""
+        event = self.events[slot]
+        if event is not None:
+            event.synchronize()
+
+    def pack(self, arrays: dict, step_id: int) -> dict:
+        """Copy ``arrays`` (name -> int64 ndarray) into the next arena; return name -> device
+        tensor views (1-d; reshape as needed)."""
+        sizes = {k: int(v.size) for k, v in arrays.items()}
+        need = sum(sizes.values())
+        if need > self.capacity:
+            biggest = max(sizes, key=sizes.get)
+            raise CapacityError(
+                f"step {step_id} needs {need:,} arena words, capacity {self.capacity:,} "
+                f"(largest table {biggest}: {sizes[biggest]:,})")
+        slot = self.next
+        self.next = (slot + 1) % self.depth
+        self.wait_arena_free(slot)
+        host_np = self.host[slot].numpy()
+        offsets, off = {}, 0
+        for name, arr in arrays.items():
+            host_np[off: off + sizes[name]] = np.asarray(arr, dtype=np.int64).reshape(-1)
+            offsets[name] = off
+            off += sizes[name]
+        dev = self.dev[slot]
+        if self.device.type == "cuda":
+            dev[:need].copy_(self.host[slot][:need], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self.events[slot] = event
+        return {name: dev[offsets[name]: offsets[name] + sizes[name]] for name in arrays}
+
+
+def arena_words(max_tokens: int, max_requests: int, max_blocks_per_request: int,
+                pcp_size: int, dcp_size: int, interleave_size: int, max_kv_tokens: int) -> int:
+    """An upper bound of the int64 words one bind needs (see ``tables.build_tables``):
+    ``max_tokens`` per rank (T), ``max_kv_tokens`` the largest sum of extents in a step."""
+    per_token = 6  # token_req, token_pos, key_len, local_len, region_pcu, insert_dec
+    gather = (max_kv_tokens // dcp_size + max_requests * interleave_size) if dcp_size > 1 else 0
+    return (per_token * max_tokens + pcp_size * max_tokens  # insert_pre
+            + gather  # gather sources: sum over chunks of PT = sum of shard_rows(E)
+            + max_requests * (max_blocks_per_request + 1)  # block tables, request keys
+            + pcp_size * max_tokens)  # restore index

@@ -1,0 +1,257 @@
+"""StepExecutor: one rank's runtime for compiled plans (DESIGN 3.4-3.8, 5).
+
+Per step: ``bind`` (tables into the arena ring, one H2D copy, the digest check started), then per
+layer ``insert`` (KV and indexer-K insert) and ``attend`` (indexer top-k and sparse MLA: gathered
+KV through remapped rows for prefill tokens, the local shard plus an exact LSE merge for decode
+tokens), then ``restore`` and ``finish``. The engine owns the tensors (q, KV, caches); the
+executor owns the tables and issues exactly the plan's collectives, each through one named
+function of :mod:`cpplan.runtime.collectives`. Kernels come from the dispatch table; the
+key-rectangle helpers (``prefill_key_rows``, ``decode_key_slots``) are called with an explicit
+width from the plan, because the table's ``indexer_topk_prefill/decode`` entry points take the
+width from ``int(max(...))``, a host sync. Step code never reads a tensor's value on the
+host (no ``.item()``, ``.cpu()``, ``.tolist()``, ``synchronize``): tests/runtime checks this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import torch
+
+from cpplan.runtime import collectives as coll
+from cpplan.runtime.arena import ArenaRing, arena_words
+from cpplan.runtime.kernels import decode_key_slots, get_kernels, prefill_key_rows
+from cpplan.runtime.tables import StepMeta, build_tables
+from cpplan.schemas.config import ParallelConfig
+from cpplan.schemas.errors import CapacityError
+from cpplan.schemas.plan import StepPlan
+
+DUMMY_SLOT = 0  # slot 0 (block 0) of every cache is reserved: padded and skipped rows use it
+
+
+@dataclasses.dataclass
+class LayerCache:
+    """One layer's paged caches on one rank, viewed flat: ``kv [S, kv_bytes]`` uint8
+    (fp8_ds_mla or bf16 bytes) and ``index_k [S, 132]`` uint8; S = num_blocks * block_size;
+    slot DUMMY_SLOT is reserved. Owned by the engine, lives as long as it does."""
+
+    kv: torch.Tensor
+    index_k: torch.Tensor
+
+    @classmethod
+    def empty(cls, config: ParallelConfig, num_blocks: int, device) -> "LayerCache":
+        slots = num_blocks * config.block_size
+        return cls(torch.zeros(slots, config.kv_bytes_per_token, dtype=torch.uint8, device=device),
+                   torch.zeros(slots, config.index_k_bytes_per_token, dtype=torch.uint8,
+                               device=device))
+
+
+@dataclasses.dataclass
+class BoundStep:
+    """A plan bound on one rank: device tables (views into an arena), host meta, the ledger."""
+
+    plan: StepPlan
+    meta: StepMeta
+    t: dict  # name -> int64 device tensor
+    ledger: coll.Ledger
+    pending: object | None  # the digest check in flight (None: done or not due)
+
+
+class StepExecutor:
+    """One per rank, sized once. ``comm`` carries the collectives; ``check`` (a
+    :class:`~cpplan.runtime.verify.DigestCheck`, optional) verifies plans across ranks."""
+
+    def __init__(self, config: ParallelConfig, *, pcp_rank: int, dcp_rank: int, comm,
+                 device, check=None, kernels=None, max_tokens: int = 8192,
+                 max_requests: int = 1024, max_blocks_per_request: int | None = None,
+                 max_kv_tokens: int | None = None, arena_depth: int = 2,
+                 debug: bool = True) -> None:
+        self.config, self.pcp_rank, self.dcp_rank = config, pcp_rank, dcp_rank
+        self.comm, self.check, self.debug = comm, check, debug
+        self.device = torch.device(device)
+        self.kernels = kernels or get_kernels(str(self.device.type))
+        self.max_tokens = max_tokens
+        if max_blocks_per_request is None:
+            max_blocks_per_request = -(-config.shard_rows(config.max_model_len)
+                                       // config.block_size)
+        if max_kv_tokens is None:
+            max_kv_tokens = max_requests * config.max_model_len
+        words = arena_words(max_tokens, max_requests, max_blocks_per_request, config.pcp_size,
+                            config.dcp_size, config.interleave_size, max_kv_tokens)
+        self.arena = ArenaRing(words, self.device, arena_depth)
+        self.sm_scale = 1.0 / math.sqrt(config.qk_head_dim)
+        self._bound: BoundStep | None = None
+        comm.on_collective = self._before_collective
+
+    @classmethod
+    def from_groups(cls, config: ParallelConfig, groups, *, verify: str = "every",
+                    verify_every: int = 1, **kwargs) -> "StepExecutor":
+        from cpplan.runtime.verify import DigestCheck
+
+        return cls(config, pcp_rank=groups.pcp_rank, dcp_rank=groups.dcp_rank,
+                   comm=coll.DistComm(groups), device=groups.device,
+                   check=DigestCheck(groups, verify, verify_every), **kwargs)
+
+    # ------------------------------------------------------------------ bind
+    def bind(self, plan: StepPlan, block_tables: np.ndarray,
+             request_keys: np.ndarray | None = None) -> BoundStep:
+        """Start the digest check, build the rank's tables, pack them into the next arena (one
+        H2D copy). ``block_tables`` ``[N, max_blocks]`` int: this rank's local blocks of each of
+        the plan's requests (block 0 is reserved). ``request_keys`` ``[N]`` int64: per-request
+        integers the engine wants on the device (the simulator's input coordinates)."""
+        if plan.padded_num_tokens > self.max_tokens:
+            raise CapacityError(f"step {plan.step_id} needs {plan.padded_num_tokens:,} tokens "
+                                f"per rank, capacity {self.max_tokens:,}")
+        pending = self.check.start(plan) if self.check is not None else None
+        tables = build_tables(plan, self.pcp_rank, self.dcp_rank, block_tables, DUMMY_SLOT,
+                              request_keys)
+        views = self.arena.pack(tables.arrays, plan.step_id)
+        views["block_tables"] = views["block_tables"].view(plan.num_requests, -1)
+        self._bound = BoundStep(plan, tables.meta, views, coll.Ledger(), pending)
+        return self._bound
+
+    def _before_collective(self) -> None:
+        bound = self._bound
+        if bound is not None and bound.pending is not None:
+            pending, bound.pending = bound.pending, None
+            pending.wait()
+
+    # ------------------------------------------------------------------ per layer
+    def insert(self, bound: BoundStep, cache: LayerCache, kv_new: torch.Tensor,
+               index_k_new: torch.Tensor) -> None:
+        """Write the step's new tokens into this rank's caches. kv_new ``[T, 576]`` float and
+        index_k_new ``[T, 128]`` float: this rank's tokens in its token order (pads ignored)."""
+        m, t = bound.meta, bound.t
+        kv_rows = self._pack_kv(kv_new)
+        k_rows = self.kernels.quantize_indexer_k(index_k_new)
+        nd = m.num_decode_tokens
+        cache.kv.index_copy_(0, t["insert_dec"], kv_rows[:nd])
+        cache.index_k.index_copy_(0, t["insert_dec"], k_rows[:nd])
+        kv_pre, k_pre = kv_rows[nd:].contiguous(), k_rows[nd:].contiguous()
+        if m.kv_insert:
+            p_size = self.config.pcp_size
+            kv_all = kv_pre.new_empty((p_size * kv_pre.shape[0], kv_pre.shape[1]))
+            coll.kv_insert(self.comm, bound.ledger, kv_all, kv_pre)
+            k_all = k_pre.new_empty((p_size * k_pre.shape[0], k_pre.shape[1]))
+            coll.indexer_k_insert(self.comm, bound.ledger, k_all, k_pre)
+            kv_pre, k_pre = kv_all, k_all
+        cache.kv.index_copy_(0, t["insert_pre"], kv_pre)
+        cache.index_k.index_copy_(0, t["insert_pre"], k_pre)
+
+    def attend(self, bound: BoundStep, cache: LayerCache, q: torch.Tensor,
+               index_q: torch.Tensor, index_w: torch.Tensor) -> torch.Tensor:
+        """Sparse MLA for this rank's tokens: q ``[T, H, 576]``, index_q ``[T, Hi, 128]``,
+        index_w ``[T, Hi]`` -> out ``[T, H, 512]`` (q's dtype; zero for padded tokens)."""
+        m = bound.meta
+        out = q.new_zeros(q.shape[0], q.shape[1], self.config.v_head_dim)
+        if self.config.dcp_size == 1:
+            lo, hi, width = m.local_range
+            if hi > lo:
+                out[lo:hi] = self._attend_local(bound, cache, q, index_q, index_w, lo, hi, width)[0]
+            return out
+        for c in range(len(m.chunk_ranges)):
+            self._attend_chunk(bound, cache, q, index_q, index_w, c, out)
+        nd = m.num_decode_tokens
+        if nd:
+            o, lse = self._attend_local(bound, cache, q, index_q, index_w, 0, nd, m.decode_width)
+            out[:nd] = self._merge_decode(bound, o, lse)
+        return out
+
+    def _attend_local(self, bound, cache, q, index_q, index_w, lo, hi, width):
+        """Tokens [lo, hi) over this rank's own cache (W == 1: everything; W > 1: decode
+        tokens, whose local top-k candidates are then merged across the DCP group)."""
+        k, t, cfg = self.kernels, bound.t, self.config
+        w_size, inter, bs = cfg.dcp_size, cfg.interleave_size, cfg.block_size
+        bt = t["block_tables"].index_select(0, t["token_req"][lo:hi])
+        slots, ids = decode_key_slots(t["local_len"][lo:hi], bt, bs, w_size, self.dcp_rank,
+                                        inter, max_keys=width)
+        scores, top = k.indexer_topk(index_q[lo:hi], index_w[lo:hi], cache.index_k, slots, ids,
+                                     cfg.topk)
+        if bound.meta.decode_merge:
+            all_s, all_i = coll.topk_candidates(self.comm, bound.ledger, scores, top)
+            top = k.topk_reference_order(all_s, all_i, cfg.topk)[1]
+        kv_slots = k.filter_local_slots(top, bt, bs, w_size, self.dcp_rank, inter)
+        return k.sparse_mla_attention(q[lo:hi], *self._kv_view(cache.kv), kv_slots,
+                                      self.sm_scale, **self._fmt())
+
+    def _attend_chunk(self, bound, cache, q, index_q, index_w, c: int, out) -> None:
+        """Prefill tokens of gather chunk c: all-gather the chunk's indexer K and KV shards
+        (rank-major, never deinterleaved) and read them through remapped rows."""
+        k, t, cfg = self.kernels, bound.t, self.config
+        w_size, inter = cfg.dcp_size, cfg.interleave_size
+        pt = bound.meta.chunk_rows[c]
+        src = t[f"gather_src[{c}]"]
+        k_all = cache.index_k.new_empty((w_size * pt, cache.index_k.shape[1]))
+        coll.indexer_k_gather(self.comm, bound.ledger, c, k_all, cache.index_k.index_select(0, src))
+        kv_all = cache.kv.new_empty((w_size * pt, cache.kv.shape[1]))
+        coll.kv_gather(self.comm, bound.ledger, c, kv_all, cache.kv.index_select(0, src))
+        lo, hi, width = bound.meta.chunk_ranges[c]
+        if hi == lo:
+            return
+        pcu = t["region_pcu"][lo:hi]
+        rows, ids = prefill_key_rows(t["key_len"][lo:hi], pcu, pt, w_size, inter,
+                                       max_keys=width)
+        top = k.indexer_topk(index_q[lo:hi], index_w[lo:hi], k_all, rows, ids, cfg.topk)[1]
+        kv_rows = k.remap_to_gathered(top, pcu, pt, w_size, inter)
+        out[lo:hi] = k.sparse_mla_attention(q[lo:hi], *self._kv_view(kv_all), kv_rows,
+                                            self.sm_scale, **self._fmt())[0]
+
+    def _merge_decode(self, bound, o_part, lse_part):
+        """Exact LSE merge over DCP (DESIGN 3.6): all-gather lse, scale, all-reduce."""
+        lse_all = coll.decode_lse(self.comm, bound.ledger, lse_part)
+        weight = lse_merge_weight(lse_all, self.dcp_rank)
+        scaled = (o_part.float() * weight[..., None]).to(o_part.dtype).contiguous()
+        coll.decode_out(self.comm, bound.ledger, scaled)
+        return scaled
+
+    # ------------------------------------------------------------------ end of step
+    def restore(self, bound: BoundStep, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's rows ``[T, hidden]`` -> every query token in global order
+        ``[sum q, hidden]`` (all-gathered over PCP when P > 1)."""
+        if bound.meta.restore:
+            full = hidden.new_empty((self.config.pcp_size * hidden.shape[0], hidden.shape[1]))
+            coll.restore(self.comm, bound.ledger, full, hidden.contiguous())
+        else:
+            self._before_collective()
+            full = hidden
+        return full.index_select(0, bound.t["restore_index"])
+
+    def finish(self, bound: BoundStep) -> coll.Ledger:
+        """Close the step: the digest check is awaited even if no collective ran; in debug mode
+        the ledger must equal the plan's list (CollectiveLedgerError otherwise)."""
+        self._before_collective()
+        if self.debug:
+            coll.check_ledger(bound.plan, bound.ledger, self.rank_id)
+        self._bound = None
+        return bound.ledger
+
+    @property
+    def rank_id(self) -> int:
+        return max(self.pcp_rank, self.dcp_rank)
+
+    # ------------------------------------------------------------------ formats
+    def _pack_kv(self, kv: torch.Tensor) -> torch.Tensor:
+        if self.config.kv_cache_dtype == "fp8_ds_mla":
+            return self.kernels.quantize_fp8_ds_mla(kv)
+        return kv.to(torch.bfloat16).contiguous().view(torch.uint8)
+
+    def _kv_view(self, kv_bytes: torch.Tensor) -> tuple[torch.Tensor]:
+        if self.config.kv_cache_dtype == "fp8_ds_mla":
+            return (kv_bytes,)
+        return (kv_bytes.view(torch.bfloat16),)
+
+    def _fmt(self) -> dict:
+        return {"kv_format": self.config.kv_cache_dtype}
+
+
+def lse_merge_weight(lse_all: torch.Tensor, rank: int) -> torch.Tensor:
+    """``exp(lse_rank - lse)`` with ``lse = logsumexp_r lse_r`` over ``lse_all [W, nd, H]``;
+    0 where this rank (or every rank) has no key: never NaN."""
+    lse_all = lse_all.float()
+    m = lse_all.amax(dim=0)
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    total = m_safe + torch.log(torch.exp(lse_all - m_safe).sum(dim=0))
+    total_safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
+    return torch.exp(lse_all[rank] - total_safe)

@@ -1,0 +1,139 @@
+"""All distributed state of a rank in one object, built once from a validated ParallelConfig.
+
+``Groups`` holds the PCP and DCP data groups (NCCL on CUDA, gloo on CPU), a gloo group for
+control traffic (the digest check), the rank's coordinates and the timeouts. Build it from an
+initialised world (``Groups.build``), from torchrun's environment (``Groups.from_env``), or
+adopt the groups an engine already has (``Groups.adopt``).
+
+Rank layout (DESIGN 2): the world has max(P, W) ranks; with W == P the DCP group is the PCP
+group; a size-1 group is ``None`` (no collective is planned on it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from cpplan.schemas.config import ParallelConfig
+from cpplan.schemas.errors import ConfigError
+
+DEFAULT_TIMEOUT_S = 120.0  # data collectives
+DEFAULT_CONTROL_TIMEOUT_S = 30.0  # the digest check: a lost rank is named within this
+
+
+@dataclasses.dataclass
+class Groups:
+    """One rank's view of the PCP x DCP world. ``pcp``/``dcp`` are process groups (None when
+    the group has one rank); ``control`` is a gloo group over the same ranks (None in a world of
+    one); ``store`` (optional) lets the digest check name a rank that went missing."""
+
+    config: ParallelConfig
+    rank: int
+    world_size: int
+    pcp_rank: int
+    dcp_rank: int
+    pcp: object | None
+    dcp: object | None
+    control: object | None
+    device: torch.device
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S
+    store: object | None = None
+
+    def group(self, name: str):
+        return self.pcp if name == "pcp" else self.dcp
+
+    def size(self, name: str) -> int:
+        return self.config.pcp_size if name == "pcp" else self.config.dcp_size
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def build(cls, config: ParallelConfig, *, device: str | torch.device | None = None,
+              timeout_s: float = DEFAULT_TIMEOUT_S,
+              control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S, store=None) -> "Groups":
+        """From an initialised default world of exactly ``config.world_size`` ranks; collective
+        (every rank calls it). The data groups use the world's backend."""
+        if not dist.is_initialized():
+            raise ConfigError("torch.distributed is not initialised: call Groups.from_env or "
+                              "init_process_group first")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if world != config.world_size:
+            raise ConfigError(f"world size must equal max(pcp_size, dcp_size) = "
+                              f"{config.world_size}: got {world}")
+        backend = dist.get_backend()
+        dev = torch.device(device) if device is not None else _default_device(backend, rank)
+        data = control = None
+        if world > 1:
+            ranks = list(range(world))
+            data = dist.new_group(ranks, backend=backend,
+                                  timeout=datetime.timedelta(seconds=timeout_s))
+            control = dist.new_group(ranks, backend="gloo",
+                                     timeout=datetime.timedelta(seconds=control_timeout_s))
+        if store is None:
+            store = _default_store()
+        p, w = config.pcp_size, config.dcp_size
+        return cls(config=config, rank=rank, world_size=world,
+                   pcp_rank=rank if p > 1 else 0, dcp_rank=rank if w > 1 else 0,
+                   pcp=data if p > 1 else None, dcp=data if w > 1 else None,
+                   control=control, device=dev, timeout_s=timeout_s,
+                   control_timeout_s=control_timeout_s, store=store)
+
+    @classmethod
+    def from_env(cls, config: ParallelConfig, *, backend: str | None = None,
+                 **kwargs) -> "Groups":
+        """Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set): initialise the
+        default world if needed, then :meth:`build`."""
+        if not dist.is_initialized():
+            backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+            timeout = datetime.timedelta(seconds=kwargs.get("timeout_s", DEFAULT_TIMEOUT_S))
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend, timeout=timeout)
+        return cls.build(config, **kwargs)
+
+    @classmethod
+    def adopt(cls, config: ParallelConfig, *, pcp_group, dcp_group, control_group,
+              device: str | torch.device, store=None, timeout_s: float = DEFAULT_TIMEOUT_S,
+              control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> "Groups":
+        """Take an engine's groups (e.g. one PCP/DCP group per tensor-parallel slice). Ranks are
+        read from the groups; ``control_group`` must be a gloo group over the ranks whose plans
+        must agree (typically the union of the PCP and DCP groups)."""
+        pcp_rank = dist.get_rank(pcp_group) if pcp_group is not None else 0
+        dcp_rank = dist.get_rank(dcp_group) if dcp_group is not None else 0
+        for name, grp, want in (("pcp", pcp_group, config.pcp_size),
+                                ("dcp", dcp_group, config.dcp_size)):
+            got = dist.get_world_size(grp) if grp is not None else 1
+            if got != want:
+                raise ConfigError(f"adopted {name} group has {got} ranks: expected {want}")
+        return cls(config=config, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                   pcp_rank=pcp_rank, dcp_rank=dcp_rank, pcp=pcp_group, dcp=dcp_group,
+                   control=control_group, device=torch.device(device), timeout_s=timeout_s,
+                   control_timeout_s=control_timeout_s, store=store)
+
+    @property
+    def control_rank(self) -> int:
+        return dist.get_rank(self.control) if self.control is not None else 0
+
+    @property
+    def control_size(self) -> int:
+        return dist.get_world_size(self.control) if self.control is not None else 1
+
+
+def _default_device(backend: str, rank: int) -> torch.device:
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def _default_store():
+    """The default world's store (used only to name a lost rank); None if torch hides it."""
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    try:
+        return getter() if getter is not None else None
+    except (RuntimeError, ValueError):
+        return None

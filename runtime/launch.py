@@ -1,0 +1,159 @@
+"""A spawn-based world of rank processes, reusable across jobs (tests, ``cpplan simulate``).
+
+``World(n)`` starts n processes (multiprocessing "spawn"), each joining one torch.distributed
+world through a TCPStore that the parent hosts on 127.0.0.1 (so the store outlives any rank);
+``world.run(fn, *args)`` runs ``fn(ctx, *args)`` on every rank and returns one
+:class:`RankResult` per rank. Workers run with OMP_NUM_THREADS=1 and stay up between jobs:
+spawning and importing torch is the expensive part. Under torchrun use
+``Groups.from_env`` instead; nothing here is needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import multiprocessing as mp
+import os
+import time
+import traceback
+
+import torch.distributed as dist
+
+
+@dataclasses.dataclass
+class WorkerContext:
+    """What a job function gets on its rank."""
+
+    rank: int
+    world_size: int
+    backend: str
+    store: object
+
+
+@dataclasses.dataclass
+class RankResult:
+    rank: int
+    value: object = None
+    error: BaseException | None = None
+    lost: bool = False  # the process died or did not answer in time
+    tb: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.lost
+
+
+def _worker_main(rank: int, world_size: int, port: int, backend: str, timeout_s: float,
+                 conn) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout)
+    ctx = WorkerContext(rank, world_size, backend, store)
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg is None:
+            break
+        fn, args = msg
+        try:
+            conn.send(("ok", fn(ctx, *args), ""))
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent, typed
+            conn.send(("err", _picklable(exc), traceback.format_exc()))
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - shutting down a possibly broken world
+        pass
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+class World:
+    """n rank processes joined in one gloo (or NCCL) world; reuse it for many jobs."""
+
+    def __init__(self, world_size: int, *, backend: str = "gloo", timeout_s: float = 120.0):
+        self.world_size, self.backend = world_size, backend
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=timeout_s))
+        ctx = mp.get_context("spawn")
+        self._conns, self._procs = [], []
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned children
+        try:
+            for rank in range(world_size):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_worker_main, daemon=True,
+                                   args=(rank, world_size, self.store.port, backend, timeout_s,
+                                         child))
+                proc.start()
+                child.close()
+                self._conns.append(parent)
+                self._procs.append(proc)
+        finally:
+            if saved is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+        self.alive = [True] * world_size
+
+    def run(self, fn, *args, timeout_s: float = 600.0) -> list[RankResult]:
+        """Run ``fn(ctx, *args)`` on every rank (fn must be importable by the children)."""
+        for rank, conn in enumerate(self._conns):
+            if self.alive[rank]:
+                conn.send((fn, args))
+        deadline = time.monotonic() + timeout_s
+        results = []
+        for rank, conn in enumerate(self._conns):
+            results.append(self._collect(rank, conn, deadline))
+        return results
+
+    def _collect(self, rank: int, conn, deadline: float) -> RankResult:
+        if not self.alive[rank]:
+            return RankResult(rank, lost=True)
+        while True:
+            if conn.poll(0.05):
+                try:
+                    status, payload, tb = conn.recv()
+                except (EOFError, ConnectionError):
+                    break
+                if status == "ok":
+                    return RankResult(rank, value=payload)
+                return RankResult(rank, error=payload, tb=tb)
+            if not self._procs[rank].is_alive() or time.monotonic() > deadline:
+                break
+        self.alive[rank] = False
+        return RankResult(rank, lost=True)
+
+    def close(self) -> None:
+        for rank, conn in enumerate(self._conns):
+            if self.alive[rank]:
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
+    def __enter__(self) -> "World":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

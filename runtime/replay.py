@@ -1,0 +1,127 @@
+"""Replay: every rank of one recorded step in one process, against the oracle.
+
+Ranks run as threads; their collectives are in-process tensor operations (:class:`ThreadComm`:
+a barrier, then a concatenation or a sum in rank order, so every rank gets identical bytes).
+Each rank's cache is rebuilt from coordinates (the tokens before the step), the step runs
+through the same StepExecutor as in a real world, and the restored rows are compared with the
+single-device oracle. This is how a multi-rank step is debugged on one machine, and how the GPU
+path runs on one GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import torch
+
+from cpplan.runtime.executor import LayerCache, StepExecutor
+from cpplan.runtime.model import prefill_history, run_step
+from cpplan.runtime.coords import request_keys
+from cpplan.runtime.oracle import max_abs_error, oracle_step
+from cpplan.runtime.scheduler import BlockAllocator
+from cpplan.schemas.plan import StepPlan
+
+
+class ThreadWorld:
+    """Shared state of n rank threads."""
+
+    def __init__(self, size: int, timeout_s: float = 120.0) -> None:
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=timeout_s)
+        self.slots: list = [None] * size
+
+    def exchange(self, rank: int, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self.slots[rank] = tensor
+        self.barrier.wait()
+        values = list(self.slots)
+        self.barrier.wait()
+        return values
+
+
+class ThreadComm:
+    """Collectives between rank threads. In the supported topologies a group of more than one
+    rank is the whole world (DESIGN 2), so both groups map onto the one ThreadWorld."""
+
+    def __init__(self, world: ThreadWorld, rank: int, pcp_size: int, dcp_size: int) -> None:
+        self.world, self.rank = world, rank
+        self.sizes = {"pcp": pcp_size, "dcp": dcp_size}
+        self.on_collective = lambda: None
+
+    def before_first(self) -> None:
+        self.on_collective()
+
+    def size(self, group: str) -> int:
+        return self.sizes[group]
+
+    def all_gather(self, group: str, out: torch.Tensor, inp: torch.Tensor) -> None:
+        torch.cat(self.world.exchange(self.rank, inp), dim=0, out=out)
+
+    def all_reduce_sum(self, group: str, tensor: torch.Tensor) -> None:
+        parts = self.world.exchange(self.rank, tensor.clone())
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        tensor.copy_(total)
+
+
+@dataclasses.dataclass
+class ReplayResult:
+    step_id: int
+    max_abs_err: float
+    collectives: int  # issued, all ranks
+    tokens: int
+
+
+def replay_plan(plan: StepPlan, seed: int, device: str = "cpu",
+                kernels=None) -> ReplayResult:
+    """Run all ranks of ``plan`` as threads on ``device``; compare with the oracle."""
+    cfg = plan.config
+    world = ThreadWorld(cfg.world_size)
+    results: list = [None] * cfg.world_size
+    errors: list = []
+
+    def rank_body(rank: int) -> None:
+        try:
+            results[rank] = _run_rank(plan, seed, device, world, rank, kernels)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            errors.append(exc)
+            world.barrier.abort()
+
+    threads = [threading.Thread(target=rank_body, args=(r,)) for r in range(cfg.world_size)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+    if errors:
+        raise (real or errors)[0]
+    restored = results[0][0]
+    expected = oracle_step(plan, seed, device=device)
+    return ReplayResult(plan.step_id, max_abs_error(plan, restored, expected),
+                        sum(r[1] for r in results),
+                        int(plan.num_scheduled_tokens.np().sum()))
+
+
+def _run_rank(plan: StepPlan, seed: int, device: str, world: ThreadWorld, rank: int, kernels):
+    cfg = plan.config
+    pcp_rank = rank if cfg.pcp_size > 1 else 0
+    dcp_rank = rank if cfg.dcp_size > 1 else 0
+    comm = ThreadComm(world, rank, cfg.pcp_size, cfg.dcp_size)
+    extents = plan.extent()
+    executor = StepExecutor(cfg, pcp_rank=pcp_rank, dcp_rank=dcp_rank, comm=comm, device=device,
+                            kernels=kernels, max_tokens=plan.padded_num_tokens,
+                            max_requests=plan.num_requests,
+                            max_kv_tokens=int(extents.sum()))
+    blocks_per_req = -(-cfg.shard_rows(cfg.max_model_len) // cfg.block_size)
+    num_blocks = 1 + plan.num_requests * blocks_per_req
+    alloc = BlockAllocator(num_blocks, cfg.block_size, cfg.dcp_size, dcp_rank,
+                           cfg.interleave_size)
+    for rid, extent in zip(plan.req_ids, extents):
+        alloc.ensure(rid, int(extent))
+    tables = alloc.table(plan.req_ids, blocks_per_req)
+    caches = [LayerCache.empty(cfg, num_blocks, device) for _ in range(cfg.num_layers)]
+    prefill_history(executor, plan, caches, tables, seed)
+    bound = executor.bind(plan, tables, request_keys(plan.req_ids))
+    restored = run_step(executor, bound, caches, seed)
+    return restored, len(bound.ledger)

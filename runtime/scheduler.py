@@ -1,0 +1,150 @@
+"""A deterministic mini serving loop: scheduler and a per-rank block allocator (no torch).
+
+The scheduler admits prompts, chunk-prefills long ones under a token budget, decodes, finishes
+and preempts (recompute), and emits each step's global ``StepInput``. Every decision uses global
+facts only, so every rank runs its own copy and emits the same steps. The allocator is the
+engine's side: each rank keeps its own local blocks for its DCP shard of every request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from cpplan.runtime.tables import shard_count
+from cpplan.schemas.step import StepInput
+
+
+@dataclasses.dataclass
+class Request:
+    req_id: str
+    prompt_len: int
+    output_len: int
+    arrival: int
+    computed: int = 0  # tokens in the KV cache
+    generated: int = 0  # output tokens sampled so far
+
+    @property
+    def prefill_len(self) -> int:
+        """Tokens to prefill: the prompt, plus earlier outputs after a preemption."""
+        return self.prompt_len + max(self.generated - 1, 0)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < self.prefill_len
+
+
+def preset_requests(pcp_size: int, max_model_len: int, num_long: int = 2) -> list[Request]:
+    """Prompt lengths 1, 2, 3, around multiples of 2P and S^2, and long chunked prompts."""
+    s = 2 * pcp_size
+    lens = [1, 2, 3, s - 1, s, s + 1, 2 * s - 1, 2 * s, 2 * s + 1, s * s - 1, s * s + 1, 37]
+    lens += [max_model_len // 2 + 41 * k for k in range(num_long)]
+    reqs = []
+    for k, n in enumerate(lens):
+        n = max(1, min(n, max_model_len - 16))
+        reqs.append(Request(f"req-{k:02d}-len{n}", n, 3 + (k * 5) % 9, arrival=(k * 3) // 4))
+    return reqs
+
+
+class MiniScheduler:
+    """Admission in arrival order; per step: decodes first (1 token each), then prefills under
+    ``token_budget``; preempts the most recently admitted request when the KV budget (sum of
+    extents) would overflow."""
+
+    def __init__(self, requests: list[Request], *, token_budget: int, max_running: int,
+                 kv_token_budget: int) -> None:
+        self.waiting = sorted(requests, key=lambda r: (r.arrival, r.req_id))
+        self.running: list[Request] = []
+        self.token_budget, self.max_running = token_budget, max_running
+        self.kv_token_budget = kv_token_budget
+        self.finished: list[str] = []
+        self.preempted: list[str] = []  # ids preempted in the last schedule() call
+        self._scheduled: list[tuple[Request, int]] = []
+
+    def schedule(self, step_id: int) -> StepInput | None:
+        """The next step's global batch (None when nothing is left to run)."""
+        self.preempted = []
+        budget = self.token_budget
+        plan: list[tuple[Request, int]] = []
+        for r in self.running:
+            if not r.prefilling:
+                plan.append((r, 1))
+                budget -= 1
+        for r in self.running:
+            if r.prefilling and budget > 0:
+                n = min(r.prefill_len - r.computed, budget)
+                plan.append((r, n))
+                budget -= n
+        while (budget > 0 and self.waiting and self.waiting[0].arrival <= step_id
+               and len(self.running) < self.max_running):
+            r = self.waiting.pop(0)
+            self.running.append(r)
+            n = min(r.prefill_len, budget)
+            plan.append((r, n))
+            budget -= n
+        plan = self._fit_kv(plan)
+        if not plan:
+            return None
+        order = {id(r): k for k, r in enumerate(self.running)}
+        plan.sort(key=lambda rq: order[id(rq[0])])
+        self._scheduled = plan
+        return StepInput.build(step_id, [r.req_id for r, _ in plan],
+                               [r.computed for r, _ in plan], [q for _, q in plan],
+                               [r.prefilling for r, _ in plan])
+
+    def _fit_kv(self, plan):
+        while plan and sum(r.computed + q for r, q in plan) > self.kv_token_budget:
+            victim = self.running.pop()  # most recently admitted
+            victim.computed = 0
+            self.waiting.insert(0, victim)
+            self.preempted.append(victim.req_id)
+            plan = [(r, q) for r, q in plan if r is not victim]
+        return plan
+
+    def complete(self) -> list[str]:
+        """Apply the last scheduled step; returns ids that finished."""
+        done = []
+        for r, q in self._scheduled:
+            was_prefill = r.prefilling
+            r.computed += q
+            if was_prefill and not r.prefilling:
+                r.generated = max(r.generated, 1)
+            elif not was_prefill:
+                r.generated += 1
+            if not r.prefilling and r.generated >= r.output_len:
+                done.append(r.req_id)
+        self.running = [r for r in self.running if r.req_id not in done]
+        self.finished += done
+        self._scheduled = []
+        return done
+
+
+class BlockAllocator:
+    """One rank's paged blocks: request id -> local block ids (block 0 is the dummy)."""
+
+    def __init__(self, num_blocks: int, block_size: int, dcp_size: int, dcp_rank: int,
+                 interleave_size: int) -> None:
+        self.free = list(range(num_blocks - 1, 0, -1))
+        self.block_size, self.w, self.rank, self.inter = block_size, dcp_size, dcp_rank, \
+            interleave_size
+        self.blocks: dict[str, list[int]] = {}
+
+    def ensure(self, req_id: str, extent: int) -> None:
+        held = int(shard_count(np.int64(extent), self.w, self.inter, self.rank))
+        need = -(-held // self.block_size)
+        mine = self.blocks.setdefault(req_id, [])
+        while len(mine) < need:
+            if not self.free:
+                raise MemoryError(f"rank {self.rank}: out of KV blocks")
+            mine.append(self.free.pop())
+
+    def release(self, req_id: str) -> None:
+        self.free.extend(reversed(self.blocks.pop(req_id, [])))
+
+    def table(self, req_ids, width: int) -> np.ndarray:
+        out = np.zeros((len(req_ids), width), dtype=np.int32)
+        for i, rid in enumerate(req_ids):
+            mine = self.blocks.get(rid, [])
+            out[i, : len(mine)] = mine
+        return out

@@ -1,0 +1,168 @@
+"""A rank's token-level tables for one plan (numpy, host side of bind; no torch).
+
+Everything is derived from the plan (global facts) plus the rank's coordinates and its local
+block tables (the engine's). The tables are int64 and land in the arena; ``RankTables.meta``
+holds the host integers the step needs for slicing (never read back from the device).
+
+Sentinels: padded tokens have request 0, position 0 and key length 0 (no key); KV rows that are
+not written, and gather rows beyond a region's shard, point at ``dummy_slot``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from cpplan.schemas.errors import CapacityError
+from cpplan.schemas.plan import StepPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMeta:
+    """Host integers of one bound step (per rank)."""
+
+    num_tokens: int  # real tokens of this rank
+    padded: int  # T
+    num_decode_tokens: int  # nd (tokens [0, nd) of every rank are the decode tokens)
+    decode_width: int  # key rectangle width of the local decode pass (max local keys)
+    local_range: tuple[int, int, int]  # W == 1: (start, end, width) of the all-local pass
+    chunk_ranges: tuple[tuple[int, int, int], ...]  # W > 1: per gather chunk (start, end, width)
+    chunk_rows: tuple[int, ...]  # PT per gather chunk
+    kv_insert: bool  # the plan lists kv_insert (P > 1 and prefill rows)
+    decode_merge: bool  # the plan lists topk_candidates / decode_lse / decode_out
+    restore: bool  # the plan lists restore
+    num_global_tokens: int  # sum q
+
+
+@dataclasses.dataclass(frozen=True)
+class RankTables:
+    arrays: dict  # name -> int64 ndarray
+    meta: StepMeta
+
+
+def local_index(pos: np.ndarray, w_size: int, inter: int) -> np.ndarray:
+    return (pos // (w_size * inter)) * inter + pos % inter
+
+
+def owner(pos: np.ndarray, w_size: int, inter: int) -> np.ndarray:
+    return (pos // inter) % w_size
+
+
+def shard_count(length: np.ndarray, w_size: int, inter: int, rank: int) -> np.ndarray:
+    """Tokens of ``[0, length)`` held by DCP rank ``rank`` (DESIGN 3.4)."""
+    if w_size == 1:
+        return np.asarray(length, dtype=np.int64)
+    base = (length // inter // w_size) * inter
+    return base + np.clip(length - base * w_size - rank * inter, 0, inter)
+
+
+def _rank_tokens(plan: StepPlan, p: int):
+    """(token index, request, position, kv_write) of PCP rank p's real tokens."""
+    lens = plan.row_num_tokens.np()[p].astype(np.int64)
+    row = np.repeat(np.arange(len(lens)), lens)
+    within = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+    tok = plan.row_token_start.np()[p].astype(np.int64)[row] + within
+    req = plan.row_request.np().astype(np.int64)[row]
+    pos = plan.row_position_start()[p][row] + within
+    return tok, req, pos, plan.row_kv_write.np()[p][row].astype(bool)
+
+
+def _slots(block_tables: np.ndarray, req, local, block_size: int) -> np.ndarray:
+    col = local // block_size
+    if col.size and int(col.max()) >= block_tables.shape[1]:
+        raise CapacityError(f"block table too narrow: needs {int(col.max()) + 1} blocks per "
+                            f"request, the tables given have {block_tables.shape[1]}")
+    return block_tables[req, col].astype(np.int64) * block_size + local % block_size
+
+
+def _insert_slots(plan, w, block_tables, dummy, tok, req, pos, write, lo, hi):
+    """Slots for tokens with lo <= tok < hi, at rows tok - lo (others: dummy)."""
+    cfg = plan.config
+    out = np.full(hi - lo, dummy, dtype=np.int64)
+    sel = (tok >= lo) & (tok < hi) & write & (owner(pos, cfg.dcp_size, cfg.interleave_size) == w)
+    loc = local_index(pos[sel], cfg.dcp_size, cfg.interleave_size)
+    out[tok[sel] - lo] = _slots(block_tables, req[sel], loc, cfg.block_size)
+    return out
+
+
+def build_tables(plan: StepPlan, pcp_rank: int, dcp_rank: int, block_tables: np.ndarray,
+                 dummy_slot: int, request_keys: np.ndarray | None = None) -> RankTables:
+    """The rank's tables for ``plan``; ``block_tables`` is ``[N, max_blocks]`` (row i: this
+    rank's local blocks of request i, in the plan's request order)."""
+    cfg = plan.config
+    p_size, w_size, inter = cfg.pcp_size, cfg.dcp_size, cfg.interleave_size
+    t_pad, nd = plan.padded_num_tokens, plan.num_decode_tokens
+    names = {c.name for c in plan.collectives}
+    n = plan.num_requests
+    bt = np.asarray(block_tables, dtype=np.int64).reshape(n, -1)
+    tok, req, pos, write = _rank_tokens(plan, pcp_rank)
+    a = {}
+    a["token_req"] = np.zeros(t_pad, np.int64)
+    a["token_req"][tok] = req
+    a["token_pos"] = np.zeros(t_pad, np.int64)
+    a["token_pos"][tok] = pos
+    key_len = np.zeros(t_pad, np.int64)
+    key_len[tok] = pos + 1
+    a["key_len"] = key_len
+    local_len = np.zeros(t_pad, np.int64)
+    local_len[tok] = shard_count(pos + 1, w_size, inter, dcp_rank)
+    a["local_len"] = local_len
+    # KV insert: local decode tokens, then the (gathered or local) prefill tokens
+    a["insert_dec"] = _insert_slots(plan, dcp_rank, bt, dummy_slot, tok, req, pos, write, 0, nd)
+    kv_insert = "kv_insert" in names
+    if kv_insert:
+        parts = [_insert_slots(plan, dcp_rank, bt, dummy_slot, *_rank_tokens(plan, q), nd, t_pad)
+                 for q in range(p_size)]
+        a["insert_pre"] = np.concatenate(parts)
+    else:
+        a["insert_pre"] = _insert_slots(plan, dcp_rank, bt, dummy_slot, tok, req, pos, write,
+                                        nd, t_pad)
+    region_pcu = np.zeros(t_pad, np.int64)
+    chunk_ranges, chunk_rows = [], []
+    if w_size > 1:
+        for c, ch in enumerate(plan.gather_chunks):
+            a[f"gather_src[{c}]"] = _gather_src(plan, ch, dcp_rank, bt, dummy_slot)
+            creq = ch.requests.np().astype(np.int64)
+            pcu = ch.padded_local_cu.np()
+            region_of = np.full(n, -1, np.int64)
+            region_of[creq] = np.arange(len(creq))
+            in_chunk = (region_of[req] >= 0) & (tok >= nd)
+            ctok = tok[in_chunk]
+            region_pcu[ctok] = pcu[region_of[req[in_chunk]]]
+            if ctok.size:
+                lo, hi = int(ctok.min()), int(ctok.max()) + 1
+                assert hi - lo == ctok.size, "a gather chunk's tokens are contiguous on a rank"
+                width = int(key_len[lo:hi].max())
+            else:
+                lo = hi = width = 0
+            chunk_ranges.append((lo, hi, width))
+            chunk_rows.append(ch.padded_local_total)
+    a["region_pcu"] = region_pcu
+    a["block_tables"] = bt.reshape(-1)
+    keys = np.zeros(n, np.int64) if request_keys is None else np.asarray(request_keys, np.int64)
+    a["request_keys"] = keys
+    restore = plan.restore_index()
+    a["restore_index"] = restore
+    n_real = int(tok.size)
+    dec_width = int(local_len[:nd].max()) if nd else 0
+    local_width = int(key_len[:n_real].max()) if n_real else 0
+    meta = StepMeta(num_tokens=n_real, padded=t_pad, num_decode_tokens=nd,
+                    decode_width=max(dec_width, 1), local_range=(0, n_real, max(local_width, 1)),
+                    chunk_ranges=tuple(chunk_ranges), chunk_rows=tuple(chunk_rows),
+                    kv_insert=kv_insert, decode_merge="decode_out" in names,
+                    restore="restore" in names, num_global_tokens=int(restore.size))
+    return RankTables(arrays=a, meta=meta)
+
+
+def _gather_src(plan: StepPlan, chunk, w: int, bt: np.ndarray, dummy: int) -> np.ndarray:
+    """``[PT]`` slots of this rank's shard of each region of the chunk (padding -> dummy)."""
+    cfg = plan.config
+    creq = chunk.requests.np().astype(np.int64)
+    pcu = chunk.padded_local_cu.np()
+    held = plan.dcp_local_lens.np()[creq, w].astype(np.int64)
+    out = np.full(chunk.padded_local_total, dummy, dtype=np.int64)
+    region = np.repeat(np.arange(len(creq)), held)
+    local = np.arange(int(held.sum()), dtype=np.int64) - np.repeat(np.cumsum(held) - held, held)
+    out[pcu[region] + local] = _slots(bt, creq[region], local, cfg.block_size)
+    return out
