@@ -15,6 +15,7 @@ with one line saying what was wrong. No pickle anywhere.
 
 from __future__ import annotations
 
+import threading
 from typing import Annotated, TypeVar
 
 import msgspec
@@ -79,6 +80,20 @@ def _hash128(data: bytes) -> bytes:
     return xxhash.xxh3_128_digest(data)
 
 
+# Per-thread scratch buffers that encoding reuses: a large plan then costs one fresh
+# allocation (the returned bytes) instead of three, each of which page-faults in anew.
+_scratch = threading.local()
+
+
+def _encode_scratch(obj, slot: str) -> bytearray:
+    buf = getattr(_scratch, slot, None)
+    if buf is None:
+        buf = bytearray()
+        setattr(_scratch, slot, buf)
+    _encoder.encode_into(obj, buf)
+    return buf
+
+
 # ---------------------------------------------------------------- digests
 def plan_payload(plan: StepPlan) -> bytes:
     """Canonical msgpack bytes of a plan (what the digest covers and goldens pin)."""
@@ -87,7 +102,7 @@ def plan_payload(plan: StepPlan) -> bytes:
 
 def digest(plan: StepPlan) -> bytes:
     """128-bit digest of the canonical plan payload: the value every rank compares."""
-    return _hash128(_encoder.encode(plan))
+    return _hash128(_encode_scratch(plan, "payload"))
 
 
 def config_fingerprint(config: ParallelConfig) -> str:
@@ -96,11 +111,14 @@ def config_fingerprint(config: ParallelConfig) -> str:
 
 
 # ---------------------------------------------------------------- envelopes
-def _wrap(kind: str, payload: bytes, fingerprint: str) -> bytes:
-    body = _encoder.encode(
-        Envelope(kind, SCHEMA_VERSION, __version__, fingerprint, payload, _hash128(payload))
+def _wrap(kind: str, payload, fingerprint: str) -> bytes:
+    """File bytes for a payload (bytes or a scratch bytearray, encoded as msgpack bin)."""
+    body = _encode_scratch(
+        Envelope(kind, SCHEMA_VERSION, __version__, fingerprint, payload, _hash128(payload)),
+        "body",
     )
-    return body + _hash128(body)
+    body += _hash128(body)
+    return bytes(body)
 
 
 def _unwrap(data: bytes, kind: str, max_bytes: int) -> Envelope:
@@ -110,7 +128,8 @@ def _unwrap(data: bytes, kind: str, max_bytes: int) -> Envelope:
         raise PlanFormatError(f"file too large: got {len(data):,} bytes, limit {max_bytes:,}")
     if len(data) <= CHECKSUM_BYTES:
         raise PlanFormatError(f"not a cpplan file: got only {len(data)} bytes")
-    body, checksum = bytes(data[:-CHECKSUM_BYTES]), bytes(data[-CHECKSUM_BYTES:])
+    view = memoryview(data)  # no copy of a large body
+    body, checksum = view[:-CHECKSUM_BYTES], bytes(view[-CHECKSUM_BYTES:])
     if _hash128(body) != checksum:
         raise PlanFormatError("checksum mismatch: the file is truncated or corrupted")
     try:
@@ -148,7 +167,7 @@ def _one_line(exc: BaseException) -> str:
 # ---------------------------------------------------------------- plans
 def encode_plan(plan: StepPlan) -> bytes:
     """A plan file's bytes; canonical (same plan, same bytes, any process)."""
-    return _wrap(KIND_PLAN, _encoder.encode(plan), config_fingerprint(plan.config))
+    return _wrap(KIND_PLAN, _encode_scratch(plan, "payload"), config_fingerprint(plan.config))
 
 
 def decode_plan(data: bytes, *, max_bytes: int = MAX_FILE_BYTES) -> StepPlan:
