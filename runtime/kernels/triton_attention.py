@@ -15,8 +15,6 @@ Contract: ``reference.sparse_mla_attention``.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -24,7 +22,6 @@ import triton.language as tl
 from .reference import D_QK, D_V, FP8_DS_MLA_BYTES
 
 _LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 
 
 @triton.jit
@@ -50,12 +47,24 @@ def _load_kv_tile(kv_ptr, rows, valid, stride_kv, KV_FP8: tl.constexpr, BLOCK_K:
 
 
 @triton.jit
+def _remap_rows(ids, pcu, padded_local_total, dcp_size: tl.constexpr, interleave: tl.constexpr,
+                REMAP: tl.constexpr):
+    """Token ids (>= 0) -> int64 rows; with REMAP the gathered-buffer row of DESIGN 3.5, in int32
+    arithmetic with W and I compile-time constants (ids and rows stay below 2**31)."""
+    if REMAP:
+        grp = ids // interleave
+        ids = ((grp % dcp_size) * padded_local_total + pcu
+               + (grp // dcp_size) * interleave + ids % interleave)
+    return ids.to(tl.int64)
+
+
+@triton.jit
 def _sparse_mla_fwd(
     q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, pcu_ptr,
     stride_qt, stride_qh, stride_kv, stride_it,
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-    H, TOPK, keys_per_split, padded_local_total, dcp_size, interleave, qk_scale_log2,
-    KV_FP8: tl.constexpr, REMAP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    H, TOPK, keys_per_split, padded_local_total, qk_scale_log2,
+    dcp_size: tl.constexpr, interleave: tl.constexpr, KV_FP8: tl.constexpr, REMAP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_h = tl.program_id(0)  # head blocks of one token run side by side: they share rows in L2
@@ -66,8 +75,9 @@ def _sparse_mla_fwd(
     q_base = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
     q_lat = tl.load(q_base + tl.arange(0, 512)[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
     q_rope = tl.load(q_base + 512 + tl.arange(0, 64)[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+    pcu = 0
     if REMAP:
-        pcu = tl.load(pcu_ptr + t).to(tl.int64)
+        pcu = tl.load(pcu_ptr + t).to(tl.int32)
 
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
@@ -78,11 +88,7 @@ def _sparse_mla_fwd(
         offs = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(idx_ptr + t.to(tl.int64) * stride_it + offs, mask=offs < k_end, other=-1)
         valid = idx >= 0
-        rows = tl.where(valid, idx, 0).to(tl.int64)
-        if REMAP:
-            grp = rows // interleave
-            rows = ((grp % dcp_size) * padded_local_total + pcu
-                    + (grp // dcp_size) * interleave + rows % interleave)
+        rows = _remap_rows(tl.where(valid, idx, 0), pcu, padded_local_total, dcp_size, interleave, REMAP)
         lat, rope = _load_kv_tile(kv_ptr, rows, valid, stride_kv, KV_FP8, BLOCK_K, DOT_DTYPE)
         s = tl.dot(q_lat, tl.trans(lat), input_precision=PRECISION)
         s = tl.dot(q_rope, tl.trans(rope), s, input_precision=PRECISION)
@@ -113,26 +119,30 @@ def _block_h(H: int) -> int:
 
 
 def _num_splits(T: int, H: int, topk: int, block_k: int, device: torch.device) -> int:
-    """Split the top-k over programs until the grid covers the machine about twice."""
+    """Split the top-k over programs until the grid covers every SM once (bench/kernels.py:
+    more splits cost more than they gain once every SM has a program)."""
     if device.type != "cuda":
         return 1 if T > 1 else min(2, triton.cdiv(topk, block_k))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     programs = T * triton.cdiv(H, _block_h(H))
     splits = 1
-    while programs * splits < 2 * sms and splits * 2 * block_k * 2 <= topk:
+    while programs * splits < sms and splits * 2 * block_k * 2 <= topk:
         splits *= 2
     return splits
 
 
 def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16", *,
                          remap=None, num_splits: int | None = None, block_k: int | None = None,
-                         num_warps: int | None = None, num_stages: int | None = None):
+                         num_warps: int | None = None, num_stages: int | None = None,
+                         fp8_variant: str = "scaled_dots"):
     """Triton ``sparse_mla_attention``; same contract as the reference, plus keyword options.
 
     remap: None, or ``(region_pcu [T] int, padded_local_total, dcp_size, interleave)``: indices
     are then global token ids (NO_KEY = none) mapped in the kernel to rows of the rank-major
     gathered buffer as ``reference.remap_to_gathered`` does. num_splits: top-k splits (default:
     chosen from T and the SM count; > 1 writes float32 partials and merges them).
+    fp8_variant: "scaled_dots" (``triton_attention_fp8``: scales applied to the score and
+    probability tiles) or "dequant" (every value scaled in registers before the products).
     Operands: q's dtype (bf16 on GPU; fp16/fp32 in the interpreter) is the matrix dtype; bf16
     rows are cast to it, fp8 rows are dequantised to it.
     """
@@ -158,12 +168,19 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16
     out = torch.empty(splits, T, H, D_V, dtype=q.dtype if splits == 1 else torch.float32, device=q.device)
     pcu, pt, w, il = (remap if remap is not None else (indices, 0, 1, 1))
     grid = (triton.cdiv(H, block_h), T, splits)
-    _sparse_mla_fwd[grid](
-        q, kv, indices, out, lse, pcu,
-        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
-        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        H, topk, per_split, pt, w, il, sm_scale * _LOG2E,
-        KV_FP8=fp8, REMAP=remap is not None, BLOCK_H=block_h, BLOCK_K=block_k,
+    args = (q, kv, indices, out, lse, pcu,
+            q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
+            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+            H, topk, per_split, pt, sm_scale * _LOG2E)
+    if fp8 and fp8_variant == "scaled_dots":
+        from .triton_attention_fp8 import _sparse_mla_fwd_fp8
+
+        kernel, extra = _sparse_mla_fwd_fp8, {}
+    else:
+        kernel, extra = _sparse_mla_fwd, {"KV_FP8": fp8}
+    kernel[grid](
+        *args, dcp_size=w, interleave=il, **extra,
+        REMAP=remap is not None, BLOCK_H=block_h, BLOCK_K=block_k,
         DOT_DTYPE=_DOT_DTYPES[q.dtype], PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps or (8 if block_h >= 64 else 4), num_stages=num_stages or 2,
     )

@@ -83,11 +83,12 @@ def test_attention_fp32_operands_and_paged_view(env):
 
     q, kv, idx = _case(env, 3, 16, 40, 128, 7, dtype=torch.float32)
     cache = ref.quantize_fp8_ds_mla(kv).reshape(2, 64, 656)
-    out, lse = sparse_mla_attention(q, cache, idx, 0.05, "fp8_ds_mla")
     want_o, want_l = ref.sparse_mla_attention(q, cache, idx, 0.05, "fp8_ds_mla")
-    tol = 1e-5 if env == "interp" else 3e-3  # tf32 on the GPU
-    assert _rel(out, want_o) < tol
-    _check_attention(out, lse, want_o, want_l, torch.float32 if env == "interp" else torch.bfloat16)
+    for variant in ("scaled_dots", "dequant"):
+        out, lse = sparse_mla_attention(q, cache, idx, 0.05, "fp8_ds_mla", fp8_variant=variant)
+        tol = 1e-5 if env == "interp" else 3e-3  # tf32 on the GPU
+        assert _rel(out, want_o) < tol
+        _check_attention(out, lse, want_o, want_l, torch.float32 if env == "interp" else torch.bfloat16)
 
 
 @pytest.mark.parametrize("env", ENVS)

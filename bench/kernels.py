@@ -1,0 +1,234 @@
+"""Kernel benchmarks on one GPU: every kernel's median time against naive torch and the machine's
+ceilings measured in the same run (bf16 matmul 8192^3, device-to-device copy).
+
+    python bench/kernels.py [--quick] [--json out.json] [--only prefill,decode,...]
+
+Prints a markdown table (the one recorded in bench/RESULTS_kernels.md). FLOPs of sparse MLA per
+query token: 2 * H * topk * (576 + 512); bytes of decode: topk * 656 per query (the KV rows read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from cpplan.runtime.kernels import reference as ref
+from cpplan.runtime.kernels import triton_attention as ta
+from cpplan.runtime.kernels import triton_index as ti
+from cpplan.runtime.kernels import triton_indexer as tx
+from cpplan.runtime.kernels import triton_merge as tm
+from cpplan.runtime.kernels import triton_pack as tp
+
+ROWS: list[dict] = []
+
+
+def bench(fn, ms_hint=None):
+    fn()
+    torch.cuda.synchronize()
+    return do_bench(fn, warmup=25, rep=200 if ms_hint is None else max(100, 20 * ms_hint),
+                    return_mode="median")
+
+
+def row(name, ms, flops=None, bytes_=None, vs=None, note=""):
+    r = {"name": name, "ms": ms, "tflops": flops / ms / 1e9 if flops else None,
+         "gbs": bytes_ / ms / 1e6 if bytes_ else None, "vs": vs, "note": note}
+    ROWS.append(r)
+    tf = f"{r['tflops']:.0f} TFLOP/s" if r["tflops"] else ""
+    gb = f"{r['gbs']:.0f} GB/s" if r["gbs"] else ""
+    print(f"{name:58s} {ms * 1e3:10.1f} us  {tf:>14s} {gb:>12s}  {note}", flush=True)
+    return r
+
+
+def ceilings():
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    row("ceiling: bf16 matmul 8192^3", bench(lambda: a @ b), flops=2 * 8192**3)
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    row("ceiling: device copy 2 GiB (read + write)", bench(lambda: y.copy_(x)), bytes_=2 * x.numel())
+    del a, b, x, y
+
+
+def _inputs(T, H, topk, N, fmt, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(T, H, 576, device="cuda", generator=g).to(torch.bfloat16)
+    kv = torch.randn(N, 576, device="cuda", generator=g)
+    buf = tp.quantize_fp8_ds_mla(kv) if fmt == "fp8_ds_mla" else kv.to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(N, device="cuda", generator=g)[:topk] for _ in range(min(T, 64))])
+    idx = idx.repeat(triton.cdiv(T, idx.shape[0]), 1)[:T].int().contiguous()
+    return q, buf, idx
+
+
+def naive_torch(q, kv, idx, sm_scale, chunk=256):
+    """Gather rows, two einsums and a softmax in bf16 (the baseline the issue measured)."""
+    out = torch.empty(q.shape[0], q.shape[1], 512, dtype=q.dtype, device=q.device)
+    for t0 in range(0, q.shape[0], chunk):
+        i = idx[t0:t0 + chunk]
+        rows = kv[i.clamp_min(0).long()]
+        s = torch.einsum("thd,tkd->thk", q[t0:t0 + chunk], rows).float() * sm_scale
+        s = s.masked_fill((i < 0)[:, None, :], float("-inf"))
+        p = torch.softmax(s, -1).to(q.dtype)
+        out[t0:t0 + chunk] = torch.einsum("thk,tkd->thd", p, rows[..., :512])
+    return out
+
+
+def attn_flops(T, H, topk):
+    return 2 * T * H * topk * (576 + 512)
+
+
+def bench_prefill(quick):
+    T, H, topk, N = 4096, 128, 2048, 65536
+    fl = attn_flops(T, H, topk)
+    sm = 576**-0.5
+    q, kv, idx = _inputs(T, H, topk, N, "bf16")
+    naive = row("prefill naive torch bf16 T4096 H128 k2048", bench(lambda: naive_torch(q, kv, idx, sm)), fl)
+    configs = [(64, 8, 3), (64, 8, 4), (64, 8, 2)] if not quick else [(64, 8, 3)]
+    best = None
+    for bk, nw, ns in configs:
+        try:
+            ms = bench(lambda: ta.sparse_mla_attention(q, kv, idx, sm, "bf16", block_k=bk,
+                                                       num_warps=nw, num_stages=ns))
+        except Exception as e:  # a config that does not compile (registers / shared memory)
+            print(f"prefill bf16 bk{bk} w{nw} s{ns}: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        r = row(f"prefill triton bf16 bk{bk} w{nw} s{ns}", ms, fl, vs=naive["ms"] / ms,
+                note=f"{naive['ms'] / ms:.2f}x naive")
+        best = r if best is None or ms < best["ms"] else best
+    del kv
+    q, kv8, idx = _inputs(T, H, topk, N, "fp8_ds_mla")
+    best8 = None
+    for (bk, nw, ns), var in [(c, "scaled_dots") for c in configs[:2]] + [(configs[0], "dequant")]:
+        try:
+            ms = bench(lambda: ta.sparse_mla_attention(q, kv8, idx, sm, "fp8_ds_mla", block_k=bk,
+                                                       num_warps=nw, num_stages=ns, fp8_variant=var))
+        except Exception as e:
+            print(f"prefill fp8 {var} bk{bk} w{nw} s{ns}: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        r = row(f"prefill triton fp8_ds_mla {var} bk{bk} w{nw} s{ns}", ms, fl,
+                note=f"{best['ms'] / ms:.2f}x best bf16" if best else "")
+        best8 = r if best8 is None or ms < best8["ms"] else best8
+    return best, best8
+
+
+def bench_decode(quick):
+    sm = 576**-0.5
+    for B, H in ((128, 128), (256, 16), (64, 32)):
+        topk, N = 2048, 1 << 18  # a paged cache of 4096 blocks x 64 slots
+        q, kv8, idx = _inputs(B, H, topk, N, "fp8_ds_mla", seed=B + H)
+        fl, by = attn_flops(B, H, topk), B * topk * 656
+        kvb = ref.dequantize_fp8_ds_mla(kv8).to(torch.bfloat16)
+        row(f"decode naive torch (pre-dequantised bf16 rows) B{B} H{H}",
+            bench(lambda: naive_torch(q, kvb, idx, sm)), fl, by)
+        del kvb
+        for splits, var, ns in ((None, "scaled_dots", 2), (None, "scaled_dots", 3), (4, "scaled_dots", 2),
+                                (None, "dequant", 2)):
+            ms = bench(lambda: ta.sparse_mla_attention(q, kv8, idx, sm, "fp8_ds_mla", num_splits=splits,
+                                                       fp8_variant=var, num_stages=ns))
+            row(f"decode triton fp8 {var} B{B} H{H} k2048 splits={splits or 'auto'} s{ns}", ms, fl, by)
+
+
+def bench_remap_vs_copy():
+    """Zero-copy remap vs index_select deinterleave, for attention and the indexer (DESIGN 3.5)."""
+    W, I, E = 4, 1, 65536
+    PT = E // W
+    sm = 576**-0.5
+    g = torch.Generator(device="cuda").manual_seed(1)
+    gathered = tp.quantize_fp8_ds_mla(torch.randn(W * PT, 576, device="cuda", generator=g))
+    t = torch.arange(E, device="cuda")
+    dein = ref.remap_to_gathered(t[None], torch.zeros(1, dtype=torch.int64, device="cuda"), PT, W, I)[0].long()
+    for T in (4096, 256):
+        H, topk = 128, 2048
+        q = torch.randn(T, H, 576, device="cuda", generator=g).to(torch.bfloat16)
+        ids = torch.randint(0, E, (T, topk), device="cuda", generator=g, dtype=torch.int32)
+        pcu = torch.zeros(T, dtype=torch.int32, device="cuda")
+        fused = bench(lambda: ta.sparse_mla_attention(q, gathered, ids, sm, "fp8_ds_mla", remap=(pcu, PT, W, I)))
+        two = bench(lambda: ta.sparse_mla_attention(q, gathered, ti.remap_to_gathered(ids, pcu, PT, W, I),
+                                                    sm, "fp8_ds_mla"))
+        copy = bench(lambda: ta.sparse_mla_attention(q, ref.deinterleave_index_select(gathered, dein),
+                                                     ids, sm, "fp8_ds_mla"))
+        sel = bench(lambda: ref.deinterleave_index_select(gathered, dein))
+        rmp = bench(lambda: ti.remap_to_gathered(ids, pcu, PT, W, I))
+        row(f"attn T{T}: fused remap + kernel", fused, note=f"{copy / fused:.3f}x vs copy")
+        row(f"attn T{T}: remap kernel + kernel", two, note=f"remap alone {rmp * 1e3:.1f} us")
+        row(f"attn T{T}: index_select deinterleave + kernel", copy, note=f"copy alone {sel * 1e3:.1f} us")
+    # indexer: T queries of one request at positions spread over E, 64 heads
+    kx = tp.quantize_indexer_k(torch.randint(-3, 4, (W * PT, 128), device="cuda", generator=g).float())
+    T, Hi = 512, 64
+    qx = torch.randn(T, Hi, 128, device="cuda", generator=g).to(torch.bfloat16)
+    wx = torch.randn(T, Hi, device="cuda", generator=g)
+    key_len = torch.linspace(E // 2, E, T, device="cuda").long()
+    pcu = torch.zeros(T, dtype=torch.int64, device="cuda")
+    fl = 2 * Hi * 128 * int(key_len.sum())
+    a = bench(lambda: tx.indexer_topk_prefill(qx, wx, kx, key_len, pcu, PT, W, I, 2048, max_keys=E))
+    b = bench(lambda: tx.indexer_topk_prefill(qx, wx, ref.deinterleave_index_select(kx, dein), key_len,
+                                              pcu, E, 1, 1, 2048, max_keys=E))
+    keys = torch.empty(T, E, dtype=torch.int64, device="cuda")
+    s_only = bench(lambda: tx._launch(qx, wx, kx, keys, tx.MODE_PREFILL, True, E, lens=key_len, pcu=pcu,
+                                      PT=PT, W=W, I=I))
+    k_only = bench(lambda: torch.topk(keys, 2048, dim=1))
+    row(f"indexer T{T} E{E}: remap in kernel + top-k", a, fl, note=f"{b / a:.3f}x vs copy")
+    row(f"indexer T{T} E{E}: index_select + kernel + top-k", b, fl)
+    row(f"indexer T{T} E{E}: scores kernel alone", s_only, fl)
+    row(f"indexer T{T} E{E}: torch.topk alone [T, E] int64", k_only)
+
+
+def bench_small_ops():
+    R, T, H = 4, 128, 128
+    out = torch.randn(R, T, H, 512, device="cuda")
+    lse = torch.randn(R, T, H, device="cuda")
+    by = out.numel() * 4 + T * H * 512 * 4
+    row("lse_merge triton R4 T128 H128 fp32", bench(lambda: tm.lse_merge(out, lse)), bytes_=by)
+    row("lse_merge torch reference", bench(lambda: ref.lse_merge(out, lse)), bytes_=by)
+    n = 65536
+    kv = torch.randn(n, 576, device="cuda").to(torch.bfloat16)
+    cache = torch.empty(n * 2, 656, dtype=torch.uint8, device="cuda")
+    slots = torch.randperm(n * 2, device="cuda")[:n]
+    by = n * (576 * 2 + 656)
+    row("pack fp8_ds_mla triton 65536 tokens", bench(lambda: tp.pack_fp8_ds_mla_into(cache, slots, kv)), bytes_=by)
+    row("pack fp8_ds_mla torch reference", bench(lambda: ref.pack_fp8_ds_mla_into(cache, slots, kv)), bytes_=by)
+    ids = torch.randint(0, 1 << 20, (4096, 2048), device="cuda")
+    pcu = torch.zeros(4096, dtype=torch.int64, device="cuda")
+    by = ids.numel() * (8 + 4)
+    row("remap triton [4096, 2048]", bench(lambda: ti.remap_to_gathered(ids, pcu, 1 << 18, 4, 1)), bytes_=by)
+    row("remap torch reference", bench(lambda: ref.remap_to_gathered(ids, pcu, 1 << 18, 4, 1)), bytes_=by)
+    bt = torch.randint(0, 1 << 14, (4096, 1 << 12), device="cuda", dtype=torch.int32)
+    row("filter_local_slots triton [4096, 2048]", bench(lambda: ti.filter_local_slots(ids, bt, 64, 4, 1, 1)), bytes_=by)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default="ceil,prefill,decode,remap,small")
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} "
+          f"{time.strftime('%Y-%m-%d %H:%M')}")
+    parts = a.only.split(",")
+    steps = {"ceil": ceilings, "prefill": lambda: bench_prefill(a.quick),
+             "decode": lambda: bench_decode(a.quick), "remap": bench_remap_vs_copy,
+             "small": bench_small_ops}
+    for p in parts:
+        try:
+            steps[p]()
+        except Exception as e:  # keep the other measurements
+            print(f"{p}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        torch.cuda.empty_cache()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(ROWS, f, indent=1)
+    print("\n| kernel | median us | TFLOP/s | GB/s | note |\n|---|---|---|---|---|")
+    for r in ROWS:
+        tf = f"{r['tflops']:.0f}" if r["tflops"] else ""
+        gb = f"{r['gbs']:.0f}" if r["gbs"] else ""
+        print(f"| {r['name']} | {r['ms'] * 1e3:.1f} | {tf} | {gb} | {r['note']} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
