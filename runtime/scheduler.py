@@ -39,25 +39,27 @@ def preset_requests(pcp_size: int, max_model_len: int, num_long: int = 2) -> lis
     """Prompt lengths 1, 2, 3, around multiples of 2P and S^2, and long chunked prompts."""
     s = 2 * pcp_size
     lens = [1, 2, 3, s - 1, s, s + 1, 2 * s - 1, 2 * s, 2 * s + 1, s * s - 1, s * s + 1, 37]
-    lens += [max_model_len // 2 + 41 * k for k in range(num_long)]
+    lens[2:2] = [max_model_len // 2 + 61 * k for k in range(num_long)]
     reqs = []
     for k, n in enumerate(lens):
-        n = max(1, min(n, max_model_len - 16))
-        reqs.append(Request(f"req-{k:02d}-len{n}", n, 3 + (k * 5) % 9, arrival=(k * 3) // 4))
+        n = max(1, min(n, max_model_len - 24))
+        reqs.append(Request(f"req-{k:02d}-len{n}", n, 4 + (k * 7) % 13, arrival=k // 3))
     return reqs
 
 
 class MiniScheduler:
     """Admission in arrival order; per step: decodes first (1 token each), then prefills under
-    ``token_budget``; preempts the most recently admitted request when the KV budget (sum of
+    ``token_budget``, at most ``max_prefill_chunk`` tokens per request (long prompts are
+    chunk-prefilled side by side); preempts the most recently admitted request when the KV budget (sum of
     extents) would overflow."""
 
     def __init__(self, requests: list[Request], *, token_budget: int, max_running: int,
-                 kv_token_budget: int) -> None:
+                 kv_token_budget: int, max_prefill_chunk: int = 48) -> None:
         self.waiting = sorted(requests, key=lambda r: (r.arrival, r.req_id))
         self.running: list[Request] = []
         self.token_budget, self.max_running = token_budget, max_running
         self.kv_token_budget = kv_token_budget
+        self.max_prefill_chunk = max_prefill_chunk  # per request and step (vLLM's long-prefill cap)
         self.finished: list[str] = []
         self.preempted: list[str] = []  # ids preempted in the last schedule() call
         self._scheduled: list[tuple[Request, int]] = []
@@ -73,14 +75,14 @@ class MiniScheduler:
                 budget -= 1
         for r in self.running:
             if r.prefilling and budget > 0:
-                n = min(r.prefill_len - r.computed, budget)
+                n = min(r.prefill_len - r.computed, budget, self.max_prefill_chunk)
                 plan.append((r, n))
                 budget -= n
         while (budget > 0 and self.waiting and self.waiting[0].arrival <= step_id
                and len(self.running) < self.max_running):
             r = self.waiting.pop(0)
             self.running.append(r)
-            n = min(r.prefill_len, budget)
+            n = min(r.prefill_len, budget, self.max_prefill_chunk)
             plan.append((r, n))
             budget -= n
         plan = self._fit_kv(plan)

@@ -90,7 +90,7 @@ def _mismatch_error(g, plan: StepPlan, digests: list[bytes], seq: int) -> PlanMi
     ref = plans[ref_rank]
     field = "unknown (plans could not be exchanged)"
     if ref is not None and plans[bad[0]] is not None:
-        field = first_difference(ref, plans[bad[0]]) or "none (same fields, different bytes)"
+        field = first_difference(plans[bad[0]], ref) or "none (same fields, different bytes)"
     step_id = ref.step_id if ref is not None else plan.step_id
     good = [r for r in range(len(digests)) if r not in bad]
     return PlanMismatchError(

@@ -1,0 +1,177 @@
+"""``cpplan simulate``: run the mini serving loop over a spawned PCP x DCP world, check every
+step against the single-device oracle.
+
+Exit codes: 0 every step matches, 1 an output differs from the oracle, 2 bad input, 3 plan
+mismatch (``--inject-divergence``), 4 a rank was lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+EXAMPLE = """example:
+  cpplan simulate                      # P=2 x W=2, fp8_ds_mla, 24 steps, 2 layers
+  cpplan simulate --pcp 3 --dcp 3 --interleave 2 --kv-cache-dtype bf16 --json
+  cpplan simulate --inject-divergence 5:1:reorder   # every rank stops at step 5, exit 3
+"""
+
+
+def register(sub) -> None:
+    p = sub.add_parser("simulate", help="run the mini serving loop across ranks vs the oracle",
+                       description=__doc__, epilog=EXAMPLE,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pcp", type=int, default=2, help="PCP size P (default 2)")
+    p.add_argument("--dcp", type=int, default=2, help="DCP size W (default 2)")
+    p.add_argument("--interleave", type=int, default=1, help="interleave size I (default 1)")
+    p.add_argument("--kv-cache-dtype", choices=("fp8_ds_mla", "bf16"), default="fp8_ds_mla")
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    p.add_argument("--verify", choices=("every", "sampled", "off"), default="every")
+    p.add_argument("--verify-every", type=int, default=4, metavar="N",
+                   help="with --verify sampled: check every N-th step (default 4)")
+    p.add_argument("--timeout", type=float, default=30.0, metavar="S",
+                   help="seconds before a rank missing from the digest check is declared lost")
+    p.add_argument("--record", metavar="DIR", help="write step-N.msgpack + replay.json")
+    p.add_argument("--inject-divergence", metavar="STEP:RANK[:KIND]",
+                   help="perturb RANK's step input at STEP (kinds: reorder, q+1, drop, "
+                        "config, step-id; default q+1)")
+    p.add_argument("--json", action="store_true", help="last stdout line: one JSON summary")
+    p.set_defaults(run=run)
+
+
+def _options(args):
+    from cpplan.runtime.simulate import INJECT_KINDS, Inject, SimOptions
+    from cpplan.schemas.errors import ConfigError
+
+    inject = None
+    if args.inject_divergence:
+        parts = args.inject_divergence.split(":")
+        try:
+            step, rank = int(parts[0]), int(parts[1])
+        except (ValueError, IndexError):
+            raise ConfigError(f"--inject-divergence must be STEP:RANK[:KIND]: got "
+                              f"{args.inject_divergence!r}") from None
+        kind = parts[2] if len(parts) > 2 else "q+1"
+        if kind not in INJECT_KINDS or len(parts) > 3:
+            raise ConfigError(f"--inject-divergence kind must be one of {INJECT_KINDS}: "
+                              f"got {kind!r}")
+        inject = Inject(step, rank, kind)
+    for name in ("steps", "layers", "verify_every"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1: got {getattr(args, name)}")
+    return SimOptions(pcp=args.pcp, dcp=args.dcp, interleave=args.interleave,
+                      kv_cache_dtype=args.kv_cache_dtype, steps=args.steps, seed=args.seed,
+                      layers=args.layers, backend=args.backend, verify=args.verify,
+                      verify_every=args.verify_every, record=args.record, inject=inject,
+                      timeout_s=args.timeout)
+
+
+def run(args) -> int:
+    from cpplan.runtime.simulate import preset_config
+    from cpplan.schemas.errors import ConfigError
+
+    opts = _options(args)
+    config = preset_config(opts)  # ConfigError (exit 2) for an unsupported topology
+    world = config.world_size
+    if opts.inject and not 0 <= opts.inject.rank < world:
+        raise ConfigError(f"--inject-divergence rank must be in [0, {world}): got "
+                          f"{opts.inject.rank}")
+    if opts.backend == "nccl":
+        import torch
+
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have < world:
+            raise ConfigError(f"--backend nccl needs one GPU per rank: {world} ranks, "
+                              f"{have} GPUs (NCCL refuses two ranks on one GPU; use "
+                              f"'cpplan replay --device cuda' on a single GPU)")
+    return _launch(opts, world, args.json)
+
+
+def _launch(opts, world: int, as_json: bool) -> int:
+    from cpplan.runtime.launch import World
+    from cpplan.runtime.simulate import rank_main
+
+    t0 = time.monotonic()
+    sys.stderr.write(f"cpplan simulate: P={opts.pcp} W={opts.dcp} I={opts.interleave} "
+                     f"{opts.kv_cache_dtype}, {world} ranks ({opts.backend}), "
+                     f"{opts.steps} steps x {opts.layers} layers\n")
+    w = World(world, backend=opts.backend, timeout_s=max(opts.timeout_s * 4, 60.0))
+    try:
+        results = w.run(rank_main, opts, timeout_s=max(600.0, opts.timeout_s * 4))
+    finally:
+        w.close()
+    elapsed = time.monotonic() - t0
+    return _report(opts, results, elapsed, as_json)
+
+
+def _report(opts, results, elapsed: float, as_json: bool) -> int:
+    from cpplan.runtime.simulate import TOLERANCE
+    from cpplan.schemas.errors import CpplanError, RankLostError
+
+    failures = []
+    for r in results:
+        if r.lost:
+            failures.append((r.rank, RankLostError(f"rank {r.rank} process exited or hung"),
+                             None))
+        elif r.error is not None:
+            sys.stderr.write(r.tb)
+            failures.append((r.rank, r.error, None))
+        elif "error" in r.value:
+            failures.append((r.rank, r.value["error"], r.value))
+    if failures:
+        return _report_failures(failures, as_json)
+    s = dict(results[0].value)
+    s.pop("rank", None)
+    ok = s["max_abs_err"] <= TOLERANCE
+    s.update(ok=ok, tolerance=TOLERANCE, seconds=round(elapsed, 2), pcp=opts.pcp, dcp=opts.dcp,
+             interleave=opts.interleave, kv_cache_dtype=opts.kv_cache_dtype)
+    _table(s)
+    if as_json:
+        print(json.dumps(s))
+    return 0 if ok else 1
+
+
+def _report_failures(failures, as_json: bool) -> int:
+    from cpplan.schemas.errors import CpplanError
+
+    codes = []
+    for rank, exc, rec in failures:
+        where = f" at step {rec['step']} (ledger {rec['ledger']} collectives, " \
+                f"{rec['elapsed_s']:.2f} s after bind)" if rec else ""
+        sys.stderr.write(f"rank {rank}{where}: {type(exc).__name__}: {exc}\n")
+        codes.append(exc.exit_code if isinstance(exc, CpplanError) else 1)
+    code = max(codes, key=lambda c: (c == 3, c == 4, c))
+    if as_json:
+        print(json.dumps({"ok": False, "exit_code": code, "ranks_failed": len(failures),
+                          "error": str(failures[0][1])}))
+    return code
+
+
+def _table(s: dict) -> None:
+    rows = [("steps", s["steps"]), ("query tokens", s["tokens"]),
+            ("gather chunks", s["gather_chunks"]), ("preempted / finished",
+                                                    f"{s['preempted']} / {s['finished']}"),
+            ("collectives (all ranks)", s["collectives"]), ("digest checks passed",
+                                                            s["digest_checks"]),
+            ("max |out - oracle|", f"{s['max_abs_err']:.2e} (tol {s['tolerance']:.0e})"),
+            ("result", "OK" if s["ok"] else "MISMATCH"), ("wall time", f"{s['seconds']} s")]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        Console = None
+    if Console is not None and sys.stderr.isatty():
+        table = Table(title="cpplan simulate")
+        table.add_column("what")
+        table.add_column("value", justify="right")
+        for k, v in rows:
+            table.add_row(k, str(v))
+        Console(stderr=True).print(table)
+        return
+    for k, v in rows:
+        sys.stderr.write(f"{k:>26}  {v}\n")

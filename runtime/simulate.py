@@ -1,0 +1,218 @@
+"""``cpplan simulate``'s per-rank body: the mini serving loop over a real torch.distributed world.
+
+Every rank runs the same deterministic scheduler, compiles each step, binds it (digest check),
+runs the reference layers through the embedding API, restores, and checks its share of the
+requests (index % world == rank) against the single-device oracle. Results are summed over the
+control group at the end. A rank can be made to diverge at one step (``Inject``) to show the
+digest check stopping every rank before any data collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from cpplan.planner.compile import compile as compile_plan
+from cpplan.runtime.coords import request_keys
+from cpplan.runtime.executor import LayerCache, StepExecutor
+from cpplan.runtime.groups import Groups
+from cpplan.runtime.model import run_step
+from cpplan.runtime.oracle import max_abs_error, oracle_step
+from cpplan.runtime.scheduler import BlockAllocator, MiniScheduler, preset_requests
+from cpplan.schemas.codec import encode_plan
+from cpplan.schemas.config import ParallelConfig
+from cpplan.schemas.errors import CpplanError, StepInputError
+from cpplan.schemas.step import StepInput
+
+INJECT_KINDS = ("reorder", "q+1", "drop", "config", "step-id")
+# float32 on CPU: ranks and oracle select the same keys (exact integer indexer scores) and read
+# the same dequantised rows; what differs is the summation order (einsum blocking, the LSE merge
+# over W partial softmaxes), a few float32 ulps of outputs bounded by 1: 1e-7 measured.
+TOLERANCE = 2e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class Inject:
+    step: int
+    rank: int
+    kind: str = "q+1"
+
+
+@dataclasses.dataclass(frozen=True)
+class SimOptions:
+    pcp: int = 2
+    dcp: int = 2
+    interleave: int = 1
+    kv_cache_dtype: str = "fp8_ds_mla"
+    steps: int = 24
+    seed: int = 0
+    layers: int = 2
+    backend: str = "gloo"
+    verify: str = "every"
+    verify_every: int = 4
+    record: str | None = None
+    inject: Inject | None = None
+    timeout_s: float = 30.0
+    progress: bool = True
+    max_model_len: int = 512
+
+
+# The small preset (DESIGN 7): real 576/512 dims and formats, few heads, topk below contexts,
+# the minimum workspace (several gather chunks per step).
+PRESET = dict(block_size=64, num_heads=8, topk=64, index_num_heads=4, index_head_dim=128,
+              activation_dtype="float32")
+TOKEN_BUDGET, MAX_RUNNING, KV_TOKEN_BUDGET = 128, 10, 1100
+
+
+def preset_config(opts: SimOptions) -> ParallelConfig:
+    return ParallelConfig(pcp_size=opts.pcp, dcp_size=opts.dcp, interleave_size=opts.interleave,
+                          kv_cache_dtype=opts.kv_cache_dtype, num_layers=opts.layers,
+                          hidden_size=opts.layers * PRESET["num_heads"] * 512,
+                          max_model_len=opts.max_model_len, **PRESET)
+
+
+def perturb(step: StepInput, config: ParallelConfig, kind: str):
+    """One rank's wrong view of a step (``--inject-divergence``)."""
+    c, q = step.num_computed_tokens.np(), step.num_scheduled_tokens.np().copy()
+    pre, ids = step.is_prefilling.np(), list(step.req_ids)
+    if kind == "reorder":
+        order = list(range(len(ids)))[::-1]
+        return StepInput.build(step.step_id, [ids[i] for i in order], c[order], q[order],
+                               pre[order].astype(bool)), config
+    if kind == "q+1":
+        q[0] += 1
+        return StepInput.build(step.step_id, ids, c, q, pre.astype(bool)), config
+    if kind == "drop":
+        return StepInput.build(step.step_id, ids[:-1], c[:-1], q[:-1],
+                               pre[:-1].astype(bool)), config
+    if kind == "config":
+        return step, msgspec.structs.replace(
+            config, gather_workspace_tokens=config.gather_workspace_tokens + 1)
+    if kind == "step-id":
+        return msgspec.structs.replace(step, step_id=step.step_id + 1), config
+    raise StepInputError(f"divergence kind must be one of {INJECT_KINDS}: got {kind!r}")
+
+
+def rank_main(ctx, opts: SimOptions) -> dict:
+    """The body run on every rank; returns this rank's record (errors included, typed)."""
+    config = preset_config(opts)
+    device = torch.device("cuda", ctx.rank) if opts.backend == "nccl" else torch.device("cpu")
+    groups = Groups.build(config, device=device, control_timeout_s=opts.timeout_s,
+                          store=ctx.store)
+    sim = _RankSim(config, groups, opts)
+    try:
+        sim.run()
+    except CpplanError as exc:
+        return {"rank": ctx.rank, "error": exc, "step": sim.step,
+                "ledger": sim.ledger_len, "elapsed_s": time.monotonic() - sim.t_bind}
+    return sim.summary()
+
+
+class _RankSim:
+    def __init__(self, config: ParallelConfig, groups: Groups, opts: SimOptions) -> None:
+        self.config, self.groups, self.opts = config, groups, opts
+        self.rank = groups.rank
+        mml = config.max_model_len
+        self.blocks_per_req = -(-config.shard_rows(mml) // config.block_size)
+        num_blocks = 1 + MAX_RUNNING * self.blocks_per_req
+        self.executor = StepExecutor.from_groups(
+            config, groups, verify=opts.verify, verify_every=opts.verify_every,
+            max_tokens=TOKEN_BUDGET + MAX_RUNNING, max_requests=MAX_RUNNING,
+            max_kv_tokens=KV_TOKEN_BUDGET + TOKEN_BUDGET)
+        self.alloc = BlockAllocator(num_blocks, config.block_size, config.dcp_size,
+                                    groups.dcp_rank, config.interleave_size)
+        self.caches = [LayerCache.empty(config, num_blocks, groups.device)
+                       for _ in range(config.num_layers)]
+        self.sched = MiniScheduler(preset_requests(config.pcp_size, mml, num_long=4),
+                                   token_budget=TOKEN_BUDGET, max_running=MAX_RUNNING,
+                                   kv_token_budget=KV_TOKEN_BUDGET)
+        self.step = -1
+        self.ledger_len = 0
+        self.t_bind = time.monotonic()
+        self.stats = dict(steps=0, tokens=0, collectives=0, max_abs_err=0.0, chunks=0,
+                          preempted=0, finished=0)
+
+    def run(self) -> None:
+        for step_id in range(self.opts.steps):
+            self.step = step_id
+            step = self.sched.schedule(step_id)
+            if step is None:
+                break
+            for rid in self.sched.preempted:
+                self.alloc.release(rid)
+            self.stats["preempted"] += len(self.sched.preempted)
+            self._one_step(step)
+            for rid in self.sched.complete():
+                self.alloc.release(rid)
+                self.stats["finished"] += 1
+
+    def _one_step(self, step: StepInput) -> None:
+        config, inj = self.config, self.opts.inject
+        if inj is not None and inj.step == step.step_id and inj.rank == self.rank:
+            step, config = perturb(step, config, inj.kind)
+        plan = compile_plan(config, step)
+        for rid, extent in zip(plan.req_ids, plan.extent()):
+            self.alloc.ensure(rid, int(extent))
+        tables = self.alloc.table(plan.req_ids, self.blocks_per_req)
+        self.ledger_len = 0
+        self.t_bind = time.monotonic()
+        bound = self.executor.bind(plan, tables, request_keys(plan.req_ids))
+        try:
+            restored = run_step(self.executor, bound, self.caches, self.opts.seed)
+        finally:
+            self.ledger_len = len(bound.ledger)
+        world = self.groups.world_size
+        mine = [i for i in range(plan.num_requests) if i % world == self.rank]
+        expected = oracle_step(plan, self.opts.seed, mine, device=self.groups.device)
+        err = max_abs_error(plan, restored, expected)
+        s = self.stats
+        s["steps"] += 1
+        s["tokens"] += int(plan.num_scheduled_tokens.np().sum())
+        s["collectives"] += len(bound.ledger)
+        s["max_abs_err"] = max(s["max_abs_err"], err)
+        s["chunks"] += len(plan.gather_chunks)
+        if self.rank == 0:
+            self._record(plan)
+            if self.opts.progress:
+                sys.stderr.write(
+                    f"step {plan.step_id:3d}/{self.opts.steps}: {plan.num_requests:2d} requests "
+                    f"({plan.num_decode_rows} decode), {s['tokens'] - 0:5d} tokens so far, "
+                    f"{len(plan.gather_chunks)} gather chunks, {len(bound.ledger):3d} "
+                    f"collectives, err {err:.1e}\n")
+
+    def _record(self, plan) -> None:
+        if not self.opts.record:
+            return
+        os.makedirs(self.opts.record, exist_ok=True)
+        with open(os.path.join(self.opts.record, f"step-{plan.step_id}.msgpack"), "wb") as f:
+            f.write(encode_plan(plan))
+        meta = {"seed": self.opts.seed, "preset": "small", "layers": self.config.num_layers,
+                "pcp": self.opts.pcp, "dcp": self.opts.dcp, "interleave": self.opts.interleave,
+                "kv_cache_dtype": self.opts.kv_cache_dtype}
+        with open(os.path.join(self.opts.record, "replay.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+
+    def summary(self) -> dict:
+        """Sum counts / max the error over every rank (control group)."""
+        s = self.stats
+        mine = torch.tensor([s["tokens"], s["collectives"], s["max_abs_err"], s["steps"],
+                             self.executor.check.passed, s["chunks"], s["preempted"],
+                             s["finished"]], dtype=torch.float64)
+        g = self.groups
+        parts = [torch.empty_like(mine) for _ in range(g.control_size)]
+        if g.control is not None:
+            dist.all_gather(parts, mine, group=g.control)
+        else:
+            parts = [mine]
+        allr = torch.stack(parts)
+        return {"rank": self.rank, "steps": int(allr[0, 3]), "tokens": int(allr[0, 0]),
+                "max_abs_err": float(allr[:, 2].max()), "collectives": int(allr[:, 1].sum()),
+                "digest_checks": int(allr[0, 4]), "gather_chunks": int(allr[0, 5]),
+                "preempted": int(allr[0, 6]), "finished": int(allr[0, 7])}
