@@ -6,9 +6,20 @@ The planner's kernels are JIT-compiled once per session (DESIGN 7, Hypothesis wi
 """
 
 import os
+import warnings
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+# On a failure Hypothesis writes a patch through libcst, whose import emits a DeprecationWarning
+# (mypy_extensions.TypedDict) that "warnings are errors" turns into a pytest INTERNALERROR that
+# hides the falsifying example. Import it once here, where the warning is expected.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    try:
+        import hypothesis.extra._patching  # noqa: F401
+    except ImportError:
+        pass
 
 settings.register_profile(
     "ci",

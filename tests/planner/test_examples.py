@@ -198,3 +198,12 @@ def test_cost_estimate_small():
     assert cost.gathered_bytes == (2 * 4 * (656 + 132),) * 2
     totals = [a + b for a, b in zip(cost.attention_flops, cost.indexer_flops)]
     assert cost.imbalance == pytest.approx(max(totals) / (sum(totals) / 2))
+
+
+def test_chunk_cut_at_exact_budget():
+    # max_model_len 256, W=2, I=1: workspace 256 gathered rows = PT 128
+    cfg = _cfg(2, 2, max_model_len=256)
+    plan = _compile_checked(cfg, _step([0, 0, 0], [128, 128, 1], [1, 1, 1]))
+    # pads 64 + 64 = 128 exactly fills the workspace; the third request starts a new chunk
+    assert [ch.requests.np().tolist() for ch in plan.gather_chunks] == [[0, 1], [2]]
+    assert [ch.padded_local_total for ch in plan.gather_chunks] == [128, 1]
