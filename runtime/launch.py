@@ -140,6 +140,10 @@ class World:
         return RankResult(rank, lost=True)
 
     def close(self) -> None:
+        if not all(self.alive):  # a broken world cannot shut down cleanly: end its ranks
+            for proc in self._procs:
+                if proc.is_alive():
+                    proc.kill()
         for rank, conn in enumerate(self._conns):
             if self.alive[rank]:
                 try:

@@ -62,6 +62,7 @@ class SimOptions:
     timeout_s: float = 30.0
     progress: bool = True
     max_model_len: int = 512
+    kill: Inject | None = None  # fault injection for tests: that rank exits at that step
 
 
 # The small preset (DESIGN 7): real 576/512 dims and formats, few heads, topk below contexts,
@@ -154,7 +155,9 @@ class _RankSim:
                 self.stats["finished"] += 1
 
     def _one_step(self, step: StepInput) -> None:
-        config, inj = self.config, self.opts.inject
+        config, inj, kill = self.config, self.opts.inject, self.opts.kill
+        if kill is not None and kill.step == step.step_id and kill.rank == self.rank:
+            os._exit(17)  # a rank lost without a word: the others must name it
         if inj is not None and inj.step == step.step_id and inj.rank == self.rank:
             step, config = perturb(step, config, inj.kind)
         plan = compile_plan(config, step)
