@@ -19,14 +19,12 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from cpplan.planner.compile import compile as compile_plan
+from cpplan.api import Groups, LayerCache, StepExecutor, record_plan
+from cpplan.api import compile as compile_plan
 from cpplan.runtime.coords import request_keys
-from cpplan.runtime.executor import LayerCache, StepExecutor
-from cpplan.runtime.groups import Groups
 from cpplan.runtime.model import run_step
 from cpplan.runtime.oracle import max_abs_error, oracle_step
 from cpplan.runtime.scheduler import BlockAllocator, MiniScheduler, preset_requests
-from cpplan.schemas.codec import encode_plan
 from cpplan.schemas.config import ParallelConfig
 from cpplan.schemas.errors import CpplanError, StepInputError
 from cpplan.schemas.step import StepInput
@@ -193,9 +191,7 @@ class _RankSim:
     def _record(self, plan) -> None:
         if not self.opts.record:
             return
-        os.makedirs(self.opts.record, exist_ok=True)
-        with open(os.path.join(self.opts.record, f"step-{plan.step_id}.msgpack"), "wb") as f:
-            f.write(encode_plan(plan))
+        record_plan(plan, self.opts.record)
         meta = {"seed": self.opts.seed, "preset": "small", "layers": self.config.num_layers,
                 "pcp": self.opts.pcp, "dcp": self.opts.dcp, "interleave": self.opts.interleave,
                 "kv_cache_dtype": self.opts.kv_cache_dtype}

@@ -1,0 +1,48 @@
+"""cpplan's embedding API: what a serving engine calls, and all the mini serving loop uses.
+
+Once per process::
+
+    groups = Groups.build(config)              # or Groups.from_env / Groups.adopt(engine groups)
+    executor = StepExecutor.from_groups(config, groups, verify="every")
+    caches = [LayerCache.empty(config, num_blocks, groups.device) for _ in range(layers)]
+
+Per scheduler step (every rank, same global StepInput)::
+
+    plan = compile(config, step)               # pure CPU, identical on every rank
+    bound = executor.bind(plan, block_tables)  # tables -> arena, one H2D copy, digest check starts
+    for layer, cache in enumerate(caches):     # the engine's own tensors, this rank's tokens
+        executor.insert(bound, cache, kv_new, index_k_new)
+        out = executor.attend(bound, cache, q, index_q, index_w)
+    rows = executor.restore(bound, hidden)     # [sum q, hidden] in global order, for sampling
+    executor.finish(bound)                     # digest awaited; ledger == plan in debug mode
+    record_plan(plan, "runs/a")                # optional: for cpplan inspect / replay
+
+A divergent rank raises PlanMismatchError on every rank before the first data collective; a
+rank missing from the check raises RankLostError (named) within the control timeout.
+"""
+
+from __future__ import annotations
+
+import os
+
+from cpplan.planner.compile import compile  # noqa: A004 - the planner's public name
+from cpplan.runtime.executor import BoundStep, LayerCache, StepExecutor
+from cpplan.runtime.groups import Groups
+from cpplan.runtime.launch import World
+from cpplan.schemas.codec import encode_plan
+from cpplan.schemas.config import ParallelConfig
+from cpplan.schemas.plan import StepPlan
+from cpplan.schemas.step import StepInput
+
+
+def record_plan(plan: StepPlan, directory: str) -> str:
+    """Write ``step-<id>.msgpack`` (for ``cpplan inspect`` / ``replay``); returns the path."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"step-{plan.step_id}.msgpack")
+    with open(path, "wb") as f:
+        f.write(encode_plan(plan))
+    return path
+
+
+__all__ = ["BoundStep", "Groups", "LayerCache", "ParallelConfig", "StepExecutor", "StepInput",
+           "StepPlan", "World", "compile", "record_plan"]
