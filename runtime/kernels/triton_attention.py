@@ -134,7 +134,7 @@ def _num_splits(T: int, H: int, topk: int, block_k: int, device: torch.device) -
 def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16", *,
                          remap=None, num_splits: int | None = None, block_k: int | None = None,
                          num_warps: int | None = None, num_stages: int | None = None,
-                         fp8_variant: str = "scaled_dots"):
+                         fp8_variant: str = "auto"):
     """Triton ``sparse_mla_attention``; same contract as the reference, plus keyword options.
 
     remap: None, or ``(region_pcu [T] int, padded_local_total, dcp_size, interleave)``: indices
@@ -142,7 +142,9 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16
     gathered buffer as ``reference.remap_to_gathered`` does. num_splits: top-k splits (default:
     chosen from T and the SM count; > 1 writes float32 partials and merges them).
     fp8_variant: "scaled_dots" (``triton_attention_fp8``: scales applied to the score and
-    probability tiles) or "dequant" (every value scaled in registers before the products).
+    probability tiles), "dequant" (every value scaled in registers before the products) or
+    "auto": scaled_dots for up to 32 heads per program, dequant for 64 (H200, bench/kernels.py:
+    H16 decode 954 vs 864 GB/s, H32 535 vs 429; H128 decode 187 vs 124 TFLOP/s, prefill 214 vs 130).
     Operands: q's dtype (bf16 on GPU; fp16/fp32 in the interpreter) is the matrix dtype; bf16
     rows are cast to it, fp8 rows are dequantised to it.
     """
@@ -172,6 +174,8 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
             H, topk, per_split, pt, sm_scale * _LOG2E)
+    if fp8_variant == "auto":
+        fp8_variant = "scaled_dots" if block_h <= 32 else "dequant"
     if fp8 and fp8_variant == "scaled_dots":
         from .triton_attention_fp8 import _sparse_mla_fwd_fp8
 
