@@ -1,0 +1,120 @@
+"""Runtime step overheads on CPU (gloo): bind cost, digest-check cost, next to kv_insert.
+
+    python bench/step.py [--repeat 50] [--worlds 2 4 8]
+
+1. bind (tables + arena pack, no device copy on CPU) per step, median, for 64 / 512 / 4096
+   requests (P = W = 2, a mix of decodes and prefills; compile time shown for scale);
+2. the digest check (xxh3-128 of the plan + async 16-byte gloo all-gather, awaited) at world
+   2 / 4 / 8, next to one typical kv_insert (gloo all-gather of [T - nd, 656] uint8 per rank,
+   T = 512) in the same world. Worlds are spawned processes on this host: on a 2-core machine
+   a world of 8 is oversubscribed, so its figures are an upper bound.
+Writes a markdown table to stdout (bench/RESULTS_step.md holds the last run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from cpplan.api import ParallelConfig, StepExecutor, StepInput, World, compile
+from cpplan.runtime.groups import Groups
+from cpplan.runtime.verify import DigestCheck
+
+
+class _NoComm:
+    on_collective = None
+
+
+def _config(w: int) -> ParallelConfig:
+    return ParallelConfig(pcp_size=w, dcp_size=w, num_heads=16, topk=2048,
+                          activation_dtype="bfloat16", max_model_len=131072, num_layers=61)
+
+
+def _step(n: int, seed: int = 0) -> StepInput:
+    rng = np.random.default_rng(seed)
+    pre = np.arange(n) % 8 == 0  # 1 in 8 prefilling
+    c = rng.integers(0, 8192, n)
+    q = np.where(pre, rng.integers(1, max(2, 8192 // max(n // 8, 1)), n), 1)
+    return StepInput.build(1, [f"r{i}" for i in range(n)], c, q, pre)
+
+
+def bench_bind(repeat: int) -> list[tuple]:
+    rows = []
+    cfg = _config(2)
+    for n in (64, 512, 4096):
+        plan = compile(cfg, _step(n))
+        blocks = -(-cfg.shard_rows(cfg.max_model_len) // cfg.block_size)
+        tables = (np.arange(n * 130, dtype=np.int32).reshape(n, 130) % 100000) + 1
+        ex = StepExecutor(cfg, pcp_rank=0, dcp_rank=0, comm=_NoComm(), device="cpu",
+                          max_tokens=plan.padded_num_tokens, max_requests=n,
+                          max_blocks_per_request=130,
+                          max_kv_tokens=int(plan.extent().sum()))
+        assert blocks >= 130
+        t_compile, t_bind = [], []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            p = compile(cfg, _step(n))
+            t1 = time.perf_counter()
+            ex.bind(p, tables)
+            t2 = time.perf_counter()
+            t_compile.append(t1 - t0)
+            t_bind.append(t2 - t1)
+        rows.append((n, plan.padded_num_tokens, len(plan.gather_chunks),
+                     statistics.median(t_compile) * 1e3, statistics.median(t_bind) * 1e3))
+    return rows
+
+
+def _collective_costs(ctx, repeat: int) -> tuple[float, float]:
+    w = ctx.world_size
+    cfg = _config(w)
+    groups = Groups.build(cfg, store=ctx.store)
+    check = DigestCheck(groups, "every")
+    plan = compile(cfg, _step(512))
+    t_digest = []
+    for _ in range(repeat):
+        dist.barrier(group=groups.control)
+        t0 = time.perf_counter()
+        check.start(plan).wait()
+        t_digest.append(time.perf_counter() - t0)
+    inp = torch.zeros(512, cfg.kv_bytes_per_token, dtype=torch.uint8)
+    out = torch.empty(w * 512, cfg.kv_bytes_per_token, dtype=torch.uint8)
+    from cpplan.runtime.collectives import all_gather_tensor
+
+    t_kv = []
+    for _ in range(repeat):
+        dist.barrier(group=groups.pcp)
+        t0 = time.perf_counter()
+        all_gather_tensor(out, inp, group=groups.pcp)
+        t_kv.append(time.perf_counter() - t0)
+    return statistics.median(t_digest) * 1e3, statistics.median(t_kv) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeat", type=int, default=50)
+    ap.add_argument("--worlds", type=int, nargs="*", default=[2, 4, 8])
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    print("## bind (per rank, CPU: tables + arena pack)\n")
+    print("| requests | T per rank | gather chunks | compile ms (median) | bind ms (median) |")
+    print("|---:|---:|---:|---:|---:|")
+    for n, t, ch, tc, tb in bench_bind(args.repeat):
+        print(f"| {n} | {t} | {ch} | {tc:.3f} | {tb:.3f} |")
+    print("\n## digest check vs one kv_insert (gloo, spawned ranks on this host)\n")
+    print("| world | digest check ms (median) | kv_insert [512, 656] u8 ms (median) |")
+    print("|---:|---:|---:|")
+    for w in args.worlds:
+        with World(w, timeout_s=120) as world:
+            res = world.run(_collective_costs, args.repeat)
+        vals = [r.value for r in res]
+        assert all(r.ok for r in res), [r.tb for r in res]
+        print(f"| {w} | {max(v[0] for v in vals):.3f} | {max(v[1] for v in vals):.3f} |")
+
+
+if __name__ == "__main__":
+    main()
