@@ -10,6 +10,7 @@ path runs on one GPU.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 
@@ -73,9 +74,11 @@ class ReplayResult:
     tokens: int
 
 
-def replay_plan(plan: StepPlan, seed: int, device: str = "cpu",
-                kernels=None) -> ReplayResult:
-    """Run all ranks of ``plan`` as threads on ``device``; compare with the oracle."""
+def replay_plan(plan: StepPlan, seed: int, device: str = "cpu", kernels=None,
+                step_guard=None) -> ReplayResult:
+    """Run all ranks of ``plan`` as threads on ``device``; compare with the oracle.
+    ``step_guard``: a context-manager factory entered around bind + the step on every rank
+    (after all ranks have rebuilt their caches), e.g. CUDA sync debug mode in tests."""
     cfg = plan.config
     world = ThreadWorld(cfg.world_size)
     results: list = [None] * cfg.world_size
@@ -83,7 +86,7 @@ def replay_plan(plan: StepPlan, seed: int, device: str = "cpu",
 
     def rank_body(rank: int) -> None:
         try:
-            results[rank] = _run_rank(plan, seed, device, world, rank, kernels)
+            results[rank] = _run_rank(plan, seed, device, world, rank, kernels, step_guard)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
             errors.append(exc)
             world.barrier.abort()
@@ -103,7 +106,8 @@ def replay_plan(plan: StepPlan, seed: int, device: str = "cpu",
                         int(plan.num_scheduled_tokens.np().sum()))
 
 
-def _run_rank(plan: StepPlan, seed: int, device: str, world: ThreadWorld, rank: int, kernels):
+def _run_rank(plan: StepPlan, seed: int, device: str, world: ThreadWorld, rank: int, kernels,
+              step_guard=None):
     cfg = plan.config
     pcp_rank = rank if cfg.pcp_size > 1 else 0
     dcp_rank = rank if cfg.dcp_size > 1 else 0
@@ -122,6 +126,10 @@ def _run_rank(plan: StepPlan, seed: int, device: str, world: ThreadWorld, rank: 
     tables = alloc.table(plan.req_ids, blocks_per_req)
     caches = [LayerCache.empty(cfg, num_blocks, device) for _ in range(cfg.num_layers)]
     prefill_history(executor, plan, caches, tables, seed)
-    bound = executor.bind(plan, tables, request_keys(plan.req_ids))
-    restored = run_step(executor, bound, caches, seed)
+    keys = request_keys(plan.req_ids)
+    world.barrier.wait()
+    with (step_guard() if step_guard is not None else contextlib.nullcontext()):
+        bound = executor.bind(plan, tables, keys)
+        restored = run_step(executor, bound, caches, seed)
+    world.barrier.wait()
     return restored, len(bound.ledger)
