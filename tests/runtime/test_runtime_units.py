@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import cpplan.runtime
+
 from cpplan.planner.compile import compile as compile_plan
 from cpplan.runtime import collectives as coll
 from cpplan.runtime.arena import ArenaRing
@@ -22,7 +24,7 @@ from cpplan.runtime.simulate import TOLERANCE, SimOptions, perturb, preset_confi
 from cpplan.runtime.verify import divergent_ranks, first_difference
 from cpplan.schemas import CapacityError, CollectiveLedgerError, StepInput
 
-RUNTIME = pathlib.Path(__file__).resolve().parents[2] / "runtime"
+RUNTIME = pathlib.Path(cpplan.runtime.__file__).resolve().parent
 # modules whose code runs inside a step (bind excepted: host numpy by design)
 STEP_MODULES = ("executor.py", "collectives.py", "arena.py", "model.py", "coords.py")
 FORBIDDEN = {"item", "cpu", "tolist", "synchronize"}
