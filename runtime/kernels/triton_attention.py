@@ -25,25 +25,59 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_kv_tile(kv_ptr, rows, valid, stride_kv, KV_FP8: tl.constexpr, BLOCK_K: tl.constexpr,
-                  DOT_DTYPE: tl.constexpr):
-    """Rows ``kv[rows]`` as (latent [BLOCK_K, 512], rope [BLOCK_K, 64]) in DOT_DTYPE; 0 if invalid."""
+def _ld(ptrs, mask, other, EVICT: tl.constexpr):
+    """``tl.load``; EVICT marks streamed rows evict-first (decode: read once, keep L2 for others)."""
+    if EVICT:
+        return tl.load(ptrs, mask=mask, other=other, eviction_policy="evict_first")
+    else:
+        return tl.load(ptrs, mask=mask, other=other)
+
+
+@triton.jit
+def _gather_raw(kv_ptr, rows, valid, stride_kv, KV_FP8: tl.constexpr, EVICT: tl.constexpr):
+    """Rows ``kv[rows]`` as stored: (latent [BLOCK_K, 512] uint8 or bf16, scales [BLOCK_K, 4] fp32
+    (1.0 for bf16), rope [BLOCK_K, 64] bf16); 0 where not valid. No arithmetic on the values, so
+    a loop can issue the next block's gather before it computes on this one (PREFETCH)."""
     d_lat = tl.arange(0, 512)
     d_rope = tl.arange(0, 64)
     base = kv_ptr + rows.to(tl.int64) * stride_kv
     if KV_FP8:
-        raw = tl.load(base[:, None] + d_lat[None, :], mask=valid[:, None], other=0)
-        vals = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        raw = _ld(base[:, None] + d_lat[None, :], valid[:, None], 0, EVICT)
         sc_ptr = (base + 512).to(tl.pointer_type(tl.float32))
-        scale = tl.load(sc_ptr[:, None] + tl.arange(0, 4)[None, :], mask=valid[:, None], other=0.0)
-        lat = tl.reshape(tl.reshape(vals, (BLOCK_K, 4, 128)) * scale[:, :, None], (BLOCK_K, 512))
+        scale = _ld(sc_ptr[:, None] + tl.arange(0, 4)[None, :], valid[:, None], 0.0, EVICT)
         rope_ptr = (base + 528).to(tl.pointer_type(tl.bfloat16))
-        rope = tl.load(rope_ptr[:, None] + d_rope[None, :], mask=valid[:, None], other=0.0)
+        rope = _ld(rope_ptr[:, None] + d_rope[None, :], valid[:, None], 0.0, EVICT)
+    else:
+        raw = _ld(base[:, None] + d_lat[None, :], valid[:, None], 0.0, EVICT)
+        scale = tl.full((rows.shape[0], 4), 1.0, tl.float32)
+        rope = _ld(base[:, None] + 512 + d_rope[None, :], valid[:, None], 0.0, EVICT)
+    return raw, scale, rope
+
+
+@triton.jit
+def _dequant(raw, scale, rope, KV_FP8: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+             DEQ_BF16: tl.constexpr):
+    """(latent, rope) in DOT_DTYPE. fp8: value * its group's power-of-two scale (exact); DEQ_BF16
+    multiplies in bf16 (one rounding of the exact product, as float32-then-round gives)."""
+    if KV_FP8:
+        if DEQ_BF16:
+            vals = raw.to(tl.float8e4nv, bitcast=True).to(DOT_DTYPE)
+            lat = tl.reshape(tl.reshape(vals, (BLOCK_K, 4, 128)) * scale.to(DOT_DTYPE)[:, :, None],
+                             (BLOCK_K, 512))
+        else:
+            vals = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            lat = tl.reshape(tl.reshape(vals, (BLOCK_K, 4, 128)) * scale[:, :, None], (BLOCK_K, 512))
         return lat.to(DOT_DTYPE), rope.to(DOT_DTYPE)
     else:
-        lat = tl.load(base[:, None] + d_lat[None, :], mask=valid[:, None], other=0.0)
-        rope = tl.load(base[:, None] + 512 + d_rope[None, :], mask=valid[:, None], other=0.0)
-        return lat.to(DOT_DTYPE), rope.to(DOT_DTYPE)
+        return raw.to(DOT_DTYPE), rope.to(DOT_DTYPE)
+
+
+@triton.jit
+def _load_kv_tile(kv_ptr, rows, valid, stride_kv, KV_FP8: tl.constexpr, BLOCK_K: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr):
+    """Rows ``kv[rows]`` as (latent [BLOCK_K, 512], rope [BLOCK_K, 64]) in DOT_DTYPE; 0 if invalid."""
+    raw, scale, rope = _gather_raw(kv_ptr, rows, valid, stride_kv, KV_FP8, False)
+    return _dequant(raw, scale, rope, KV_FP8, BLOCK_K, DOT_DTYPE, False)
 
 
 @triton.jit
@@ -59,14 +93,46 @@ def _remap_rows(ids, pcu, padded_local_total, dcp_size: tl.constexpr, interleave
 
 
 @triton.jit
+def _block_rows(idx_ptr, t, stride_it, k0, k_end, pcu, padded_local_total, dcp_size: tl.constexpr,
+                interleave: tl.constexpr, REMAP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows (int64) and validity of top-k slots ``k0 .. k0 + BLOCK_K`` (slots >= k_end: invalid)."""
+    offs = k0 + tl.arange(0, BLOCK_K)
+    idx = tl.load(idx_ptr + t.to(tl.int64) * stride_it + offs, mask=offs < k_end, other=-1)
+    valid = idx >= 0
+    rows = _remap_rows(tl.where(valid, idx, 0), pcu, padded_local_total, dcp_size, interleave, REMAP)
+    return rows, valid
+
+
+@triton.jit
+def _softmax_step(q_lat, q_rope, lat, rope, valid, m_i, l_i, acc, qk_scale_log2,
+                  DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """One block of the online softmax, heads on the rows: S = Q K^T, acc = acc * alpha + P V."""
+    s = tl.dot(q_lat, tl.trans(lat), input_precision=PRECISION)
+    s = tl.dot(q_rope, tl.trans(rope), s, input_precision=PRECISION)
+    s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(DOT_DTYPE), lat, acc, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _sparse_mla_fwd(
     q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, pcu_ptr,
     stride_qt, stride_qh, stride_kv, stride_it,
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
     H, TOPK, keys_per_split, padded_local_total, qk_scale_log2,
     dcp_size: tl.constexpr, interleave: tl.constexpr, KV_FP8: tl.constexpr, REMAP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr = False,
+    DEQ_BF16: tl.constexpr = False, EVICT: tl.constexpr = False, WS: tl.constexpr = False,
 ):
+    """Heads on the rows of the products. PREFETCH: the next block's rows are gathered into
+    registers (as stored: fp8 bytes, scales, rope) before this block's products, and the indices
+    one block further ahead, so the gather latency overlaps the matrix work."""
     pid_h = tl.program_id(0)  # head blocks of one token run side by side: they share rows in L2
     t = tl.program_id(1)
     split = tl.program_id(2)
@@ -84,23 +150,29 @@ def _sparse_mla_fwd(
     acc = tl.zeros((BLOCK_H, 512), tl.float32)
     k_begin = split * keys_per_split
     k_end = tl.minimum(k_begin + keys_per_split, TOPK)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        offs = k0 + tl.arange(0, BLOCK_K)
-        idx = tl.load(idx_ptr + t.to(tl.int64) * stride_it + offs, mask=offs < k_end, other=-1)
-        valid = idx >= 0
-        rows = _remap_rows(tl.where(valid, idx, 0), pcu, padded_local_total, dcp_size, interleave, REMAP)
-        lat, rope = _load_kv_tile(kv_ptr, rows, valid, stride_kv, KV_FP8, BLOCK_K, DOT_DTYPE)
-        s = tl.dot(q_lat, tl.trans(lat), input_precision=PRECISION)
-        s = tl.dot(q_rope, tl.trans(rope), s, input_precision=PRECISION)
-        s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(DOT_DTYPE), lat, acc, input_precision=PRECISION)
-        m_i = m_new
+    if PREFETCH:
+        rows, valid = _block_rows(idx_ptr, t, stride_it, k_begin, k_end, pcu, padded_local_total,
+                                  dcp_size, interleave, REMAP, BLOCK_K)
+        raw, scale, rope = _gather_raw(kv_ptr, rows, valid, stride_kv, KV_FP8, EVICT)
+        rows_n, valid_n = _block_rows(idx_ptr, t, stride_it, k_begin + BLOCK_K, k_end, pcu,
+                                      padded_local_total, dcp_size, interleave, REMAP, BLOCK_K)
+        for k0 in tl.range(k_begin, k_end, BLOCK_K, warp_specialize=WS):
+            raw_n, scale_n, rope_n = _gather_raw(kv_ptr, rows_n, valid_n, stride_kv, KV_FP8, EVICT)
+            rows_nn, valid_nn = _block_rows(idx_ptr, t, stride_it, k0 + 2 * BLOCK_K, k_end, pcu,
+                                            padded_local_total, dcp_size, interleave, REMAP, BLOCK_K)
+            lat, rp = _dequant(raw, scale, rope, KV_FP8, BLOCK_K, DOT_DTYPE, DEQ_BF16)
+            m_i, l_i, acc = _softmax_step(q_lat, q_rope, lat, rp, valid, m_i, l_i, acc, qk_scale_log2,
+                                          DOT_DTYPE, PRECISION)
+            raw, scale, rope, valid = raw_n, scale_n, rope_n, valid_n
+            rows_n, valid_n = rows_nn, valid_nn
+    else:
+        for k0 in tl.range(k_begin, k_end, BLOCK_K, warp_specialize=WS):
+            rows, valid = _block_rows(idx_ptr, t, stride_it, k0, k_end, pcu, padded_local_total,
+                                      dcp_size, interleave, REMAP, BLOCK_K)
+            raw, scale, rope = _gather_raw(kv_ptr, rows, valid, stride_kv, KV_FP8, EVICT)
+            lat, rp = _dequant(raw, scale, rope, KV_FP8, BLOCK_K, DOT_DTYPE, DEQ_BF16)
+            m_i, l_i, acc = _softmax_step(q_lat, q_rope, lat, rp, valid, m_i, l_i, acc, qk_scale_log2,
+                                          DOT_DTYPE, PRECISION)
 
     has = l_i > 0.0
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
@@ -131,20 +203,38 @@ def _num_splits(T: int, H: int, topk: int, block_k: int, device: torch.device) -
     return splits
 
 
+def default_config(kv_format: str, T: int, H: int) -> dict:
+    """The launch choice per regime, from the H200 sweep (bench/kernels.py --only sweep;
+    bench/RESULTS_kernels.md). Keys: layout ("heads": heads on the rows of the products, 16-64
+    per program; "keys": keys on the rows, heads the narrow side, triton_attention_kmajor),
+    fp8_variant (heads layout only), block_k, num_warps, num_stages, prefetch, deq_bf16, evict."""
+    block_h = _block_h(H)
+    fp8 = kv_format == "fp8_ds_mla"
+    if block_h <= 32:
+        return dict(layout="heads", fp8_variant="scaled_dots" if fp8 else "dequant", block_k=64,
+                    num_warps=4, num_stages=2, prefetch=False, deq_bf16=False, evict=False)
+    return dict(layout="heads", fp8_variant="dequant", block_k=64, num_warps=8, num_stages=2,
+                prefetch=False, deq_bf16=False, evict=False)
+
+
 def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16", *,
                          remap=None, num_splits: int | None = None, block_k: int | None = None,
                          num_warps: int | None = None, num_stages: int | None = None,
-                         fp8_variant: str = "auto"):
+                         fp8_variant: str = "auto", layout: str = "auto", prefetch: bool | None = None,
+                         deq_bf16: bool | None = None, evict: bool | None = None, ws: bool = False):
     """Triton ``sparse_mla_attention``; same contract as the reference, plus keyword options.
 
     remap: None, or ``(region_pcu [T] int, padded_local_total, dcp_size, interleave)``: indices
     are then global token ids (NO_KEY = none) mapped in the kernel to rows of the rank-major
     gathered buffer as ``reference.remap_to_gathered`` does. num_splits: top-k splits (default:
     chosen from T and the SM count; > 1 writes float32 partials and merges them).
-    fp8_variant: "scaled_dots" (``triton_attention_fp8``: scales applied to the score and
-    probability tiles), "dequant" (every value scaled in registers before the products) or
-    "auto": scaled_dots for up to 32 heads per program, dequant for 64 (H200, bench/kernels.py:
-    H16 decode 954 vs 864 GB/s, H32 535 vs 429; H128 decode 187 vs 124 TFLOP/s, prefill 214 vs 130).
+    layout: "heads" (heads on the rows of the products), "keys" (keys on the rows:
+    ``triton_attention_kmajor``, for few heads) or "auto" (``default_config``).
+    fp8_variant (heads layout): "scaled_dots" (``triton_attention_fp8``: scales applied to the
+    score and probability tiles), "dequant" (every value scaled in registers before the products)
+    or "auto" (``default_config``). prefetch: gather the next block into registers before this
+    block's products; deq_bf16: dequantise in bf16 arithmetic; evict: evict-first KV loads; ws:
+    ``tl.range(warp_specialize=True)``. Every option None/"auto" takes ``default_config``.
     Operands: q's dtype (bf16 on GPU; fp16/fp32 in the interpreter) is the matrix dtype; bf16
     rows are cast to it, fp8 rows are dequantised to it.
     """
@@ -161,9 +251,15 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16
         raise ValueError(f"kv_format {kv_format!r}, expected 'bf16' or 'fp8_ds_mla'")
     indices = indices.contiguous()
     topk = indices.shape[1]
-    block_h = _block_h(H)
-    block_k = block_k or (64 if block_h >= 64 else 64)
-    splits = num_splits or _num_splits(T, H, topk, block_k, q.device)
+    cfg = default_config(kv_format, T, H)
+    layout = cfg["layout"] if layout == "auto" else layout
+    fp8_variant = cfg["fp8_variant"] if fp8_variant == "auto" else fp8_variant
+    block_h = _block_h(H) if layout == "heads" else max(16, min(64, triton.next_power_of_2(H)))
+    block_k = block_k or cfg["block_k"]
+    prefetch = cfg["prefetch"] if prefetch is None else prefetch
+    deq_bf16 = cfg["deq_bf16"] if deq_bf16 is None else deq_bf16
+    evict = cfg["evict"] if evict is None else evict
+    splits = num_splits or cfg.get("splits") or _num_splits(T, H, topk, block_k, q.device)
     per_split = triton.cdiv(triton.cdiv(topk, splits), block_k) * block_k
     splits = max(1, triton.cdiv(topk, per_split))
     lse = torch.empty(splits, T, H, dtype=torch.float32, device=q.device)
@@ -174,19 +270,24 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
             H, topk, per_split, pt, sm_scale * _LOG2E)
-    if fp8_variant == "auto":
-        fp8_variant = "scaled_dots" if block_h <= 32 else "dequant"
-    if fp8 and fp8_variant == "scaled_dots":
+    if layout == "keys":
+        from .triton_attention_kmajor import _sparse_mla_fwd_kmajor
+
+        kernel, extra = _sparse_mla_fwd_kmajor, {"KV_FP8": fp8, "PREFETCH": prefetch, "EVICT": evict}
+    elif layout != "heads":
+        raise ValueError(f"layout {layout!r}, expected 'auto', 'heads' or 'keys'")
+    elif fp8 and fp8_variant == "scaled_dots":
         from .triton_attention_fp8 import _sparse_mla_fwd_fp8
 
         kernel, extra = _sparse_mla_fwd_fp8, {}
     else:
-        kernel, extra = _sparse_mla_fwd, {"KV_FP8": fp8}
+        kernel, extra = _sparse_mla_fwd, {"KV_FP8": fp8, "PREFETCH": prefetch, "EVICT": evict,
+                                          "DEQ_BF16": deq_bf16 and q.dtype == torch.bfloat16, "WS": ws}
     kernel[grid](
         *args, dcp_size=w, interleave=il, **extra,
         REMAP=remap is not None, BLOCK_H=block_h, BLOCK_K=block_k,
         DOT_DTYPE=_DOT_DTYPES[q.dtype], PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps or (8 if block_h >= 64 else 4), num_stages=num_stages or 2,
+        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
     )
     if splits == 1:
         return out[0], lse[0]

@@ -77,6 +77,34 @@ def test_attention_matches_reference(env, kv_format):
             _check_attention(out, lse, want_o, want_l, q.dtype)
 
 
+VARIANTS = [
+    dict(layout="keys", prefetch=True), dict(layout="keys", prefetch=False, block_k=32),
+    dict(layout="keys", prefetch=True, evict=True, block_k=128),
+    dict(layout="heads", prefetch=True, fp8_variant="dequant"),
+    dict(layout="heads", prefetch=True, fp8_variant="dequant", deq_bf16=True, evict=True),
+]
+
+
+@pytest.mark.parametrize("env", ENVS)
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
+@pytest.mark.parametrize("variant", range(len(VARIANTS)))
+def test_attention_variants(env, kv_format, variant):
+    """Every launch variant the sweep may pick as default: keys-major and prefetching kernels."""
+    from cpplan.runtime.kernels.triton_attention import sparse_mla_attention
+
+    params = ([(3, 16, 150, 200), (2, 32, 64, 90)] if env == "interp"
+              else [(64, 16, 2048, 8192), (33, 32, 2000, 4096), (4, 64, 2048, 3000), (8, 128, 2048, 8192)])
+    opts = dict(VARIANTS[variant])
+    for i, (T, H, topk, N) in enumerate(params):
+        q, kv, idx = _case(env, T, H, topk, N, 300 + i)
+        buf = ref.quantize_fp8_ds_mla(kv) if kv_format == "fp8_ds_mla" else kv.to(q.dtype)
+        want_o, want_l = ref.sparse_mla_attention(q.float(), buf, idx, 576**-0.5, kv_format)
+        for splits in (None, 2):
+            out, lse = sparse_mla_attention(q, buf, idx, 576**-0.5, kv_format, num_splits=splits, **opts)
+            assert out.dtype == q.dtype and out.shape == (T, H, 512)
+            _check_attention(out, lse, want_o, want_l, q.dtype)
+
+
 @pytest.mark.parametrize("env", ENVS)
 def test_attention_fp32_operands_and_paged_view(env):
     from cpplan.runtime.kernels.triton_attention import sparse_mla_attention
