@@ -130,7 +130,7 @@ def _report(opts, results, elapsed: float, as_json: bool) -> int:
     ok = s["max_abs_err"] <= TOLERANCE
     s.update(ok=ok, tolerance=TOLERANCE, seconds=round(elapsed, 2), pcp=opts.pcp, dcp=opts.dcp,
              interleave=opts.interleave, kv_cache_dtype=opts.kv_cache_dtype)
-    _table(s)
+    _table(s, sys.stderr if as_json else sys.stdout)
     if as_json:
         print(json.dumps(s))
     return 0 if ok else 1
@@ -152,7 +152,8 @@ def _report_failures(failures, as_json: bool) -> int:
     return code
 
 
-def _table(s: dict) -> None:
+def _table(s: dict, stream) -> None:
+    """The summary: on stdout, or on stderr when stdout carries --json."""
     rows = [("steps", s["steps"]), ("query tokens", s["tokens"]),
             ("gather chunks", s["gather_chunks"]), ("preempted / finished",
                                                     f"{s['preempted']} / {s['finished']}"),
@@ -165,13 +166,13 @@ def _table(s: dict) -> None:
         from rich.table import Table
     except ImportError:
         Console = None
-    if Console is not None and sys.stderr.isatty():
+    if Console is not None and stream.isatty():
         table = Table(title="cpplan simulate")
         table.add_column("what")
         table.add_column("value", justify="right")
         for k, v in rows:
             table.add_row(k, str(v))
-        Console(stderr=True).print(table)
+        Console(file=stream).print(table)
         return
     for k, v in rows:
-        sys.stderr.write(f"{k:>26}  {v}\n")
+        stream.write(f"{k:>26}  {v}\n")

@@ -1,0 +1,61 @@
+"""`cpplan simulate` and `cpplan replay` through a real subprocess: JSON contract, exit codes,
+record -> replay -> inspect round trip."""
+
+import json
+
+import pytest
+
+from tests.cli.test_cli import assert_one_line_error, cpplan
+
+SIM_KEYS = {"steps", "tokens", "max_abs_err", "collectives", "digest_checks", "ok"}
+
+
+def _last_json(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def test_simulate_json_record_replay_inspect(tmp_path):
+    runs = tmp_path / "runs"
+    proc = cpplan("simulate", "--steps", 6, "--json", "--record", runs)
+    assert proc.returncode == 0, proc.stderr
+    summary = _last_json(proc.stdout)
+    assert SIM_KEYS <= set(summary)
+    assert summary["ok"] is True and summary["steps"] == 6
+    assert summary["digest_checks"] == 6 and summary["collectives"] > 0
+    assert summary["max_abs_err"] <= summary["tolerance"]
+    assert "step   5/6" in proc.stderr  # progress on stderr
+    recorded = sorted(runs.glob("step-*.msgpack"))
+    assert len(recorded) == 6
+    replay = cpplan("replay", recorded[-1])
+    assert replay.returncode == 0, replay.stderr
+    inspect = cpplan("inspect", recorded[-1], "--json")
+    assert json.loads(inspect.stdout)["step_id"] == 5
+
+
+def test_simulate_divergence_exits_3_naming_the_rank():
+    proc = cpplan("simulate", "--steps", 4, "--inject-divergence", "2:1:q+1", "--json")
+    assert proc.returncode == 3, proc.stderr
+    assert "ranks [1]" in proc.stderr and "at step 2" in proc.stderr
+    assert "(ledger 0 collectives" in proc.stderr  # stopped before any data collective
+    assert _last_json(proc.stdout)["ok"] is False
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--pcp", "2", "--dcp", "3"], "unsupported topology"),
+    (["--inject-divergence", "x:1"], "STEP:RANK"),
+    (["--backend", "nccl"], "GPU"),
+    (["--kv-cache-dtype", "fp16"], "invalid choice"),
+])
+def test_simulate_bad_input_exit_2(args, words):
+    assert_one_line_error(cpplan("simulate", *args), 2, words)
+
+
+def test_replay_bad_input(tmp_path):
+    assert_one_line_error(cpplan("replay", tmp_path / "nope.msgpack"), 2,
+                          "No such file or directory")
+
+
+def test_simulate_and_replay_help_have_examples():
+    for command in ("simulate", "replay"):
+        proc = cpplan(command, "--help")
+        assert proc.returncode == 0 and "example" in proc.stdout.lower()
