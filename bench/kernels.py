@@ -129,8 +129,11 @@ def bench_decode(quick):
         for splits, var, ns in ((None, "scaled_dots", 2), (None, "scaled_dots", 3), (4, "scaled_dots", 2),
                                 (None, "dequant", 2)):
             ms = bench(lambda: ta.sparse_mla_attention(q, kv8, idx, sm, "fp8_ds_mla", num_splits=splits,
-                                                       fp8_variant=var, num_stages=ns))
+                                                       fp8_variant=var, num_stages=ns, layout="heads"))
             row(f"decode triton fp8 {var} B{B} H{H} k2048 splits={splits or 'auto'} s{ns}", ms, fl, by)
+        ms = bench(lambda: ta.sparse_mla_attention(q, kv8, idx, sm, "fp8_ds_mla"))
+        row(f"decode triton fp8 default_config B{B} H{H} k2048: {ta.default_config('fp8_ds_mla', B, H)['layout']}",
+            ms, fl, by)
 
 
 def bench_remap_vs_copy():

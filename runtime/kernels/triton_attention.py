@@ -210,6 +210,9 @@ def default_config(kv_format: str, T: int, H: int) -> dict:
     fp8_variant (heads layout only), block_k, num_warps, num_stages, prefetch, deq_bf16, evict."""
     block_h = _block_h(H)
     fp8 = kv_format == "fp8_ds_mla"
+    # keys-major (layout="keys", 32 keys, prefetch) measured 344-347 vs 359-376 us at B 256, H 16,
+    # but its prefetch variants at 64/128 keys hit an illegal address on the H200 (2026-11-29):
+    # not the default until that is explained (bench/RESULTS_kernels.md).
     if block_h <= 32:
         return dict(layout="heads", fp8_variant="scaled_dots" if fp8 else "dequant", block_k=64,
                     num_warps=4, num_stages=2, prefetch=False, deq_bf16=False, evict=False)
