@@ -67,12 +67,13 @@ class ArenaRing:
 
 
 def arena_words(max_tokens: int, max_requests: int, max_blocks_per_request: int,
-                pcp_size: int, dcp_size: int, interleave_size: int, max_kv_tokens: int) -> int:
+                pcp_size: int, dcp_size: int) -> int:
     """An upper bound of the int64 words one bind needs (see ``tables.build_tables``):
-    ``max_tokens`` per rank (T), ``max_kv_tokens`` the largest sum of extents in a step."""
+    ``max_tokens`` per rank (T), ``max_requests`` per step."""
     per_token = 6  # token_req, token_pos, key_len, local_len, region_pcu, insert_dec
-    gather = (max_kv_tokens // dcp_size + max_requests * interleave_size) if dcp_size > 1 else 0
+    # per gather chunk: pcu [n + 1], held [n], req [n]; chunks <= requests
+    gather = 4 * max_requests if dcp_size > 1 else 0
     return (per_token * max_tokens + pcp_size * max_tokens  # insert_pre
-            + gather  # gather sources: sum over chunks of PT = sum of shard_rows(E)
+            + gather
             + max_requests * (max_blocks_per_request + 1)  # block tables, request keys
             + pcp_size * max_tokens)  # restore index

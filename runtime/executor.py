@@ -76,10 +76,8 @@ class StepExecutor:
         if max_blocks_per_request is None:
             max_blocks_per_request = -(-config.shard_rows(config.max_model_len)
                                        // config.block_size)
-        if max_kv_tokens is None:
-            max_kv_tokens = max_requests * config.max_model_len
         words = arena_words(max_tokens, max_requests, max_blocks_per_request, config.pcp_size,
-                            config.dcp_size, config.interleave_size, max_kv_tokens)
+                            config.dcp_size)
         self.arena = ArenaRing(words, self.device, arena_depth)
         self.sm_scale = 1.0 / math.sqrt(config.qk_head_dim)
         self._bound: BoundStep | None = None
@@ -109,6 +107,8 @@ class StepExecutor:
                               request_keys)
         views = self.arena.pack(tables.arrays, plan.step_id)
         views["block_tables"] = views["block_tables"].view(plan.num_requests, -1)
+        for c, rows in enumerate(tables.meta.chunk_rows):
+            views[f"gather_src[{c}]"] = gather_sources(views, c, rows, self.config.block_size)
         self._bound = BoundStep(plan, tables.meta, views, coll.Ledger(), pending)
         return self._bound
 
@@ -244,6 +244,20 @@ class StepExecutor:
 
     def _fmt(self) -> dict:
         return {"kv_format": self.config.kv_cache_dtype}
+
+
+def gather_sources(t: dict, c: int, num_rows: int, block_size: int) -> torch.Tensor:
+    """``[PT]`` int64 slots of this rank's shard of each region of gather chunk ``c``, in
+    padded-local order (rows past a region's shard -> DUMMY_SLOT), from the chunk's O(regions)
+    parameters in the arena. Device ops on shapes the plan fixes: no host sync."""
+    pcu, held, req = t[f"gather_pcu[{c}]"], t[f"gather_held[{c}]"], t[f"gather_req[{c}]"]
+    bt = t["block_tables"]
+    row = torch.arange(num_rows, device=pcu.device)
+    region = torch.searchsorted(pcu[1:], row, right=True)
+    local = row - pcu[region]
+    col = torch.clamp(local // block_size, max=bt.shape[1] - 1)
+    slot = bt[req[region], col] * block_size + local % block_size
+    return torch.where(local < held[region], slot, torch.full_like(slot, DUMMY_SLOT))
 
 
 def lse_merge_weight(lse_all: torch.Tensor, rank: int) -> torch.Tensor:

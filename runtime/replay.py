@@ -115,8 +115,7 @@ def _run_rank(plan: StepPlan, seed: int, device: str, world: ThreadWorld, rank: 
     extents = plan.extent()
     executor = StepExecutor(cfg, pcp_rank=pcp_rank, dcp_rank=dcp_rank, comm=comm, device=device,
                             kernels=kernels, max_tokens=plan.padded_num_tokens,
-                            max_requests=plan.num_requests,
-                            max_kv_tokens=int(extents.sum()))
+                            max_requests=plan.num_requests)
     blocks_per_req = -(-cfg.shard_rows(cfg.max_model_len) // cfg.block_size)
     num_blocks = 1 + plan.num_requests * blocks_per_req
     alloc = BlockAllocator(num_blocks, cfg.block_size, cfg.dcp_size, dcp_rank,

@@ -123,8 +123,7 @@ class _RankSim:
         num_blocks = 1 + MAX_RUNNING * self.blocks_per_req
         self.executor = StepExecutor.from_groups(
             config, groups, verify=opts.verify, verify_every=opts.verify_every,
-            max_tokens=TOKEN_BUDGET + MAX_RUNNING, max_requests=MAX_RUNNING,
-            max_kv_tokens=KV_TOKEN_BUDGET + TOKEN_BUDGET)
+            max_tokens=TOKEN_BUDGET + MAX_RUNNING, max_requests=MAX_RUNNING)
         self.alloc = BlockAllocator(num_blocks, config.block_size, config.dcp_size,
                                     groups.dcp_rank, config.interleave_size)
         self.caches = [LayerCache.empty(config, num_blocks, groups.device)

@@ -5,7 +5,9 @@ block tables (the engine's). The tables are int64 and land in the arena; ``RankT
 holds the host integers the step needs for slicing (never read back from the device).
 
 Sentinels: padded tokens have request 0, position 0 and key length 0 (no key); KV rows that are
-not written, and gather rows beyond a region's shard, point at ``dummy_slot``.
+not written point at ``dummy_slot``. Gather chunks travel as per-region parameters (padded-local
+prefix sums, rows this rank holds, request index): O(requests), never O(KV tokens); the
+executor expands them to slots on the device.
 """
 
 from __future__ import annotations
@@ -122,9 +124,12 @@ def build_tables(plan: StepPlan, pcp_rank: int, dcp_rank: int, block_tables: np.
     chunk_ranges, chunk_rows = [], []
     if w_size > 1:
         for c, ch in enumerate(plan.gather_chunks):
-            a[f"gather_src[{c}]"] = _gather_src(plan, ch, dcp_rank, bt, dummy_slot)
             creq = ch.requests.np().astype(np.int64)
             pcu = ch.padded_local_cu.np()
+            # O(regions) parameters; the executor expands them to [PT] slots on the device
+            a[f"gather_pcu[{c}]"] = pcu
+            a[f"gather_held[{c}]"] = plan.dcp_local_lens.np()[creq, dcp_rank].astype(np.int64)
+            a[f"gather_req[{c}]"] = creq
             region_of = np.full(n, -1, np.int64)
             region_of[creq] = np.arange(len(creq))
             in_chunk = (region_of[req] >= 0) & (tok >= nd)
@@ -153,16 +158,3 @@ def build_tables(plan: StepPlan, pcp_rank: int, dcp_rank: int, block_tables: np.
                     kv_insert=kv_insert, decode_merge="decode_out" in names,
                     restore="restore" in names, num_global_tokens=int(restore.size))
     return RankTables(arrays=a, meta=meta)
-
-
-def _gather_src(plan: StepPlan, chunk, w: int, bt: np.ndarray, dummy: int) -> np.ndarray:
-    """``[PT]`` slots of this rank's shard of each region of the chunk (padding -> dummy)."""
-    cfg = plan.config
-    creq = chunk.requests.np().astype(np.int64)
-    pcu = chunk.padded_local_cu.np()
-    held = plan.dcp_local_lens.np()[creq, w].astype(np.int64)
-    out = np.full(chunk.padded_local_total, dummy, dtype=np.int64)
-    region = np.repeat(np.arange(len(creq)), held)
-    local = np.arange(int(held.sum()), dtype=np.int64) - np.repeat(np.cumsum(held) - held, held)
-    out[pcu[region] + local] = _slots(bt, creq[region], local, cfg.block_size)
-    return out
