@@ -24,6 +24,9 @@ from cpplan.runtime.scheduler import BlockAllocator
 from cpplan.schemas.plan import StepPlan
 
 
+REPLAY_TIMEOUT_S = 120.0  # a rank thread stuck this long fails the replay
+
+
 class ThreadWorld:
     """Shared state of n rank threads."""
 
@@ -77,23 +80,33 @@ class ReplayResult:
 def replay_plan(plan: StepPlan, seed: int, device: str = "cpu", kernels=None,
                 step_guard=None) -> ReplayResult:
     """Run all ranks of ``plan`` as threads on ``device``; compare with the oracle.
-    ``step_guard``: a context-manager factory entered around bind + the step on every rank
-    (after all ranks have rebuilt their caches), e.g. CUDA sync debug mode in tests."""
+    ``step_guard``: a context-manager factory (e.g. CUDA sync debug mode, which is process-wide)
+    entered by the calling thread once every rank has rebuilt its caches and left while no rank
+    does anything but bind + the step."""
     cfg = plan.config
-    world = ThreadWorld(cfg.world_size)
+    world = ThreadWorld(cfg.world_size, REPLAY_TIMEOUT_S)
+    phase = threading.Barrier(cfg.world_size + 1, timeout=REPLAY_TIMEOUT_S)
     results: list = [None] * cfg.world_size
     errors: list = []
 
     def rank_body(rank: int) -> None:
         try:
-            results[rank] = _run_rank(plan, seed, device, world, rank, kernels, step_guard)
+            results[rank] = _run_rank(plan, seed, device, world, rank, kernels, phase)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
             errors.append(exc)
             world.barrier.abort()
+            phase.abort()
 
     threads = [threading.Thread(target=rank_body, args=(r,)) for r in range(cfg.world_size)]
     for th in threads:
         th.start()
+    try:
+        phase.wait()  # every rank has rebuilt its caches (and synchronised its device)
+        with (step_guard() if step_guard is not None else contextlib.nullcontext()):
+            phase.wait()  # go
+            phase.wait()  # every rank has finished its step
+    except threading.BrokenBarrierError:
+        pass
     for th in threads:
         th.join()
     real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
@@ -107,7 +120,7 @@ def replay_plan(plan: StepPlan, seed: int, device: str = "cpu", kernels=None,
 
 
 def _run_rank(plan: StepPlan, seed: int, device: str, world: ThreadWorld, rank: int, kernels,
-              step_guard=None):
+              phase: threading.Barrier):
     cfg = plan.config
     pcp_rank = rank if cfg.pcp_size > 1 else 0
     dcp_rank = rank if cfg.dcp_size > 1 else 0
@@ -126,9 +139,11 @@ def _run_rank(plan: StepPlan, seed: int, device: str, world: ThreadWorld, rank: 
     caches = [LayerCache.empty(cfg, num_blocks, device) for _ in range(cfg.num_layers)]
     prefill_history(executor, plan, caches, tables, seed)
     keys = request_keys(plan.req_ids)
-    world.barrier.wait()
-    with (step_guard() if step_guard is not None else contextlib.nullcontext()):
-        bound = executor.bind(plan, tables, keys)
-        restored = run_step(executor, bound, caches, seed)
-    world.barrier.wait()
+    if executor.device.type == "cuda":
+        torch.cuda.synchronize(executor.device)  # setup, outside the step under test
+    phase.wait()  # setup done
+    phase.wait()  # go: the caller's guard is on
+    bound = executor.bind(plan, tables, keys)
+    restored = run_step(executor, bound, caches, seed)
+    phase.wait()  # step done
     return restored, len(bound.ledger)

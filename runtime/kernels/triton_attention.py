@@ -203,13 +203,20 @@ def _num_splits(T: int, H: int, topk: int, block_k: int, device: torch.device) -
     return splits
 
 
-def default_config(kv_format: str, T: int, H: int) -> dict:
+def default_config(kv_format: str, T: int, H: int, operand_bytes: int = 2) -> dict:
     """The launch choice per regime, from the H200 sweep (bench/kernels.py --only sweep;
     bench/RESULTS_kernels.md). Keys: layout ("heads": heads on the rows of the products, 16-64
     per program; "keys": keys on the rows, heads the narrow side, triton_attention_kmajor),
-    fp8_variant (heads layout only), block_k, num_warps, num_stages, prefetch, deq_bf16, evict."""
+    fp8_variant (heads layout only), block_k, num_warps, num_stages, prefetch, deq_bf16, evict.
+    ``operand_bytes`` 4 (float32 q: exact "ieee" products, used by replays against the oracle)
+    halves the key block and drops pipelining: 64 fp32 rows of 576 in two stages need 258 KB of
+    shared memory, above the H200's 227 KB (seen 2026-11-29)."""
     block_h = _block_h(H)
     fp8 = kv_format == "fp8_ds_mla"
+    if operand_bytes >= 4 and not fp8:
+        return dict(layout="heads", fp8_variant="dequant", block_k=32,
+                    num_warps=4 if block_h <= 32 else 8, num_stages=1, prefetch=False,
+                    deq_bf16=False, evict=False)
     # keys-major (layout="keys", 32 keys, prefetch) measured 344-347 vs 359-376 us at B 256, H 16,
     # but its prefetch variants at 64/128 keys hit an illegal address on the H200 (2026-11-29):
     # not the default until that is explained (bench/RESULTS_kernels.md).
@@ -254,7 +261,7 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16
         raise ValueError(f"kv_format {kv_format!r}, expected 'bf16' or 'fp8_ds_mla'")
     indices = indices.contiguous()
     topk = indices.shape[1]
-    cfg = default_config(kv_format, T, H)
+    cfg = default_config(kv_format, T, H, q.element_size())
     layout = cfg["layout"] if layout == "auto" else layout
     fp8_variant = cfg["fp8_variant"] if fp8_variant == "auto" else fp8_variant
     block_h = _block_h(H) if layout == "heads" else max(16, min(64, triton.next_power_of_2(H)))
