@@ -3,7 +3,7 @@ ceilings measured in the same run (bf16 matmul 8192^3, device-to-device copy).
 
     python bench/kernels.py [--quick] [--json out.json] [--only prefill,decode,...]
 
-Prints a markdown table (the one recorded in bench/RESULTS_kernels.md). FLOPs of sparse MLA per
+Prints a markdown table (the one recorded in bench/RESULTS.md). FLOPs of sparse MLA per
 query token: 2 * H * topk * (576 + 512); bytes of decode: topk * 656 per query (the KV rows read).
 """
 

@@ -205,7 +205,7 @@ def _num_splits(T: int, H: int, topk: int, block_k: int, device: torch.device) -
 
 def default_config(kv_format: str, T: int, H: int, operand_bytes: int = 2) -> dict:
     """The launch choice per regime, from the H200 sweep (bench/kernels.py --only sweep;
-    bench/RESULTS_kernels.md). Keys: layout ("heads": heads on the rows of the products, 16-64
+    bench/RESULTS.md). Keys: layout ("heads": heads on the rows of the products, 16-64
     per program; "keys": keys on the rows, heads the narrow side, triton_attention_kmajor),
     fp8_variant (heads layout only), block_k, num_warps, num_stages, prefetch, deq_bf16, evict.
     ``operand_bytes`` 4 (float32 q: exact "ieee" products, used by replays against the oracle)
@@ -219,7 +219,7 @@ def default_config(kv_format: str, T: int, H: int, operand_bytes: int = 2) -> di
                     deq_bf16=False, evict=False)
     # keys-major (layout="keys", 32 keys, prefetch) measured 344-347 vs 359-376 us at B 256, H 16,
     # but its prefetch variants at 64/128 keys hit an illegal address on the H200 (2026-11-29):
-    # not the default until that is explained (bench/RESULTS_kernels.md).
+    # not the default until that is explained (bench/RESULTS.md).
     if block_h <= 32:
         return dict(layout="heads", fp8_variant="scaled_dots" if fp8 else "dequant", block_k=64,
                     num_warps=4, num_stages=2, prefetch=False, deq_bf16=False, evict=False)
