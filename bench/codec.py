@@ -13,29 +13,16 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import statistics
 import sys
-import time
 from pathlib import Path
 
-import numpy as np
 import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cpplan.schemas import ParallelConfig, StepInput, decode_plan, digest, encode_plan  # noqa: E402
+from common import make_step, median_us  # noqa: E402  (bench/common.py)
+from cpplan.schemas import ParallelConfig, decode_plan, digest, encode_plan  # noqa: E402
 from cpplan.schemas.codec import plan_payload  # noqa: E402
-
-
-def realistic_step(num_requests: int, seed: int = 0) -> StepInput:
-    """90% decodes with contexts up to 128k; 10% prefills of 1..16k tokens, a third chunked."""
-    rng = np.random.default_rng(seed)
-    prefill = rng.random(num_requests) < 0.10
-    q = np.where(prefill, rng.integers(1, 16_384, num_requests), 1)
-    chunked = prefill & (rng.random(num_requests) < 0.33)
-    c = np.where(prefill, np.where(chunked, rng.integers(1, 64_000, num_requests), 0),
-                 rng.integers(1, 128_000, num_requests))
-    return StepInput.build(1, [f"req-{i}" for i in range(num_requests)], c, q, prefill)
 
 
 def make_plan(num_requests: int, pcp: int = 4):
@@ -43,18 +30,7 @@ def make_plan(num_requests: int, pcp: int = 4):
 
     config = ParallelConfig(pcp_size=pcp, dcp_size=pcp, interleave_size=1,
                             max_model_len=200_000, cudagraph_token_sizes=(512, 1024, 2048, 4096))
-    return compile_plan(config, realistic_step(num_requests))
-
-
-def median_us(fn, repeat: int) -> float:
-    for _ in range(min(repeat, 50)):
-        fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter_ns()
-        fn()
-        times.append(time.perf_counter_ns() - t0)
-    return statistics.median(times) / 1e3
+    return compile_plan(config, make_step(num_requests, seed=0))
 
 
 def main() -> None:
@@ -67,8 +43,8 @@ def main() -> None:
         plan = make_plan(n)
         data = encode_plan(plan)
         payload = plan_payload(plan)
-        enc = median_us(lambda: (encode_plan(plan), digest(plan)), repeat)
-        dec = median_us(lambda: decode_plan(data), repeat)
+        enc = median_us(lambda: (encode_plan(plan), digest(plan)), repeat, warmup=50)
+        dec = median_us(lambda: decode_plan(data), repeat, warmup=50)
         xxh = median_us(lambda: xxhash.xxh3_128_digest(payload), repeat)
         b2 = median_us(lambda: hashlib.blake2b(payload, digest_size=16).digest(), repeat)
         rows.append((n, len(data), enc, dec, xxh, b2))

@@ -18,10 +18,10 @@ import datetime
 import importlib.util
 import pathlib
 import platform
-import statistics
 import time
 
-import numpy as np
+
+from common import make_step, median_us  # bench/common.py
 
 from cpplan import planner
 from cpplan.schemas import ParallelConfig, StepInput, digest, encode_plan
@@ -36,26 +36,6 @@ def _load_reference():
     return module
 
 
-def make_step(n: int, seed: int, max_model_len: int = 131072) -> StepInput:
-    """n requests in a random scheduler order: 90% decodes, 10% prefills (1/3 chunked)."""
-    rng = np.random.default_rng(seed)
-    pre = rng.random(n) < 0.10
-    q = np.where(pre, rng.integers(1, 16385, n), 1)
-    chunked = pre & (rng.random(n) < 1 / 3)
-    c = np.where(pre, np.where(chunked, rng.integers(1, 32769, n), 0),
-                 rng.integers(1, max_model_len, n))
-    return StepInput.build(seed, [f"req-{seed}-{i}" for i in range(n)], c, q, pre)
-
-
-def _median_us(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter_ns()
-        fn()
-        times.append(time.perf_counter_ns() - t0)
-    return statistics.median(times) / 1e3
-
-
 def run(quick: bool) -> list[dict]:
     reference = _load_reference()
     planner.warmup()
@@ -68,11 +48,11 @@ def run(quick: bool) -> list[dict]:
             reference.assert_plan_matches(plan, reference.reference_plan(config, step))
             reps = (50 if quick else 2000) if n < 4096 else (20 if quick else 300)
             ref_reps = 3 if quick else (30 if n < 4096 else 7)
-            compile_us = _median_us(lambda: planner.compile(config, step), reps)
-            full_us = _median_us(
+            compile_us = median_us(lambda: planner.compile(config, step), reps)
+            full_us = median_us(
                 lambda: (lambda p: (encode_plan(p), digest(p)))(planner.compile(config, step)),
                 reps)
-            ref_us = _median_us(lambda: reference.reference_plan(config, step), ref_reps)
+            ref_us = median_us(lambda: reference.reference_plan(config, step), ref_reps)
             rows.append({"requests": n, "P=W": size, "compile_us": compile_us,
                          "full_us": full_us, "ref_us": ref_us, "ratio": ref_us / compile_us,
                          "chunks": len(plan.gather_chunks)})
