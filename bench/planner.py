@@ -18,13 +18,11 @@ import datetime
 import importlib.util
 import pathlib
 import platform
-import time
-
 
 from common import make_step, median_us  # bench/common.py
 
 from cpplan import planner
-from cpplan.schemas import ParallelConfig, StepInput, digest, encode_plan
+from cpplan.schemas import ParallelConfig, digest, encode_plan
 
 _REF_PATH = pathlib.Path(__file__).resolve().parent.parent / "tests" / "planner" / "reference.py"
 

@@ -25,7 +25,7 @@ from cpplan._version import __version__
 from cpplan.schemas.config import ParallelConfig
 from cpplan.schemas.errors import PlanFormatError, SchemaVersionError
 from cpplan.schemas.plan import StepPlan
-from cpplan.schemas.step import RequestInput, StepInput
+from cpplan.schemas.step import StepInput
 
 SCHEMA_VERSION = 1
 KIND_PLAN = "cpplan.plan"

@@ -111,7 +111,7 @@ def _launch(opts, world: int, as_json: bool) -> int:
 
 def _report(opts, results, elapsed: float, as_json: bool) -> int:
     from cpplan.runtime.simulate import TOLERANCE
-    from cpplan.schemas.errors import CpplanError, RankLostError
+    from cpplan.schemas.errors import RankLostError
 
     failures = []
     for r in results:

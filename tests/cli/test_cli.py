@@ -15,7 +15,6 @@ from cpplan.schemas import (
     decode_plan,
     encode_config,
     encode_config_json,
-    encode_plan,
     encode_step,
     encode_step_json,
 )
@@ -53,7 +52,7 @@ def test_plan_prints_digest_and_is_byte_stable(step_json, tmp_path):
     out1, out2 = tmp_path / "a.msgpack", tmp_path / "b.msgpack"
     p1 = cpplan("plan", step_json, "--pcp", 2, "--dcp", 2, "--max-model-len", 1000, "-o", out1)
     p2 = cpplan("plan", step_json, "--pcp", 2, "--dcp", 2, "--max-model-len", 1000, "-o", out2)
-    assert p1.returncode == 0, p1.stderr
+    assert p1.returncode == 0 and p2.returncode == 0, p1.stderr + p2.stderr
     assert out1.read_bytes() == out2.read_bytes()
     assert p1.stdout.strip() == codec.digest(decode_plan(out1.read_bytes())).hex()
 
