@@ -54,10 +54,23 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_text(report: dict) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     # piped output keeps full cell text instead of folding tables to 80 columns
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    for section in (_header, _requests, _ranks, _chunks, _collectives, _cost):
+        section(console, report)
+
+
+def _table(title: str, columns: tuple[str, ...], left: tuple[str, ...] = ()):
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for col in columns:
+        table.add_column(col, justify="left" if col in left else "right")
+    return table
+
+
+def _header(console, report: dict) -> None:
     cfg = report["config"]
     graph = f"cuda graph {report['cudagraph_size']}" if report["cudagraph_size"] else "eager"
     console.print(
@@ -69,9 +82,11 @@ def _print_text(report: dict) -> None:
         f"workspace={cfg['gather_workspace_tokens']} rows  |  T={report['padded_num_tokens']} "
         f"({graph}), {report['num_decode_rows']} decode rows")
 
-    table = Table(title=f"requests ({len(report['requests'])})", title_justify="left")
-    for col in ("#", "req_id", "mode", "c", "q", "cs", "extent", "shard rows"):
-        table.add_column(col, justify="right" if col not in ("req_id", "mode") else "left")
+
+def _requests(console, report: dict) -> None:
+    table = _table(f"requests ({len(report['requests'])})",
+                   ("#", "req_id", "mode", "c", "q", "cs", "extent", "shard rows"),
+                   left=("req_id", "mode"))
     colour = {"decode": "cyan", "split": "green", "replicated": "yellow"}
     for r in report["requests"]:
         table.add_row(str(r["index"]), r["req_id"], f"[{colour[r['mode']]}]{r['mode']}[/]",
@@ -79,14 +94,15 @@ def _print_text(report: dict) -> None:
                       str(r["chunk_size"]), str(r["extent"]), str(r["dcp_shard_rows"]))
     console.print(table)
 
+
+def _ranks(console, report: dict) -> None:
     for rank in report["ranks"]:
         real, padded = rank["num_tokens"], rank["padded_num_tokens"]
         waste = 100.0 * rank["padding"] / padded if padded else 0.0
-        table = Table(title=f"PCP rank {rank['rank']}: {real} tokens, padded to {padded} "
-                            f"({rank['padding']} padding, {waste:.1f}% waste)",
-                      title_justify="left")
-        for col in ("row", "request", "query offset", "tokens", "first position", "kv write"):
-            table.add_column(col, justify="right")
+        table = _table(f"PCP rank {rank['rank']}: {real} tokens, padded to {padded} "
+                       f"({rank['padding']} padding, {waste:.1f}% waste)",
+                       ("row", "request", "query offset", "tokens", "first position",
+                        "kv write"))
         for j, row in enumerate(rank["rows"][:MAX_ROWS_SHOWN]):
             table.add_row(str(j), str(row["request"]), str(row["query_offset"]),
                           str(row["num_tokens"]), str(row["position_start"]),
@@ -96,35 +112,36 @@ def _print_text(report: dict) -> None:
         if hidden > 0:
             console.print(f"  ... {hidden} more rows (--json shows all)")
 
-    if report["gather_chunks"]:
-        table = Table(title="gather chunks", title_justify="left")
-        for col in ("chunk", "requests", "PT", "gathered rows", "total tokens"):
-            table.add_column(col, justify="right")
-        w = cfg["dcp_size"]
-        for c in report["gather_chunks"]:
-            reqs = c["requests"]
-            shown = ",".join(map(str, reqs[:12])) + (f",... ({len(reqs)})" if len(reqs) > 12
-                                                     else "")
-            table.add_row(str(c["index"]), shown, str(c["padded_local_total"]),
-                          str(w * c["padded_local_total"]), str(c["total"]))
-        console.print(table)
 
-    table = Table(title=f"collectives (per rank; {cfg['num_layers']} layers)",
-                  title_justify="left")
-    for col in ("name", "op", "group", "dtype", "shape", "bytes/layer", "bytes/step"):
-        table.add_column(col, justify="right" if col.startswith("bytes") else "left")
+def _chunks(console, report: dict) -> None:
+    if not report["gather_chunks"]:
+        return
+    table = _table("gather chunks", ("chunk", "requests", "PT", "gathered rows", "total tokens"))
+    w = report["config"]["dcp_size"]
+    for c in report["gather_chunks"]:
+        reqs = c["requests"]
+        shown = ",".join(map(str, reqs[:12])) + (f",... ({len(reqs)})" if len(reqs) > 12 else "")
+        table.add_row(str(c["index"]), shown, str(c["padded_local_total"]),
+                      str(w * c["padded_local_total"]), str(c["total"]))
+    console.print(table)
+
+
+def _collectives(console, report: dict) -> None:
+    table = _table(f"collectives (per rank; {report['config']['num_layers']} layers)",
+                   ("name", "op", "group", "dtype", "shape", "bytes/layer", "bytes/step"),
+                   left=("name", "op", "group", "dtype", "shape"))
     for c in report["collectives"]:
         table.add_row(c["name"], c["op"], c["group"], c["dtype"],
                       "x".join(map(str, c["shape"])),
                       f"{c['bytes']:,}" if c["per_layer"] else "-", f"{c['bytes_per_step']:,}")
     console.print(table)
 
+
+def _cost(console, report: dict) -> None:
     cost, ws = report["cost"], report["workspace"]
-    table = Table(title=f"cost per layer (imbalance max/mean {cost['imbalance']:.3f})",
-                  title_justify="left")
-    for col in ("rank", "attention keys", "indexer keys", "attention GFLOP", "indexer GFLOP",
-                "gathered MB"):
-        table.add_column(col, justify="right")
+    table = _table(f"cost per layer (imbalance max/mean {cost['imbalance']:.3f})",
+                   ("rank", "attention keys", "indexer keys", "attention GFLOP",
+                    "indexer GFLOP", "gathered MB"))
     for r in range(len(cost["attention_flops"])):
         table.add_row(str(r), f"{cost['attention_keys'][r]:,}", f"{cost['indexer_keys'][r]:,}",
                       f"{cost['attention_flops'][r] / 1e9:.2f}",
