@@ -31,6 +31,7 @@ from cpplan.runtime.groups import Groups
 from cpplan.runtime.launch import World
 from cpplan.schemas.codec import encode_plan
 from cpplan.schemas.config import ParallelConfig
+from cpplan.schemas.files import write_atomic
 from cpplan.schemas.plan import StepPlan
 from cpplan.schemas.step import StepInput
 
@@ -39,8 +40,7 @@ def record_plan(plan: StepPlan, directory: str) -> str:
     """Write ``step-<id>.msgpack`` (for ``cpplan inspect`` / ``replay``); returns the path."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"step-{plan.step_id}.msgpack")
-    with open(path, "wb") as f:
-        f.write(encode_plan(plan))
+    write_atomic(path, encode_plan(plan))
     return path
 
 

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 from cpplan.schemas import (
@@ -100,19 +98,6 @@ def load_plan(path: str, args: argparse.Namespace) -> StepPlan:
     from cpplan.planner import compile as compile_plan
 
     return compile_plan(config_from_args(args), step)
-
-
-def write_atomic(path: str, data: bytes) -> None:
-    """Write all or nothing: a temp file in the same folder, then a rename."""
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent or ".")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def stdout_is_terminal() -> bool:

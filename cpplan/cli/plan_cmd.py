@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from cpplan.cli.common import add_config_flags, config_from_args, read_file, write_atomic
+from cpplan.cli.common import add_config_flags, config_from_args, read_file
+from cpplan.schemas.files import write_atomic
 from cpplan.schemas import decode_step, digest, encode_plan
 
 EXAMPLE = """example:
