@@ -4,8 +4,15 @@
 world through a TCPStore that the parent hosts on 127.0.0.1 (so the store outlives any rank);
 ``world.run(fn, *args)`` runs ``fn(ctx, *args)`` on every rank and returns one
 :class:`RankResult` per rank. Workers run with OMP_NUM_THREADS=1 and stay up between jobs:
-spawning and importing torch is the expensive part. Under torchrun use
-``Groups.from_env`` instead; nothing here is needed.
+spawning and importing torch is the expensive part.
+
+Under torchrun (RANK, WORLD_SIZE and MASTER_ADDR set) there is no world to spawn:
+``join_torchrun`` makes this process that one rank of torchrun's world and returns the same
+:class:`WorkerContext` a spawned rank gets, so one job function serves both.
+
+Both paths keep NVLink multicast off (``NO_MULTICAST_ENV``, set with setdefault before any
+process group exists): on the shared multi-GPU hosts a program using it can take the host's
+GPUs out of service.
 """
 
 from __future__ import annotations
@@ -19,15 +26,75 @@ import traceback
 
 import torch.distributed as dist
 
+NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                    "NVSHMEM_DISABLE_NVLS": "1"}
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
+
+
+def keep_multicast_off() -> None:
+    """setdefault NO_MULTICAST_ENV in this process (inherited by the processes it starts)."""
+    for name, value in NO_MULTICAST_ENV.items():
+        os.environ.setdefault(name, value)
+
 
 @dataclasses.dataclass
 class WorkerContext:
-    """What a job function gets on its rank."""
+    """What a job function gets on its rank. ``store``: the world's store (None: the default
+    world's, looked up by ``Groups.build``); ``local_rank``: the rank on its host (its GPU)."""
 
     rank: int
     world_size: int
     backend: str
     store: object
+    local_rank: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchrunEnv:
+    """The rank's place in a torchrun world, read from the environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def torchrun_env() -> TorchrunEnv | None:
+    """The torchrun world this process belongs to, or None when RANK, WORLD_SIZE and
+    MASTER_ADDR are not all set (then nothing was launched for us: spawn a World)."""
+    env = os.environ
+    if not all(env.get(name) for name in TORCHRUN_VARS):
+        return None
+    world = int(env["WORLD_SIZE"])
+    return TorchrunEnv(rank=int(env["RANK"]), world_size=world,
+                       local_rank=int(env.get("LOCAL_RANK", "0")),
+                       local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))))
+
+
+def join_torchrun(backend: str, timeout_s: float) -> WorkerContext:
+    """Join torchrun's world as this one rank (env:// rendezvous): gloo, or NCCL on GPU
+    LOCAL_RANK with the communicator created now (eagerly, so a broken NCCL setup fails here
+    rather than at the step's first collective). Call :func:`leave_torchrun` at the end."""
+    import torch
+
+    keep_multicast_off()
+    env = torchrun_env()
+    assert env is not None, "join_torchrun outside torchrun"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    kwargs = {}
+    if backend == "nccl":
+        torch.cuda.set_device(env.local_rank)
+        kwargs["device_id"] = torch.device("cuda", env.local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timeout, **kwargs)
+    return WorkerContext(dist.get_rank(), dist.get_world_size(), backend, None, env.local_rank)
+
+
+def leave_torchrun(clean: bool = True) -> None:
+    """Destroy the default world; skipped when a rank is gone (``clean=False``): tearing down
+    NCCL against a dead peer can block, and torchrun ends the ranks anyway."""
+    if clean and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @dataclasses.dataclass
@@ -47,6 +114,7 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, timeout_s:
                  conn) -> None:
     import torch
 
+    keep_multicast_off()
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -54,7 +122,7 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, timeout_s:
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timeout)
-    ctx = WorkerContext(rank, world_size, backend, store)
+    ctx = WorkerContext(rank, world_size, backend, store, local_rank=rank)
     while True:
         try:
             msg = conn.recv()
@@ -90,6 +158,7 @@ class World:
         self.world_size, self.backend = world_size, backend
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=timeout_s))
+        keep_multicast_off()
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
         saved = os.environ.get("OMP_NUM_THREADS")

@@ -1,4 +1,5 @@
-"""``cpplan simulate``'s per-rank body: the mini serving loop over a real torch.distributed world.
+"""``cpplan simulate``'s per-rank body: the mini serving loop over a real torch.distributed world
+(ranks spawned by ``cpplan simulate`` itself, or the ranks of a torchrun world).
 
 Every rank runs the same deterministic scheduler, compiles each step, binds it (digest check),
 runs the reference layers through the embedding API, restores, and checks its share of the
@@ -102,7 +103,8 @@ def perturb(step: StepInput, config: ParallelConfig, kind: str):
 def rank_main(ctx, opts: SimOptions) -> dict:
     """The body run on every rank; returns this rank's record (errors included, typed)."""
     config = preset_config(opts)
-    device = torch.device("cuda", ctx.rank) if opts.backend == "nccl" else torch.device("cpu")
+    device = (torch.device("cuda", ctx.local_rank) if opts.backend == "nccl"
+              else torch.device("cpu"))
     groups = Groups.build(config, device=device, control_timeout_s=opts.timeout_s,
                           store=ctx.store)
     sim = _RankSim(config, groups, opts)

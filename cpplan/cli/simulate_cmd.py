@@ -1,5 +1,10 @@
-"""``cpplan simulate``: run the mini serving loop over a spawned PCP x DCP world, check every
-step against the single-device oracle.
+"""``cpplan simulate``: run the mini serving loop over a PCP x DCP world, check every step
+against the single-device oracle.
+
+The world is spawned here (one process per rank), or, under torchrun (RANK, WORLD_SIZE and
+MASTER_ADDR set), this process is one rank of torchrun's world, which must have max(P, W)
+ranks; NCCL takes GPU LOCAL_RANK. Rank 0 prints the progress, summary and JSON; every rank
+exits with its own code.
 
 Exit codes: 0 every step matches, 1 an output differs from the oracle, 2 bad input, 3 plan
 mismatch (``--inject-divergence``), 4 a rank was lost.
@@ -16,6 +21,7 @@ EXAMPLE = """example:
   cpplan simulate                      # P=2 x W=2, fp8_ds_mla, 24 steps, 2 layers
   cpplan simulate --pcp 3 --dcp 3 --interleave 2 --kv-cache-dtype bf16 --json
   cpplan simulate --inject-divergence 5:1:reorder   # every rank stops at step 5, exit 3
+  torchrun --standalone --nproc-per-node 4 -m cpplan simulate --pcp 4 --dcp 4 --backend nccl
 """
 
 
@@ -81,6 +87,11 @@ def run(args) -> int:
     if opts.inject and not 0 <= opts.inject.rank < world:
         raise ConfigError(f"--inject-divergence rank must be in [0, {world}): got "
                           f"{opts.inject.rank}")
+    from cpplan.runtime.launch import torchrun_env
+
+    env = torchrun_env()
+    if env is not None:
+        return _as_torchrun_rank(opts, world, env, args.json)
     if opts.backend == "nccl":
         import torch
 
@@ -97,9 +108,7 @@ def _launch(opts, world: int, as_json: bool) -> int:
     from cpplan.runtime.simulate import rank_main
 
     t0 = time.monotonic()
-    sys.stderr.write(f"cpplan simulate: P={opts.pcp} W={opts.dcp} I={opts.interleave} "
-                     f"{opts.kv_cache_dtype}, {world} ranks ({opts.backend}), "
-                     f"{opts.steps} steps x {opts.layers} layers\n")
+    _header(opts, world, "spawned")
     w = World(world, backend=opts.backend, timeout_s=max(opts.timeout_s * 4, 60.0))
     try:
         results = w.run(rank_main, opts, timeout_s=max(600.0, opts.timeout_s * 4))
@@ -107,6 +116,65 @@ def _launch(opts, world: int, as_json: bool) -> int:
         w.close()
     elapsed = time.monotonic() - t0
     return _report(opts, results, elapsed, as_json)
+
+
+def _as_torchrun_rank(opts, world: int, env, as_json: bool) -> int:
+    """Run as rank ``env.rank`` of torchrun's world. Errors that every rank detects alike
+    (world size, GPUs) are said once, by rank 0 (local rank 0 for GPUs); the others exit with
+    the same code silently."""
+    from cpplan.runtime.launch import RankResult, join_torchrun, leave_torchrun
+    from cpplan.runtime.simulate import rank_main
+    from cpplan.schemas.errors import ConfigError, RankLostError
+
+    if env.world_size != world:
+        return _said_once(env.rank, ConfigError(
+            f"torchrun's world has {env.world_size} rank(s): --pcp {opts.pcp} --dcp {opts.dcp} "
+            f"needs max(P, W) = {world} (--nproc-per-node x --nnodes)"))
+    if opts.backend == "nccl":
+        import torch
+
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have < env.local_world_size:
+            return _said_once(env.local_rank, ConfigError(
+                f"--backend nccl needs one GPU per rank: {env.local_world_size} ranks on this "
+                f"host, {have} GPUs"))
+    ctx = join_torchrun(opts.backend, timeout_s=max(opts.timeout_s * 4, 60.0))
+    if ctx.rank == 0:
+        _header(opts, world, "torchrun")
+    t0 = time.monotonic()
+    try:
+        value = rank_main(ctx, opts)
+    except BaseException:
+        leave_torchrun(clean=False)
+        raise
+    elapsed = time.monotonic() - t0
+    error = value.get("error")
+    leave_torchrun(clean=not isinstance(error, RankLostError))
+    result = RankResult(ctx.rank, value=value)
+    if error is not None:  # each rank names its own failure; rank 0 writes the JSON
+        return _report_failures([(ctx.rank, error, value)], as_json and ctx.rank == 0,
+                                torchrun=True)
+    if ctx.rank == 0:
+        return _report(opts, [result], elapsed, as_json)
+    return _exit_code_of(value)  # the summary is summed over all ranks: the same on each
+
+
+def _said_once(speaker: int, exc) -> int:
+    if speaker == 0:
+        raise exc
+    return exc.exit_code
+
+
+def _header(opts, world: int, how: str) -> None:
+    sys.stderr.write(f"cpplan simulate: P={opts.pcp} W={opts.dcp} I={opts.interleave} "
+                     f"{opts.kv_cache_dtype}, {world} ranks ({opts.backend}, {how}), "
+                     f"{opts.steps} steps x {opts.layers} layers\n")
+
+
+def _exit_code_of(summary: dict) -> int:
+    from cpplan.runtime.simulate import TOLERANCE
+
+    return 0 if summary["max_abs_err"] <= TOLERANCE else 1
 
 
 def _report(opts, results, elapsed: float, as_json: bool) -> int:
@@ -127,7 +195,7 @@ def _report(opts, results, elapsed: float, as_json: bool) -> int:
         return _report_failures(failures, as_json)
     s = dict(results[0].value)
     s.pop("rank", None)
-    ok = s["max_abs_err"] <= TOLERANCE
+    ok = _exit_code_of(s) == 0
     s.update(ok=ok, tolerance=TOLERANCE, seconds=round(elapsed, 2), pcp=opts.pcp, dcp=opts.dcp,
              interleave=opts.interleave, kv_cache_dtype=opts.kv_cache_dtype)
     _table(s, sys.stderr if as_json else sys.stdout)
@@ -136,7 +204,9 @@ def _report(opts, results, elapsed: float, as_json: bool) -> int:
     return 0 if ok else 1
 
 
-def _report_failures(failures, as_json: bool) -> int:
+def _report_failures(failures, as_json: bool, torchrun: bool = False) -> int:
+    """One line per failed rank; the exit code (3 over 4 over the rest). Under torchrun a rank
+    knows only its own failure: its JSON names the rank instead of counting failed ranks."""
     from cpplan.schemas.errors import CpplanError
 
     codes = []
@@ -147,7 +217,8 @@ def _report_failures(failures, as_json: bool) -> int:
         codes.append(exc.exit_code if isinstance(exc, CpplanError) else 1)
     code = max(codes, key=lambda c: (c == 3, c == 4, c))
     if as_json:
-        print(json.dumps({"ok": False, "exit_code": code, "ranks_failed": len(failures),
+        where = {"rank": failures[0][0]} if torchrun else {"ranks_failed": len(failures)}
+        print(json.dumps({"ok": False, "exit_code": code, **where,
                           "error": str(failures[0][1])}))
     return code
 

@@ -1,0 +1,454 @@
+"""One prefill-heavy step through the real StepExecutor, timed per layer and per phase.
+
+    python bench/step_gpu.py [--json]                     # one GPU: P = W = 1, full model dims
+    torchrun --standalone --nproc-per-node 4 bench/step_gpu.py --pcp 4 --dcp 4   # NCCL, 4 GPUs
+    python bench/step_gpu.py --tiny                       # CPU smoke run at toy sizes
+    torchrun --standalone --nproc-per-node 2 bench/step_gpu.py --tiny --pcp 2 --dcp 2   # gloo
+
+The work (issue 7): one prompt of ``--prompt`` tokens (32k, nothing cached) plus ``--decodes``
+decodes (64) whose contexts are a few thousand tokens, at full model dims (128 heads, topk 2048,
+576/512, fp8_ds_mla, indexer 64 x 128, bf16 activations) over ``--layers`` layers (4), with the
+default kernels of the device (Triton on CUDA). Caches and inputs are random (timing only; the
+oracle comparison is ``cpplan simulate``'s job), each rank fills its own shard.
+
+How the phases are timed. A plain step (``bind``, per layer ``insert`` + ``attend``,
+``restore``, ``finish``; the executor and kernels untouched) is timed with two device events
+around it: that is the step time. Then the same step is run again ``--repeat`` times through a
+timing-only instrumented path that changes no step code: the executor gets a wrapped kernel set
+(it takes ``kernels`` as a value), and for the duration of the run the named collectives of
+``cpplan.runtime.collectives`` and the two key-rectangle helpers the executor imports are
+replaced by wrappers. Each wrapper runs the original and then records a device event labelled
+with its phase; the interval that ends at an event belongs to that phase, so glue work that
+queues before an op (a staging ``index_select`` before a gather, the LSE weights before
+``decode_out``) counts in that op's phase, and what follows the last op of ``attend`` (the
+copy of the output rows) is "other". Phases: insert (``insert()``: quantise + ``kv_insert``
+/ ``indexer_k_insert`` + cache writes), gather (``indexer_k_gather`` / ``kv_gather`` and their
+staging), indexer (key rectangles + scores + top-k), attention (remap / local-slot filter +
+sparse MLA), merge (``topk_candidates`` + re-selection, ``decode_lse``, ``decode_out``).
+Events do not synchronise, so the instrumented step runs as the plain one does; both totals are
+printed. On the CPU the marks are ``perf_counter`` readings (gloo collectives are synchronous).
+
+The verify cost next to it: the plan digest on the host (encode + xxh3-128), and with more
+than one rank the digest exchange over the gloo control group, awaited, measured alone after a
+barrier (in a step it starts at bind and is awaited before the first collective).
+Several ranks: every figure is the maximum over ranks (a step ends with its slowest rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from cpplan.api import Groups, LayerCache, ParallelConfig, StepExecutor, StepInput, compile
+from cpplan.runtime import collectives as coll
+from cpplan.runtime import executor as executor_mod
+from cpplan.runtime.kernels import get_kernels
+from cpplan.runtime.launch import join_torchrun, leave_torchrun, torchrun_env
+from cpplan.runtime.scheduler import BlockAllocator
+from cpplan.runtime.verify import DigestCheck
+from cpplan.schemas.codec import digest
+from cpplan.schemas.errors import ConfigError
+
+PHASES = ("insert", "gather", "indexer", "attention", "merge", "other")
+KERNEL_PHASE = {"quantize_fp8_ds_mla": "insert", "quantize_indexer_k": "insert",
+                "indexer_topk": "indexer", "topk_reference_order": "merge",
+                "filter_local_slots": "attention", "remap_to_gathered": "attention",
+                "sparse_mla_attention": "attention"}
+HELPER_PHASE = {"decode_key_slots": "indexer", "prefill_key_rows": "indexer"}
+COLLECTIVE_PHASE = {"kv_insert": "insert", "indexer_k_insert": "insert",
+                    "indexer_k_gather": "gather", "kv_gather": "gather",
+                    "topk_candidates": "merge", "decode_lse": "merge", "decode_out": "merge",
+                    "restore": "restore"}
+FULL = dict(num_heads=128, topk=2048, index_num_heads=64, hidden_size=7168,
+            activation_dtype="bfloat16", prompt=32768, decodes=64, context=(2048, 6144),
+            layers=4)
+TINY = dict(num_heads=8, topk=64, index_num_heads=4, hidden_size=512,
+            activation_dtype="float32", prompt=256, decodes=8, context=(64, 192), layers=2)
+ACT = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+# ----------------------------------------------------------------------------- clocks
+class Clock:
+    """Marks on the device's timeline: CUDA events on a GPU, perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def ms(self, a, b) -> float:
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+class PhaseLog:
+    """Labelled marks; the interval that ends at a mark belongs to that mark's (layer, phase)."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock, self.layer, self.marks = clock, None, []
+
+    def point(self, phase: str) -> None:
+        self.marks.append((self.layer, phase, self.clock.mark()))
+
+    def table(self, num_layers: int) -> tuple[np.ndarray, dict]:
+        """(ms [layers, PHASES], step-level ms {bind, restore}) after a sync."""
+        per_layer = np.zeros((num_layers, len(PHASES)))
+        step = {"bind": 0.0, "restore": 0.0}
+        for (_, _, a), (layer, phase, b) in zip(self.marks, self.marks[1:]):
+            ms = self.clock.ms(a, b)
+            if layer is None:
+                step[phase] = step.get(phase, 0.0) + ms
+            else:
+                per_layer[layer, PHASES.index(phase)] += ms
+        return per_layer, step
+
+
+class _NoLog:
+    layer = None
+
+    def point(self, phase: str) -> None:
+        pass
+
+
+def _after(fn, log, phase: str):
+    def timed(*args, **kwargs):
+        result = fn(*args, **kwargs)
+        log.point(phase)
+        return result
+    return timed
+
+
+@contextlib.contextmanager
+def instrumented(ex: StepExecutor, log: PhaseLog):
+    """Timing-only: wrapped kernels on ``ex``, wrapped collectives and key-rectangle helpers in
+    their modules; everything is put back on exit."""
+    saved_kernels = ex.kernels
+    ex.kernels = dataclasses.replace(ex.kernels, **{
+        op: _after(getattr(ex.kernels, op), log, ph) for op, ph in KERNEL_PHASE.items()})
+    patched = [(coll, name, ph) for name, ph in COLLECTIVE_PHASE.items()]
+    patched += [(executor_mod, name, ph) for name, ph in HELPER_PHASE.items()]
+    originals = [(mod, name, getattr(mod, name)) for mod, name, _ in patched]
+    try:
+        for mod, name, ph in patched:
+            setattr(mod, name, _after(getattr(mod, name), log, ph))
+        yield
+    finally:
+        ex.kernels = saved_kernels
+        for mod, name, fn in originals:
+            setattr(mod, name, fn)
+
+
+# ----------------------------------------------------------------------------- the work
+def build_config(args, dims: dict, world_pcp: int, world_dcp: int) -> ParallelConfig:
+    extent = max(args.prompt, dims["context"][1] + 1)
+    mml = -(-extent // 1024) * 1024
+    return ParallelConfig(pcp_size=world_pcp, dcp_size=world_dcp, interleave_size=args.interleave,
+                          kv_cache_dtype="fp8_ds_mla", num_layers=args.layers,
+                          num_heads=dims["num_heads"], topk=dims["topk"],
+                          index_num_heads=dims["index_num_heads"],
+                          hidden_size=dims["hidden_size"],
+                          activation_dtype=dims["activation_dtype"], max_model_len=mml)
+
+
+def build_step(args, dims: dict) -> StepInput:
+    """``--decodes`` decodes (contexts spread over the range), then one uncached prompt."""
+    lo, hi = dims["context"]
+    n = args.decodes
+    ctx = lo + (np.arange(n, dtype=np.int64) * 1543) % max(hi - lo, 1)
+    ids = [f"d{i}" for i in range(n)] + ["prompt"]
+    c = np.concatenate([ctx, [0]])
+    q = np.concatenate([np.ones(n, dtype=np.int64), [args.prompt]])
+    return StepInput.build(0, ids, c, q, np.arange(n + 1) == n)
+
+
+@dataclasses.dataclass
+class Rank:
+    """One rank's bench state: executor, caches (random), tables and inputs of the step."""
+
+    groups: Groups
+    config: ParallelConfig
+    plan: object
+    ex: StepExecutor
+    tables: np.ndarray
+    caches: list
+    x: dict
+
+
+def setup_rank(args, dims: dict, groups: Groups) -> Rank:
+    cfg, dev = groups.config, groups.device
+    plan = compile(cfg, build_step(args, dims))
+    per_req = -(-cfg.shard_rows(cfg.max_model_len) // cfg.block_size)
+    alloc = BlockAllocator(1 + plan.num_requests * per_req, cfg.block_size, cfg.dcp_size,
+                           groups.dcp_rank, cfg.interleave_size)
+    for rid, extent in zip(plan.req_ids, plan.extent()):
+        alloc.ensure(rid, int(extent))
+    num_blocks = 1 + sum(len(b) for b in alloc.blocks.values())
+    tables = alloc.table(plan.req_ids, per_req)
+    kernels = get_kernels(dev.type, args.kernels)
+    ex = StepExecutor.from_groups(cfg, groups, verify="every", kernels=kernels,
+                                  max_tokens=plan.padded_num_tokens,
+                                  max_requests=plan.num_requests)
+    gen = torch.Generator(device=dev).manual_seed(1000 + groups.rank)
+    caches = [_random_cache(cfg, num_blocks, dev, kernels, gen) for _ in range(cfg.num_layers)]
+    act, t = ACT[cfg.activation_dtype], plan.padded_num_tokens
+
+    def rnd(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=gen, device=dev, dtype=dtype)
+
+    x = {"q": rnd(t, cfg.num_heads, cfg.qk_head_dim, dtype=act), "kv": rnd(t, cfg.qk_head_dim),
+         "index_k": rnd(t, cfg.index_head_dim),
+         "index_q": rnd(t, cfg.index_num_heads, cfg.index_head_dim, dtype=act),
+         "index_w": rnd(t, cfg.index_num_heads).abs(),
+         "hidden": torch.zeros(t, cfg.hidden_size, dtype=act, device=dev)}
+    return Rank(groups, cfg, plan, ex, tables, caches, x)
+
+
+def _random_cache(cfg, num_blocks: int, dev, kernels, gen, chunk: int = 1 << 16) -> LayerCache:
+    cache = LayerCache.empty(cfg, num_blocks, dev)
+    for s0 in range(0, cache.kv.shape[0], chunk):
+        s1 = min(s0 + chunk, cache.kv.shape[0])
+        kv = torch.randn(s1 - s0, cfg.qk_head_dim, generator=gen, device=dev)
+        cache.kv[s0:s1] = kernels.quantize_fp8_ds_mla(kv)
+        k = torch.randn(s1 - s0, cfg.index_head_dim, generator=gen, device=dev)
+        cache.index_k[s0:s1] = kernels.quantize_indexer_k(k)
+    return cache
+
+
+def run_step(r: Rank, log) -> float:
+    """One step exactly as an engine runs it (embedding API); ``log`` marks phase ends.
+    Returns the host time of ``bind`` in ms."""
+    ex, x = r.ex, r.x
+    t0 = time.perf_counter()
+    bound = ex.bind(r.plan, r.tables)
+    bind_host_ms = (time.perf_counter() - t0) * 1e3
+    log.point("bind")
+    for layer, cache in enumerate(r.caches):
+        log.layer = layer
+        ex.insert(bound, cache, x["kv"], x["index_k"])
+        log.point("insert")
+        ex.attend(bound, cache, x["q"], x["index_q"], x["index_w"])
+        log.point("other")
+    log.layer = None
+    ex.restore(bound, x["hidden"])
+    ex.finish(bound)
+    log.point("restore")
+    return bind_host_ms
+
+
+# ----------------------------------------------------------------------------- measuring
+def _barrier(r: Rank, clock: Clock) -> None:
+    clock.sync()
+    if r.groups.control is not None:
+        dist.barrier(group=r.groups.control)
+
+
+def time_steps(r: Rank, repeat: int) -> dict:
+    """Plain steps: device-event time bind..finish and host wall time (medians, ms)."""
+    clock = Clock(r.groups.device)
+    gpu, wall, bind_host = [], [], []
+    for _ in range(repeat):
+        _barrier(r, clock)
+        t0 = time.perf_counter()
+        a = clock.mark()
+        bind_host.append(run_step(r, _NoLog()))
+        b = clock.mark()
+        clock.sync()
+        wall.append((time.perf_counter() - t0) * 1e3)
+        gpu.append(clock.ms(a, b))
+    return {"step_ms": statistics.median(gpu), "step_wall_ms": statistics.median(wall),
+            "bind_host_ms": statistics.median(bind_host)}
+
+
+def time_phases(r: Rank, repeat: int) -> tuple[np.ndarray, dict]:
+    """Instrumented steps: medians over repeats of ms [layers, PHASES] and {bind, restore}."""
+    clock = Clock(r.groups.device)
+    tables, steps = [], []
+    for _ in range(repeat):
+        _barrier(r, clock)
+        log = PhaseLog(clock)
+        log.point("start")
+        with instrumented(r.ex, log):
+            run_step(r, log)
+        clock.sync()
+        per_layer, step = log.table(r.config.num_layers)
+        tables.append(per_layer)
+        steps.append(step)
+    med = {k: statistics.median(s[k] for s in steps) for k in ("bind", "restore")}
+    return np.median(np.stack(tables), axis=0), med
+
+
+def verify_costs(r: Rank, repeat: int) -> dict:
+    """Host digest (encode + xxh3-128) in µs; the control-group exchange in ms (None at
+    world 1: there is no one to compare with)."""
+    t = []
+    for _ in range(max(20, repeat)):
+        t0 = time.perf_counter()
+        digest(r.plan)
+        t.append((time.perf_counter() - t0) * 1e6)
+    out = {"digest_us": statistics.median(t), "exchange_ms": None}
+    if r.groups.control is None:
+        return out
+    check, ex = DigestCheck(r.groups, "every"), []
+    for _ in range(max(10, repeat)):
+        dist.barrier(group=r.groups.control)
+        t0 = time.perf_counter()
+        check.start(r.plan).wait()
+        ex.append((time.perf_counter() - t0) * 1e3)
+    out["exchange_ms"] = statistics.median(ex)
+    return out
+
+
+def measure(r: Rank, repeat: int) -> dict:
+    clock = Clock(r.groups.device)
+    run_step(r, _NoLog())  # warm-up: Triton compiles, allocator settles
+    clock.sync()
+    if r.groups.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    steps = time_steps(r, repeat)
+    per_layer, step_level = time_phases(r, repeat)
+    res = {**steps, **verify_costs(r, repeat), "per_layer_ms": per_layer,
+           "bind_ms": step_level["bind"], "restore_ms": step_level["restore"],
+           "instrumented_ms": float(per_layer.sum()) + sum(step_level.values())}
+    if r.groups.device.type == "cuda":
+        res["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return res
+
+
+def max_over_ranks(r: Rank, res: dict) -> dict:
+    """Every figure, maximum over ranks (gloo control group); unchanged at world 1."""
+    if r.groups.control is None:
+        return res
+    keys = sorted(k for k, v in res.items() if isinstance(v, float))
+    flat = np.concatenate([[res[k] for k in keys], res["per_layer_ms"].ravel()])
+    mine = torch.from_numpy(flat.astype(np.float64))
+    parts = [torch.empty_like(mine) for _ in range(r.groups.control_size)]
+    dist.all_gather(parts, mine, group=r.groups.control)
+    top = torch.stack(parts).amax(dim=0).numpy()
+    out = dict(res, **{k: float(top[i]) for i, k in enumerate(keys)})
+    out["per_layer_ms"] = top[len(keys):].reshape(res["per_layer_ms"].shape)
+    return out
+
+
+# ----------------------------------------------------------------------------- driver
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pcp", type=int, default=1)
+    ap.add_argument("--dcp", type=int, default=1)
+    ap.add_argument("--interleave", type=int, default=1)
+    ap.add_argument("--prompt", type=int, help="prompt tokens (default 32768; --tiny 256)")
+    ap.add_argument("--decodes", type=int, help="decode requests (default 64; --tiny 8)")
+    ap.add_argument("--layers", type=int, help="layers (default 4; --tiny 2)")
+    ap.add_argument("--repeat", type=int, default=3, help="timed steps per measurement")
+    ap.add_argument("--kernels", choices=("reference", "triton"),
+                    help="kernel backend (default: the device's, Triton on CUDA)")
+    ap.add_argument("--tiny", action="store_true", help="toy sizes (runs on a CPU)")
+    ap.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
+    args = ap.parse_args(argv)
+    dims = dict(TINY if args.tiny else FULL)
+    for name in ("prompt", "decodes", "layers"):
+        if getattr(args, name) is None:
+            setattr(args, name, dims[name])
+    return args, dims
+
+
+def make_groups(args, dims: dict):
+    """(Groups, joined torchrun?) for P x W: torchrun's world, or this process alone."""
+    world = max(args.pcp, args.dcp)
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.tiny:
+        raise ConfigError("full model dims need a GPU: on a CPU run with --tiny")
+    if not cuda and dims["activation_dtype"] == "bfloat16":
+        dims["activation_dtype"] = "float32"
+    env = torchrun_env()
+    if env is None and world > 1:
+        raise ConfigError(f"P = {args.pcp}, W = {args.dcp} needs {world} ranks: torchrun "
+                          f"--standalone --nproc-per-node {world} bench/step_gpu.py ...")
+    if env is not None and env.world_size != world:
+        raise ConfigError(f"torchrun's world has {env.world_size} rank(s): --pcp {args.pcp} "
+                          f"--dcp {args.dcp} needs {world}")
+    config = build_config(args, dims, args.pcp, args.dcp)
+    if env is None:
+        dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        return Groups(config=config, rank=0, world_size=1, pcp_rank=0, dcp_rank=0, pcp=None,
+                      dcp=None, control=None, device=dev), False
+    join_torchrun("nccl" if cuda else "gloo", timeout_s=600.0)
+    return Groups.build(config), True
+
+
+def report(args, r: Rank, res: dict, stream) -> dict:
+    cfg, g = r.config, r.groups
+    dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
+    backend = dist.get_backend() if dist.is_initialized() else "none (world 1)"
+    per = res["per_layer_ms"]
+    w = stream.write
+    w(f"bench/step_gpu.py: P={cfg.pcp_size} W={cfg.dcp_size} I={cfg.interleave_size}, "
+      f"{g.world_size} rank(s), {backend}, {dev}, kernels {r.ex.kernels.name}, torch "
+      f"{torch.__version__}\n")
+    w(f"work: 1 prompt of {args.prompt} tokens + {args.decodes} decodes; T per rank "
+      f"{r.plan.padded_num_tokens}; {cfg.num_layers} layers; H {cfg.num_heads}, topk {cfg.topk}, "
+      f"indexer {cfg.index_num_heads}x{cfg.index_head_dim}, {cfg.kv_cache_dtype}, "
+      f"{cfg.activation_dtype}; medians of {args.repeat}, max over ranks\n\n")
+    w("| layer | " + " | ".join(f"{p} ms" for p in PHASES) + " | layer ms |\n")
+    w("|---:|" + "---:|" * (len(PHASES) + 1) + "\n")
+    for k, row in enumerate(per):
+        w(f"| {k} | " + " | ".join(f"{v:.2f}" for v in row) + f" | {row.sum():.2f} |\n")
+    mean = per.mean(axis=0)
+    w("| mean | " + " | ".join(f"{v:.2f}" for v in mean) + f" | {mean.sum():.2f} |\n\n")
+    exch = res["exchange_ms"]
+    w(f"step (plain, device events bind..finish): {res['step_ms']:.2f} ms; host wall "
+      f"{res['step_wall_ms']:.2f} ms; instrumented {res['instrumented_ms']:.2f} ms "
+      f"(bind {res['bind_ms']:.2f}, restore+finish {res['restore_ms']:.2f})\n")
+    w(f"verify: digest on host {res['digest_us']:.1f} us; exchange "
+      + (f"{exch:.3f} ms" if exch is not None else "none (world 1)")
+      + f"; bind on host {res['bind_host_ms']:.3f} ms\n")
+    if "peak_gib" in res:
+        w(f"peak device memory {res['peak_gib']:.1f} GiB\n")
+    return {"pcp": cfg.pcp_size, "dcp": cfg.dcp_size, "world": g.world_size,
+            "backend": backend, "device": dev, "kernels": r.ex.kernels.name,
+            "prompt": args.prompt, "decodes": args.decodes, "layers": cfg.num_layers,
+            "tokens_per_rank": r.plan.padded_num_tokens, "repeat": args.repeat,
+            "phases": list(PHASES), "per_layer_ms": per.round(4).tolist(),
+            **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()
+               if k != "per_layer_ms"}}
+
+
+def main(argv=None) -> int:
+    args, dims = parse_args(argv)
+    try:
+        groups, joined = make_groups(args, dims)
+    except ConfigError as exc:
+        sys.stderr.write(f"bench/step_gpu.py: error: {exc}\n")
+        return 2
+    try:
+        r = setup_rank(args, dims, groups)
+        res = max_over_ranks(r, measure(r, args.repeat))
+        if groups.rank == 0:
+            summary = report(args, r, res, sys.stderr if args.json else sys.stdout)
+            if args.json:
+                print(json.dumps(summary))
+    finally:
+        if joined:
+            leave_torchrun()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
