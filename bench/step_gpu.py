@@ -50,7 +50,6 @@ import torch.distributed as dist
 
 from cpplan.api import Groups, LayerCache, ParallelConfig, StepExecutor, StepInput, compile
 from cpplan.runtime import collectives as coll
-from cpplan.runtime import executor as executor_mod
 from cpplan.runtime.kernels import get_kernels
 from cpplan.runtime.launch import join_torchrun, leave_torchrun, torchrun_env
 from cpplan.runtime.scheduler import BlockAllocator
@@ -60,10 +59,10 @@ from cpplan.schemas.errors import ConfigError
 
 PHASES = ("insert", "gather", "indexer", "attention", "merge", "other")
 KERNEL_PHASE = {"quantize_fp8_ds_mla": "insert", "quantize_indexer_k": "insert",
-                "indexer_topk": "indexer", "topk_reference_order": "merge",
+                "indexer_topk_prefill": "indexer", "indexer_topk_decode": "indexer",
+                "topk_reference_order": "merge",
                 "filter_local_slots": "attention", "remap_to_gathered": "attention",
                 "sparse_mla_attention": "attention"}
-HELPER_PHASE = {"decode_key_slots": "indexer", "prefill_key_rows": "indexer"}
 COLLECTIVE_PHASE = {"kv_insert": "insert", "indexer_k_insert": "insert",
                     "indexer_k_gather": "gather", "kv_gather": "gather",
                     "topk_candidates": "merge", "decode_lse": "merge", "decode_out": "merge",
@@ -137,13 +136,12 @@ def _after(fn, log, phase: str):
 
 @contextlib.contextmanager
 def instrumented(ex: StepExecutor, log: PhaseLog):
-    """Timing-only: wrapped kernels on ``ex``, wrapped collectives and key-rectangle helpers in
-    their modules; everything is put back on exit."""
+    """Timing-only: wrapped kernels on ``ex`` and wrapped collectives in their module;
+    everything is put back on exit."""
     saved_kernels = ex.kernels
     ex.kernels = dataclasses.replace(ex.kernels, **{
         op: _after(getattr(ex.kernels, op), log, ph) for op, ph in KERNEL_PHASE.items()})
     patched = [(coll, name, ph) for name, ph in COLLECTIVE_PHASE.items()]
-    patched += [(executor_mod, name, ph) for name, ph in HELPER_PHASE.items()]
     originals = [(mod, name, getattr(mod, name)) for mod, name, _ in patched]
     try:
         for mod, name, ph in patched:

@@ -6,9 +6,8 @@ KV through remapped rows for prefill tokens, the local shard plus an exact LSE m
 tokens), then ``restore`` and ``finish``. The engine owns the tensors (q, KV, caches); the
 executor owns the tables and issues exactly the plan's collectives, each through one named
 function of :mod:`cpplan.runtime.collectives`. Kernels come from the dispatch table; the
-key-rectangle helpers (``prefill_key_rows``, ``decode_key_slots``) are called with an explicit
-width from the plan, because the table's ``indexer_topk_prefill/decode`` entry points take the
-width from ``int(max(...))``, a host sync. Step code never reads a tensor's value on the
+indexer entry points get their key width (``max_keys``) from the plan's tables, since reading it
+from the device would be a host sync. Step code never reads a tensor's value on the
 host (no ``.item()``, ``.cpu()``, ``.tolist()``, ``synchronize``): tests/runtime checks this.
 """
 
@@ -22,7 +21,7 @@ import torch
 
 from cpplan.runtime import collectives as coll
 from cpplan.runtime.arena import ArenaRing, arena_words
-from cpplan.runtime.kernels import decode_key_slots, get_kernels, prefill_key_rows
+from cpplan.runtime.kernels import get_kernels
 from cpplan.runtime.tables import StepMeta, build_tables
 from cpplan.schemas.config import ParallelConfig
 from cpplan.schemas.errors import CapacityError
@@ -165,10 +164,9 @@ class StepExecutor:
         k, t, cfg = self.kernels, bound.t, self.config
         w_size, inter, bs = cfg.dcp_size, cfg.interleave_size, cfg.block_size
         bt = t["block_tables"].index_select(0, t["token_req"][lo:hi])
-        slots, ids = decode_key_slots(t["local_len"][lo:hi], bt, bs, w_size, self.dcp_rank,
-                                        inter, max_keys=width)
-        scores, top = k.indexer_topk(index_q[lo:hi], index_w[lo:hi], cache.index_k, slots, ids,
-                                     cfg.topk)
+        scores, top = k.indexer_topk_decode(index_q[lo:hi], index_w[lo:hi], cache.index_k,
+                                            t["local_len"][lo:hi], bt, bs, w_size,
+                                            self.dcp_rank, inter, cfg.topk, max_keys=width)
         if bound.meta.decode_merge:
             all_s, all_i = coll.topk_candidates(self.comm, bound.ledger, scores, top)
             top = k.topk_reference_order(all_s, all_i, cfg.topk)[1]
@@ -191,9 +189,8 @@ class StepExecutor:
         if hi == lo:
             return
         pcu = t["region_pcu"][lo:hi]
-        rows, ids = prefill_key_rows(t["key_len"][lo:hi], pcu, pt, w_size, inter,
-                                       max_keys=width)
-        top = k.indexer_topk(index_q[lo:hi], index_w[lo:hi], k_all, rows, ids, cfg.topk)[1]
+        top = k.indexer_topk_prefill(index_q[lo:hi], index_w[lo:hi], k_all, t["key_len"][lo:hi],
+                                     pcu, pt, w_size, inter, cfg.topk, max_keys=width)[1]
         kv_rows = k.remap_to_gathered(top, pcu, pt, w_size, inter)
         out[lo:hi] = k.sparse_mla_attention(q[lo:hi], *self._kv_view(kv_all), kv_rows,
                                             self.sm_scale, **self._fmt())[0]

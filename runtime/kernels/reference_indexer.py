@@ -127,22 +127,27 @@ def decode_key_slots(local_len, block_table, block_size: int, dcp_size: int, dcp
 
 
 def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_local_total: int,
-                         dcp_size: int, interleave: int, topk: int):
+                         dcp_size: int, interleave: int, topk: int, *,
+                         max_keys: int | None = None):
     """Prefill top-k over a gather chunk. Returns ``(top_scores [T, topk], top_ids [T, topk]
     int32)``, ids = token positions in the request (feed them to ``remap_to_gathered`` for the
-    attention rows). k_gathered: ``[W * PT, 132]`` uint8. Other args: ``prefill_key_rows``.
+    attention rows). k_gathered: ``[W * PT, 132]`` uint8. Other args: ``prefill_key_rows``
+    (pass ``max_keys`` from the plan: without it the width is read from the device, a sync).
     """
-    rows, ids = prefill_key_rows(key_len, region_pcu, padded_local_total, dcp_size, interleave)
+    rows, ids = prefill_key_rows(key_len, region_pcu, padded_local_total, dcp_size, interleave,
+                                 max_keys)
     return indexer_topk(q, weights, k_gathered, rows, ids, topk)
 
 
 def indexer_topk_decode(q, weights, k_cache_flat, local_len, block_table, block_size: int,
-                        dcp_size: int, dcp_rank: int, interleave: int, topk: int):
+                        dcp_size: int, dcp_rank: int, interleave: int, topk: int, *,
+                        max_keys: int | None = None):
     """This rank's local top-k of decode queries, as (score, global id) candidates.
 
     k_cache_flat: ``[S, 132]`` uint8, the rank's paged indexer K cache viewed flat. Returns
     ``(top_scores [T, topk], top_ids [T, topk] int32)``; merge across DCP ranks with
     ``topk_reference_order`` over the all-gathered ``[T, W * topk]`` candidates.
     """
-    slots, ids = decode_key_slots(local_len, block_table, block_size, dcp_size, dcp_rank, interleave)
+    slots, ids = decode_key_slots(local_len, block_table, block_size, dcp_size, dcp_rank, interleave,
+                                  max_keys)
     return indexer_topk(q, weights, k_cache_flat, slots, ids, topk)
