@@ -134,21 +134,20 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, timeout_s:
         try:
             conn.send(("ok", fn(ctx, *args), ""))
         except BaseException as exc:  # noqa: BLE001 - reported to the parent, typed
-            conn.send(("err", _picklable(exc), traceback.format_exc()))
+            _send_error(conn, exc, traceback.format_exc())
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - shutting down a possibly broken world
         pass
 
 
-def _picklable(exc: BaseException) -> BaseException:
-    import pickle
-
+def _send_error(conn, exc: BaseException, tb: str) -> None:
+    """Report a job's exception to the parent, typed when the pipe can carry it (the pipe
+    serialises before sending, so a refusal sends nothing), else as a RuntimeError."""
     try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:  # noqa: BLE001
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
+        conn.send(("err", exc, tb))
+    except Exception:  # noqa: BLE001 - an exception type the pipe cannot carry
+        conn.send(("err", RuntimeError(f"{type(exc).__name__}: {exc}"), tb))
 
 
 class World:
