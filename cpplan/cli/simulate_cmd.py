@@ -70,6 +70,11 @@ def _options(args):
     for name in ("steps", "layers", "verify_every"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1: got {getattr(args, name)}")
+    if inject is not None and not 0 <= inject.step < args.steps:
+        raise ConfigError(f"--inject-divergence step must be in [0, {args.steps}) for --steps "
+                          f"{args.steps}: got {inject.step}")
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout must be > 0 seconds: got {args.timeout}")
     return SimOptions(pcp=args.pcp, dcp=args.dcp, interleave=args.interleave,
                       kv_cache_dtype=args.kv_cache_dtype, steps=args.steps, seed=args.seed,
                       layers=args.layers, backend=args.backend, verify=args.verify,

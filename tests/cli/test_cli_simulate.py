@@ -45,6 +45,9 @@ def test_simulate_divergence_exits_3_naming_the_rank():
     (["--inject-divergence", "x:1"], "STEP:RANK"),
     (["--backend", "nccl"], "GPU"),
     (["--kv-cache-dtype", "fp16"], "invalid choice"),
+    (["--steps", "4", "--inject-divergence", "4:1"], "step must be in [0, 4)"),
+    (["--timeout", "-1"], "--timeout must be > 0"),
+    (["--steps", "0"], "--steps must be >= 1"),
 ])
 def test_simulate_bad_input_exit_2(args, words):
     assert_one_line_error(cpplan("simulate", *args), 2, words)
