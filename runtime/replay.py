@@ -21,6 +21,7 @@ from cpplan.runtime.model import prefill_history, run_step
 from cpplan.runtime.coords import request_keys
 from cpplan.runtime.oracle import max_abs_error, oracle_step
 from cpplan.runtime.scheduler import BlockAllocator
+from cpplan.schemas.errors import ConfigError
 from cpplan.schemas.plan import StepPlan
 
 
@@ -83,6 +84,7 @@ def replay_plan(plan: StepPlan, seed: int, device: str = "cpu", kernels=None,
     ``step_guard``: a context-manager factory (e.g. CUDA sync debug mode, which is process-wide)
     entered by the calling thread once every rank has rebuilt its caches and left while no rank
     does anything but bind + the step."""
+    check_replayable(plan)
     cfg = plan.config
     world = ThreadWorld(cfg.world_size, REPLAY_TIMEOUT_S)
     phase = threading.Barrier(cfg.world_size + 1, timeout=REPLAY_TIMEOUT_S)
@@ -117,6 +119,19 @@ def replay_plan(plan: StepPlan, seed: int, device: str = "cpu", kernels=None,
     return ReplayResult(plan.step_id, max_abs_error(plan, restored, expected),
                         sum(r[1] for r in results),
                         int(plan.num_scheduled_tokens.np().sum()))
+
+
+def check_replayable(plan: StepPlan) -> None:
+    """Replay's model (``model.run_step``) restores every layer's attention output, so the plan's
+    ``restore`` width must be num_layers * num_heads * v_head_dim, as in plans recorded by
+    ``cpplan simulate``; anything else is refused up front, not as a ledger mismatch."""
+    cfg = plan.config
+    width = cfg.num_layers * cfg.num_heads * cfg.v_head_dim
+    if cfg.hidden_size != width:
+        raise ConfigError(
+            f"replay runs plans of the simulation model (e.g. from `cpplan simulate --record`): "
+            f"hidden_size must be num_layers * num_heads * v_head_dim = {width}: "
+            f"got {cfg.hidden_size}")
 
 
 def _run_rank(plan: StepPlan, seed: int, device: str, world: ThreadWorld, rank: int, kernels,

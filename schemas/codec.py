@@ -131,7 +131,7 @@ def _unwrap(data: bytes, kind: str, max_bytes: int) -> Envelope:
     view = memoryview(data)  # no copy of a large body
     body, checksum = view[:-CHECKSUM_BYTES], bytes(view[-CHECKSUM_BYTES:])
     if _hash128(body) != checksum:
-        raise PlanFormatError("checksum mismatch: the file is truncated or corrupted")
+        raise PlanFormatError(f"checksum mismatch: {_what_it_looks_like(data)}")
     try:
         env = _envelope_decoder.decode(body)
     except _DECODE_FAILURES as exc:
@@ -146,6 +146,17 @@ def _unwrap(data: bytes, kind: str, max_bytes: int) -> Envelope:
     if _hash128(env.payload) != env.digest:
         raise PlanFormatError("payload digest mismatch: the file is corrupted")
     return env
+
+
+def _what_it_looks_like(data) -> str:
+    """Why a checksum failed, in words a user can act on."""
+    head = bytes(data[:1])
+    if head == b"{" or head[:1].isspace():
+        return "the file is JSON, not a cpplan msgpack file (a step or config JSON goes where " \
+               "a step or config is expected)"
+    if head != b"\x96":  # every cpplan file starts with the 6-item envelope array
+        return "not a cpplan file"
+    return "the file is truncated or corrupted"
 
 
 def _decode_payload(env: Envelope):

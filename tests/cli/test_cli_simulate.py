@@ -56,6 +56,11 @@ def test_simulate_bad_input_exit_2(args, words):
 def test_replay_bad_input(tmp_path):
     assert_one_line_error(cpplan("replay", tmp_path / "nope.msgpack"), 2,
                           "No such file or directory")
+    assert_one_line_error(cpplan("replay", "tests/golden/v1/mixed_p2w2.step.json"), 2,
+                          "the file is JSON, not a cpplan msgpack file")
+    # a plan whose restore width is not the simulation model's: refused up front
+    assert_one_line_error(cpplan("replay", "tests/golden/v1/mixed_p2w2.msgpack"), 2,
+                          "hidden_size must be num_layers * num_heads * v_head_dim")
 
 
 def test_simulate_and_replay_help_have_examples():
