@@ -62,6 +62,7 @@ class SimOptions:
     progress: bool = True
     max_model_len: int = 512
     kill: Inject | None = None  # fault injection for tests: that rank exits at that step
+    # (kind "hang": it first stalls, alive with its connections open, for 2x the timeout)
 
 
 # The small preset (DESIGN 7): real 576/512 dims and formats, few heads, topk below contexts,
@@ -156,6 +157,8 @@ class _RankSim:
     def _one_step(self, step: StepInput) -> None:
         config, inj, kill = self.config, self.opts.inject, self.opts.kill
         if kill is not None and kill.step == step.step_id and kill.rank == self.rank:
+            if kill.kind == "hang":  # alive but silent: only the control timeout can tell
+                time.sleep(2 * self.opts.timeout_s)
             os._exit(17)  # a rank lost without a word: the others must name it
         if inj is not None and inj.step == step.step_id and inj.rank == self.rank:
             step, config = perturb(step, config, inj.kind)

@@ -92,10 +92,13 @@ def test_divergence_majority_names_the_odd_rank(worlds):
         assert "num_scheduled_tokens" in str(err) and r.value["ledger"] == 0
 
 
-def test_killed_rank_is_named_within_timeout():
+@pytest.mark.parametrize("fault", ["exit", "hang"])
+def test_killed_rank_is_named_within_timeout(fault):
+    """exit: the process dies (its sockets close); hang: it stays alive and silent with its
+    connections open, so only the control timeout can catch it."""
     timeout = 5.0
     opts = SimOptions(pcp=3, dcp=3, steps=4, layers=1, progress=False, timeout_s=timeout,
-                      kill=Inject(step=2, rank=1))
+                      kill=Inject(step=2, rank=1, kind=fault))
     with World(3, timeout_s=60) as world:
         t0 = time.monotonic()
         results = world.run(rank_main, opts, timeout_s=120)
