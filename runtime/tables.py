@@ -93,10 +93,8 @@ def build_tables(plan: StepPlan, pcp_rank: int, dcp_rank: int, block_tables: np.
     """The rank's tables for ``plan``; ``block_tables`` is ``[N, max_blocks]`` (row i: this
     rank's local blocks of request i, in the plan's request order)."""
     cfg = plan.config
-    p_size, w_size, inter = cfg.pcp_size, cfg.dcp_size, cfg.interleave_size
-    t_pad, nd = plan.padded_num_tokens, plan.num_decode_tokens
+    t_pad, nd, n = plan.padded_num_tokens, plan.num_decode_tokens, plan.num_requests
     names = {c.name for c in plan.collectives}
-    n = plan.num_requests
     bt = np.asarray(block_tables, dtype=np.int64).reshape(n, -1)
     tok, req, pos, write = _rank_tokens(plan, pcp_rank)
     a = {}
@@ -108,53 +106,66 @@ def build_tables(plan: StepPlan, pcp_rank: int, dcp_rank: int, block_tables: np.
     key_len[tok] = pos + 1
     a["key_len"] = key_len
     local_len = np.zeros(t_pad, np.int64)
-    local_len[tok] = shard_count(pos + 1, w_size, inter, dcp_rank)
+    local_len[tok] = shard_count(pos + 1, cfg.dcp_size, cfg.interleave_size, dcp_rank)
     a["local_len"] = local_len
-    # KV insert: local decode tokens, then the (gathered or local) prefill tokens
-    a["insert_dec"] = _insert_slots(plan, dcp_rank, bt, dummy_slot, tok, req, pos, write, 0, nd)
     kv_insert = "kv_insert" in names
-    if kv_insert:
-        parts = [_insert_slots(plan, dcp_rank, bt, dummy_slot, *_rank_tokens(plan, q), nd, t_pad)
-                 for q in range(p_size)]
-        a["insert_pre"] = np.concatenate(parts)
-    else:
-        a["insert_pre"] = _insert_slots(plan, dcp_rank, bt, dummy_slot, tok, req, pos, write,
-                                        nd, t_pad)
-    region_pcu = np.zeros(t_pad, np.int64)
-    chunk_ranges, chunk_rows = [], []
-    if w_size > 1:
-        for c, ch in enumerate(plan.gather_chunks):
-            creq = ch.requests.np().astype(np.int64)
-            pcu = ch.padded_local_cu.np()
-            # O(regions) parameters; the executor expands them to [PT] slots on the device
-            a[f"gather_pcu[{c}]"] = pcu
-            a[f"gather_held[{c}]"] = plan.dcp_local_lens.np()[creq, dcp_rank].astype(np.int64)
-            a[f"gather_req[{c}]"] = creq
-            region_of = np.full(n, -1, np.int64)
-            region_of[creq] = np.arange(len(creq))
-            in_chunk = (region_of[req] >= 0) & (tok >= nd)
-            ctok = tok[in_chunk]
-            region_pcu[ctok] = pcu[region_of[req[in_chunk]]]
-            if ctok.size:
-                lo, hi = int(ctok.min()), int(ctok.max()) + 1
-                assert hi - lo == ctok.size, "a gather chunk's tokens are contiguous on a rank"
-                width = int(key_len[lo:hi].max())
-            else:
-                lo = hi = width = 0
-            chunk_ranges.append((lo, hi, width))
-            chunk_rows.append(ch.padded_local_total)
-    a["region_pcu"] = region_pcu
+    a["insert_dec"], a["insert_pre"] = _insert_tables(plan, dcp_rank, bt, dummy_slot, kv_insert,
+                                                      (tok, req, pos, write))
+    chunk_ranges, chunk_rows = _chunk_tables(plan, dcp_rank, tok, req, key_len, a)
     a["block_tables"] = bt.reshape(-1)
-    keys = np.zeros(n, np.int64) if request_keys is None else np.asarray(request_keys, np.int64)
-    a["request_keys"] = keys
-    restore = plan.restore_index()
-    a["restore_index"] = restore
+    a["request_keys"] = (np.zeros(n, np.int64) if request_keys is None
+                         else np.asarray(request_keys, np.int64))
+    a["restore_index"] = plan.restore_index()
     n_real = int(tok.size)
     dec_width = int(local_len[:nd].max()) if nd else 0
     local_width = int(key_len[:n_real].max()) if n_real else 0
     meta = StepMeta(num_tokens=n_real, padded=t_pad, num_decode_tokens=nd,
                     decode_width=max(dec_width, 1), local_range=(0, n_real, max(local_width, 1)),
-                    chunk_ranges=tuple(chunk_ranges), chunk_rows=tuple(chunk_rows),
-                    kv_insert=kv_insert, decode_merge="decode_out" in names,
-                    restore="restore" in names, num_global_tokens=int(restore.size))
+                    chunk_ranges=chunk_ranges, chunk_rows=chunk_rows, kv_insert=kv_insert,
+                    decode_merge="decode_out" in names, restore="restore" in names,
+                    num_global_tokens=int(a["restore_index"].size))
     return RankTables(arrays=a, meta=meta)
+
+
+def _insert_tables(plan, dcp_rank, bt, dummy_slot, kv_insert, mine):
+    """(insert_dec [nd], insert_pre): cache slots for the local decode tokens, then for the
+    prefill tokens: every PCP rank's (``[P * (T - nd)]``, after ``kv_insert``) or this rank's
+    own (``[T - nd]``). Tokens this rank does not write point at ``dummy_slot``."""
+    t_pad, nd = plan.padded_num_tokens, plan.num_decode_tokens
+    dec = _insert_slots(plan, dcp_rank, bt, dummy_slot, *mine, 0, nd)
+    if kv_insert:
+        parts = [_insert_slots(plan, dcp_rank, bt, dummy_slot, *_rank_tokens(plan, q), nd, t_pad)
+                 for q in range(plan.config.pcp_size)]
+        return dec, np.concatenate(parts)
+    return dec, _insert_slots(plan, dcp_rank, bt, dummy_slot, *mine, nd, t_pad)
+
+
+def _chunk_tables(plan, dcp_rank, tok, req, key_len, a) -> tuple[tuple, tuple]:
+    """Per gather chunk (W > 1): its O(regions) parameters into ``a`` (the executor expands them
+    to [PT] slots on the device) and ``region_pcu`` per token; returns (chunk_ranges,
+    chunk_rows): each chunk's (first token, end, key width) on this rank, and its PT."""
+    nd, n = plan.num_decode_tokens, plan.num_requests
+    region_pcu = np.zeros(plan.padded_num_tokens, np.int64)
+    chunk_ranges, chunk_rows = [], []
+    chunks = plan.gather_chunks if plan.config.dcp_size > 1 else ()
+    for c, ch in enumerate(chunks):
+        creq = ch.requests.np().astype(np.int64)
+        pcu = ch.padded_local_cu.np()
+        a[f"gather_pcu[{c}]"] = pcu
+        a[f"gather_held[{c}]"] = plan.dcp_local_lens.np()[creq, dcp_rank].astype(np.int64)
+        a[f"gather_req[{c}]"] = creq
+        region_of = np.full(n, -1, np.int64)
+        region_of[creq] = np.arange(len(creq))
+        in_chunk = (region_of[req] >= 0) & (tok >= nd)
+        ctok = tok[in_chunk]
+        region_pcu[ctok] = pcu[region_of[req[in_chunk]]]
+        if ctok.size:
+            lo, hi = int(ctok.min()), int(ctok.max()) + 1
+            assert hi - lo == ctok.size, "a gather chunk's tokens are contiguous on a rank"
+            width = int(key_len[lo:hi].max())
+        else:
+            lo = hi = width = 0
+        chunk_ranges.append((lo, hi, width))
+        chunk_rows.append(ch.padded_local_total)
+    a["region_pcu"] = region_pcu
+    return tuple(chunk_ranges), tuple(chunk_rows)
