@@ -17,7 +17,7 @@ EXAMPLE = """examples:
   cpplan inspect step.msgpack --json | jq .collectives
 """
 
-MAX_ROWS_SHOWN = 64  # per rank in the text report; --json always has every row
+MAX_ROWS_SHOWN = 64  # requests, and rows per rank, in the text report; --json has them all
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -88,11 +88,12 @@ def _requests(console, report: dict) -> None:
                    ("#", "req_id", "mode", "c", "q", "cs", "extent", "shard rows"),
                    left=("req_id", "mode"))
     colour = {"decode": "cyan", "split": "green", "replicated": "yellow"}
-    for r in report["requests"]:
+    for r in report["requests"][:MAX_ROWS_SHOWN]:
         table.add_row(str(r["index"]), r["req_id"], f"[{colour[r['mode']]}]{r['mode']}[/]",
                       str(r["num_computed_tokens"]), str(r["num_scheduled_tokens"]),
                       str(r["chunk_size"]), str(r["extent"]), str(r["dcp_shard_rows"]))
     console.print(table)
+    _more(console, len(report["requests"]), "requests")
 
 
 def _ranks(console, report: dict) -> None:
@@ -108,9 +109,12 @@ def _ranks(console, report: dict) -> None:
                           str(row["num_tokens"]), str(row["position_start"]),
                           "yes" if row["kv_write"] else "-")
         console.print(table)
-        hidden = len(rank["rows"]) - MAX_ROWS_SHOWN
-        if hidden > 0:
-            console.print(f"  ... {hidden} more rows (--json shows all)")
+        _more(console, len(rank["rows"]), "rows")
+
+
+def _more(console, total: int, what: str) -> None:
+    if total > MAX_ROWS_SHOWN:
+        console.print(f"  ... {total - MAX_ROWS_SHOWN} more {what} (--json shows all)")
 
 
 def _chunks(console, report: dict) -> None:

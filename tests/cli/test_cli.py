@@ -81,6 +81,13 @@ def test_inspect_text_report_has_every_section():
     assert "\x1b[" not in proc.stdout  # plain text when piped
 
 
+def test_inspect_text_caps_long_tables():
+    proc = cpplan("inspect", GOLDEN / "requests_300_p2w2.msgpack")
+    assert proc.returncode == 0, proc.stderr
+    assert "... 236 more requests (--json shows all)" in proc.stdout
+    assert "more rows (--json shows all)" in proc.stdout
+
+
 def test_inspect_rank_filter():
     proc = cpplan("inspect", GOLDEN / "mixed_p4w4.msgpack", "--rank", 2)
     assert proc.returncode == 0 and "PCP rank 2:" in proc.stdout
