@@ -22,6 +22,7 @@ import numpy as np
 
 from cpplan.schemas.config import INDEXER_K_BYTES_PER_TOKEN
 from cpplan.schemas.plan import StepPlan
+from cpplan.schemas.sharding import shard_count
 
 
 class CostEstimate(msgspec.Struct, frozen=True, kw_only=True):
@@ -51,9 +52,8 @@ def _tri_capped(n: np.ndarray, cap: int) -> np.ndarray:
 
 def _local_lens(n: np.ndarray, w_size: int, inter: int) -> np.ndarray:
     """int64 [W, len(n)]: KV tokens of an extent n on each DCP rank (DESIGN 3.4)."""
-    base = (n // (w_size * inter)) * inter
-    ranks = np.arange(w_size, dtype=np.int64)[:, None] * inter
-    return base + np.clip(n - base * w_size - ranks, 0, inter)
+    ranks = np.arange(w_size, dtype=np.int64)[:, None]
+    return np.broadcast_to(shard_count(n[None, :], w_size, inter, ranks), (w_size, len(n)))
 
 
 def _prefill_keys(plan: StepPlan, cap: int) -> tuple[np.ndarray, np.ndarray]:

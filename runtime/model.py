@@ -13,7 +13,7 @@ import torch
 
 from cpplan.runtime import coords
 from cpplan.runtime.executor import BoundStep, LayerCache, StepExecutor
-from cpplan.runtime.tables import local_index, owner
+from cpplan.schemas.sharding import local_index, owner
 from cpplan.schemas.plan import StepPlan
 
 ACT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

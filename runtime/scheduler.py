@@ -12,7 +12,7 @@ import dataclasses
 
 import numpy as np
 
-from cpplan.runtime.tables import shard_count
+from cpplan.schemas.sharding import shard_count
 from cpplan.schemas.step import StepInput
 
 

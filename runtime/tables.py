@@ -18,6 +18,7 @@ import numpy as np
 
 from cpplan.schemas.errors import CapacityError
 from cpplan.schemas.plan import StepPlan
+from cpplan.schemas.sharding import local_index, owner, shard_count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,22 +42,6 @@ class StepMeta:
 class RankTables:
     arrays: dict  # name -> int64 ndarray
     meta: StepMeta
-
-
-def local_index(pos: np.ndarray, w_size: int, inter: int) -> np.ndarray:
-    return (pos // (w_size * inter)) * inter + pos % inter
-
-
-def owner(pos: np.ndarray, w_size: int, inter: int) -> np.ndarray:
-    return (pos // inter) % w_size
-
-
-def shard_count(length: np.ndarray, w_size: int, inter: int, rank: int) -> np.ndarray:
-    """Tokens of ``[0, length)`` held by DCP rank ``rank`` (DESIGN 3.4)."""
-    if w_size == 1:
-        return np.asarray(length, dtype=np.int64)
-    base = (length // inter // w_size) * inter
-    return base + np.clip(length - base * w_size - rank * inter, 0, inter)
 
 
 def _rank_tokens(plan: StepPlan, p: int):

@@ -15,7 +15,8 @@ from cpplan.schemas.codec import (
     encode_step_json,
     plan_payload,
 )
-from cpplan.schemas.config import ParallelConfig, shard_rows
+from cpplan.schemas.config import ParallelConfig
+from cpplan.schemas.sharding import local_index, owner, shard_count, shard_rows
 from cpplan.schemas.errors import (
     CapacityError,
     CollectiveLedgerError,

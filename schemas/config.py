@@ -10,6 +10,7 @@ from typing import Literal
 import msgspec
 
 from cpplan.schemas.errors import ConfigError
+from cpplan.schemas.sharding import shard_rows
 
 KV_BYTES_PER_TOKEN = {"fp8_ds_mla": 656, "bf16": 1152}
 INDEXER_K_BYTES_PER_TOKEN = 132  # 128 fp8 values + one fp32 scale
@@ -17,14 +18,6 @@ MAX_SUPPORTED_TOKENS = 2**31 - 1  # every token count in a plan fits int32
 
 KvCacheDtype = Literal["fp8_ds_mla", "bf16"]
 ActivationDtype = Literal["bfloat16", "float16", "float32"]
-
-
-def shard_rows(extent: int, dcp_size: int, interleave_size: int) -> int:
-    """KV tokens DCP rank 0 (the fullest shard) holds of a request of ``extent`` tokens."""
-    if dcp_size == 1:
-        return extent
-    period = dcp_size * interleave_size
-    return (extent // period) * interleave_size + min(extent % period, interleave_size)
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

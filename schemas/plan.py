@@ -13,6 +13,7 @@ import numpy as np
 
 from cpplan.schemas.arrays import Array
 from cpplan.schemas.config import ParallelConfig
+from cpplan.schemas.sharding import local_index, owner
 
 MODE_DECODE = 0
 MODE_SPLIT = 1
@@ -59,12 +60,10 @@ class GatherChunk(msgspec.Struct, frozen=True, kw_only=True):
                      interleave_size: int) -> np.ndarray:
         """Row of the rank-major gathered buffer ``[W * PT]`` holding token ``token`` of region
         ``region`` (both int arrays of one shape): owner(t) * PT + pcu[region] + local(t)."""
-        w, i = dcp_size, interleave_size
         token = np.asarray(token, dtype=np.int64)
-        owner = (token // i) % w
-        local = (token // (w * i)) * i + token % i
         pcu = self.padded_local_cu.np()
-        return owner * self.padded_local_total + pcu[np.asarray(region)] + local
+        return (owner(token, dcp_size, interleave_size) * self.padded_local_total
+                + pcu[np.asarray(region)] + local_index(token, dcp_size, interleave_size))
 
     def deinterleave(self, dcp_size: int, interleave_size: int) -> np.ndarray:
         """int64 [total]: gathered row of every token of the chunk, in global token order."""
