@@ -55,11 +55,19 @@ def ceilings():
     del a, b, x, y
 
 
-def _inputs(T, H, topk, N, fmt, seed=0):
+def _inputs(T, H, topk, N, fmt, seed=0, distinct=False):
+    """q, kv rows and indices. Prefill (distinct False): 64 random index rows repeated over the
+    tokens (neighbouring prefill queries share most of their keys, so rows are re-read from L2).
+    Decode (distinct True): every query reads its own rows (a random permutation shifted by a
+    random offset per query), as requests with their own caches do: the reads come from HBM."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(T, H, 576, device="cuda", generator=g).to(torch.bfloat16)
     kv = torch.randn(N, 576, device="cuda", generator=g)
     buf = tp.quantize_fp8_ds_mla(kv) if fmt == "fp8_ds_mla" else kv.to(torch.bfloat16)
+    if distinct:
+        perm = torch.randperm(N, device="cuda", generator=g)[:topk]
+        shift = torch.randint(0, N, (T, 1), device="cuda", generator=g)
+        return q, buf, ((perm[None, :] + shift) % N).int().contiguous()
     idx = torch.stack([torch.randperm(N, device="cuda", generator=g)[:topk] for _ in range(min(T, 64))])
     idx = idx.repeat(triton.cdiv(T, idx.shape[0]), 1)[:T].int().contiguous()
     return q, buf, idx
@@ -106,21 +114,44 @@ def bench_prefill(quick):
     for (bk, nw, ns), var in [(c, "scaled_dots") for c in configs[:2]] + [(configs[0], "dequant")]:
         try:
             ms = bench(lambda: ta.sparse_mla_attention(q, kv8, idx, sm, "fp8_ds_mla", block_k=bk,
-                                                       num_warps=nw, num_stages=ns, fp8_variant=var))
+                                                       num_warps=nw, num_stages=ns, fp8_variant=var,
+                                                       fp8_rows="in_kernel"))
         except Exception as e:
             print(f"prefill fp8 {var} bk{bk} w{nw} s{ns}: {type(e).__name__}: {str(e)[:120]}")
             continue
         r = row(f"prefill triton fp8_ds_mla {var} bk{bk} w{nw} s{ns}", ms, fl,
                 note=f"{best['ms'] / ms:.2f}x best bf16" if best else "")
         best8 = r if best8 is None or ms < best8["ms"] else best8
+    ms = bench(lambda: ta.sparse_mla_attention(q, kv8, idx, sm, "fp8_ds_mla", fp8_rows="dequantise_once"))
+    r = row("prefill triton fp8_ds_mla dequantise_once (default here)", ms, fl,
+            note=f"{best['ms'] / ms:.2f}x best bf16" if best else "")
+    best8 = r if best8 is None or ms < best8["ms"] else best8
     return best, best8
+
+
+def bench_reuse(quick):
+    """fp8 rows dequantised in the kernel vs once up front, by references per row (T * topk / N):
+    where ``DEQUANTISE_ONCE_REUSE`` comes from."""
+    sm, topk, H, N = 576**-0.5, 2048, 128, 65536
+    from cpplan.runtime.kernels.triton_pack import dequantize_fp8_ds_mla
+
+    q, kv8, idx = _inputs(4096, H, topk, N, "fp8_ds_mla", seed=7)
+    row(f"dequantize_fp8_ds_mla -> bf16, {N} rows", bench(lambda: dequantize_fp8_ds_mla(kv8, torch.bfloat16)),
+        bytes_=N * (656 + 1152))
+    for T in ((64, 256) if quick else (16, 64, 128, 256, 1024, 4096)):
+        qt, it = q[:T].contiguous(), idx[:T].contiguous()
+        a = bench(lambda: ta.sparse_mla_attention(qt, kv8, it, sm, "fp8_ds_mla", fp8_rows="in_kernel"))
+        b = bench(lambda: ta.sparse_mla_attention(qt, kv8, it, sm, "fp8_ds_mla", fp8_rows="dequantise_once"))
+        reuse = T * topk / N
+        row(f"reuse {reuse:6.1f} (T {T}): in_kernel / dequantise_once", a, attn_flops(T, H, topk),
+            note=f"once {b * 1e3:.1f} us: {a / b:.2f}x")
 
 
 def bench_decode(quick):
     sm = 576**-0.5
     for B, H in ((128, 128), (256, 16), (64, 32)):
         topk, N = 2048, 1 << 18  # a paged cache of 4096 blocks x 64 slots
-        q, kv8, idx = _inputs(B, H, topk, N, "fp8_ds_mla", seed=B + H)
+        q, kv8, idx = _inputs(B, H, topk, N, "fp8_ds_mla", seed=B + H, distinct=True)
         fl, by = attn_flops(B, H, topk), B * topk * 656
         kvb = ref.dequantize_fp8_ds_mla(kv8).to(torch.bfloat16)
         row(f"decode naive torch (pre-dequantised bf16 rows) B{B} H{H}",
@@ -305,7 +336,7 @@ def sweep(regimes=None, workers=12):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", default="ceil,prefill,decode,remap,small")
+    ap.add_argument("--only", default="ceil,prefill,reuse,decode,remap,small")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -313,6 +344,7 @@ def main(argv=None):
           f"{time.strftime('%Y-%m-%d %H:%M')}")
     parts = a.only.split(",")
     steps = {"ceil": ceilings, "prefill": lambda: bench_prefill(a.quick),
+             "reuse": lambda: bench_reuse(a.quick),
              "decode": lambda: bench_decode(a.quick), "remap": bench_remap_vs_copy,
              "small": bench_small_ops, "sweep": sweep}
     for p in parts:

@@ -203,16 +203,34 @@ def _num_splits(T: int, H: int, topk: int, block_k: int, device: torch.device) -
     return splits
 
 
-def default_config(kv_format: str, T: int, H: int, operand_bytes: int = 2) -> dict:
+# fp8_ds_mla rows referenced at least this many times on average (T * topk >= REUSE * rows) are
+# dequantised once into a bf16 buffer and read by the bf16 kernel. H200, 128 heads, 65,536 rows
+# (bench/kernels.py --only reuse; bench/RESULTS.md): in-kernel / once = 0.80x at 0.5 references
+# per row, 0.99x at 2, 1.03x at 4, 1.08x at 8, 1.13x at 128; the pass itself is 36 us (3.3 TB/s).
+DEQUANTISE_ONCE_REUSE = 4
+
+
+def default_config(kv_format: str, T: int, H: int, operand_bytes: int = 2, *, topk: int = 0,
+                   rows: int = 0) -> dict:
     """The launch choice per regime, from the H200 sweep (bench/kernels.py --only sweep;
     bench/RESULTS.md). Keys: layout ("heads": heads on the rows of the products, 16-64
     per program; "keys": keys on the rows, heads the narrow side, triton_attention_kmajor),
-    fp8_variant (heads layout only), block_k, num_warps, num_stages, prefetch, deq_bf16, evict.
+    fp8_variant (heads layout only), block_k, num_warps, num_stages, prefetch, deq_bf16, evict,
+    fp8_rows ("in_kernel": fp8 rows dequantised by the attention kernel at every reference;
+    "dequantise_once": a prefill over a gathered buffer whose ``rows`` are each referenced
+    ``DEQUANTISE_ONCE_REUSE`` times or more by the ``T x topk`` indices is dequantised to bf16 in
+    one pass first, then read by the bf16 kernel; the DCP gather still moves 656 B per token).
     ``operand_bytes`` 4 (float32 q: exact "ieee" products, used by replays against the oracle)
     halves the key block and drops pipelining: 64 fp32 rows of 576 in two stages need 258 KB of
     shared memory, above the H200's 227 KB (seen 2026-11-29)."""
-    block_h = _block_h(H)
     fp8 = kv_format == "fp8_ds_mla"
+    if fp8 and rows and T * topk >= DEQUANTISE_ONCE_REUSE * rows:
+        return dict(default_config("bf16", T, H, operand_bytes), fp8_rows="dequantise_once")
+    return dict(_launch_config(fp8, H, operand_bytes), fp8_rows="in_kernel")
+
+
+def _launch_config(fp8: bool, H: int, operand_bytes: int) -> dict:
+    block_h = _block_h(H)
     if operand_bytes >= 4 and not fp8:
         return dict(layout="heads", fp8_variant="dequant", block_k=32,
                     num_warps=4 if block_h <= 32 else 8, num_stages=1, prefetch=False,
@@ -223,7 +241,8 @@ def default_config(kv_format: str, T: int, H: int, operand_bytes: int = 2) -> di
     if block_h <= 32:
         return dict(layout="heads", fp8_variant="scaled_dots" if fp8 else "dequant", block_k=64,
                     num_warps=4, num_stages=2, prefetch=False, deq_bf16=False, evict=False)
-    return dict(layout="heads", fp8_variant="dequant", block_k=64, num_warps=8, num_stages=2,
+    # bf16 rows: 3 stages 9.43 ms vs 2 stages 10.06 ms at T 4096, H 128 (2026-11-29, second run)
+    return dict(layout="heads", fp8_variant="dequant", block_k=64, num_warps=8, num_stages=2 if fp8 else 3,
                 prefetch=False, deq_bf16=False, evict=False)
 
 
@@ -231,7 +250,8 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16
                          remap=None, num_splits: int | None = None, block_k: int | None = None,
                          num_warps: int | None = None, num_stages: int | None = None,
                          fp8_variant: str = "auto", layout: str = "auto", prefetch: bool | None = None,
-                         deq_bf16: bool | None = None, evict: bool | None = None, ws: bool = False):
+                         deq_bf16: bool | None = None, evict: bool | None = None, ws: bool = False,
+                         fp8_rows: str = "auto"):
     """Triton ``sparse_mla_attention``; same contract as the reference, plus keyword options.
 
     remap: None, or ``(region_pcu [T] int, padded_local_total, dcp_size, interleave)``: indices
@@ -244,7 +264,9 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16
     score and probability tiles), "dequant" (every value scaled in registers before the products)
     or "auto" (``default_config``). prefetch: gather the next block into registers before this
     block's products; deq_bf16: dequantise in bf16 arithmetic; evict: evict-first KV loads; ws:
-    ``tl.range(warp_specialize=True)``. Every option None/"auto" takes ``default_config``.
+    ``tl.range(warp_specialize=True)``. fp8_rows: "in_kernel", "dequantise_once" (fp8 rows
+    to a bf16 buffer in one pass, then the bf16 kernel; for buffers whose rows many tokens
+    read) or "auto". Every option None/"auto" takes ``default_config``.
     Operands: q's dtype (bf16 on GPU; fp16/fp32 in the interpreter) is the matrix dtype; bf16
     rows are cast to it, fp8 rows are dequantised to it.
     """
@@ -261,7 +283,16 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16
         raise ValueError(f"kv_format {kv_format!r}, expected 'bf16' or 'fp8_ds_mla'")
     indices = indices.contiguous()
     topk = indices.shape[1]
-    cfg = default_config(kv_format, T, H, q.element_size())
+    cfg = default_config(kv_format, T, H, q.element_size(), topk=topk, rows=kv.shape[0])
+    fp8_rows = cfg["fp8_rows"] if fp8_rows == "auto" else fp8_rows
+    if fp8 and fp8_rows == "dequantise_once":
+        from .triton_pack import dequantize_fp8_ds_mla
+
+        kv = dequantize_fp8_ds_mla(kv, q.dtype)  # each row once instead of once per reference
+        fp8, kv_format = False, "bf16"
+        cfg = default_config(kv_format, T, H, q.element_size())
+    elif fp8_rows not in ("in_kernel", "dequantise_once"):
+        raise ValueError(f"fp8_rows {fp8_rows!r}, expected 'auto', 'in_kernel' or 'dequantise_once'")
     layout = cfg["layout"] if layout == "auto" else layout
     fp8_variant = cfg["fp8_variant"] if fp8_variant == "auto" else fp8_variant
     block_h = _block_h(H) if layout == "heads" else max(16, min(64, triton.next_power_of_2(H)))

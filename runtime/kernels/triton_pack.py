@@ -110,3 +110,35 @@ def quantize_indexer_k(k):
     out = torch.empty(k.shape[0], INDEXER_K_BYTES, dtype=torch.uint8, device=k.device)
     pack_indexer_k_into(out, torch.arange(k.shape[0], device=k.device), k)
     return out
+
+
+@triton.jit
+def _unpack_fp8_ds_mla(packed_ptr, out_ptr, n, stride_p, stride_o, BLOCK_R: tl.constexpr):
+    """Rows ``[BLOCK_R, 656]`` uint8 -> ``[BLOCK_R, 576]`` out dtype: fp8 value x its group's
+    power-of-two scale (exact in float32), RoPE bf16 as stored."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    m = (r < n)[:, None]
+    src = packed_ptr + r.to(tl.int64)[:, None] * stride_p
+    dst = out_ptr + r.to(tl.int64)[:, None] * stride_o
+    raw = tl.load(src + tl.arange(0, 512)[None, :], mask=m, other=0)
+    vals = tl.reshape(raw.to(tl.float8e4nv, bitcast=True).to(tl.float32), (BLOCK_R, 4, 128))
+    scale = tl.load((src + 512).to(tl.pointer_type(tl.float32)) + tl.arange(0, 4)[None, :], mask=m, other=0.0)
+    lat = tl.reshape(vals * scale[:, :, None], (BLOCK_R, 512))
+    tl.store(dst + tl.arange(0, 512)[None, :], lat.to(out_ptr.dtype.element_ty), mask=m)
+    rope = tl.load((src + 528).to(tl.pointer_type(tl.bfloat16)) + tl.arange(0, 64)[None, :], mask=m, other=0.0)
+    tl.store(dst + 512 + tl.arange(0, 64)[None, :], rope.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def dequantize_fp8_ds_mla(packed, dtype=torch.float32):
+    """Triton ``dequantize_fp8_ds_mla``: ``[n, 656]`` uint8 -> ``[n, 576]`` ``dtype`` (float32
+    like the reference; bf16 is exact too: power-of-two scales keep the fp8 mantissa)."""
+    if packed.dim() == 3:
+        packed = packed.reshape(-1, FP8_DS_MLA_BYTES)
+    assert packed.dtype == torch.uint8 and packed.shape[1] == FP8_DS_MLA_BYTES and packed.stride(1) == 1
+    n = packed.shape[0]
+    out = torch.empty(n, 576, dtype=dtype, device=packed.device)
+    if n:
+        block_r = 16
+        _unpack_fp8_ds_mla[(triton.cdiv(n, block_r),)](packed, out, n, packed.stride(0), out.stride(0),
+                                                      BLOCK_R=block_r, num_warps=4)
+    return out

@@ -71,10 +71,28 @@ def test_attention_matches_reference(env, kv_format):
         q, kv, idx = _case(env, T, H, topk, N, 100 + i)
         buf = ref.quantize_fp8_ds_mla(kv) if kv_format == "fp8_ds_mla" else kv.to(q.dtype)
         want_o, want_l = ref.sparse_mla_attention(q.float(), buf, idx, 576**-0.5, kv_format)
+        modes = ("auto", "in_kernel", "dequantise_once") if kv_format == "fp8_ds_mla" else ("auto",)
         for splits in (None, 3):
-            out, lse = sparse_mla_attention(q, buf, idx, 576**-0.5, kv_format, num_splits=splits)
-            assert out.dtype == q.dtype and out.shape == (T, H, 512)
-            _check_attention(out, lse, want_o, want_l, q.dtype)
+            for fp8_rows in modes:
+                out, lse = sparse_mla_attention(q, buf, idx, 576**-0.5, kv_format, num_splits=splits,
+                                                fp8_rows=fp8_rows)
+                assert out.dtype == q.dtype and out.shape == (T, H, 512)
+                _check_attention(out, lse, want_o, want_l, q.dtype)
+
+
+def test_fp8_rows_choice_follows_reuse():
+    """Rows read by many tokens are dequantised once; rows read about once stay in the kernel."""
+    from cpplan.runtime.kernels.triton_attention import DEQUANTISE_ONCE_REUSE, default_config
+
+    rows = 65536
+    many = default_config("fp8_ds_mla", 4096, 128, topk=2048, rows=rows)
+    once = default_config("fp8_ds_mla", 128, 128, topk=2048, rows=1 << 18)
+    edge = default_config("fp8_ds_mla", DEQUANTISE_ONCE_REUSE * rows // 2048, 64, topk=2048, rows=rows)
+    assert (many["fp8_rows"], once["fp8_rows"], edge["fp8_rows"]) == ("dequantise_once", "in_kernel",
+                                                                     "dequantise_once")
+    assert default_config("fp8_ds_mla", 4096, 128)["fp8_rows"] == "in_kernel"  # rows unknown
+    assert {k: v for k, v in many.items() if k != "fp8_rows"} == {
+        k: v for k, v in default_config("bf16", 4096, 128).items() if k != "fp8_rows"}
 
 
 VARIANTS = [
@@ -192,6 +210,23 @@ def test_pack_bit_identical(env):
         assert torch.equal(cache, want)
     k = torch.randn(n, 128, generator=g).to(dev)
     assert torch.equal(tp.quantize_indexer_k(k), ref.quantize_indexer_k(k))
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_dequantize_fp8_ds_mla_exact(env):
+    """The one-pass dequantisation equals the reference bit for bit, in float32 and in bf16
+    (exact: power-of-two scales), for row counts that do not fill the last block."""
+    from cpplan.runtime.kernels import triton_pack as tp
+
+    dev = _dev(env)
+    g = torch.Generator().manual_seed(11)
+    for n in ((1, 37) if env == "interp" else (1, 37, 65536)):
+        x = torch.randn(n, 576, generator=g) * torch.logspace(-8, 8, n)[:, None]
+        packed = ref.quantize_fp8_ds_mla(x).to(dev)
+        want = ref.dequantize_fp8_ds_mla(packed)
+        assert torch.equal(tp.dequantize_fp8_ds_mla(packed), want)
+        assert torch.equal(tp.dequantize_fp8_ds_mla(packed.reshape(n, 1, 656), torch.bfloat16),
+                           want.to(torch.bfloat16))
 
 
 def _indexer_inputs(env, T, Hi, N, seed):

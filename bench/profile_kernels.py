@@ -1,0 +1,75 @@
+"""One attention launch per case, bracketed for Nsight Compute (the profile behind bench/RESULTS.md).
+
+    ncu --clock-control none --profile-from-start off --set full -o rep \\
+        python3 bench/profile_kernels.py --case decode_h16
+
+Each case builds the inputs of bench/kernels.py, runs the launch twice outside the profiled range
+(compilation, caches), then once between ``cudaProfilerStart`` and ``cudaProfilerStop``.
+``--list`` prints the cases; ``--time`` times every case with do_bench instead (no ncu needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+CASES = {
+    # name: (T, H, topk, rows, kv_format, options)
+    "prefill_bf16": (4096, 128, 2048, 65536, "bf16", {}),
+    "prefill_fp8_in_kernel": (4096, 128, 2048, 65536, "fp8_ds_mla", {"fp8_rows": "in_kernel"}),
+    "prefill_fp8_once": (4096, 128, 2048, 65536, "fp8_ds_mla", {"fp8_rows": "dequantise_once"}),
+    "decode_h128": (128, 128, 2048, 1 << 18, "fp8_ds_mla", {}),
+    "decode_h16": (256, 16, 2048, 1 << 18, "fp8_ds_mla", {}),
+    "decode_h16_keys": (256, 16, 2048, 1 << 18, "fp8_ds_mla",
+                        {"layout": "keys", "block_k": 32, "prefetch": True, "num_warps": 4, "num_stages": 1}),
+    "decode_h16_dequant": (256, 16, 2048, 1 << 18, "fp8_ds_mla", {"fp8_variant": "dequant"}),
+}
+
+
+def build(case: str):
+    from cpplan.runtime.kernels import triton_attention as ta
+
+    sys.path.insert(0, "bench")
+    from kernels import _inputs  # same inputs as the benchmark table
+
+    T, H, topk, rows, fmt, opts = CASES[case]
+    q, kv, idx = _inputs(T, H, topk, rows, fmt, seed=T + H, distinct=case.startswith("decode"))
+    return lambda: ta.sparse_mla_attention(q, kv, idx, 576**-0.5, fmt, **opts)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--case", choices=sorted(CASES))
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--time", action="store_true", help="time every case (median, do_bench)")
+    a = ap.parse_args(argv)
+    if a.list:
+        print("\n".join(CASES))
+        return 0
+    if a.time:
+        from triton.testing import do_bench
+
+        for case, (T, H, topk, _rows, _fmt, _o) in CASES.items():
+            fn = build(case)
+            fn()
+            ms = do_bench(fn, warmup=25, rep=300, return_mode="median")
+            tf = 2 * T * H * topk * 1088 / ms / 1e9
+            print(f"{case:24s} {ms * 1e3:9.1f} us {tf:6.0f} TFLOP/s {T * topk * 656 / ms / 1e6:7.0f} GB/s (fp8 rows)")
+        return 0
+    if a.case is None:
+        ap.error("--case is required (or --list / --time)")
+    fn = build(a.case)
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
