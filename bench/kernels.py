@@ -162,6 +162,12 @@ def bench_decode(quick):
             ms = bench(lambda: ta.sparse_mla_attention(q, kv8, idx, sm, "fp8_ds_mla", num_splits=splits,
                                                        fp8_variant=var, num_stages=ns, layout="heads"))
             row(f"decode triton fp8 {var} B{B} H{H} k2048 splits={splits or 'auto'} s{ns}", ms, fl, by)
+        if H <= 32:
+            for splits, ns, nw in ((None, None, 8), (None, 2, 8), (None, None, 4), (2, None, 8)):
+                ms = bench(lambda: ta.sparse_mla_attention(q, kv8, idx, sm, "fp8_ds_mla", layout="gluon",
+                                                           num_splits=splits, num_stages=ns, num_warps=nw))
+                row(f"decode gluon fp8 B{B} H{H} k2048 splits={splits or 'auto'} s{ns or 'auto'} w{nw}",
+                    ms, fl, by)
         ms = bench(lambda: ta.sparse_mla_attention(q, kv8, idx, sm, "fp8_ds_mla"))
         row(f"decode triton fp8 default_config B{B} H{H} k2048: {ta.default_config('fp8_ds_mla', B, H)['layout']}",
             ms, fl, by)

@@ -15,4 +15,8 @@ for c in $cases; do
   echo "== $c"
   grep -E "^  [a-z_]|Duration|Registers Per Thread|Achieved Occupancy|Theoretical Occupancy|DRAM Throughput|Compute \(SM\) Throughput|L1/TEX Hit Rate|L2 Hit Rate|Local Memory|Warp Cycles Per Issued" \
       "$out/$c.details.txt" | head -40
+  echo "   top stall reasons (warp cycles per issued instruction):"
+  ncu -i "$out/$c.ncu-rep" --page raw 2>/dev/null \
+    | grep -E "smsp__average_warps_issue_stalled_[a-z_]+_per_issue_active.ratio" \
+    | awk '{print $NF, $1}' | sort -rn | head -6 | sed 's/^/     /'
 done

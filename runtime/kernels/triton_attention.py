@@ -259,7 +259,9 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16
     gathered buffer as ``reference.remap_to_gathered`` does. num_splits: top-k splits (default:
     chosen from T and the SM count; > 1 writes float32 partials and merges them).
     layout: "heads" (heads on the rows of the products), "keys" (keys on the rows:
-    ``triton_attention_kmajor``, for few heads) or "auto" (``default_config``).
+    ``triton_attention_kmajor``, for few heads), "gluon" (``gluon_attention``: cp.async gather
+    ring, keys-major wgmma; fp8 rows, bf16 q, <= 32 heads, sm_90, no fused remap) or "auto"
+    (gluon where it applies, else ``default_config``).
     fp8_variant (heads layout): "scaled_dots" (``triton_attention_fp8``: scales applied to the
     score and probability tiles), "dequant" (every value scaled in registers before the products)
     or "auto" (``default_config``). prefetch: gather the next block into registers before this
@@ -284,7 +286,8 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16
     indices = indices.contiguous()
     topk = indices.shape[1]
     cfg = default_config(kv_format, T, H, q.element_size(), topk=topk, rows=kv.shape[0])
-    fp8_rows = cfg["fp8_rows"] if fp8_rows == "auto" else fp8_rows
+    if fp8_rows == "auto":  # the Gluon decode reads fp8 rows itself
+        fp8_rows = "in_kernel" if layout == "gluon" else cfg["fp8_rows"]
     if fp8 and fp8_rows == "dequantise_once":
         from .triton_pack import dequantize_fp8_ds_mla
 
@@ -293,13 +296,22 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16
         cfg = default_config(kv_format, T, H, q.element_size())
     elif fp8_rows not in ("in_kernel", "dequantise_once"):
         raise ValueError(f"fp8_rows {fp8_rows!r}, expected 'auto', 'in_kernel' or 'dequantise_once'")
+    if layout == "auto" and remap is None and fp8 and q.is_cuda:
+        from . import gluon_attention
+
+        if gluon_attention.supported(q, kv_format):
+            layout = "gluon"  # few-head fp8 decode: 1.5-1.8x the Triton kernels (bench/RESULTS.md)
     layout = cfg["layout"] if layout == "auto" else layout
     fp8_variant = cfg["fp8_variant"] if fp8_variant == "auto" else fp8_variant
     block_h = _block_h(H) if layout == "heads" else max(16, min(64, triton.next_power_of_2(H)))
-    block_k = block_k or cfg["block_k"]
+    block_k = 64 if layout == "gluon" else (block_k or cfg["block_k"])  # gluon: the wgmma M
     prefetch = cfg["prefetch"] if prefetch is None else prefetch
     deq_bf16 = cfg["deq_bf16"] if deq_bf16 is None else deq_bf16
     evict = cfg["evict"] if evict is None else evict
+    if layout == "gluon" and not num_splits:
+        from . import gluon_attention
+
+        num_splits = gluon_attention.default_splits(T, topk, q.device)
     splits = num_splits or cfg.get("splits") or _num_splits(T, H, topk, block_k, q.device)
     per_split = triton.cdiv(triton.cdiv(topk, splits), block_k) * block_k
     splits = max(1, triton.cdiv(topk, per_split))
@@ -311,12 +323,20 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16
             q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
             H, topk, per_split, pt, sm_scale * _LOG2E)
-    if layout == "keys":
+    if layout == "gluon":
+        from . import gluon_attention
+
+        if remap is not None or not gluon_attention.supported(q, kv_format):
+            raise ValueError("layout 'gluon': needs CUDA sm_90, fp8_ds_mla rows, bf16 q, <= 32 heads "
+                             "and no fused remap")
+        gluon_attention.launch(q, kv, indices, out, lse, sm_scale, per_split, num_stages=num_stages,
+                               num_warps=num_warps)
+    elif layout == "keys":
         from .triton_attention_kmajor import _sparse_mla_fwd_kmajor
 
         kernel, extra = _sparse_mla_fwd_kmajor, {"KV_FP8": fp8, "PREFETCH": prefetch, "EVICT": evict}
     elif layout != "heads":
-        raise ValueError(f"layout {layout!r}, expected 'auto', 'heads' or 'keys'")
+        raise ValueError(f"layout {layout!r}, expected 'auto', 'heads', 'keys' or 'gluon'")
     elif fp8 and fp8_variant == "scaled_dots":
         from .triton_attention_fp8 import _sparse_mla_fwd_fp8
 
@@ -324,12 +344,13 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16
     else:
         kernel, extra = _sparse_mla_fwd, {"KV_FP8": fp8, "PREFETCH": prefetch, "EVICT": evict,
                                           "DEQ_BF16": deq_bf16 and q.dtype == torch.bfloat16, "WS": ws}
-    kernel[grid](
-        *args, dcp_size=w, interleave=il, **extra,
-        REMAP=remap is not None, BLOCK_H=block_h, BLOCK_K=block_k,
-        DOT_DTYPE=_DOT_DTYPES[q.dtype], PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
-    )
+    if layout != "gluon":
+        kernel[grid](
+            *args, dcp_size=w, interleave=il, **extra,
+            REMAP=remap is not None, BLOCK_H=block_h, BLOCK_K=block_k,
+            DOT_DTYPE=_DOT_DTYPES[q.dtype], PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
+        )
     if splits == 1:
         return out[0], lse[0]
     final = torch.empty(T, H, D_V, dtype=q.dtype, device=q.device)

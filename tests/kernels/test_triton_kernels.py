@@ -123,6 +123,32 @@ def test_attention_variants(env, kv_format, variant):
             _check_attention(out, lse, want_o, want_l, q.dtype)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("H", [1, 8, 16, 32])
+def test_gluon_decode_matches_reference(H):
+    """The Gluon few-head decode (cp.async ring, keys-major wgmma) against the reference, with
+    all-invalid rows, a top-k that is not a multiple of 64, rows at the end of the buffer, T = 1
+    and splits that leave a short last split."""
+    from cpplan.runtime.kernels import gluon_attention as ga
+    from cpplan.runtime.kernels.triton_attention import sparse_mla_attention
+
+    for i, (T, topk, N) in enumerate([(64, 2048, 1 << 16), (1, 2048, 8192), (33, 2000, 4096), (5, 70, 300)]):
+        q, kv, idx = _case("cuda", T, H, topk, N, 700 + i)
+        buf = ref.quantize_fp8_ds_mla(kv).reshape(-1, 64, 656) if N % 64 == 0 else ref.quantize_fp8_ds_mla(kv)
+        want_o, want_l = ref.sparse_mla_attention(q.float(), buf, idx, 576**-0.5, "fp8_ds_mla")
+        for stages, warps in ((2, 4), (2, 8), (ga.default_stages(max(16, H)), 8)):  # into NaN-poisoned outputs
+            out = torch.full((1, T, H, 512), float("nan"), dtype=q.dtype, device="cuda")
+            lse = torch.full((1, T, H), float("nan"), device="cuda")
+            ga.launch(q, buf.reshape(-1, 656), idx, out, lse, 576**-0.5, -(-topk // 64) * 64,
+                      num_stages=stages, num_warps=warps)
+            _check_attention(out[0], lse[0], want_o, want_l, q.dtype)
+        for splits in (None, 3, 7):  # through the dispatch entry point, partials merged
+            out, lse = sparse_mla_attention(q, buf, idx, 576**-0.5, "fp8_ds_mla", layout="gluon",
+                                            num_splits=splits)
+            _check_attention(out, lse, want_o, want_l, q.dtype)
+
+
 @pytest.mark.parametrize("env", ENVS)
 def test_attention_fp32_operands_and_paged_view(env):
     from cpplan.runtime.kernels.triton_attention import sparse_mla_attention

@@ -1,0 +1,242 @@
+"""Gluon sparse-MLA decode for few heads per rank over fp8_ds_mla rows (Hopper, sm_90).
+
+Why Gluon: the Triton kernels gather rows with synchronous ``tl.load`` into registers, and the
+Nsight Compute profile of the 16-head decode (bench/RESULTS.md) shows what that costs: 255
+registers with spills, 2 warps per scheduler and 0.34 of them eligible per cycle. Here the
+schedule is written out:
+
+- the rows of ``NS - 1`` key blocks ahead are gathered with ``cp.async`` (16-byte copies,
+  invalid slots zero-filled) into a shared-memory ring, so gathers take no registers and stay in
+  flight while the block before them is computed;
+- each block is dequantised once from shared memory (fp8 value x power-of-two scale -> bf16,
+  exact) into one bf16 tile, which both products then read from shared memory;
+- keys go on the M side of the products (``S^T = K Q^T``: [64 keys, HP heads]; ``O^T = V^T P^T``:
+  [512, HP]), heads on the narrow N side, so 16 heads cost 16 columns, not 64 rows (KERNELS.md).
+
+One program per (query token, split of the top-k), one warpgroup. Same contract and outputs as
+``triton_attention._sparse_mla_fwd`` (partials per split, merged by ``triton_merge``).
+Contract: ``reference.sparse_mla_attention``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+BLOCK_K = 64  # keys per step: the M of the wgmma products
+_LOG2E = 1.4426950408889634
+
+
+@gluon.jit
+def _finite_or_zero(m):
+    return gl.where(m == float("-inf"), 0.0, m)
+
+
+@gluon.jit
+def _block_ids(idx_ptr, t, stride_it, kb, k_end, LAYOUT: gl.constexpr, BK: gl.constexpr):
+    """Top-k slots ``kb .. kb + BK`` of token t (-1 past ``k_end``), in LAYOUT."""
+    offs = kb + gl.arange(0, BK, layout=LAYOUT)
+    return gl.load(idx_ptr + t.to(gl.int64) * stride_it + offs, mask=offs < k_end, other=-1)
+
+
+@gluon.jit
+def _issue_gather(kv_ptr, idx, stride_kv, slot, lat_ring, sc_ring, rope_ring,
+                  LAT: gl.constexpr, ROPE: gl.constexpr, SC: gl.constexpr):
+    """cp.async the rows ``idx`` (in SliceLayout(1, LAT); -1 = none) into ring slot ``slot``;
+    rows of -1 are zero-filled (scale 0), so they also read as no key."""
+    valid = idx >= 0
+    base = kv_ptr + gl.where(valid, idx, 0).to(gl.int64) * stride_kv
+    cols = gl.arange(0, 128, layout=gl.SliceLayout(0, LAT))
+    for g in gl.static_range(4):
+        async_copy.async_copy_global_to_shared(lat_ring.index(slot * 4 + g),
+                                               base[:, None] + g * 128 + cols[None, :], mask=valid[:, None])
+    base_r = gl.convert_layout(base, gl.SliceLayout(1, ROPE))
+    valid_r = gl.convert_layout(valid, gl.SliceLayout(1, ROPE))
+    cols_r = gl.arange(0, 64, layout=gl.SliceLayout(0, ROPE))
+    rope_ptr = (base_r + 528).to(gl.pointer_type(gl.bfloat16))
+    async_copy.async_copy_global_to_shared(rope_ring.index(slot), rope_ptr[:, None] + cols_r[None, :],
+                                           mask=valid_r[:, None])
+    base_s = gl.convert_layout(base, gl.SliceLayout(0, SC))
+    valid_s = gl.convert_layout(valid, gl.SliceLayout(0, SC))
+    grp = gl.arange(0, 4, layout=gl.SliceLayout(1, SC))
+    sc_ptr = (base_s + 512).to(gl.pointer_type(gl.float32))
+    async_copy.async_copy_global_to_shared(sc_ring.index(slot), sc_ptr[None, :] + grp[:, None],
+                                           mask=valid_s[None, :])
+
+
+@gluon.jit
+def _gluon_decode_fwd(
+    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
+    stride_qt, stride_qh, stride_kv, stride_it,
+    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+    H, TOPK, keys_per_split, qk_scale_log2,
+    HP: gl.constexpr, NS: gl.constexpr, BK: gl.constexpr, W: gl.constexpr,
+):
+    t = gl.program_id(0)
+    split = gl.program_id(1)
+    k_begin = split * keys_per_split
+    k_end = gl.minimum(k_begin + keys_per_split, TOPK)
+    n_blocks = gl.cdiv(k_end - k_begin, BK)
+
+    # register layouts: gathers and dequantisation (16-byte vectors), the wgmma accumulators
+    # (W = 4 or 8 warps; with 8 the two warpgroups split the heads of every product)
+    LAT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])  # [BK, 128] uint8
+    ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])  # [BK, 64] bf16
+    SC: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, W // 4], [1, 0])  # [4, BK] fp32
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])  # [HP, 128] bf16
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, W // 4],
+                                                  instr_shape=[16, HP // (W // 4), 16])
+    IDX: gl.constexpr = gl.SliceLayout(1, LAT)
+
+    # shared memory: the gather ring (raw rows), the bf16 tile, q, and P^T
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # per buffer of a ring
+    lat_ring = gl.allocate_shared_memory(gl.uint8, [NS * 4, BK, 128], plain)
+    sc_ring = gl.allocate_shared_memory(gl.float32, [NS, 4, BK], plain)
+    rope_ring = gl.allocate_shared_memory(gl.bfloat16, [NS, BK, 64],
+                                          gl.NVMMASharedLayout.get_default_for([BK, 64], gl.bfloat16))
+    tile = gl.allocate_shared_memory(gl.bfloat16, [4, BK, 128],
+                                     gl.NVMMASharedLayout.get_default_for([BK, 128], gl.bfloat16))
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [4, HP, 128],
+                                       gl.NVMMASharedLayout.get_default_for([HP, 128], gl.bfloat16))
+    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [HP, 64],
+                                        gl.NVMMASharedLayout.get_default_for([HP, 64], gl.bfloat16))
+    pt_smem = gl.allocate_shared_memory(gl.bfloat16, [BK, HP],
+                                        gl.NVMMASharedLayout.get_default_for([BK, HP], gl.bfloat16))
+
+    # prologue: NS - 1 blocks in flight before the first is needed
+    for j in gl.static_range(NS - 1):
+        ids = _block_ids(idx_ptr, t, stride_it, k_begin + j * BK, k_end, IDX, BK)
+        _issue_gather(kv_ptr, ids, stride_kv, j, lat_ring, sc_ring, rope_ring, LAT, ROPE, SC)
+        async_copy.commit_group()
+    ids_next = _block_ids(idx_ptr, t, stride_it, k_begin + (NS - 1) * BK, k_end, IDX, BK)
+
+    # q rows (heads >= H are zero) into shared memory, as the B operand of S^T = K Q^T
+    hq = gl.arange(0, HP, layout=gl.SliceLayout(1, QL))
+    cq = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
+    q_row = q_ptr + t.to(gl.int64) * stride_qt + hq[:, None] * stride_qh
+    for g in gl.static_range(4):
+        q_smem.index(g).store(gl.load(q_row + g * 128 + cq[None, :], mask=hq[:, None] < H, other=0.0))
+    cr = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
+    qr_smem.store(gl.load(q_row + 512 + cr[None, :], mask=hq[:, None] < H, other=0.0))
+
+    m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
+    l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, MMA))
+    acc0 = gl.zeros([128, HP], gl.float32, layout=MMA)
+    acc1 = gl.zeros([128, HP], gl.float32, layout=MMA)
+    acc2 = gl.zeros([128, HP], gl.float32, layout=MMA)
+    acc3 = gl.zeros([128, HP], gl.float32, layout=MMA)
+    s_zero = gl.zeros([BK, HP], gl.float32, layout=MMA)
+
+    for i in range(n_blocks):
+        slot = i % NS
+        kb = k_begin + i * BK
+        idx = _block_ids(idx_ptr, t, stride_it, kb, k_end, gl.SliceLayout(1, MMA), BK)  # used after S
+        async_copy.wait_group(NS - 2)
+        gl.thread_barrier()
+        # dequantise block i once: fp8 x 2**e (exact) -> bf16 tile
+        scales = sc_ring.index(slot).load(SC)  # [4, BK]
+        grp = gl.arange(0, 4, layout=gl.SliceLayout(1, SC))[:, None]
+        for g in gl.static_range(4):
+            raw = lat_ring.index(slot * 4 + g).load(LAT)
+            sc = gl.convert_layout(gl.sum(gl.where(grp == g, scales, 0.0), 0), gl.SliceLayout(1, LAT))
+            vals = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]
+            tile.index(g).store(vals.to(gl.bfloat16))
+        # refill the slot block i - 1 used (its reads finished before the barrier above)
+        _issue_gather(kv_ptr, ids_next, stride_kv, (i + NS - 1) % NS, lat_ring, sc_ring, rope_ring,
+                      LAT, ROPE, SC)
+        async_copy.commit_group()
+        ids_next = _block_ids(idx_ptr, t, stride_it, kb + NS * BK, k_end, IDX, BK)  # one step ahead
+        fence_async_shared()
+        gl.thread_barrier()
+
+        # S^T [BK, HP] = K Q^T over 64 RoPE + 4 x 128 latent dims
+        s = warpgroup_mma(rope_ring.index(slot), qr_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        for g in gl.static_range(4):
+            s = warpgroup_mma(tile.index(g), q_smem.index(g).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+
+        s = gl.where((idx >= 0)[:, None], s * qk_scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_safe[None, :])
+        alpha = gl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + gl.sum(p, 0)
+        m_i = m_new
+        pt_smem.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+
+        # O^T [512, HP] += V^T P^T, one 128-row group at a time
+        acc0 = warpgroup_mma(tile.index(0).permute((1, 0)), pt_smem, acc0 * alpha[None, :], is_async=True)
+        acc1 = warpgroup_mma(tile.index(1).permute((1, 0)), pt_smem, acc1 * alpha[None, :], is_async=True)
+        acc2 = warpgroup_mma(tile.index(2).permute((1, 0)), pt_smem, acc2 * alpha[None, :], is_async=True)
+        acc3 = warpgroup_mma(tile.index(3).permute((1, 0)), pt_smem, acc3 * alpha[None, :], is_async=True)
+        acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))
+
+    async_copy.wait_group(0)
+    has = l_i > 0.0
+    lse = gl.where(has, (_finite_or_zero(m_i) + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    inv = 1.0 / gl.where(has, l_i, 1.0)
+    heads = gl.arange(0, HP, layout=gl.SliceLayout(0, MMA))
+    d = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
+    o_base = out_ptr + split.to(gl.int64) * stride_os + t.to(gl.int64) * stride_ot
+    o_ptr = o_base + heads[None, :] * stride_oh + d[:, None]
+    hm = (heads < H)[None, :]
+    ety = out_ptr.dtype.element_ty
+    gl.store(o_ptr, (acc0 * inv[None, :]).to(ety), mask=hm)
+    gl.store(o_ptr + 128, (acc1 * inv[None, :]).to(ety), mask=hm)
+    gl.store(o_ptr + 256, (acc2 * inv[None, :]).to(ety), mask=hm)
+    gl.store(o_ptr + 384, (acc3 * inv[None, :]).to(ety), mask=hm)
+    gl.store(lse_ptr + split.to(gl.int64) * stride_ls + t.to(gl.int64) * stride_lt + heads, lse, mask=heads < H)
+
+
+def supported(q, kv_format: str) -> bool:
+    """Where this kernel runs: CUDA sm_90, fp8_ds_mla rows, bf16 q, at most 32 heads."""
+    return (q.is_cuda and kv_format == "fp8_ds_mla" and q.dtype == torch.bfloat16 and q.shape[1] <= 32
+            and torch.cuda.get_device_capability(q.device)[0] == 9)
+
+
+def default_splits(T: int, topk: int, device) -> int:
+    """Top-k splits: one program per SM at most (213 KB of shared memory each, so one wave is
+    all that runs at once): B 64 -> 2 splits (91.7 us) beat 4 (two waves, 101 us) on the H200."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(sms // max(T, 1), triton.cdiv(topk, 2 * BLOCK_K)))
+
+
+def default_warps(hp: int) -> int:
+    """16 heads: 4 warps (265 us at B 256, against 297 with 8); 32 heads: 8 (the two
+    warpgroups split the heads; 4 warps would hold 2 x 64 accumulator registers per thread)."""
+    return 4 if hp <= 16 else 8
+
+
+def default_stages(hp: int) -> int:
+    """Ring depth: 3 blocks of 41 KB for 16 heads (213 KB of shared memory in all); 32 heads
+    need 2 (3 would take 233 KB, over the H200's 227 KB)."""
+    return 3 if hp <= 16 else 2
+
+
+def launch(q, kv, indices, out, lse, sm_scale: float, keys_per_split: int, *, num_stages: int | None = None,
+           num_warps: int | None = None) -> None:
+    """Fill ``out [splits, T, H, 512]`` and ``lse [splits, T, H]`` (splits from their shape);
+    ``keys_per_split`` a multiple of ``BLOCK_K``."""
+    T, H, _ = q.shape
+    splits = out.shape[0]
+    hp = max(16, triton.next_power_of_2(H))
+    num_stages = num_stages or default_stages(hp)
+    num_warps = num_warps or default_warps(hp)
+    _gluon_decode_fwd[(T, splits)](
+        q, kv, indices, out, lse,
+        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        H, indices.shape[1], keys_per_split, sm_scale * _LOG2E,
+        HP=hp, NS=num_stages, BK=BLOCK_K, W=num_warps, num_warps=num_warps,
+    )
