@@ -32,6 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 BLOCK_K = 64  # keys per step: the M of the wgmma products
+PIPELINED = False  # default variant (bench/RESULTS.md)
 _LOG2E = 1.4426950408889634
 
 
@@ -50,8 +51,15 @@ def _block_ids(idx_ptr, t, stride_it, kb, k_end, LAYOUT: gl.constexpr, BK: gl.co
 @gluon.jit
 def _issue_gather(kv_ptr, idx, stride_kv, slot, lat_ring, sc_ring, rope_ring,
                   LAT: gl.constexpr, ROPE: gl.constexpr, SC: gl.constexpr):
-    """cp.async the rows ``idx`` (in SliceLayout(1, LAT); -1 = none) into ring slot ``slot``;
-    rows of -1 are zero-filled (scale 0), so they also read as no key."""
+    """cp.async the rows ``idx`` (in SliceLayout(1, LAT); -1 = none) into ring slot ``slot``."""
+    _issue_gather_slots(kv_ptr, idx, stride_kv, slot, slot, lat_ring, sc_ring, rope_ring, LAT, ROPE, SC)
+
+
+@gluon.jit
+def _issue_gather_slots(kv_ptr, idx, stride_kv, slot, rope_slot, lat_ring, sc_ring, rope_ring,
+                        LAT: gl.constexpr, ROPE: gl.constexpr, SC: gl.constexpr):
+    """cp.async the rows ``idx`` (in SliceLayout(1, LAT); -1 = none): latent bytes and scales into
+    raw slot ``slot``, RoPE into ``rope_ring[rope_slot]``; rows of -1 are zero-filled (scale 0)."""
     valid = idx >= 0
     base = kv_ptr + gl.where(valid, idx, 0).to(gl.int64) * stride_kv
     cols = gl.arange(0, 128, layout=gl.SliceLayout(0, LAT))
@@ -62,7 +70,7 @@ def _issue_gather(kv_ptr, idx, stride_kv, slot, lat_ring, sc_ring, rope_ring,
     valid_r = gl.convert_layout(valid, gl.SliceLayout(1, ROPE))
     cols_r = gl.arange(0, 64, layout=gl.SliceLayout(0, ROPE))
     rope_ptr = (base_r + 528).to(gl.pointer_type(gl.bfloat16))
-    async_copy.async_copy_global_to_shared(rope_ring.index(slot), rope_ptr[:, None] + cols_r[None, :],
+    async_copy.async_copy_global_to_shared(rope_ring.index(rope_slot), rope_ptr[:, None] + cols_r[None, :],
                                            mask=valid_r[:, None])
     base_s = gl.convert_layout(base, gl.SliceLayout(0, SC))
     valid_s = gl.convert_layout(valid, gl.SliceLayout(0, SC))
@@ -70,6 +78,80 @@ def _issue_gather(kv_ptr, idx, stride_kv, slot, lat_ring, sc_ring, rope_ring,
     sc_ptr = (base_s + 512).to(gl.pointer_type(gl.float32))
     async_copy.async_copy_global_to_shared(sc_ring.index(slot), sc_ptr[None, :] + grp[:, None],
                                            mask=valid_s[None, :])
+
+
+@gluon.jit
+def _load_q(q_ptr, t, stride_qt, stride_qh, H, q_smem, qr_smem, QL: gl.constexpr, HP: gl.constexpr):
+    """q rows of token t (heads >= H zero) into shared memory: the B operand of S^T = K Q^T."""
+    hq = gl.arange(0, HP, layout=gl.SliceLayout(1, QL))
+    cq = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
+    q_row = q_ptr + t.to(gl.int64) * stride_qt + hq[:, None] * stride_qh
+    for g in gl.static_range(4):
+        q_smem.index(g).store(gl.load(q_row + g * 128 + cq[None, :], mask=hq[:, None] < H, other=0.0))
+    cr = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
+    qr_smem.store(gl.load(q_row + 512 + cr[None, :], mask=hq[:, None] < H, other=0.0))
+
+
+@gluon.jit
+def _dequantise(lat_ring, slot, scales, tile, tslot, LAT: gl.constexpr, SC: gl.constexpr):
+    """Raw fp8 rows of ring slot ``slot`` x their power-of-two scales (``scales`` [4, BK] in SC;
+    exact) -> bf16 tile buffers ``tslot * 4 .. + 3``."""
+    grp = gl.arange(0, 4, layout=gl.SliceLayout(1, SC))[:, None]
+    for g in gl.static_range(4):
+        raw = lat_ring.index(slot * 4 + g).load(LAT)
+        sc = gl.convert_layout(gl.sum(gl.where(grp == g, scales, 0.0), 0), gl.SliceLayout(1, LAT))
+        vals = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]
+        tile.index(tslot * 4 + g).store(vals.to(gl.bfloat16))
+
+
+@gluon.jit
+def _scores_async(rope, qr_smem, tile, tslot, q_smem, s_zero):
+    """Issue S^T [BK, HP] = K Q^T over 64 RoPE + 4 x 128 latent dims (async wgmma)."""
+    s = warpgroup_mma(rope, qr_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    for g in gl.static_range(4):
+        s = warpgroup_mma(tile.index(tslot * 4 + g), q_smem.index(g).permute((1, 0)), s, is_async=True)
+    return s
+
+
+@gluon.jit
+def _softmax_pv(s, idx, m_i, l_i, acc0, acc1, acc2, acc3, qk_scale_log2, tile, tslot, pt_smem):
+    """Online softmax over the key axis of S^T, then O^T [512, HP] += V^T P^T (waited)."""
+    s = gl.where((idx >= 0)[:, None], s * qk_scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 0))
+    m_safe = _finite_or_zero(m_new)
+    p = gl.exp2(s - m_safe[None, :])
+    alpha = gl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + gl.sum(p, 0)
+    pt_smem.store(p.to(gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()
+    b = tslot * 4
+    acc0 = warpgroup_mma(tile.index(b).permute((1, 0)), pt_smem, acc0 * alpha[None, :], is_async=True)
+    acc1 = warpgroup_mma(tile.index(b + 1).permute((1, 0)), pt_smem, acc1 * alpha[None, :], is_async=True)
+    acc2 = warpgroup_mma(tile.index(b + 2).permute((1, 0)), pt_smem, acc2 * alpha[None, :], is_async=True)
+    acc3 = warpgroup_mma(tile.index(b + 3).permute((1, 0)), pt_smem, acc3 * alpha[None, :], is_async=True)
+    acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))
+    return m_new, l_i, acc0, acc1, acc2, acc3
+
+
+@gluon.jit
+def _epilogue(out_ptr, lse_ptr, split, t, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, H,
+              m_i, l_i, acc0, acc1, acc2, acc3, MMA: gl.constexpr, HP: gl.constexpr):
+    has = l_i > 0.0
+    lse = gl.where(has, (_finite_or_zero(m_i) + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    inv = 1.0 / gl.where(has, l_i, 1.0)
+    heads = gl.arange(0, HP, layout=gl.SliceLayout(0, MMA))
+    d = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
+    o_base = out_ptr + split.to(gl.int64) * stride_os + t.to(gl.int64) * stride_ot
+    o_ptr = o_base + heads[None, :] * stride_oh + d[:, None]
+    hm = (heads < H)[None, :]
+    ety = out_ptr.dtype.element_ty
+    gl.store(o_ptr, (acc0 * inv[None, :]).to(ety), mask=hm)
+    gl.store(o_ptr + 128, (acc1 * inv[None, :]).to(ety), mask=hm)
+    gl.store(o_ptr + 256, (acc2 * inv[None, :]).to(ety), mask=hm)
+    gl.store(o_ptr + 384, (acc3 * inv[None, :]).to(ety), mask=hm)
+    gl.store(lse_ptr + split.to(gl.int64) * stride_ls + t.to(gl.int64) * stride_lt + heads, lse, mask=heads < H)
 
 
 @gluon.jit
@@ -118,14 +200,7 @@ def _gluon_decode_fwd(
         async_copy.commit_group()
     ids_next = _block_ids(idx_ptr, t, stride_it, k_begin + (NS - 1) * BK, k_end, IDX, BK)
 
-    # q rows (heads >= H are zero) into shared memory, as the B operand of S^T = K Q^T
-    hq = gl.arange(0, HP, layout=gl.SliceLayout(1, QL))
-    cq = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
-    q_row = q_ptr + t.to(gl.int64) * stride_qt + hq[:, None] * stride_qh
-    for g in gl.static_range(4):
-        q_smem.index(g).store(gl.load(q_row + g * 128 + cq[None, :], mask=hq[:, None] < H, other=0.0))
-    cr = gl.arange(0, 64, layout=gl.SliceLayout(0, QL))
-    qr_smem.store(gl.load(q_row + 512 + cr[None, :], mask=hq[:, None] < H, other=0.0))
+    _load_q(q_ptr, t, stride_qt, stride_qh, H, q_smem, qr_smem, QL, HP)
 
     m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
     l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, MMA))
@@ -142,13 +217,7 @@ def _gluon_decode_fwd(
         async_copy.wait_group(NS - 2)
         gl.thread_barrier()
         # dequantise block i once: fp8 x 2**e (exact) -> bf16 tile
-        scales = sc_ring.index(slot).load(SC)  # [4, BK]
-        grp = gl.arange(0, 4, layout=gl.SliceLayout(1, SC))[:, None]
-        for g in gl.static_range(4):
-            raw = lat_ring.index(slot * 4 + g).load(LAT)
-            sc = gl.convert_layout(gl.sum(gl.where(grp == g, scales, 0.0), 0), gl.SliceLayout(1, LAT))
-            vals = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]
-            tile.index(g).store(vals.to(gl.bfloat16))
+        _dequantise(lat_ring, slot, sc_ring.index(slot).load(SC), tile, 0, LAT, SC)
         # refill the slot block i - 1 used (its reads finished before the barrier above)
         _issue_gather(kv_ptr, ids_next, stride_kv, (i + NS - 1) % NS, lat_ring, sc_ring, rope_ring,
                       LAT, ROPE, SC)
@@ -157,46 +226,100 @@ def _gluon_decode_fwd(
         fence_async_shared()
         gl.thread_barrier()
 
-        # S^T [BK, HP] = K Q^T over 64 RoPE + 4 x 128 latent dims
-        s = warpgroup_mma(rope_ring.index(slot), qr_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        for g in gl.static_range(4):
-            s = warpgroup_mma(tile.index(g), q_smem.index(g).permute((1, 0)), s, is_async=True)
+        s = _scores_async(rope_ring.index(slot), qr_smem, tile, 0, q_smem, s_zero)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-
-        s = gl.where((idx >= 0)[:, None], s * qk_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_safe[None, :])
-        alpha = gl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + gl.sum(p, 0)
-        m_i = m_new
-        pt_smem.store(p.to(gl.bfloat16))
-        fence_async_shared()
-        gl.thread_barrier()
-
-        # O^T [512, HP] += V^T P^T, one 128-row group at a time
-        acc0 = warpgroup_mma(tile.index(0).permute((1, 0)), pt_smem, acc0 * alpha[None, :], is_async=True)
-        acc1 = warpgroup_mma(tile.index(1).permute((1, 0)), pt_smem, acc1 * alpha[None, :], is_async=True)
-        acc2 = warpgroup_mma(tile.index(2).permute((1, 0)), pt_smem, acc2 * alpha[None, :], is_async=True)
-        acc3 = warpgroup_mma(tile.index(3).permute((1, 0)), pt_smem, acc3 * alpha[None, :], is_async=True)
-        acc0, acc1, acc2, acc3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1, acc2, acc3))
+        m_i, l_i, acc0, acc1, acc2, acc3 = _softmax_pv(s, idx, m_i, l_i, acc0, acc1, acc2, acc3, qk_scale_log2,
+                                                       tile, 0, pt_smem)
 
     async_copy.wait_group(0)
-    has = l_i > 0.0
-    lse = gl.where(has, (_finite_or_zero(m_i) + gl.log2(gl.where(has, l_i, 1.0))) * 0.6931471805599453,
-                   float("-inf"))
-    inv = 1.0 / gl.where(has, l_i, 1.0)
-    heads = gl.arange(0, HP, layout=gl.SliceLayout(0, MMA))
-    d = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))
-    o_base = out_ptr + split.to(gl.int64) * stride_os + t.to(gl.int64) * stride_ot
-    o_ptr = o_base + heads[None, :] * stride_oh + d[:, None]
-    hm = (heads < H)[None, :]
-    ety = out_ptr.dtype.element_ty
-    gl.store(o_ptr, (acc0 * inv[None, :]).to(ety), mask=hm)
-    gl.store(o_ptr + 128, (acc1 * inv[None, :]).to(ety), mask=hm)
-    gl.store(o_ptr + 256, (acc2 * inv[None, :]).to(ety), mask=hm)
-    gl.store(o_ptr + 384, (acc3 * inv[None, :]).to(ety), mask=hm)
-    gl.store(lse_ptr + split.to(gl.int64) * stride_ls + t.to(gl.int64) * stride_lt + heads, lse, mask=heads < H)
+    _epilogue(out_ptr, lse_ptr, split, t, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, H,
+              m_i, l_i, acc0, acc1, acc2, acc3, MMA, HP)
+
+
+@gluon.jit
+def _gluon_decode_fwd_pipe(
+    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
+    stride_qt, stride_qh, stride_kv, stride_it,
+    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+    H, TOPK, keys_per_split, qk_scale_log2,
+    HP: gl.constexpr, NS: gl.constexpr, BK: gl.constexpr, W: gl.constexpr,
+):
+    """Software-pipelined variant: two bf16 tiles, so block i + 1 is dequantised while the
+    score products of block i run on the tensor cores; one raw slot (block i + 2 is gathered
+    while block i's softmax and P V run). NS is unused (one raw slot, two tiles)."""
+    t = gl.program_id(0)
+    split = gl.program_id(1)
+    k_begin = split * keys_per_split
+    k_end = gl.minimum(k_begin + keys_per_split, TOPK)
+    n_blocks = gl.cdiv(k_end - k_begin, BK)
+
+    LAT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])
+    ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
+    SC: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, W // 4], [1, 0])
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, W // 4],
+                                                  instr_shape=[16, HP // (W // 4), 16])
+    IDX: gl.constexpr = gl.SliceLayout(1, LAT)
+
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    lat_ring = gl.allocate_shared_memory(gl.uint8, [4, BK, 128], plain)  # one raw slot
+    sc_ring = gl.allocate_shared_memory(gl.float32, [1, 4, BK], plain)
+    rope_ring = gl.allocate_shared_memory(gl.bfloat16, [2, BK, 64],
+                                          gl.NVMMASharedLayout.get_default_for([BK, 64], gl.bfloat16))
+    tile = gl.allocate_shared_memory(gl.bfloat16, [8, BK, 128],
+                                     gl.NVMMASharedLayout.get_default_for([BK, 128], gl.bfloat16))
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [4, HP, 128],
+                                       gl.NVMMASharedLayout.get_default_for([HP, 128], gl.bfloat16))
+    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [HP, 64],
+                                        gl.NVMMASharedLayout.get_default_for([HP, 64], gl.bfloat16))
+    pt_smem = gl.allocate_shared_memory(gl.bfloat16, [BK, HP],
+                                        gl.NVMMASharedLayout.get_default_for([BK, HP], gl.bfloat16))
+
+    # prologue: block 0 gathered and dequantised into tile 0, block 1 in flight
+    ids = _block_ids(idx_ptr, t, stride_it, k_begin, k_end, IDX, BK)
+    _issue_gather_slots(kv_ptr, ids, stride_kv, 0, 0, lat_ring, sc_ring, rope_ring, LAT, ROPE, SC)
+    async_copy.commit_group()
+    _load_q(q_ptr, t, stride_qt, stride_qh, H, q_smem, qr_smem, QL, HP)
+    ids_next = _block_ids(idx_ptr, t, stride_it, k_begin + BK, k_end, IDX, BK)
+    async_copy.wait_group(0)
+    gl.thread_barrier()
+    _dequantise(lat_ring, 0, sc_ring.index(0).load(SC), tile, 0, LAT, SC)
+    gl.thread_barrier()
+    _issue_gather_slots(kv_ptr, ids_next, stride_kv, 0, 1, lat_ring, sc_ring, rope_ring, LAT, ROPE, SC)
+    async_copy.commit_group()
+    ids_next = _block_ids(idx_ptr, t, stride_it, k_begin + 2 * BK, k_end, IDX, BK)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
+    l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, MMA))
+    acc0 = gl.zeros([128, HP], gl.float32, layout=MMA)
+    acc1 = gl.zeros([128, HP], gl.float32, layout=MMA)
+    acc2 = gl.zeros([128, HP], gl.float32, layout=MMA)
+    acc3 = gl.zeros([128, HP], gl.float32, layout=MMA)
+    s_zero = gl.zeros([BK, HP], gl.float32, layout=MMA)
+
+    for i in range(n_blocks):
+        b = i % 2
+        kb = k_begin + i * BK
+        idx = _block_ids(idx_ptr, t, stride_it, kb, k_end, gl.SliceLayout(1, MMA), BK)
+        s = _scores_async(rope_ring.index(b), qr_smem, tile, b, q_smem, s_zero)
+        # while the tensor cores run S(i): block i + 1 (landed) -> the other tile
+        async_copy.wait_group(0)
+        gl.thread_barrier()
+        _dequantise(lat_ring, 0, sc_ring.index(0).load(SC), tile, 1 - b, LAT, SC)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        gl.thread_barrier()  # raw slot read by every thread; S(i) done with rope buffer b
+        _issue_gather_slots(kv_ptr, ids_next, stride_kv, 0, b, lat_ring, sc_ring, rope_ring, LAT, ROPE, SC)
+        async_copy.commit_group()
+        ids_next = _block_ids(idx_ptr, t, stride_it, kb + 3 * BK, k_end, IDX, BK)
+        # (the fence + barrier inside also publishes the other tile for S(i + 1))
+        m_i, l_i, acc0, acc1, acc2, acc3 = _softmax_pv(s, idx, m_i, l_i, acc0, acc1, acc2, acc3, qk_scale_log2,
+                                                       tile, b, pt_smem)
+
+    async_copy.wait_group(0)
+    _epilogue(out_ptr, lse_ptr, split, t, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, H,
+              m_i, l_i, acc0, acc1, acc2, acc3, MMA, HP)
 
 
 def supported(q, kv_format: str) -> bool:
@@ -225,7 +348,7 @@ def default_stages(hp: int) -> int:
 
 
 def launch(q, kv, indices, out, lse, sm_scale: float, keys_per_split: int, *, num_stages: int | None = None,
-           num_warps: int | None = None) -> None:
+           num_warps: int | None = None, pipelined: bool | None = None) -> None:
     """Fill ``out [splits, T, H, 512]`` and ``lse [splits, T, H]`` (splits from their shape);
     ``keys_per_split`` a multiple of ``BLOCK_K``."""
     T, H, _ = q.shape
@@ -233,7 +356,8 @@ def launch(q, kv, indices, out, lse, sm_scale: float, keys_per_split: int, *, nu
     hp = max(16, triton.next_power_of_2(H))
     num_stages = num_stages or default_stages(hp)
     num_warps = num_warps or default_warps(hp)
-    _gluon_decode_fwd[(T, splits)](
+    kernel = _gluon_decode_fwd_pipe if (PIPELINED if pipelined is None else pipelined) else _gluon_decode_fwd
+    kernel[(T, splits)](
         q, kv, indices, out, lse,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
