@@ -93,13 +93,15 @@ def _load_q(q_ptr, t, stride_qt, stride_qh, H, q_smem, qr_smem, QL: gl.constexpr
 
 
 @gluon.jit
-def _dequantise(lat_ring, slot, scales, tile, tslot, LAT: gl.constexpr, SC: gl.constexpr):
+def _dequantise(lat_ring, slot, scales, tile, tslot, CONV: gl.constexpr, SC: gl.constexpr):
     """Raw fp8 rows of ring slot ``slot`` x their power-of-two scales (``scales`` [4, BK] in SC;
-    exact) -> bf16 tile buffers ``tslot * 4 .. + 3``."""
+    exact) -> bf16 tile buffers ``tslot * 4 .. + 3``. CONV gives each thread 8 consecutive values
+    (16 bytes of bf16), 16 threads per 128-value row: every store instruction writes whole
+    128-byte lines of the swizzled tile (16 values per thread wrote 5.2-way bank conflicts)."""
     grp = gl.arange(0, 4, layout=gl.SliceLayout(1, SC))[:, None]
     for g in gl.static_range(4):
-        raw = lat_ring.index(slot * 4 + g).load(LAT)
-        sc = gl.convert_layout(gl.sum(gl.where(grp == g, scales, 0.0), 0), gl.SliceLayout(1, LAT))
+        raw = lat_ring.index(slot * 4 + g).load(CONV)
+        sc = gl.convert_layout(gl.sum(gl.where(grp == g, scales, 0.0), 0), gl.SliceLayout(1, CONV))
         vals = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]
         tile.index(tslot * 4 + g).store(vals.to(gl.bfloat16))
 
@@ -171,6 +173,7 @@ def _gluon_decode_fwd(
     # register layouts: gathers and dequantisation (16-byte vectors), the wgmma accumulators
     # (W = 4 or 8 warps; with 8 the two warpgroups split the heads of every product)
     LAT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])  # [BK, 128] uint8
+    CONV: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])  # dequantisation
     ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])  # [BK, 64] bf16
     SC: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, W // 4], [1, 0])  # [4, BK] fp32
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])  # [HP, 128] bf16
@@ -217,7 +220,7 @@ def _gluon_decode_fwd(
         async_copy.wait_group(NS - 2)
         gl.thread_barrier()
         # dequantise block i once: fp8 x 2**e (exact) -> bf16 tile
-        _dequantise(lat_ring, slot, sc_ring.index(slot).load(SC), tile, 0, LAT, SC)
+        _dequantise(lat_ring, slot, sc_ring.index(slot).load(SC), tile, 0, CONV, SC)
         # refill the slot block i - 1 used (its reads finished before the barrier above)
         _issue_gather(kv_ptr, ids_next, stride_kv, (i + NS - 1) % NS, lat_ring, sc_ring, rope_ring,
                       LAT, ROPE, SC)
@@ -254,6 +257,7 @@ def _gluon_decode_fwd_pipe(
     n_blocks = gl.cdiv(k_end - k_begin, BK)
 
     LAT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])
+    CONV: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])
     ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
     SC: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, W // 4], [1, 0])
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])
@@ -283,7 +287,7 @@ def _gluon_decode_fwd_pipe(
     ids_next = _block_ids(idx_ptr, t, stride_it, k_begin + BK, k_end, IDX, BK)
     async_copy.wait_group(0)
     gl.thread_barrier()
-    _dequantise(lat_ring, 0, sc_ring.index(0).load(SC), tile, 0, LAT, SC)
+    _dequantise(lat_ring, 0, sc_ring.index(0).load(SC), tile, 0, CONV, SC)
     gl.thread_barrier()
     _issue_gather_slots(kv_ptr, ids_next, stride_kv, 0, 1, lat_ring, sc_ring, rope_ring, LAT, ROPE, SC)
     async_copy.commit_group()
@@ -307,7 +311,7 @@ def _gluon_decode_fwd_pipe(
         # while the tensor cores run S(i): block i + 1 (landed) -> the other tile
         async_copy.wait_group(0)
         gl.thread_barrier()
-        _dequantise(lat_ring, 0, sc_ring.index(0).load(SC), tile, 1 - b, LAT, SC)
+        _dequantise(lat_ring, 0, sc_ring.index(0).load(SC), tile, 1 - b, CONV, SC)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         gl.thread_barrier()  # raw slot read by every thread; S(i) done with rope buffer b
         _issue_gather_slots(kv_ptr, ids_next, stride_kv, 0, b, lat_ring, sc_ring, rope_ring, LAT, ROPE, SC)
