@@ -163,13 +163,11 @@ def bench_decode(quick):
                                                        fp8_variant=var, num_stages=ns, layout="heads"))
             row(f"decode triton fp8 {var} B{B} H{H} k2048 splits={splits or 'auto'} s{ns}", ms, fl, by)
         if H <= 32:
-            for splits, ns, nw, pipe in ((None, None, 4, False), (None, None, 8, False), (None, None, 4, True),
-                                         (None, None, 8, True), (2, None, 4, True)):
+            for splits, ns, nw in ((None, None, 4), (None, None, 8), (None, 2, None), (2, None, None)):
                 ms = bench(lambda: ta.sparse_mla_attention(q, kv8, idx, sm, "fp8_ds_mla", layout="gluon",
-                                                           num_splits=splits, num_stages=ns, num_warps=nw,
-                                                           gluon_pipelined=pipe))
-                name = "pipelined" if pipe else f"ring s{ns or 'auto'}"
-                row(f"decode gluon fp8 {name} B{B} H{H} k2048 splits={splits or 'auto'} w{nw}", ms, fl, by)
+                                                           num_splits=splits, num_stages=ns, num_warps=nw))
+                row(f"decode gluon fp8 B{B} H{H} k2048 splits={splits or 'auto'} s{ns or 'auto'} w{nw or 'auto'}",
+                    ms, fl, by)
         ms = bench(lambda: ta.sparse_mla_attention(q, kv8, idx, sm, "fp8_ds_mla"))
         row(f"decode default (layout auto) B{B} H{H} k2048",
             ms, fl, by)

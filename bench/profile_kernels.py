@@ -25,7 +25,6 @@ CASES = {
     "decode_h16_keys": (256, 16, 2048, 1 << 18, "fp8_ds_mla",
                         {"layout": "keys", "block_k": 32, "prefetch": True, "num_warps": 4, "num_stages": 1}),
     "decode_h16_gluon": (256, 16, 2048, 1 << 18, "fp8_ds_mla", {"layout": "gluon"}),
-    "decode_h16_gluon_pipe": (256, 16, 2048, 1 << 18, "fp8_ds_mla", {"layout": "gluon", "gluon_pipelined": True}),
     "decode_h32_gluon": (64, 32, 2048, 1 << 18, "fp8_ds_mla", {"layout": "gluon"}),
     "decode_h16_dequant": (256, 16, 2048, 1 << 18, "fp8_ds_mla", {"fp8_variant": "dequant"}),
 }

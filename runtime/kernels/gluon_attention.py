@@ -32,7 +32,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 BLOCK_K = 64  # keys per step: the M of the wgmma products
-PIPELINED = False  # default variant (bench/RESULTS.md)
 _LOG2E = 1.4426950408889634
 
 
@@ -51,15 +50,8 @@ def _block_ids(idx_ptr, t, stride_it, kb, k_end, LAYOUT: gl.constexpr, BK: gl.co
 @gluon.jit
 def _issue_gather(kv_ptr, idx, stride_kv, slot, lat_ring, sc_ring, rope_ring,
                   LAT: gl.constexpr, ROPE: gl.constexpr, SC: gl.constexpr):
-    """cp.async the rows ``idx`` (in SliceLayout(1, LAT); -1 = none) into ring slot ``slot``."""
-    _issue_gather_slots(kv_ptr, idx, stride_kv, slot, slot, lat_ring, sc_ring, rope_ring, LAT, ROPE, SC)
-
-
-@gluon.jit
-def _issue_gather_slots(kv_ptr, idx, stride_kv, slot, rope_slot, lat_ring, sc_ring, rope_ring,
-                        LAT: gl.constexpr, ROPE: gl.constexpr, SC: gl.constexpr):
-    """cp.async the rows ``idx`` (in SliceLayout(1, LAT); -1 = none): latent bytes and scales into
-    raw slot ``slot``, RoPE into ``rope_ring[rope_slot]``; rows of -1 are zero-filled (scale 0)."""
+    """cp.async the rows ``idx`` (in SliceLayout(1, LAT); -1 = none) into ring slot ``slot``;
+    rows of -1 are zero-filled (scale 0), so they also read as no key."""
     valid = idx >= 0
     base = kv_ptr + gl.where(valid, idx, 0).to(gl.int64) * stride_kv
     cols = gl.arange(0, 128, layout=gl.SliceLayout(0, LAT))
@@ -70,7 +62,7 @@ def _issue_gather_slots(kv_ptr, idx, stride_kv, slot, rope_slot, lat_ring, sc_ri
     valid_r = gl.convert_layout(valid, gl.SliceLayout(1, ROPE))
     cols_r = gl.arange(0, 64, layout=gl.SliceLayout(0, ROPE))
     rope_ptr = (base_r + 528).to(gl.pointer_type(gl.bfloat16))
-    async_copy.async_copy_global_to_shared(rope_ring.index(rope_slot), rope_ptr[:, None] + cols_r[None, :],
+    async_copy.async_copy_global_to_shared(rope_ring.index(slot), rope_ptr[:, None] + cols_r[None, :],
                                            mask=valid_r[:, None])
     base_s = gl.convert_layout(base, gl.SliceLayout(0, SC))
     valid_s = gl.convert_layout(valid, gl.SliceLayout(0, SC))
@@ -239,93 +231,6 @@ def _gluon_decode_fwd(
               m_i, l_i, acc0, acc1, acc2, acc3, MMA, HP)
 
 
-@gluon.jit
-def _gluon_decode_fwd_pipe(
-    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
-    stride_qt, stride_qh, stride_kv, stride_it,
-    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-    H, TOPK, keys_per_split, qk_scale_log2,
-    HP: gl.constexpr, NS: gl.constexpr, BK: gl.constexpr, W: gl.constexpr,
-):
-    """Software-pipelined variant: two bf16 tiles, so block i + 1 is dequantised while the
-    score products of block i run on the tensor cores; one raw slot (block i + 2 is gathered
-    while block i's softmax and P V run). NS is unused (one raw slot, two tiles)."""
-    t = gl.program_id(0)
-    split = gl.program_id(1)
-    k_begin = split * keys_per_split
-    k_end = gl.minimum(k_begin + keys_per_split, TOPK)
-    n_blocks = gl.cdiv(k_end - k_begin, BK)
-
-    LAT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])
-    CONV: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])
-    ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
-    SC: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, W // 4], [1, 0])
-    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, W // 4],
-                                                  instr_shape=[16, HP // (W // 4), 16])
-    IDX: gl.constexpr = gl.SliceLayout(1, LAT)
-
-    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    lat_ring = gl.allocate_shared_memory(gl.uint8, [4, BK, 128], plain)  # one raw slot
-    sc_ring = gl.allocate_shared_memory(gl.float32, [1, 4, BK], plain)
-    rope_ring = gl.allocate_shared_memory(gl.bfloat16, [2, BK, 64],
-                                          gl.NVMMASharedLayout.get_default_for([BK, 64], gl.bfloat16))
-    tile = gl.allocate_shared_memory(gl.bfloat16, [8, BK, 128],
-                                     gl.NVMMASharedLayout.get_default_for([BK, 128], gl.bfloat16))
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [4, HP, 128],
-                                       gl.NVMMASharedLayout.get_default_for([HP, 128], gl.bfloat16))
-    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [HP, 64],
-                                        gl.NVMMASharedLayout.get_default_for([HP, 64], gl.bfloat16))
-    pt_smem = gl.allocate_shared_memory(gl.bfloat16, [BK, HP],
-                                        gl.NVMMASharedLayout.get_default_for([BK, HP], gl.bfloat16))
-
-    # prologue: block 0 gathered and dequantised into tile 0, block 1 in flight
-    ids = _block_ids(idx_ptr, t, stride_it, k_begin, k_end, IDX, BK)
-    _issue_gather_slots(kv_ptr, ids, stride_kv, 0, 0, lat_ring, sc_ring, rope_ring, LAT, ROPE, SC)
-    async_copy.commit_group()
-    _load_q(q_ptr, t, stride_qt, stride_qh, H, q_smem, qr_smem, QL, HP)
-    ids_next = _block_ids(idx_ptr, t, stride_it, k_begin + BK, k_end, IDX, BK)
-    async_copy.wait_group(0)
-    gl.thread_barrier()
-    _dequantise(lat_ring, 0, sc_ring.index(0).load(SC), tile, 0, CONV, SC)
-    gl.thread_barrier()
-    _issue_gather_slots(kv_ptr, ids_next, stride_kv, 0, 1, lat_ring, sc_ring, rope_ring, LAT, ROPE, SC)
-    async_copy.commit_group()
-    ids_next = _block_ids(idx_ptr, t, stride_it, k_begin + 2 * BK, k_end, IDX, BK)
-    fence_async_shared()
-    gl.thread_barrier()
-
-    m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
-    l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, MMA))
-    acc0 = gl.zeros([128, HP], gl.float32, layout=MMA)
-    acc1 = gl.zeros([128, HP], gl.float32, layout=MMA)
-    acc2 = gl.zeros([128, HP], gl.float32, layout=MMA)
-    acc3 = gl.zeros([128, HP], gl.float32, layout=MMA)
-    s_zero = gl.zeros([BK, HP], gl.float32, layout=MMA)
-
-    for i in range(n_blocks):
-        b = i % 2
-        kb = k_begin + i * BK
-        idx = _block_ids(idx_ptr, t, stride_it, kb, k_end, gl.SliceLayout(1, MMA), BK)
-        s = _scores_async(rope_ring.index(b), qr_smem, tile, b, q_smem, s_zero)
-        # while the tensor cores run S(i): block i + 1 (landed) -> the other tile
-        async_copy.wait_group(0)
-        gl.thread_barrier()
-        _dequantise(lat_ring, 0, sc_ring.index(0).load(SC), tile, 1 - b, CONV, SC)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        gl.thread_barrier()  # raw slot read by every thread; S(i) done with rope buffer b
-        _issue_gather_slots(kv_ptr, ids_next, stride_kv, 0, b, lat_ring, sc_ring, rope_ring, LAT, ROPE, SC)
-        async_copy.commit_group()
-        ids_next = _block_ids(idx_ptr, t, stride_it, kb + 3 * BK, k_end, IDX, BK)
-        # (the fence + barrier inside also publishes the other tile for S(i + 1))
-        m_i, l_i, acc0, acc1, acc2, acc3 = _softmax_pv(s, idx, m_i, l_i, acc0, acc1, acc2, acc3, qk_scale_log2,
-                                                       tile, b, pt_smem)
-
-    async_copy.wait_group(0)
-    _epilogue(out_ptr, lse_ptr, split, t, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, H,
-              m_i, l_i, acc0, acc1, acc2, acc3, MMA, HP)
-
-
 def supported(q, kv_format: str) -> bool:
     """Where this kernel runs: CUDA sm_90, fp8_ds_mla rows, bf16 q, at most 32 heads."""
     return (q.is_cuda and kv_format == "fp8_ds_mla" and q.dtype == torch.bfloat16 and q.shape[1] <= 32
@@ -352,7 +257,7 @@ def default_stages(hp: int) -> int:
 
 
 def launch(q, kv, indices, out, lse, sm_scale: float, keys_per_split: int, *, num_stages: int | None = None,
-           num_warps: int | None = None, pipelined: bool | None = None) -> None:
+           num_warps: int | None = None) -> None:
     """Fill ``out [splits, T, H, 512]`` and ``lse [splits, T, H]`` (splits from their shape);
     ``keys_per_split`` a multiple of ``BLOCK_K``."""
     T, H, _ = q.shape
@@ -360,8 +265,7 @@ def launch(q, kv, indices, out, lse, sm_scale: float, keys_per_split: int, *, nu
     hp = max(16, triton.next_power_of_2(H))
     num_stages = num_stages or default_stages(hp)
     num_warps = num_warps or default_warps(hp)
-    kernel = _gluon_decode_fwd_pipe if (PIPELINED if pipelined is None else pipelined) else _gluon_decode_fwd
-    kernel[(T, splits)](
+    _gluon_decode_fwd[(T, splits)](
         q, kv, indices, out, lse,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),

@@ -251,7 +251,7 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16
                          num_warps: int | None = None, num_stages: int | None = None,
                          fp8_variant: str = "auto", layout: str = "auto", prefetch: bool | None = None,
                          deq_bf16: bool | None = None, evict: bool | None = None, ws: bool = False,
-                         fp8_rows: str = "auto", gluon_pipelined: bool | None = None):
+                         fp8_rows: str = "auto"):
     """Triton ``sparse_mla_attention``; same contract as the reference, plus keyword options.
 
     remap: None, or ``(region_pcu [T] int, padded_local_total, dcp_size, interleave)``: indices
@@ -268,8 +268,7 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16
     block's products; deq_bf16: dequantise in bf16 arithmetic; evict: evict-first KV loads; ws:
     ``tl.range(warp_specialize=True)``. fp8_rows: "in_kernel", "dequantise_once" (fp8 rows
     to a bf16 buffer in one pass, then the bf16 kernel; for buffers whose rows many tokens
-    read) or "auto". gluon_pipelined: the Gluon kernel's software-pipelined variant (None: its
-    default). Every option None/"auto" takes ``default_config``.
+    read) or "auto". Every option None/"auto" takes ``default_config``.
     Operands: q's dtype (bf16 on GPU; fp16/fp32 in the interpreter) is the matrix dtype; bf16
     rows are cast to it, fp8 rows are dequantised to it.
     """
@@ -331,7 +330,7 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16
             raise ValueError("layout 'gluon': needs CUDA sm_90, fp8_ds_mla rows, bf16 q, <= 32 heads "
                              "and no fused remap")
         gluon_attention.launch(q, kv, indices, out, lse, sm_scale, per_split, num_stages=num_stages,
-                               num_warps=num_warps, pipelined=gluon_pipelined)
+                               num_warps=num_warps)
     elif layout == "keys":
         from .triton_attention_kmajor import _sparse_mla_fwd_kmajor
 
