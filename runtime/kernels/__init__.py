@@ -1,4 +1,5 @@
-"""Sparse-MLA kernels behind one dispatch table: torch reference (CPU, CUDA) and Triton (CUDA).
+"""Sparse-MLA kernels behind one dispatch table: torch reference (CPU, CUDA) and Triton (CUDA;
+its attention entry point runs a Gluon kernel for the few-head fp8 decode on Hopper).
 
 Use ``get_kernels(device, backend=None)`` and call ops on the returned ``KernelSet``; the
 reference ops are also exported directly. Contracts: ``reference.py`` docstrings.

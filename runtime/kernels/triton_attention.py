@@ -10,7 +10,11 @@ rows of the product, not 64. Few tokens (decode): the top-k is split over progra
 float32 partial (out, lse) and ``triton_merge.lse_merge_into`` combines them (DESIGN 3.6).
 Optional fused remap: indices may be global token ids of a gather chunk, mapped to rows of the
 rank-major gathered buffer in the kernel (DESIGN 3.5), so no deinterleaved copy is needed.
-Contract: ``reference.sparse_mla_attention``.
+
+``sparse_mla_attention`` is also the entry point that picks a path: fp8_ds_mla rows that many
+tokens read (a prefill over a gathered buffer) are dequantised once and read by the bf16 kernel;
+the fp8 decode with at most 32 heads on Hopper runs ``gluon_attention``. Contract:
+``reference.sparse_mla_attention``.
 """
 
 from __future__ import annotations
