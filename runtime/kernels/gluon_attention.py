@@ -5,17 +5,20 @@ Nsight Compute profile of the 16-head decode (bench/RESULTS.md) shows what that 
 registers with spills, 2 warps per scheduler and 0.34 of them eligible per cycle. Here the
 schedule is written out:
 
-- the rows of ``NS - 1`` key blocks ahead are gathered with ``cp.async`` (16-byte copies,
-  invalid slots zero-filled) into a shared-memory ring, so gathers take no registers and stay in
-  flight while the block before them is computed;
-- each block is dequantised once from shared memory (fp8 value x power-of-two scale -> bf16,
-  exact) into one bf16 tile, which both products then read from shared memory;
+- rows are gathered with ``cp.async`` (16-byte copies, invalid slots zero-filled) into shared
+  memory, so gathers take no registers and stay in flight while other work runs;
+- each 64-key block is dequantised once from shared memory (fp8 value x power-of-two scale ->
+  bf16, exact) into one bf16 tile, which both products then read from shared memory;
 - keys go on the M side of the products (``S^T = K Q^T``: [64 keys, HP heads]; ``O^T = V^T P^T``:
   [512, HP]), heads on the narrow N side, so 16 heads cost 16 columns, not 64 rows (KERNELS.md).
 
-One program per (query token, split of the top-k), one warpgroup. Same contract and outputs as
-``triton_attention._sparse_mla_fwd`` (partials per split, merged by ``triton_merge``).
-Contract: ``reference.sparse_mla_attention``.
+Two variants hide the gather latency differently: "ring" keeps ``NS - 1`` blocks in flight in a
+ring of raw rows (213 KB of shared memory, one CTA per SM; the default for 17-32 heads) and
+"small" lands each block's raw rows in the upper half of the bf16 tile's own bytes and
+dequantises in place (96 KB, two CTAs per SM, one CTA's gather behind the other's products; the
+default up to 16 heads). One program per (query token, split of the top-k). Same contract and
+outputs as ``triton_attention._sparse_mla_fwd`` (partials per split, merged by
+``triton_merge``). Contract: ``reference.sparse_mla_attention``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 BLOCK_K = 64  # keys per step: the M of the wgmma products
+# Variants: "ring" (213 KB of shared memory, one CTA per SM, a 2-3 block gather ring) and
+# "small" (96 KB, two 4-warp CTAs per SM, raw rows dequantised in place). H200, B 256, H 16:
+# small 214.8 us vs ring 255.1; B 64, H 32: ring (8 warps) 88.7-98.3 us vs small 105.6.
 _LOG2E = 1.4426950408889634
 
 
@@ -48,15 +54,23 @@ def _block_ids(idx_ptr, t, stride_it, kb, k_end, LAYOUT: gl.constexpr, BK: gl.co
 
 
 @gluon.jit
+def _issue_gather_raw(kv_ptr, idx, stride_kv, raw, sc_buf, rope_buf,
+                      LAT: gl.constexpr, ROPE: gl.constexpr, SC: gl.constexpr):
+    """``_issue_gather`` into the raw half of a tile (latent group g -> ``raw.index(4 + g)``)."""
+    _issue_gather(kv_ptr, idx, stride_kv, 0, raw, sc_buf, rope_buf, LAT, ROPE, SC, 4)
+
+
+@gluon.jit
 def _issue_gather(kv_ptr, idx, stride_kv, slot, lat_ring, sc_ring, rope_ring,
-                  LAT: gl.constexpr, ROPE: gl.constexpr, SC: gl.constexpr):
-    """cp.async the rows ``idx`` (in SliceLayout(1, LAT); -1 = none) into ring slot ``slot``;
-    rows of -1 are zero-filled (scale 0), so they also read as no key."""
+                  LAT: gl.constexpr, ROPE: gl.constexpr, SC: gl.constexpr, LAT_BASE: gl.constexpr = 0):
+    """cp.async the rows ``idx`` (in SliceLayout(1, LAT); -1 = none) into ring slot ``slot``
+    (latent group g -> ``lat_ring.index(slot * 4 + LAT_BASE + g)``); rows of -1 are zero-filled
+    (scale 0), so they also read as no key."""
     valid = idx >= 0
     base = kv_ptr + gl.where(valid, idx, 0).to(gl.int64) * stride_kv
     cols = gl.arange(0, 128, layout=gl.SliceLayout(0, LAT))
     for g in gl.static_range(4):
-        async_copy.async_copy_global_to_shared(lat_ring.index(slot * 4 + g),
+        async_copy.async_copy_global_to_shared(lat_ring.index(slot * 4 + LAT_BASE + g),
                                                base[:, None] + g * 128 + cols[None, :], mask=valid[:, None])
     base_r = gl.convert_layout(base, gl.SliceLayout(1, ROPE))
     valid_r = gl.convert_layout(valid, gl.SliceLayout(1, ROPE))
@@ -231,22 +245,124 @@ def _gluon_decode_fwd(
               m_i, l_i, acc0, acc1, acc2, acc3, MMA, HP)
 
 
+@gluon.jit
+def _dequantise_in_place(raw, scales, tile, CONV: gl.constexpr, SC: gl.constexpr):
+    """Dequantise the raw rows that sit in the upper half of the bf16 tile's own bytes (raw group
+    g = ``raw.index(4 + g)``) into the tile. bf16 groups 0 and 1 land below the raw bytes; groups
+    2 and 3 overwrite raw groups 0-1 and 2-3, so raw groups 2 and 3 are loaded by every thread
+    (the barrier) before either is stored."""
+    grp = gl.arange(0, 4, layout=gl.SliceLayout(1, SC))[:, None]
+    for g in gl.static_range(2):
+        sc = gl.convert_layout(gl.sum(gl.where(grp == g, scales, 0.0), 0), gl.SliceLayout(1, CONV))
+        vals = raw.index(4 + g).load(CONV).to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]
+        tile.index(g).store(vals.to(gl.bfloat16))
+    sc2 = gl.convert_layout(gl.sum(gl.where(grp == 2, scales, 0.0), 0), gl.SliceLayout(1, CONV))
+    sc3 = gl.convert_layout(gl.sum(gl.where(grp == 3, scales, 0.0), 0), gl.SliceLayout(1, CONV))
+    v2 = (raw.index(6).load(CONV).to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc2[:, None]).to(gl.bfloat16)
+    v3 = (raw.index(7).load(CONV).to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc3[:, None]).to(gl.bfloat16)
+    gl.thread_barrier()
+    tile.index(2).store(v2)
+    tile.index(3).store(v3)
+
+
+@gluon.jit
+def _gluon_decode_fwd_small(
+    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
+    stride_qt, stride_qh, stride_kv, stride_it,
+    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+    H, TOPK, keys_per_split, qk_scale_log2,
+    HP: gl.constexpr, NS: gl.constexpr, BK: gl.constexpr, W: gl.constexpr,
+):
+    """Two CTAs per SM instead of a deep ring: the raw fp8 rows of a block land in the upper half
+    of the bf16 tile's bytes and are dequantised in place (93 KB of shared memory instead of 213),
+    so one CTA's gather latency hides behind the other CTA's products. NS is unused."""
+    t = gl.program_id(0)
+    split = gl.program_id(1)
+    k_begin = split * keys_per_split
+    k_end = gl.minimum(k_begin + keys_per_split, TOPK)
+    n_blocks = gl.cdiv(k_end - k_begin, BK)
+
+    LAT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])
+    CONV: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])
+    ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
+    SC: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, W // 4], [1, 0])
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, W // 4],
+                                                  instr_shape=[16, HP // (W // 4), 16])
+    IDX: gl.constexpr = gl.SliceLayout(1, LAT)
+
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    tile = gl.allocate_shared_memory(gl.bfloat16, [4, BK, 128],
+                                     gl.NVMMASharedLayout.get_default_for([BK, 128], gl.bfloat16))
+    raw = tile._reinterpret(gl.uint8, [8, BK, 128], plain)  # raw group g = raw.index(4 + g)
+    sc_buf = gl.allocate_shared_memory(gl.float32, [1, 4, BK], plain)
+    rope_buf = gl.allocate_shared_memory(gl.bfloat16, [1, BK, 64],
+                                         gl.NVMMASharedLayout.get_default_for([BK, 64], gl.bfloat16))
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [4, HP, 128],
+                                       gl.NVMMASharedLayout.get_default_for([HP, 128], gl.bfloat16))
+    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [HP, 64],
+                                        gl.NVMMASharedLayout.get_default_for([HP, 64], gl.bfloat16))
+    pt_smem = gl.allocate_shared_memory(gl.bfloat16, [BK, HP],
+                                        gl.NVMMASharedLayout.get_default_for([BK, HP], gl.bfloat16))
+
+    _load_q(q_ptr, t, stride_qt, stride_qh, H, q_smem, qr_smem, QL, HP)
+    ids_next = _block_ids(idx_ptr, t, stride_it, k_begin, k_end, IDX, BK)
+    m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
+    l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, MMA))
+    acc0 = gl.zeros([128, HP], gl.float32, layout=MMA)
+    acc1 = gl.zeros([128, HP], gl.float32, layout=MMA)
+    acc2 = gl.zeros([128, HP], gl.float32, layout=MMA)
+    acc3 = gl.zeros([128, HP], gl.float32, layout=MMA)
+    s_zero = gl.zeros([BK, HP], gl.float32, layout=MMA)
+
+    for i in range(n_blocks):
+        kb = k_begin + i * BK
+        gl.thread_barrier()  # every warp is done with the tile (P V of block i - 1)
+        _issue_gather_raw(kv_ptr, ids_next, stride_kv, raw, sc_buf, rope_buf, LAT, ROPE, SC)
+        async_copy.commit_group()
+        ids_next = _block_ids(idx_ptr, t, stride_it, kb + BK, k_end, IDX, BK)
+        idx = _block_ids(idx_ptr, t, stride_it, kb, k_end, gl.SliceLayout(1, MMA), BK)
+        async_copy.wait_group(0)
+        gl.thread_barrier()
+        _dequantise_in_place(raw, sc_buf.index(0).load(SC), tile, CONV, SC)
+        fence_async_shared()
+        gl.thread_barrier()
+        s = _scores_async(rope_buf.index(0), qr_smem, tile, 0, q_smem, s_zero)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        m_i, l_i, acc0, acc1, acc2, acc3 = _softmax_pv(s, idx, m_i, l_i, acc0, acc1, acc2, acc3, qk_scale_log2,
+                                                       tile, 0, pt_smem)
+
+    _epilogue(out_ptr, lse_ptr, split, t, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, H,
+              m_i, l_i, acc0, acc1, acc2, acc3, MMA, HP)
+
+
 def supported(q, kv_format: str) -> bool:
     """Where this kernel runs: CUDA sm_90, fp8_ds_mla rows, bf16 q, at most 32 heads."""
     return (q.is_cuda and kv_format == "fp8_ds_mla" and q.dtype == torch.bfloat16 and q.shape[1] <= 32
             and torch.cuda.get_device_capability(q.device)[0] == 9)
 
 
-def default_splits(T: int, topk: int, device) -> int:
-    """Top-k splits: one program per SM at most (213 KB of shared memory each, so one wave is
-    all that runs at once): B 64 -> 2 splits (91.7 us) beat 4 (two waves, 101 us) on the H200."""
+def _heads_padded(H: int) -> int:
+    return max(16, triton.next_power_of_2(H))
+
+
+def default_variant(hp: int) -> str:
+    return "small" if hp <= 16 else "ring"
+
+
+def default_splits(T: int, H: int, topk: int, device) -> int:
+    """Top-k splits: no more programs than run at once (one "ring" or two "small" CTAs per SM):
+    B 64, H 32 -> 2 splits (91.7 us) beat 4 (two waves, 101 us); B 256, H 16 (small) -> 1
+    split, 214.8 us, against 226.5 with 2 and 239.7 with 4 (H200)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(sms // max(T, 1), triton.cdiv(topk, 2 * BLOCK_K)))
+    per_sm = 2 if default_variant(_heads_padded(H)) == "small" else 1
+    return max(1, min(per_sm * sms // max(T, 1), triton.cdiv(topk, 2 * BLOCK_K)))
 
 
 def default_warps(hp: int) -> int:
-    """16 heads: 4 warps (265 us at B 256, against 297 with 8); 32 heads: 8 (the two
-    warpgroups split the heads; 4 warps would hold 2 x 64 accumulator registers per thread)."""
+    """16 heads: 4 warps (ring: 254 us at B 256 against 285 with 8; small: two 4-warp CTAs fit
+    the register file at 255 registers, 8 warps would not); 32 heads: 8 (the two warpgroups split
+    the heads; 4 warps would hold 4 x 32 accumulator registers per thread and spill)."""
     return 4 if hp <= 16 else 8
 
 
@@ -257,15 +373,19 @@ def default_stages(hp: int) -> int:
 
 
 def launch(q, kv, indices, out, lse, sm_scale: float, keys_per_split: int, *, num_stages: int | None = None,
-           num_warps: int | None = None) -> None:
+           num_warps: int | None = None, variant: str | None = None) -> None:
     """Fill ``out [splits, T, H, 512]`` and ``lse [splits, T, H]`` (splits from their shape);
     ``keys_per_split`` a multiple of ``BLOCK_K``."""
     T, H, _ = q.shape
     splits = out.shape[0]
-    hp = max(16, triton.next_power_of_2(H))
+    hp = _heads_padded(H)
     num_stages = num_stages or default_stages(hp)
     num_warps = num_warps or default_warps(hp)
-    _gluon_decode_fwd[(T, splits)](
+    variant = variant or default_variant(hp)
+    kernels = {"ring": _gluon_decode_fwd, "small": _gluon_decode_fwd_small}
+    if variant not in kernels:
+        raise ValueError(f"variant {variant!r}, expected one of {sorted(kernels)}")
+    kernels[variant][(T, splits)](
         q, kv, indices, out, lse,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),

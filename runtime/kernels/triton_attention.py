@@ -315,7 +315,7 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16
     if layout == "gluon" and not num_splits:
         from . import gluon_attention
 
-        num_splits = gluon_attention.default_splits(T, topk, q.device)
+        num_splits = gluon_attention.default_splits(T, H, topk, q.device)
     splits = num_splits or cfg.get("splits") or _num_splits(T, H, topk, block_k, q.device)
     per_split = triton.cdiv(triton.cdiv(topk, splits), block_k) * block_k
     splits = max(1, triton.cdiv(topk, per_split))

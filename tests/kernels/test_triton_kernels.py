@@ -137,11 +137,12 @@ def test_gluon_decode_matches_reference(H):
         q, kv, idx = _case("cuda", T, H, topk, N, 700 + i)
         buf = ref.quantize_fp8_ds_mla(kv).reshape(-1, 64, 656) if N % 64 == 0 else ref.quantize_fp8_ds_mla(kv)
         want_o, want_l = ref.sparse_mla_attention(q.float(), buf, idx, 576**-0.5, "fp8_ds_mla")
-        for stages, warps in ((2, 4), (2, 8), (None, None)):  # into NaN-poisoned outputs
+        variants = [(2, 4, "ring"), (2, 8, "ring"), (None, None, "ring"), (None, 4, "small"), (None, 8, "small")]
+        for stages, warps, variant in variants:  # into NaN-poisoned outputs
             out = torch.full((1, T, H, 512), float("nan"), dtype=q.dtype, device="cuda")
             lse = torch.full((1, T, H), float("nan"), device="cuda")
             ga.launch(q, buf.reshape(-1, 656), idx, out, lse, 576**-0.5, -(-topk // 64) * 64,
-                      num_stages=stages, num_warps=warps)
+                      num_stages=stages, num_warps=warps, variant=variant)
             _check_attention(out[0], lse[0], want_o, want_l, q.dtype)
         for splits in (None, 3, 7):  # through the dispatch entry point, partials merged
             out, lse = sparse_mla_attention(q, buf, idx, 576**-0.5, "fp8_ds_mla", layout="gluon", num_splits=splits)
