@@ -27,7 +27,6 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.runtime.jit import constexpr_function
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy,
     fence_async_shared,
@@ -42,43 +41,6 @@ BLOCK_K = 64  # keys per step: the M of the wgmma products
 _LOG2E = 1.4426950408889634
 
 
-@constexpr_function
-def _layouts(W, HP):
-    """Register layouts for W warps (4 or 8; with 8 the two warpgroups split the heads of every
-    product): LAT gathers [BK, 128] uint8 (16-byte copies), CONV dequantises (8 values per
-    thread, whole 128-byte lines of the swizzled tile per store), ROPE [BK, 64] bf16, SC the
-    scales [4, BK], QL q rows [HP, 128], MMA the wgmma accumulators."""
-    return (gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0]),
-            gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0]),
-            gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0]),
-            gl.BlockedLayout([1, 1], [1, 32], [4, W // 4], [1, 0]),
-            gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0]),
-            gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, W // 4],
-                                      instr_shape=[16, HP // (W // 4), 16]))
-
-
-@gluon.jit
-def _alloc_q_and_p(HP: gl.constexpr, BK: gl.constexpr):
-    """Shared memory for q (4 latent groups + RoPE: the B operand of S^T = K Q^T) and P^T."""
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [4, HP, 128],
-                                       gl.NVMMASharedLayout.get_default_for([HP, 128], gl.bfloat16))
-    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [HP, 64],
-                                        gl.NVMMASharedLayout.get_default_for([HP, 64], gl.bfloat16))
-    pt_smem = gl.allocate_shared_memory(gl.bfloat16, [BK, HP],
-                                        gl.NVMMASharedLayout.get_default_for([BK, HP], gl.bfloat16))
-    return q_smem, qr_smem, pt_smem
-
-
-@gluon.jit
-def _zero_state(HP: gl.constexpr, BK: gl.constexpr, MMA: gl.constexpr):
-    """Online-softmax state: running max and sum per head, four [128, HP] output accumulators
-    (O^T by 128-row latent group) and a zero [BK, HP] score tile."""
-    m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
-    l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, MMA))
-    acc = gl.zeros([128, HP], gl.float32, layout=MMA)
-    return m_i, l_i, acc, acc, acc, acc, gl.zeros([BK, HP], gl.float32, layout=MMA)
-
-
 @gluon.jit
 def _finite_or_zero(m):
     return gl.where(m == float("-inf"), 0.0, m)
@@ -89,6 +51,13 @@ def _block_ids(idx_ptr, t, stride_it, kb, k_end, LAYOUT: gl.constexpr, BK: gl.co
     """Top-k slots ``kb .. kb + BK`` of token t (-1 past ``k_end``), in LAYOUT."""
     offs = kb + gl.arange(0, BK, layout=LAYOUT)
     return gl.load(idx_ptr + t.to(gl.int64) * stride_it + offs, mask=offs < k_end, other=-1)
+
+
+@gluon.jit
+def _issue_gather_raw(kv_ptr, idx, stride_kv, raw, sc_buf, rope_buf,
+                      LAT: gl.constexpr, ROPE: gl.constexpr, SC: gl.constexpr):
+    """``_issue_gather`` into the raw half of a tile (latent group g -> ``raw.index(4 + g)``)."""
+    _issue_gather(kv_ptr, idx, stride_kv, 0, raw, sc_buf, rope_buf, LAT, ROPE, SC, 4)
 
 
 @gluon.jit
@@ -194,12 +163,31 @@ def _epilogue(out_ptr, lse_ptr, split, t, stride_os, stride_ot, stride_oh, strid
 
 
 @gluon.jit
-def _ring_loop(q_ptr, kv_ptr, idx_ptr, t, stride_qt, stride_qh, stride_kv, stride_it, H, k_begin, k_end,
-               qk_scale_log2, q_smem, qr_smem, pt_smem, HP: gl.constexpr, NS: gl.constexpr, BK: gl.constexpr,
-               LAT: gl.constexpr, CONV: gl.constexpr, ROPE: gl.constexpr, SC: gl.constexpr, QL: gl.constexpr,
-               MMA: gl.constexpr):
-    """"ring": NS - 1 blocks of raw rows in flight in their own ring (213 KB in all at NS 3)."""
+def _gluon_decode_fwd(
+    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
+    stride_qt, stride_qh, stride_kv, stride_it,
+    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+    H, TOPK, keys_per_split, qk_scale_log2,
+    HP: gl.constexpr, NS: gl.constexpr, BK: gl.constexpr, W: gl.constexpr,
+):
+    t = gl.program_id(0)
+    split = gl.program_id(1)
+    k_begin = split * keys_per_split
+    k_end = gl.minimum(k_begin + keys_per_split, TOPK)
+    n_blocks = gl.cdiv(k_end - k_begin, BK)
+
+    # register layouts: gathers and dequantisation (16-byte vectors), the wgmma accumulators
+    # (W = 4 or 8 warps; with 8 the two warpgroups split the heads of every product)
+    LAT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])  # [BK, 128] uint8
+    CONV: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])  # dequantisation
+    ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])  # [BK, 64] bf16
+    SC: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, W // 4], [1, 0])  # [4, BK] fp32
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])  # [HP, 128] bf16
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, W // 4],
+                                                  instr_shape=[16, HP // (W // 4), 16])
     IDX: gl.constexpr = gl.SliceLayout(1, LAT)
+
+    # shared memory: the gather ring (raw rows), the bf16 tile, q, and P^T
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # per buffer of a ring
     lat_ring = gl.allocate_shared_memory(gl.uint8, [NS * 4, BK, 128], plain)
     sc_ring = gl.allocate_shared_memory(gl.float32, [NS, 4, BK], plain)
@@ -207,17 +195,31 @@ def _ring_loop(q_ptr, kv_ptr, idx_ptr, t, stride_qt, stride_qh, stride_kv, strid
                                           gl.NVMMASharedLayout.get_default_for([BK, 64], gl.bfloat16))
     tile = gl.allocate_shared_memory(gl.bfloat16, [4, BK, 128],
                                      gl.NVMMASharedLayout.get_default_for([BK, 128], gl.bfloat16))
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [4, HP, 128],
+                                       gl.NVMMASharedLayout.get_default_for([HP, 128], gl.bfloat16))
+    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [HP, 64],
+                                        gl.NVMMASharedLayout.get_default_for([HP, 64], gl.bfloat16))
+    pt_smem = gl.allocate_shared_memory(gl.bfloat16, [BK, HP],
+                                        gl.NVMMASharedLayout.get_default_for([BK, HP], gl.bfloat16))
 
-    # prologue: NS - 1 blocks in flight before the first is needed, q loaded behind them
+    # prologue: NS - 1 blocks in flight before the first is needed
     for j in gl.static_range(NS - 1):
         ids = _block_ids(idx_ptr, t, stride_it, k_begin + j * BK, k_end, IDX, BK)
         _issue_gather(kv_ptr, ids, stride_kv, j, lat_ring, sc_ring, rope_ring, LAT, ROPE, SC)
         async_copy.commit_group()
     ids_next = _block_ids(idx_ptr, t, stride_it, k_begin + (NS - 1) * BK, k_end, IDX, BK)
-    _load_q(q_ptr, t, stride_qt, stride_qh, H, q_smem, qr_smem, QL, HP)
-    m_i, l_i, acc0, acc1, acc2, acc3, s_zero = _zero_state(HP, BK, MMA)
 
-    for i in range(gl.cdiv(k_end - k_begin, BK)):
+    _load_q(q_ptr, t, stride_qt, stride_qh, H, q_smem, qr_smem, QL, HP)
+
+    m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
+    l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, MMA))
+    acc0 = gl.zeros([128, HP], gl.float32, layout=MMA)
+    acc1 = gl.zeros([128, HP], gl.float32, layout=MMA)
+    acc2 = gl.zeros([128, HP], gl.float32, layout=MMA)
+    acc3 = gl.zeros([128, HP], gl.float32, layout=MMA)
+    s_zero = gl.zeros([BK, HP], gl.float32, layout=MMA)
+
+    for i in range(n_blocks):
         slot = i % NS
         kb = k_begin + i * BK
         idx = _block_ids(idx_ptr, t, stride_it, kb, k_end, gl.SliceLayout(1, MMA), BK)  # used after S
@@ -237,8 +239,10 @@ def _ring_loop(q_ptr, kv_ptr, idx_ptr, t, stride_qt, stride_qh, stride_kv, strid
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         m_i, l_i, acc0, acc1, acc2, acc3 = _softmax_pv(s, idx, m_i, l_i, acc0, acc1, acc2, acc3, qk_scale_log2,
                                                        tile, 0, pt_smem)
+
     async_copy.wait_group(0)
-    return m_i, l_i, acc0, acc1, acc2, acc3
+    _epilogue(out_ptr, lse_ptr, split, t, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, H,
+              m_i, l_i, acc0, acc1, acc2, acc3, MMA, HP)
 
 
 @gluon.jit
@@ -262,14 +266,31 @@ def _dequantise_in_place(raw, scales, tile, CONV: gl.constexpr, SC: gl.constexpr
 
 
 @gluon.jit
-def _small_loop(q_ptr, kv_ptr, idx_ptr, t, stride_qt, stride_qh, stride_kv, stride_it, H, k_begin, k_end,
-                qk_scale_log2, q_smem, qr_smem, pt_smem, HP: gl.constexpr, BK: gl.constexpr,
-                LAT: gl.constexpr, CONV: gl.constexpr, ROPE: gl.constexpr, SC: gl.constexpr, QL: gl.constexpr,
-                MMA: gl.constexpr):
-    """"small": the raw rows of a block land in the upper half of the bf16 tile's bytes and are
-    dequantised in place (96 KB in all), so two CTAs share an SM and one's gather latency hides
-    behind the other's products."""
+def _gluon_decode_fwd_small(
+    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
+    stride_qt, stride_qh, stride_kv, stride_it,
+    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+    H, TOPK, keys_per_split, qk_scale_log2,
+    HP: gl.constexpr, NS: gl.constexpr, BK: gl.constexpr, W: gl.constexpr,
+):
+    """Two CTAs per SM instead of a deep ring: the raw fp8 rows of a block land in the upper half
+    of the bf16 tile's bytes and are dequantised in place (93 KB of shared memory instead of 213),
+    so one CTA's gather latency hides behind the other CTA's products. NS is unused."""
+    t = gl.program_id(0)
+    split = gl.program_id(1)
+    k_begin = split * keys_per_split
+    k_end = gl.minimum(k_begin + keys_per_split, TOPK)
+    n_blocks = gl.cdiv(k_end - k_begin, BK)
+
+    LAT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])
+    CONV: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])
+    ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
+    SC: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, W // 4], [1, 0])
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, W // 4],
+                                                  instr_shape=[16, HP // (W // 4), 16])
     IDX: gl.constexpr = gl.SliceLayout(1, LAT)
+
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     tile = gl.allocate_shared_memory(gl.bfloat16, [4, BK, 128],
                                      gl.NVMMASharedLayout.get_default_for([BK, 128], gl.bfloat16))
@@ -277,15 +298,27 @@ def _small_loop(q_ptr, kv_ptr, idx_ptr, t, stride_qt, stride_qh, stride_kv, stri
     sc_buf = gl.allocate_shared_memory(gl.float32, [1, 4, BK], plain)
     rope_buf = gl.allocate_shared_memory(gl.bfloat16, [1, BK, 64],
                                          gl.NVMMASharedLayout.get_default_for([BK, 64], gl.bfloat16))
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [4, HP, 128],
+                                       gl.NVMMASharedLayout.get_default_for([HP, 128], gl.bfloat16))
+    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [HP, 64],
+                                        gl.NVMMASharedLayout.get_default_for([HP, 64], gl.bfloat16))
+    pt_smem = gl.allocate_shared_memory(gl.bfloat16, [BK, HP],
+                                        gl.NVMMASharedLayout.get_default_for([BK, HP], gl.bfloat16))
 
     _load_q(q_ptr, t, stride_qt, stride_qh, H, q_smem, qr_smem, QL, HP)
     ids_next = _block_ids(idx_ptr, t, stride_it, k_begin, k_end, IDX, BK)
-    m_i, l_i, acc0, acc1, acc2, acc3, s_zero = _zero_state(HP, BK, MMA)
+    m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
+    l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, MMA))
+    acc0 = gl.zeros([128, HP], gl.float32, layout=MMA)
+    acc1 = gl.zeros([128, HP], gl.float32, layout=MMA)
+    acc2 = gl.zeros([128, HP], gl.float32, layout=MMA)
+    acc3 = gl.zeros([128, HP], gl.float32, layout=MMA)
+    s_zero = gl.zeros([BK, HP], gl.float32, layout=MMA)
 
-    for i in range(gl.cdiv(k_end - k_begin, BK)):
+    for i in range(n_blocks):
         kb = k_begin + i * BK
         gl.thread_barrier()  # every warp is done with the tile (P V of block i - 1)
-        _issue_gather(kv_ptr, ids_next, stride_kv, 0, raw, sc_buf, rope_buf, LAT, ROPE, SC, 4)
+        _issue_gather_raw(kv_ptr, ids_next, stride_kv, raw, sc_buf, rope_buf, LAT, ROPE, SC)
         async_copy.commit_group()
         ids_next = _block_ids(idx_ptr, t, stride_it, kb + BK, k_end, IDX, BK)
         idx = _block_ids(idx_ptr, t, stride_it, kb, k_end, gl.SliceLayout(1, MMA), BK)
@@ -298,37 +331,7 @@ def _small_loop(q_ptr, kv_ptr, idx_ptr, t, stride_qt, stride_qh, stride_kv, stri
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         m_i, l_i, acc0, acc1, acc2, acc3 = _softmax_pv(s, idx, m_i, l_i, acc0, acc1, acc2, acc3, qk_scale_log2,
                                                        tile, 0, pt_smem)
-    return m_i, l_i, acc0, acc1, acc2, acc3
 
-
-@gluon.jit
-def _gluon_decode_fwd(
-    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
-    stride_qt, stride_qh, stride_kv, stride_it,
-    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-    H, TOPK, keys_per_split, qk_scale_log2,
-    HP: gl.constexpr, NS: gl.constexpr, BK: gl.constexpr, W: gl.constexpr, SMALL: gl.constexpr,
-):
-    """One program per (query token, split of the top-k); SMALL picks the variant."""
-    t = gl.program_id(0)
-    split = gl.program_id(1)
-    k_begin = split * keys_per_split
-    k_end = gl.minimum(k_begin + keys_per_split, TOPK)
-    LAT: gl.constexpr = _layouts(W, HP)[0]
-    CONV: gl.constexpr = _layouts(W, HP)[1]
-    ROPE: gl.constexpr = _layouts(W, HP)[2]
-    SC: gl.constexpr = _layouts(W, HP)[3]
-    QL: gl.constexpr = _layouts(W, HP)[4]
-    MMA: gl.constexpr = _layouts(W, HP)[5]
-    q_smem, qr_smem, pt_smem = _alloc_q_and_p(HP, BK)
-    if SMALL:
-        m_i, l_i, acc0, acc1, acc2, acc3 = _small_loop(
-            q_ptr, kv_ptr, idx_ptr, t, stride_qt, stride_qh, stride_kv, stride_it, H, k_begin, k_end,
-            qk_scale_log2, q_smem, qr_smem, pt_smem, HP, BK, LAT, CONV, ROPE, SC, QL, MMA)
-    else:
-        m_i, l_i, acc0, acc1, acc2, acc3 = _ring_loop(
-            q_ptr, kv_ptr, idx_ptr, t, stride_qt, stride_qh, stride_kv, stride_it, H, k_begin, k_end,
-            qk_scale_log2, q_smem, qr_smem, pt_smem, HP, NS, BK, LAT, CONV, ROPE, SC, QL, MMA)
     _epilogue(out_ptr, lse_ptr, split, t, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, H,
               m_i, l_i, acc0, acc1, acc2, acc3, MMA, HP)
 
@@ -379,12 +382,13 @@ def launch(q, kv, indices, out, lse, sm_scale: float, keys_per_split: int, *, nu
     num_stages = num_stages or default_stages(hp)
     num_warps = num_warps or default_warps(hp)
     variant = variant or default_variant(hp)
-    if variant not in ("ring", "small"):
-        raise ValueError(f"variant {variant!r}, expected 'ring' or 'small'")
-    _gluon_decode_fwd[(T, splits)](
+    kernels = {"ring": _gluon_decode_fwd, "small": _gluon_decode_fwd_small}
+    if variant not in kernels:
+        raise ValueError(f"variant {variant!r}, expected one of {sorted(kernels)}")
+    kernels[variant][(T, splits)](
         q, kv, indices, out, lse,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         H, indices.shape[1], keys_per_split, sm_scale * _LOG2E,
-        HP=hp, NS=num_stages, BK=BLOCK_K, W=num_warps, SMALL=variant == "small", num_warps=num_warps,
+        HP=hp, NS=num_stages, BK=BLOCK_K, W=num_warps, num_warps=num_warps,
     )
