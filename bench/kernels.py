@@ -1,8 +1,12 @@
 """Kernel benchmarks on one GPU: every kernel's median time against naive torch and the machine's
 ceilings measured in the same run (bf16 matmul 8192^3, device-to-device copy).
 
-    python bench/kernels.py [--quick] [--json out.json] [--only prefill,decode,...]
+    python bench/kernels.py [--quick] [--json out.json] [--only ceil,prefill,reuse,decode,remap,small,sweep]
 
+Parts: ceil (the two ceilings), prefill (bf16 and fp8 rows, in-kernel and dequantised once),
+reuse (in-kernel vs dequantise-once by references per row), decode (Triton and the Gluon
+variants; every query reads its own rows), remap (zero-copy remap vs index_select, attention and
+indexer), small (merge, pack, remap, filter), sweep (launch variants; not in the default list).
 Prints a markdown table (the one recorded in bench/RESULTS.md). FLOPs of sparse MLA per
 query token: 2 * H * topk * (576 + 512); bytes of decode: topk * 656 per query (the KV rows read).
 """
@@ -353,7 +357,8 @@ def sweep(regimes=None, workers=12):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", default="ceil,prefill,reuse,decode,remap,small")
+    ap.add_argument("--only", default="ceil,prefill,reuse,decode,remap,small",
+                    help="comma-separated parts (see the module docstring)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
