@@ -306,6 +306,12 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16
         if gluon_attention.supported(q, kv_format):
             layout = "gluon"  # few-head fp8 decode: 1.5-1.8x the Triton kernels (bench/RESULTS.md)
     layout = cfg["layout"] if layout == "auto" else layout
+    if layout == "gluon":
+        from . import gluon_attention
+
+        if remap is not None or not gluon_attention.supported(q, kv_format):
+            raise ValueError("layout 'gluon': needs CUDA sm_90, fp8_ds_mla rows, bf16 q, <= 32 heads "
+                             "and no fused remap")
     fp8_variant = cfg["fp8_variant"] if fp8_variant == "auto" else fp8_variant
     block_h = _block_h(H) if layout == "heads" else max(16, min(64, triton.next_power_of_2(H)))
     block_k = 64 if layout == "gluon" else (block_k or cfg["block_k"])  # gluon: the wgmma M
@@ -313,8 +319,6 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16
     deq_bf16 = cfg["deq_bf16"] if deq_bf16 is None else deq_bf16
     evict = cfg["evict"] if evict is None else evict
     if layout == "gluon" and not num_splits:
-        from . import gluon_attention
-
         num_splits = gluon_attention.default_splits(T, H, topk, q.device)
     splits = num_splits or cfg.get("splits") or _num_splits(T, H, topk, block_k, q.device)
     per_split = triton.cdiv(triton.cdiv(topk, splits), block_k) * block_k
@@ -328,11 +332,6 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
             H, topk, per_split, pt, sm_scale * _LOG2E)
     if layout == "gluon":
-        from . import gluon_attention
-
-        if remap is not None or not gluon_attention.supported(q, kv_format):
-            raise ValueError("layout 'gluon': needs CUDA sm_90, fp8_ds_mla rows, bf16 q, <= 32 heads "
-                             "and no fused remap")
         gluon_attention.launch(q, kv, indices, out, lse, sm_scale, per_split, num_stages=num_stages,
                                num_warps=num_warps)
     elif layout == "keys":

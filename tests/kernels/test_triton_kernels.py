@@ -123,6 +123,21 @@ def test_attention_variants(env, kv_format, variant):
             _check_attention(out, lse, want_o, want_l, q.dtype)
 
 
+@pytest.mark.parametrize("env", ENVS)
+def test_bad_options_name_what_was_expected(env):
+    """Asking for a path that cannot run here, or an unknown option, is one clear ValueError."""
+    from cpplan.runtime.kernels.triton_attention import sparse_mla_attention
+
+    q, kv, idx = _case(env, 2, 64, 64, 128, 5)
+    buf = ref.quantize_fp8_ds_mla(kv)
+    with pytest.raises(ValueError, match="layout 'gluon': needs CUDA sm_90, fp8_ds_mla rows, bf16 q, <= 32 heads"):
+        sparse_mla_attention(q, buf, idx, 0.05, "fp8_ds_mla", layout="gluon")  # 64 heads
+    with pytest.raises(ValueError, match="fp8_rows 'twice', expected 'auto', 'in_kernel' or 'dequantise_once'"):
+        sparse_mla_attention(q, buf, idx, 0.05, "fp8_ds_mla", fp8_rows="twice")
+    with pytest.raises(ValueError, match="layout 'rows', expected 'auto', 'heads', 'keys' or 'gluon'"):
+        sparse_mla_attention(q, kv.to(q.dtype), idx, 0.05, layout="rows")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("H", [1, 8, 16, 32])
