@@ -190,6 +190,15 @@ def _sparse_mla_fwd(
 _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
+def _gluon():
+    """``gluon_attention``, or None where this Triton has no Gluon (the Triton kernels then run)."""
+    try:
+        from . import gluon_attention
+    except ImportError:
+        return None
+    return gluon_attention
+
+
 def _block_h(H: int) -> int:
     return max(16, min(64, triton.next_power_of_2(H)))
 
@@ -300,18 +309,13 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16
         cfg = default_config(kv_format, T, H, q.element_size())
     elif fp8_rows not in ("in_kernel", "dequantise_once"):
         raise ValueError(f"fp8_rows {fp8_rows!r}, expected 'auto', 'in_kernel' or 'dequantise_once'")
-    if layout == "auto" and remap is None and fp8 and q.is_cuda:
-        from . import gluon_attention
-
-        if gluon_attention.supported(q, kv_format):
-            layout = "gluon"  # few-head fp8 decode: 1.5-1.8x the Triton kernels (bench/RESULTS.md)
+    gluon_attention = _gluon() if (layout in ("auto", "gluon") and q.is_cuda) else None
+    if layout == "auto" and remap is None and fp8 and gluon_attention and gluon_attention.supported(q, kv_format):
+        layout = "gluon"  # few-head fp8 decode: 1.5-1.9x the Triton kernels (bench/RESULTS.md)
     layout = cfg["layout"] if layout == "auto" else layout
-    if layout == "gluon":
-        from . import gluon_attention
-
-        if remap is not None or not gluon_attention.supported(q, kv_format):
-            raise ValueError("layout 'gluon': needs CUDA sm_90, fp8_ds_mla rows, bf16 q, <= 32 heads "
-                             "and no fused remap")
+    if layout == "gluon" and (remap is not None or not gluon_attention or not gluon_attention.supported(q, kv_format)):
+        raise ValueError("layout 'gluon': needs CUDA sm_90, fp8_ds_mla rows, bf16 q, <= 32 heads, no fused "
+                         "remap and a Triton with Gluon (tested: 3.6)")
     fp8_variant = cfg["fp8_variant"] if fp8_variant == "auto" else fp8_variant
     block_h = _block_h(H) if layout == "heads" else max(16, min(64, triton.next_power_of_2(H)))
     block_k = 64 if layout == "gluon" else (block_k or cfg["block_k"])  # gluon: the wgmma M

@@ -130,7 +130,7 @@ def test_bad_options_name_what_was_expected(env):
 
     q, kv, idx = _case(env, 2, 64, 64, 128, 5)
     buf = ref.quantize_fp8_ds_mla(kv)
-    with pytest.raises(ValueError, match="layout 'gluon': needs CUDA sm_90, fp8_ds_mla rows, bf16 q, <= 32 heads"):
+    with pytest.raises(ValueError, match="layout 'gluon': needs CUDA sm_90, fp8_ds_mla rows, bf16 q, <= 32 heads,"):
         sparse_mla_attention(q, buf, idx, 0.05, "fp8_ds_mla", layout="gluon")  # 64 heads
     with pytest.raises(ValueError, match="fp8_rows 'twice', expected 'auto', 'in_kernel' or 'dequantise_once'"):
         sparse_mla_attention(q, buf, idx, 0.05, "fp8_ds_mla", fp8_rows="twice")
