@@ -167,22 +167,13 @@ def bench_decode(quick):
                                                        fp8_variant=var, num_stages=ns, layout="heads"))
             row(f"decode triton fp8 {var} B{B} H{H} k2048 splits={splits or 'auto'} s{ns}", ms, fl, by)
         if H <= 32:
-            from cpplan.runtime.kernels import gluon_attention as ga
-
             for var, splits, ns, nw in (("ring", None, None, None), ("ring", None, 2, None), ("small", 1, None, 4),
                                         ("small", 2, None, 4), ("small", 4, None, 4), ("small", 1, None, 8)):
-                def run():
-                    sp = splits or ga.default_splits(B, H, topk, q.device)
-                    per = triton.cdiv(triton.cdiv(topk, sp), 64) * 64
-                    sp = triton.cdiv(topk, per)
-                    out = torch.empty(sp, B, H, 512, dtype=torch.float32 if sp > 1 else q.dtype, device="cuda")
-                    lse = torch.empty(sp, B, H, device="cuda")
-                    ga.launch(q, kv8, idx, out, lse, sm, per, num_stages=ns, num_warps=nw, variant=var)
-                    if sp > 1:
-                        tm.lse_merge_into(out, lse, torch.empty(B, H, 512, dtype=q.dtype, device="cuda"),
-                                          torch.empty(B, H, device="cuda"))
+                ms = bench(lambda: ta.sparse_mla_attention(q, kv8, idx, sm, "fp8_ds_mla", layout="gluon",
+                                                           gluon_variant=var, num_splits=splits,
+                                                           num_stages=ns, num_warps=nw))
                 row(f"decode gluon {var} fp8 B{B} H{H} k2048 splits={splits or 'auto'} s{ns or 'auto'} "
-                    f"w{nw or 'auto'}", bench(run), fl, by)
+                    f"w{nw or 'auto'}", ms, fl, by)
         ms = bench(lambda: ta.sparse_mla_attention(q, kv8, idx, sm, "fp8_ds_mla"))
         row(f"decode default (layout auto) B{B} H{H} k2048",
             ms, fl, by)

@@ -33,8 +33,7 @@ CASES = {
 def build(case: str):
     from cpplan.runtime.kernels import triton_attention as ta
 
-    sys.path.insert(0, "bench")
-    from kernels import _inputs  # same inputs as the benchmark table
+    from kernels import _inputs  # same inputs as the benchmark table (bench/ is on sys.path)
 
     T, H, topk, rows, fmt, opts = CASES[case]
     q, kv, idx = _inputs(T, H, topk, rows, fmt, seed=T + H, distinct=case.startswith("decode"))

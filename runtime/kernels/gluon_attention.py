@@ -27,6 +27,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.runtime.jit import constexpr_function
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy,
     fence_async_shared,
@@ -39,6 +40,56 @@ BLOCK_K = 64  # keys per step: the M of the wgmma products
 # "small" (96 KB, two 4-warp CTAs per SM, raw rows dequantised in place). H200, B 256, H 16:
 # small 214.8 us vs ring 255.1; B 64, H 32: ring (8 warps) 88.7-98.3 us vs small 105.6.
 _LOG2E = 1.4426950408889634
+
+
+@constexpr_function
+def _layouts(W, HP):
+    """Register layouts for W warps (4 or 8; with 8 the two warpgroups split the heads of every
+    product): LAT gathers [BK, 128] uint8 (16-byte copies), CONV dequantises (8 values per
+    thread: each bf16 store writes whole 128-byte lines of the swizzled tile), ROPE [BK, 64]
+    bf16, SC the scales [4, BK], QL q rows [HP, 128], MMA the wgmma accumulators."""
+    return (gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0]),
+            gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0]),
+            gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0]),
+            gl.BlockedLayout([1, 1], [1, 32], [4, W // 4], [1, 0]),
+            gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0]),
+            gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, W // 4],
+                                      instr_shape=[16, HP // (W // 4), 16]))
+
+
+@gluon.jit
+def _alloc_q_and_p(HP: gl.constexpr, BK: gl.constexpr):
+    """Shared memory for q (4 latent groups + RoPE: the B operand of S^T = K Q^T) and P^T."""
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [4, HP, 128],
+                                       gl.NVMMASharedLayout.get_default_for([HP, 128], gl.bfloat16))
+    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [HP, 64],
+                                        gl.NVMMASharedLayout.get_default_for([HP, 64], gl.bfloat16))
+    pt_smem = gl.allocate_shared_memory(gl.bfloat16, [BK, HP],
+                                        gl.NVMMASharedLayout.get_default_for([BK, HP], gl.bfloat16))
+    return q_smem, qr_smem, pt_smem
+
+
+@gluon.jit
+def _zero_state(HP: gl.constexpr, BK: gl.constexpr, MMA: gl.constexpr):
+    """Online-softmax state: running max and sum per head, four [128, HP] output accumulators
+    (O^T by 128-row latent group) and a zero [BK, HP] score tile."""
+    m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
+    l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, MMA))
+    acc0 = gl.zeros([128, HP], gl.float32, layout=MMA)
+    acc1 = gl.zeros([128, HP], gl.float32, layout=MMA)
+    acc2 = gl.zeros([128, HP], gl.float32, layout=MMA)
+    acc3 = gl.zeros([128, HP], gl.float32, layout=MMA)
+    return m_i, l_i, acc0, acc1, acc2, acc3, gl.zeros([BK, HP], gl.float32, layout=MMA)
+
+
+@gluon.jit
+def _program_keys(TOPK, keys_per_split, BK: gl.constexpr):
+    """This program's query token, top-k split, its slots [k_begin, k_end) and their key blocks."""
+    t = gl.program_id(0)
+    split = gl.program_id(1)
+    k_begin = split * keys_per_split
+    k_end = gl.minimum(k_begin + keys_per_split, TOPK)
+    return t, split, k_begin, k_end, gl.cdiv(k_end - k_begin, BK)
 
 
 @gluon.jit
@@ -170,21 +221,14 @@ def _gluon_decode_fwd(
     H, TOPK, keys_per_split, qk_scale_log2,
     HP: gl.constexpr, NS: gl.constexpr, BK: gl.constexpr, W: gl.constexpr,
 ):
-    t = gl.program_id(0)
-    split = gl.program_id(1)
-    k_begin = split * keys_per_split
-    k_end = gl.minimum(k_begin + keys_per_split, TOPK)
-    n_blocks = gl.cdiv(k_end - k_begin, BK)
+    t, split, k_begin, k_end, n_blocks = _program_keys(TOPK, keys_per_split, BK)
 
-    # register layouts: gathers and dequantisation (16-byte vectors), the wgmma accumulators
-    # (W = 4 or 8 warps; with 8 the two warpgroups split the heads of every product)
-    LAT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])  # [BK, 128] uint8
-    CONV: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])  # dequantisation
-    ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])  # [BK, 64] bf16
-    SC: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, W // 4], [1, 0])  # [4, BK] fp32
-    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])  # [HP, 128] bf16
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, W // 4],
-                                                  instr_shape=[16, HP // (W // 4), 16])
+    LAT: gl.constexpr = _layouts(W, HP)[0]
+    CONV: gl.constexpr = _layouts(W, HP)[1]
+    ROPE: gl.constexpr = _layouts(W, HP)[2]
+    SC: gl.constexpr = _layouts(W, HP)[3]
+    QL: gl.constexpr = _layouts(W, HP)[4]
+    MMA: gl.constexpr = _layouts(W, HP)[5]
     IDX: gl.constexpr = gl.SliceLayout(1, LAT)
 
     # shared memory: the gather ring (raw rows), the bf16 tile, q, and P^T
@@ -195,12 +239,7 @@ def _gluon_decode_fwd(
                                           gl.NVMMASharedLayout.get_default_for([BK, 64], gl.bfloat16))
     tile = gl.allocate_shared_memory(gl.bfloat16, [4, BK, 128],
                                      gl.NVMMASharedLayout.get_default_for([BK, 128], gl.bfloat16))
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [4, HP, 128],
-                                       gl.NVMMASharedLayout.get_default_for([HP, 128], gl.bfloat16))
-    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [HP, 64],
-                                        gl.NVMMASharedLayout.get_default_for([HP, 64], gl.bfloat16))
-    pt_smem = gl.allocate_shared_memory(gl.bfloat16, [BK, HP],
-                                        gl.NVMMASharedLayout.get_default_for([BK, HP], gl.bfloat16))
+    q_smem, qr_smem, pt_smem = _alloc_q_and_p(HP, BK)
 
     # prologue: NS - 1 blocks in flight before the first is needed
     for j in gl.static_range(NS - 1):
@@ -211,13 +250,7 @@ def _gluon_decode_fwd(
 
     _load_q(q_ptr, t, stride_qt, stride_qh, H, q_smem, qr_smem, QL, HP)
 
-    m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
-    l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, MMA))
-    acc0 = gl.zeros([128, HP], gl.float32, layout=MMA)
-    acc1 = gl.zeros([128, HP], gl.float32, layout=MMA)
-    acc2 = gl.zeros([128, HP], gl.float32, layout=MMA)
-    acc3 = gl.zeros([128, HP], gl.float32, layout=MMA)
-    s_zero = gl.zeros([BK, HP], gl.float32, layout=MMA)
+    m_i, l_i, acc0, acc1, acc2, acc3, s_zero = _zero_state(HP, BK, MMA)
 
     for i in range(n_blocks):
         slot = i % NS
@@ -274,21 +307,16 @@ def _gluon_decode_fwd_small(
     HP: gl.constexpr, NS: gl.constexpr, BK: gl.constexpr, W: gl.constexpr,
 ):
     """Two CTAs per SM instead of a deep ring: the raw fp8 rows of a block land in the upper half
-    of the bf16 tile's bytes and are dequantised in place (93 KB of shared memory instead of 213),
+    of the bf16 tile's bytes and are dequantised in place (96 KB of shared memory instead of 213),
     so one CTA's gather latency hides behind the other CTA's products. NS is unused."""
-    t = gl.program_id(0)
-    split = gl.program_id(1)
-    k_begin = split * keys_per_split
-    k_end = gl.minimum(k_begin + keys_per_split, TOPK)
-    n_blocks = gl.cdiv(k_end - k_begin, BK)
+    t, split, k_begin, k_end, n_blocks = _program_keys(TOPK, keys_per_split, BK)
 
-    LAT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [W, 1], [1, 0])
-    CONV: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])
-    ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
-    SC: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, W // 4], [1, 0])
-    QL: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0])
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, W // 4],
-                                                  instr_shape=[16, HP // (W // 4), 16])
+    LAT: gl.constexpr = _layouts(W, HP)[0]
+    CONV: gl.constexpr = _layouts(W, HP)[1]
+    ROPE: gl.constexpr = _layouts(W, HP)[2]
+    SC: gl.constexpr = _layouts(W, HP)[3]
+    QL: gl.constexpr = _layouts(W, HP)[4]
+    MMA: gl.constexpr = _layouts(W, HP)[5]
     IDX: gl.constexpr = gl.SliceLayout(1, LAT)
 
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
@@ -298,22 +326,11 @@ def _gluon_decode_fwd_small(
     sc_buf = gl.allocate_shared_memory(gl.float32, [1, 4, BK], plain)
     rope_buf = gl.allocate_shared_memory(gl.bfloat16, [1, BK, 64],
                                          gl.NVMMASharedLayout.get_default_for([BK, 64], gl.bfloat16))
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [4, HP, 128],
-                                       gl.NVMMASharedLayout.get_default_for([HP, 128], gl.bfloat16))
-    qr_smem = gl.allocate_shared_memory(gl.bfloat16, [HP, 64],
-                                        gl.NVMMASharedLayout.get_default_for([HP, 64], gl.bfloat16))
-    pt_smem = gl.allocate_shared_memory(gl.bfloat16, [BK, HP],
-                                        gl.NVMMASharedLayout.get_default_for([BK, HP], gl.bfloat16))
+    q_smem, qr_smem, pt_smem = _alloc_q_and_p(HP, BK)
 
     _load_q(q_ptr, t, stride_qt, stride_qh, H, q_smem, qr_smem, QL, HP)
     ids_next = _block_ids(idx_ptr, t, stride_it, k_begin, k_end, IDX, BK)
-    m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
-    l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, MMA))
-    acc0 = gl.zeros([128, HP], gl.float32, layout=MMA)
-    acc1 = gl.zeros([128, HP], gl.float32, layout=MMA)
-    acc2 = gl.zeros([128, HP], gl.float32, layout=MMA)
-    acc3 = gl.zeros([128, HP], gl.float32, layout=MMA)
-    s_zero = gl.zeros([BK, HP], gl.float32, layout=MMA)
+    m_i, l_i, acc0, acc1, acc2, acc3, s_zero = _zero_state(HP, BK, MMA)
 
     for i in range(n_blocks):
         kb = k_begin + i * BK
@@ -384,7 +401,7 @@ def launch(q, kv, indices, out, lse, sm_scale: float, keys_per_split: int, *, nu
     variant = variant or default_variant(hp)
     kernels = {"ring": _gluon_decode_fwd, "small": _gluon_decode_fwd_small}
     if variant not in kernels:
-        raise ValueError(f"variant {variant!r}, expected one of {sorted(kernels)}")
+        raise ValueError(f"gluon variant {variant!r}, expected one of {sorted(kernels)}")
     kernels[variant][(T, splits)](
         q, kv, indices, out, lse,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),

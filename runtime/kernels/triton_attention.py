@@ -264,7 +264,7 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16
                          num_warps: int | None = None, num_stages: int | None = None,
                          fp8_variant: str = "auto", layout: str = "auto", prefetch: bool | None = None,
                          deq_bf16: bool | None = None, evict: bool | None = None, ws: bool = False,
-                         fp8_rows: str = "auto"):
+                         fp8_rows: str = "auto", gluon_variant: str | None = None):
     """Triton ``sparse_mla_attention``; same contract as the reference, plus keyword options.
 
     remap: None, or ``(region_pcu [T] int, padded_local_total, dcp_size, interleave)``: indices
@@ -281,7 +281,8 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16
     block's products; deq_bf16: dequantise in bf16 arithmetic; evict: evict-first KV loads; ws:
     ``tl.range(warp_specialize=True)``. fp8_rows: "in_kernel", "dequantise_once" (fp8 rows
     to a bf16 buffer in one pass, then the bf16 kernel; for buffers whose rows many tokens
-    read) or "auto". Every option None/"auto" takes ``default_config``.
+    read) or "auto". gluon_variant: "ring" or "small" (``gluon_attention``; None: its default
+    for the head count). Every option None/"auto" takes ``default_config``.
     Operands: q's dtype (bf16 on GPU; fp16/fp32 in the interpreter) is the matrix dtype; bf16
     rows are cast to it, fp8 rows are dequantised to it.
     """
@@ -337,7 +338,7 @@ def sparse_mla_attention(q, kv, indices, sm_scale: float, kv_format: str = "bf16
             H, topk, per_split, pt, sm_scale * _LOG2E)
     if layout == "gluon":
         gluon_attention.launch(q, kv, indices, out, lse, sm_scale, per_split, num_stages=num_stages,
-                               num_warps=num_warps)
+                               num_warps=num_warps, variant=gluon_variant)
     elif layout == "keys":
         from .triton_attention_kmajor import _sparse_mla_fwd_kmajor
 
