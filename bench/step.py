@@ -29,7 +29,7 @@ from cpplan.runtime.verify import DigestCheck
 
 
 class _NoComm:
-    on_collective = None
+    """No transport: these plans are bound and never run."""
 
 
 def _config(w: int) -> ParallelConfig:
@@ -63,7 +63,7 @@ def bench_bind(repeat: int) -> list[tuple]:
             t1 = time.perf_counter()
             ex.bind(p, tables)
             t2 = time.perf_counter()
-            build_tables(p, 0, 0, tables, DUMMY_SLOT)
+            build_tables(p, 0, 0, tables.astype(np.int64), DUMMY_SLOT)
             t3 = time.perf_counter()
             t_compile.append(t1 - t0)
             t_bind.append(t2 - t1)

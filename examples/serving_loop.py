@@ -45,12 +45,13 @@ def serve(groups: Groups) -> float:
         plan = compile(cfg, step)
         for rid, extent in zip(plan.req_ids, plan.extent()):
             blocks.ensure(rid, int(extent))
-        bound = executor.bind(plan, blocks.table(plan.req_ids, MAX_BLOCKS),
-                              coords.request_keys(plan.req_ids))
-        keys = bound.t["request_keys"].index_select(0, bound.t["token_req"])
+        bound = executor.bind(plan, blocks.table(plan.req_ids, MAX_BLOCKS))
+        # this loop's inputs come from (request, position) coordinates, as the oracle's do
+        keys = torch.from_numpy(coords.request_keys(plan.req_ids)).index_select(
+            0, bound.tables.token_req)
         hidden = torch.zeros(plan.padded_num_tokens, cfg.num_layers * width)
         for layer, cache in enumerate(caches):
-            x = coords.layer_inputs(SEED, layer, keys, bound.t["token_pos"],
+            x = coords.layer_inputs(SEED, layer, keys, bound.tables.token_pos,
                                     num_heads=cfg.num_heads, index_heads=cfg.index_num_heads)
             executor.insert(bound, cache, x["kv"], x["index_k"])
             out = executor.attend(bound, cache, x["q"], x["index_q"], x["index_w"])

@@ -17,11 +17,12 @@ from cpplan.planner._kernels import plan_kernel
 from cpplan.schemas.arrays import Array
 from cpplan.schemas.config import INDEXER_K_BYTES_PER_TOKEN, MAX_SUPPORTED_TOKENS, ParallelConfig
 from cpplan.schemas.errors import StepInputError
+from cpplan.schemas import names
+from cpplan.schemas.names import TOPK_CANDIDATE_DTYPE
 from cpplan.schemas.plan import EAGER, Collective, GatherChunk, StepPlan
 from cpplan.schemas.step import StepInput
 
 ACTIVATION_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
-TOPK_CANDIDATE_DTYPE = "float32+int64"  # (score, global token id) per candidate
 TOPK_CANDIDATE_BYTES = 4 + 8
 
 
@@ -121,27 +122,25 @@ def collectives(config: ParallelConfig, padded: int, nd_tokens: int, has_prefill
     out = []
     if p_size > 1 and has_prefill:
         rows = padded - nd_tokens
-        out.append(_coll("kv_insert", "all_gather", "pcp", "uint8", (rows, kv), rows * kv))
-        out.append(_coll("indexer_k_insert", "all_gather", "pcp", "uint8", (rows, ik), rows * ik))
+        out.append(_coll(names.KV_INSERT, "uint8", (rows, kv), rows * kv))
+        out.append(_coll(names.INDEXER_K_INSERT, "uint8", (rows, ik), rows * ik))
     for k, pt in enumerate(chunk_rows):
-        out.append(_coll(f"indexer_k_gather[{k}]", "all_gather", "dcp", "uint8", (pt, ik),
-                         pt * ik))
-        out.append(_coll(f"kv_gather[{k}]", "all_gather", "dcp", "uint8", (pt, kv), pt * kv))
+        out.append(_coll(names.INDEXER_K_GATHER, "uint8", (pt, ik), pt * ik, chunk=k))
+        out.append(_coll(names.KV_GATHER, "uint8", (pt, kv), pt * kv, chunk=k))
     if w_size > 1 and nd_tokens > 0:
         nd, h, topk = nd_tokens, config.num_heads, config.topk
-        out.append(_coll("topk_candidates", "all_gather", "dcp", TOPK_CANDIDATE_DTYPE,
-                         (nd, topk), nd * topk * TOPK_CANDIDATE_BYTES))
-        out.append(_coll("decode_lse", "all_gather", "dcp", "float32", (nd, h), nd * h * 4))
-        out.append(_coll("decode_out", "all_reduce", "dcp", act, (nd, h, config.v_head_dim),
+        out.append(_coll(names.TOPK_CANDIDATES, TOPK_CANDIDATE_DTYPE, (nd, topk),
+                         nd * topk * TOPK_CANDIDATE_BYTES))
+        out.append(_coll(names.DECODE_LSE, "float32", (nd, h), nd * h * 4))
+        out.append(_coll(names.DECODE_OUT, act, (nd, h, config.v_head_dim),
                          nd * h * config.v_head_dim * act_size))
     if p_size > 1:
         hidden = config.hidden_size
-        out.append(_coll("restore", "all_gather", "pcp", act, (padded, hidden),
-                         padded * hidden * act_size, per_layer=False))
+        out.append(_coll(names.RESTORE, act, (padded, hidden), padded * hidden * act_size))
     return tuple(out)
 
 
-def _coll(name: str, op: str, group: str, dtype: str, shape: tuple[int, ...], nbytes: int,
-          per_layer: bool = True) -> Collective:
-    return Collective(name=name, op=op, group=group, dtype=dtype, shape=shape, bytes=nbytes,
-                      per_layer=per_layer)
+def _coll(kind: names.CollectiveKind, dtype: str, shape: tuple[int, ...], nbytes: int,
+          chunk: int | None = None) -> Collective:
+    return Collective(name=kind.label(chunk), op=kind.op.value, group=kind.group.value,
+                      dtype=dtype, shape=shape, bytes=nbytes, per_layer=kind.per_layer)

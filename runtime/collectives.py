@@ -1,4 +1,4 @@
-"""The step's collectives (DESIGN 3.8): one named function per planned collective, a ledger.
+"""The step's collectives (docs/design.md §3.8): one named function per planned collective, a ledger.
 
 Every data collective of a step goes through one function here. Each issues exactly one
 collective on the group the plan names and appends ``(name, op, group, dtype, shape)`` (shape
@@ -6,8 +6,10 @@ per rank, as in ``plan.collectives``) to the step's :class:`Ledger`; in debug mo
 compares the ledger with the plan at the end of the step (:func:`check_ledger`). Bytes that are
 fp8 travel as uint8 (gloo has no float8 type).
 
-Transport is a :class:`Comm`: :class:`DistComm` over torch.distributed groups, or
-``cpplan.runtime.replay.ThreadComm`` (all ranks as threads of one process, for ``replay``).
+Transport is a :class:`Comm`: :class:`DistComm` over torch.distributed groups, or the replay
+harness's thread transport (all ranks as threads of one process). A :class:`StepChannel` binds a
+transport to one step's ledger and to the plan-verification gate that every named collective
+passes first.
 """
 
 from __future__ import annotations
@@ -18,27 +20,25 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
+from cpplan.schemas import names
 from cpplan.schemas.errors import CollectiveLedgerError
+from cpplan.schemas.names import TOPK_CANDIDATE_DTYPE, Group
 from cpplan.schemas.plan import StepPlan
 
-TOPK_CANDIDATE_DTYPE = "float32+int64"  # one packed entry: (score, global token id)
 _ACT_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 # ------------------------------------------------------------------------- transport
 class Comm(Protocol):
-    """What the named collectives need from a transport; ``group`` is "pcp" or "dcp"."""
+    """Transport for the named collectives: nothing but data movement on a group."""
 
-    def all_gather(self, group: str, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def all_gather(self, group: Group, out: torch.Tensor, inp: torch.Tensor) -> None:
         """out ``[size * n, ...]`` <- every rank's inp ``[n, ...]``, rank-major."""
 
-    def all_reduce_sum(self, group: str, tensor: torch.Tensor) -> None:
+    def all_reduce_sum(self, group: Group, tensor: torch.Tensor) -> None:
         """tensor <- sum over the group's ranks, in place."""
 
-    def before_first(self) -> None:
-        """Called before each collective (the executor awaits the digest check here)."""
-
-    def size(self, group: str) -> int:
+    def size(self, group: Group) -> int:
         """Ranks in ``group``."""
 
 
@@ -64,18 +64,14 @@ class DistComm:
 
     def __init__(self, groups) -> None:
         self.groups = groups
-        self.on_collective: Callable[[], None] = lambda: None
 
-    def before_first(self) -> None:
-        self.on_collective()
-
-    def size(self, group: str) -> int:
+    def size(self, group: Group) -> int:
         return self.groups.size(group)
 
-    def all_gather(self, group: str, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def all_gather(self, group: Group, out: torch.Tensor, inp: torch.Tensor) -> None:
         all_gather_tensor(out, inp, group=self.groups.group(group))
 
-    def all_reduce_sum(self, group: str, tensor: torch.Tensor) -> None:
+    def all_reduce_sum(self, group: Group, tensor: torch.Tensor) -> None:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.groups.group(group))
 
 
@@ -128,38 +124,59 @@ def act_name(dtype: torch.dtype) -> str:
     return _ACT_NAMES[dtype]
 
 
+# ------------------------------------------------------------------------- one step's channel
+class StepChannel:
+    """One bound step's collectives: the transport, the ledger, and the plan-verification gate.
+
+    ``pending_check`` is the cross-rank digest exchange started at bind (or None). Every named
+    collective first calls :meth:`await_plan_verified`, which waits for that exchange the first
+    time and is free afterwards: no data collective of a step runs before every rank is known to
+    hold the same plan (docs/design.md §5).
+    """
+
+    def __init__(self, comm: Comm, pending_check=None) -> None:
+        self.comm = comm
+        self.ledger = Ledger()
+        self.pending_check = pending_check
+
+    def await_plan_verified(self) -> None:
+        pending, self.pending_check = self.pending_check, None
+        if pending is not None:
+            pending.wait()
+
+    def size(self, group: Group) -> int:
+        return self.comm.size(group)
+
+    def _gather(self, kind: names.CollectiveKind, dtype: str, out, inp, chunk=None) -> None:
+        self.await_plan_verified()
+        self.ledger.record(kind.label(chunk), kind.op.value, kind.group.value, dtype, inp.shape)
+        self.comm.all_gather(kind.group, out, inp)
+
+
 # ------------------------------------------------------------------------- named collectives
-def _gather(comm: Comm, ledger: Ledger, name: str, group: str, dtype: str, out, inp) -> None:
-    comm.before_first()
-    ledger.record(name, "all_gather", group, dtype, inp.shape)
-    comm.all_gather(group, out, inp)
-
-
-def kv_insert(comm: Comm, ledger: Ledger, out: torch.Tensor, inp: torch.Tensor) -> None:
+def kv_insert(ch: StepChannel, out: torch.Tensor, inp: torch.Tensor) -> None:
     """pcp all-gather of this rank's new prefill KV: inp ``[T - nd, kv_bytes]`` uint8 ->
     out ``[P * (T - nd), kv_bytes]`` uint8 (fp8_ds_mla or bf16 bytes), rank-major."""
-    _gather(comm, ledger, "kv_insert", "pcp", "uint8", out, inp)
+    ch._gather(names.KV_INSERT, "uint8", out, inp)
 
 
-def indexer_k_insert(comm: Comm, ledger: Ledger, out: torch.Tensor, inp: torch.Tensor) -> None:
+def indexer_k_insert(ch: StepChannel, out: torch.Tensor, inp: torch.Tensor) -> None:
     """pcp all-gather of the new prefill indexer keys: ``[T - nd, 132]`` uint8 per rank."""
-    _gather(comm, ledger, "indexer_k_insert", "pcp", "uint8", out, inp)
+    ch._gather(names.INDEXER_K_INSERT, "uint8", out, inp)
 
 
-def indexer_k_gather(comm: Comm, ledger: Ledger, chunk: int, out: torch.Tensor,
-                     inp: torch.Tensor) -> None:
+def indexer_k_gather(ch: StepChannel, chunk: int, out: torch.Tensor, inp: torch.Tensor) -> None:
     """dcp all-gather of gather chunk ``chunk``'s local indexer keys: ``[PT_c, 132]`` uint8
     per rank -> ``[W * PT_c, 132]`` rank-major (read through remapped rows, never copied)."""
-    _gather(comm, ledger, f"indexer_k_gather[{chunk}]", "dcp", "uint8", out, inp)
+    ch._gather(names.INDEXER_K_GATHER, "uint8", out, inp, chunk)
 
 
-def kv_gather(comm: Comm, ledger: Ledger, chunk: int, out: torch.Tensor,
-              inp: torch.Tensor) -> None:
+def kv_gather(ch: StepChannel, chunk: int, out: torch.Tensor, inp: torch.Tensor) -> None:
     """dcp all-gather of gather chunk ``chunk``'s local KV: ``[PT_c, kv_bytes]`` uint8."""
-    _gather(comm, ledger, f"kv_gather[{chunk}]", "dcp", "uint8", out, inp)
+    ch._gather(names.KV_GATHER, "uint8", out, inp, chunk)
 
 
-def topk_candidates(comm: Comm, ledger: Ledger, scores: torch.Tensor,
+def topk_candidates(ch: StepChannel, scores: torch.Tensor,
                     ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """dcp all-gather of the decode rows' local top-k: scores ``[nd, topk]`` (sent as float32;
     the reference indexer's scores are integers, exact in float32) and global ids ``[nd, topk]``
@@ -168,11 +185,12 @@ def topk_candidates(comm: Comm, ledger: Ledger, scores: torch.Tensor,
     nd, topk = ids.shape
     packed = torch.cat([scores.float().contiguous().view(torch.uint8),
                         ids.long().contiguous().view(torch.uint8)], dim=1)
-    size = comm_size(comm, "dcp")
+    size = ch.size(Group.DCP)
     out = torch.empty(size * nd, topk * 12, dtype=torch.uint8, device=packed.device)
-    comm.before_first()
-    ledger.record("topk_candidates", "all_gather", "dcp", TOPK_CANDIDATE_DTYPE, (nd, topk))
-    comm.all_gather("dcp", out, packed)
+    ch.await_plan_verified()
+    kind = names.TOPK_CANDIDATES
+    ch.ledger.record(kind.name, kind.op.value, kind.group.value, TOPK_CANDIDATE_DTYPE, (nd, topk))
+    ch.comm.all_gather(Group.DCP, out, packed)
     out = out.view(size, nd, topk * 12)
     all_scores = out[..., : 4 * topk].contiguous().view(torch.float32)
     all_ids = out[..., 4 * topk :].contiguous().view(torch.int64)
@@ -180,30 +198,27 @@ def topk_candidates(comm: Comm, ledger: Ledger, scores: torch.Tensor,
             all_ids.permute(1, 0, 2).reshape(nd, size * topk))
 
 
-def decode_lse(comm: Comm, ledger: Ledger, lse_base_e: torch.Tensor) -> torch.Tensor:
+def decode_lse(ch: StepChannel, lse_base_e: torch.Tensor) -> torch.Tensor:
     """dcp all-gather of the decode rows' partial LSE ``[nd, H]`` float32 -> ``[W, nd, H]``."""
-    size = comm_size(comm, "dcp")
+    size = ch.size(Group.DCP)
     out = torch.empty((size,) + tuple(lse_base_e.shape), dtype=torch.float32,
                       device=lse_base_e.device)
-    _gather(comm, ledger, "decode_lse", "dcp", "float32", out.view(-1, lse_base_e.shape[-1]),
-            lse_base_e.float().contiguous())
+    ch._gather(names.DECODE_LSE, "float32", out.view(-1, lse_base_e.shape[-1]),
+               lse_base_e.float().contiguous())
     return out
 
 
-def decode_out(comm: Comm, ledger: Ledger, scaled_out: torch.Tensor) -> None:
+def decode_out(ch: StepChannel, scaled_out: torch.Tensor) -> None:
     """dcp all-reduce (sum) of the LSE-scaled partial decode outputs ``[nd, H, 512]`` act,
     in place."""
-    comm.before_first()
-    ledger.record("decode_out", "all_reduce", "dcp", act_name(scaled_out.dtype), scaled_out.shape)
-    comm.all_reduce_sum("dcp", scaled_out)
+    ch.await_plan_verified()
+    kind = names.DECODE_OUT
+    ch.ledger.record(kind.name, kind.op.value, kind.group.value, act_name(scaled_out.dtype),
+                     scaled_out.shape)
+    ch.comm.all_reduce_sum(Group.DCP, scaled_out)
 
 
-def restore(comm: Comm, ledger: Ledger, out: torch.Tensor, inp: torch.Tensor) -> None:
+def restore(ch: StepChannel, out: torch.Tensor, inp: torch.Tensor) -> None:
     """pcp all-gather of every rank's rows ``[T, hidden]`` act -> ``[P * T, hidden]``; the
     plan's restore index then puts the tokens in global order."""
-    _gather(comm, ledger, "restore", "pcp", act_name(inp.dtype), out, inp)
-
-
-def comm_size(comm, group: str) -> int:
-    return comm.size(group)
-
+    ch._gather(names.RESTORE, act_name(inp.dtype), out, inp)

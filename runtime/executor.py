@@ -22,9 +22,10 @@ import torch
 from cpplan.runtime import collectives as coll
 from cpplan.runtime.arena import ArenaRing, arena_words
 from cpplan.runtime.kernels import get_kernels
-from cpplan.runtime.tables import StepMeta, build_tables
+from cpplan.runtime.tables import StepMeta, StepTables, build_tables, check_block_tables
+from cpplan.schemas.codec import config_fingerprint
 from cpplan.schemas.config import ParallelConfig
-from cpplan.schemas.errors import CapacityError
+from cpplan.schemas.errors import CapacityError, ConfigError, CpplanError
 from cpplan.schemas.plan import StepPlan
 
 DUMMY_SLOT = 0  # slot 0 (block 0) of every cache is reserved: padded and skipped rows use it
@@ -49,13 +50,17 @@ class LayerCache:
 
 @dataclasses.dataclass
 class BoundStep:
-    """A plan bound on one rank: device tables (views into an arena), host meta, the ledger."""
+    """A plan bound on one rank: typed device tables (views into an arena), the host meta, and
+    the step's collective channel (ledger + the digest check in flight)."""
 
     plan: StepPlan
     meta: StepMeta
-    t: dict  # name -> int64 device tensor
-    ledger: coll.Ledger
-    pending: object | None  # the digest check in flight (None: done or not due)
+    tables: StepTables
+    channel: coll.StepChannel
+
+    @property
+    def ledger(self) -> coll.Ledger:
+        return self.channel.ledger
 
 
 class StepExecutor:
@@ -79,8 +84,7 @@ class StepExecutor:
                             config.dcp_size)
         self.arena = ArenaRing(words, self.device, arena_depth)
         self.sm_scale = 1.0 / math.sqrt(config.qk_head_dim)
-        self._bound: BoundStep | None = None
-        comm.on_collective = self._before_collective
+        self._fingerprint = config_fingerprint(config)
 
     @classmethod
     def from_groups(cls, config: ParallelConfig, groups, *, verify: str = "every",
@@ -93,51 +97,55 @@ class StepExecutor:
 
     # ------------------------------------------------------------------ bind
     def bind(self, plan: StepPlan, block_tables: np.ndarray,
-             request_keys: np.ndarray | None = None) -> BoundStep:
+             num_blocks: int | None = None) -> BoundStep:
         """Start the digest check, build the rank's tables, pack them into the next arena (one
         H2D copy). ``block_tables`` ``[N, max_blocks]`` int: this rank's local blocks of each of
-        the plan's requests (block 0 is reserved). ``request_keys`` ``[N]`` int64: per-request
-        integers the engine wants on the device (the simulator's input coordinates)."""
+        the plan's requests (block 0 is reserved); ``num_blocks`` (optional) the cache's block
+        count, to refuse out-of-range blocks. Bad tables or a plan compiled for another config
+        raise before anything is sent or written."""
+        pending = self.check.start(plan) if self.check is not None else None
+        try:
+            bt = self._check_bind(plan, block_tables, num_blocks)
+        except CpplanError:
+            if pending is not None:  # a plan that differs across ranks is named first
+                pending.wait()
+            raise
+        host = build_tables(plan, self.pcp_rank, self.dcp_rank, bt, DUMMY_SLOT)
+        views = self.arena.pack(host.arrays, plan.step_id)
+        tables = StepTables.from_arena(views, host.meta, plan.num_requests,
+                                       self.config.block_size, DUMMY_SLOT)
+        return BoundStep(plan, host.meta, tables, coll.StepChannel(self.comm, pending))
+
+    def _check_bind(self, plan: StepPlan, block_tables, num_blocks: int | None) -> np.ndarray:
+        if config_fingerprint(plan.config) != self._fingerprint:
+            raise ConfigError(f"step {plan.step_id}: the plan was compiled for another config "
+                              f"than this executor's ({plan.config!r} vs {self.config!r})")
         if plan.padded_num_tokens > self.max_tokens:
             raise CapacityError(f"step {plan.step_id} needs {plan.padded_num_tokens:,} tokens "
                                 f"per rank, capacity {self.max_tokens:,}")
-        pending = self.check.start(plan) if self.check is not None else None
-        tables = build_tables(plan, self.pcp_rank, self.dcp_rank, block_tables, DUMMY_SLOT,
-                              request_keys)
-        views = self.arena.pack(tables.arrays, plan.step_id)
-        views["block_tables"] = views["block_tables"].view(plan.num_requests, -1)
-        for c, rows in enumerate(tables.meta.chunk_rows):
-            views[f"gather_src[{c}]"] = gather_sources(views, c, rows, self.config.block_size)
-        self._bound = BoundStep(plan, tables.meta, views, coll.Ledger(), pending)
-        return self._bound
-
-    def _before_collective(self) -> None:
-        bound = self._bound
-        if bound is not None and bound.pending is not None:
-            pending, bound.pending = bound.pending, None
-            pending.wait()
+        return check_block_tables(plan, self.dcp_rank, block_tables, num_blocks)
 
     # ------------------------------------------------------------------ per layer
     def insert(self, bound: BoundStep, cache: LayerCache, kv_new: torch.Tensor,
                index_k_new: torch.Tensor) -> None:
         """Write the step's new tokens into this rank's caches. kv_new ``[T, 576]`` float and
         index_k_new ``[T, 128]`` float: this rank's tokens in its token order (pads ignored)."""
-        m, t = bound.meta, bound.t
-        kv_rows = self._pack_kv(kv_new)
+        m, t, ch = bound.meta, bound.tables, bound.channel
+        kv_rows = self.pack_kv(kv_new)
         k_rows = self.kernels.quantize_indexer_k(index_k_new)
         nd = m.num_decode_tokens
-        cache.kv.index_copy_(0, t["insert_dec"], kv_rows[:nd])
-        cache.index_k.index_copy_(0, t["insert_dec"], k_rows[:nd])
+        cache.kv.index_copy_(0, t.insert_dec, kv_rows[:nd])
+        cache.index_k.index_copy_(0, t.insert_dec, k_rows[:nd])
         kv_pre, k_pre = kv_rows[nd:].contiguous(), k_rows[nd:].contiguous()
         if m.kv_insert:
             p_size = self.config.pcp_size
             kv_all = kv_pre.new_empty((p_size * kv_pre.shape[0], kv_pre.shape[1]))
-            coll.kv_insert(self.comm, bound.ledger, kv_all, kv_pre)
+            coll.kv_insert(ch, kv_all, kv_pre)
             k_all = k_pre.new_empty((p_size * k_pre.shape[0], k_pre.shape[1]))
-            coll.indexer_k_insert(self.comm, bound.ledger, k_all, k_pre)
+            coll.indexer_k_insert(ch, k_all, k_pre)
             kv_pre, k_pre = kv_all, k_all
-        cache.kv.index_copy_(0, t["insert_pre"], kv_pre)
-        cache.index_k.index_copy_(0, t["insert_pre"], k_pre)
+        cache.kv.index_copy_(0, t.insert_pre, kv_pre)
+        cache.index_k.index_copy_(0, t.insert_pre, k_pre)
 
     def attend(self, bound: BoundStep, cache: LayerCache, q: torch.Tensor,
                index_q: torch.Tensor, index_w: torch.Tensor) -> torch.Tensor:
@@ -161,14 +169,14 @@ class StepExecutor:
     def _attend_local(self, bound, cache, q, index_q, index_w, lo, hi, width):
         """Tokens [lo, hi) over this rank's own cache (W == 1: everything; W > 1: decode
         tokens, whose local top-k candidates are then merged across the DCP group)."""
-        k, t, cfg = self.kernels, bound.t, self.config
+        k, t, cfg = self.kernels, bound.tables, self.config
         w_size, inter, bs = cfg.dcp_size, cfg.interleave_size, cfg.block_size
-        bt = t["block_tables"].index_select(0, t["token_req"][lo:hi])
+        bt = t.block_tables.index_select(0, t.token_req[lo:hi])
         scores, top = k.indexer_topk_decode(index_q[lo:hi], index_w[lo:hi], cache.index_k,
-                                            t["local_len"][lo:hi], bt, bs, w_size,
+                                            t.local_len[lo:hi], bt, bs, w_size,
                                             self.dcp_rank, inter, cfg.topk, max_keys=width)
         if bound.meta.decode_merge:
-            all_s, all_i = coll.topk_candidates(self.comm, bound.ledger, scores, top)
+            all_s, all_i = coll.topk_candidates(bound.channel, scores, top)
             top = k.topk_reference_order(all_s, all_i, cfg.topk)[1]
         kv_slots = k.filter_local_slots(top, bt, bs, w_size, self.dcp_rank, inter)
         return k.sparse_mla_attention(q[lo:hi], *self._kv_view(cache.kv), kv_slots,
@@ -177,19 +185,19 @@ class StepExecutor:
     def _attend_chunk(self, bound, cache, q, index_q, index_w, c: int, out) -> None:
         """Prefill tokens of gather chunk c: all-gather the chunk's indexer K and KV shards
         (rank-major, never deinterleaved) and read them through remapped rows."""
-        k, t, cfg = self.kernels, bound.t, self.config
+        k, t, cfg, ch = self.kernels, bound.tables, self.config, bound.channel
         w_size, inter = cfg.dcp_size, cfg.interleave_size
-        pt = bound.meta.chunk_rows[c]
-        src = t[f"gather_src[{c}]"]
+        chunk = t.gather[c]
+        pt, src = chunk.num_rows, chunk.src
         k_all = cache.index_k.new_empty((w_size * pt, cache.index_k.shape[1]))
-        coll.indexer_k_gather(self.comm, bound.ledger, c, k_all, cache.index_k.index_select(0, src))
+        coll.indexer_k_gather(ch, c, k_all, cache.index_k.index_select(0, src))
         kv_all = cache.kv.new_empty((w_size * pt, cache.kv.shape[1]))
-        coll.kv_gather(self.comm, bound.ledger, c, kv_all, cache.kv.index_select(0, src))
-        lo, hi, width = bound.meta.chunk_ranges[c]
+        coll.kv_gather(ch, c, kv_all, cache.kv.index_select(0, src))
+        lo, hi, width = chunk.token_range
         if hi == lo:
             return
-        pcu = t["region_pcu"][lo:hi]
-        top = k.indexer_topk_prefill(index_q[lo:hi], index_w[lo:hi], k_all, t["key_len"][lo:hi],
+        pcu = t.region_pcu[lo:hi]
+        top = k.indexer_topk_prefill(index_q[lo:hi], index_w[lo:hi], k_all, t.key_len[lo:hi],
                                      pcu, pt, w_size, inter, cfg.topk, max_keys=width)[1]
         kv_rows = k.remap_to_gathered(top, pcu, pt, w_size, inter)
         out[lo:hi] = k.sparse_mla_attention(q[lo:hi], *self._kv_view(kv_all), kv_rows,
@@ -197,10 +205,10 @@ class StepExecutor:
 
     def _merge_decode(self, bound, o_part, lse_part):
         """Exact LSE merge over DCP (DESIGN 3.6): all-gather lse, scale, all-reduce."""
-        lse_all = coll.decode_lse(self.comm, bound.ledger, lse_part)
+        lse_all = coll.decode_lse(bound.channel, lse_part)
         weight = lse_merge_weight(lse_all, self.dcp_rank)
         scaled = (o_part.float() * weight[..., None]).to(o_part.dtype).contiguous()
-        coll.decode_out(self.comm, bound.ledger, scaled)
+        coll.decode_out(bound.channel, scaled)
         return scaled
 
     # ------------------------------------------------------------------ end of step
@@ -209,19 +217,18 @@ class StepExecutor:
         ``[sum q, hidden]`` (all-gathered over PCP when P > 1)."""
         if bound.meta.restore:
             full = hidden.new_empty((self.config.pcp_size * hidden.shape[0], hidden.shape[1]))
-            coll.restore(self.comm, bound.ledger, full, hidden.contiguous())
+            coll.restore(bound.channel, full, hidden.contiguous())
         else:
-            self._before_collective()
+            bound.channel.await_plan_verified()
             full = hidden
-        return full.index_select(0, bound.t["restore_index"])
+        return full.index_select(0, bound.tables.restore_index)
 
     def finish(self, bound: BoundStep) -> coll.Ledger:
         """Close the step: the digest check is awaited even if no collective ran; in debug mode
         the ledger must equal the plan's list (CollectiveLedgerError otherwise)."""
-        self._before_collective()
+        bound.channel.await_plan_verified()
         if self.debug:
             coll.check_ledger(bound.plan, bound.ledger, self.rank_id)
-        self._bound = None
         return bound.ledger
 
     @property
@@ -229,7 +236,9 @@ class StepExecutor:
         return max(self.pcp_rank, self.dcp_rank)
 
     # ------------------------------------------------------------------ formats
-    def _pack_kv(self, kv: torch.Tensor) -> torch.Tensor:
+    def pack_kv(self, kv: torch.Tensor) -> torch.Tensor:
+        """KV rows ``[n, 576]`` float -> the cache's bytes ``[n, kv_bytes]`` uint8 (fp8_ds_mla
+        quantised, or bf16 bytes): what :meth:`insert` writes."""
         if self.config.kv_cache_dtype == "fp8_ds_mla":
             return self.kernels.quantize_fp8_ds_mla(kv)
         return kv.to(torch.bfloat16).contiguous().view(torch.uint8)
@@ -241,20 +250,6 @@ class StepExecutor:
 
     def _fmt(self) -> dict:
         return {"kv_format": self.config.kv_cache_dtype}
-
-
-def gather_sources(t: dict, c: int, num_rows: int, block_size: int) -> torch.Tensor:
-    """``[PT]`` int64 slots of this rank's shard of each region of gather chunk ``c``, in
-    padded-local order (rows past a region's shard -> DUMMY_SLOT), from the chunk's O(regions)
-    parameters in the arena. Device ops on shapes the plan fixes: no host sync."""
-    pcu, held, req = t[f"gather_pcu[{c}]"], t[f"gather_held[{c}]"], t[f"gather_req[{c}]"]
-    bt = t["block_tables"]
-    row = torch.arange(num_rows, device=pcu.device)
-    region = torch.searchsorted(pcu[1:], row, right=True)
-    local = row - pcu[region]
-    col = torch.clamp(local // block_size, max=bt.shape[1] - 1)
-    slot = bt[req[region], col] * block_size + local % block_size
-    return torch.where(local < held[region], slot, torch.full_like(slot, DUMMY_SLOT))
 
 
 def lse_merge_weight(lse_all: torch.Tensor, rank: int) -> torch.Tensor:

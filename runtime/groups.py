@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from cpplan.schemas.config import ParallelConfig
 from cpplan.schemas.errors import ConfigError
+from cpplan.schemas.names import Group, group_of
 
 DEFAULT_TIMEOUT_S = 120.0  # data collectives
 DEFAULT_CONTROL_TIMEOUT_S = 30.0  # the digest check: a lost rank is named within this
@@ -44,11 +45,12 @@ class Groups:
     control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S
     store: object | None = None
 
-    def group(self, name: str):
-        return self.pcp if name == "pcp" else self.dcp
+    def group(self, name: Group | str):
+        """The process group for ``name`` ("pcp"/"dcp"; None when that group has one rank)."""
+        return self.pcp if group_of(name) is Group.PCP else self.dcp
 
-    def size(self, name: str) -> int:
-        return self.config.pcp_size if name == "pcp" else self.config.dcp_size
+    def size(self, name: Group | str) -> int:
+        return self.config.pcp_size if group_of(name) is Group.PCP else self.config.dcp_size
 
     # ------------------------------------------------------------------ constructors
     @classmethod

@@ -19,12 +19,19 @@ from cpplan.schemas.plan import StepPlan
 ACT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def request_keys_on(plan: StepPlan, device) -> torch.Tensor:
+    """``[N]`` int64 input coordinates of the plan's requests on ``device`` (uploaded before a
+    step starts: the simulator's own data, not the executor's)."""
+    return torch.from_numpy(coords.request_keys(plan.req_ids)).to(device)
+
+
 def run_step(executor: StepExecutor, bound: BoundStep, caches: list[LayerCache],
-             seed: int) -> torch.Tensor:
-    """Every layer of one bound step; returns the restored ``[sum q, L * H * 512]`` rows."""
-    cfg, t = executor.config, bound.t
-    keys = t["request_keys"].index_select(0, t["token_req"])
-    pos = t["token_pos"]
+             seed: int, request_keys: torch.Tensor) -> torch.Tensor:
+    """Every layer of one bound step; returns the restored ``[sum q, L * H * 512]`` rows.
+    ``request_keys`` ``[N]`` int64 on the executor's device (:func:`request_keys_on`)."""
+    cfg, t = executor.config, bound.tables
+    keys = request_keys.index_select(0, t.token_req)
+    pos = t.token_pos
     width = cfg.num_heads * cfg.v_head_dim
     act = ACT_DTYPES[cfg.activation_dtype]
     hidden = torch.zeros(pos.shape[0], cfg.num_layers * width, dtype=act, device=pos.device)
@@ -60,5 +67,5 @@ def prefill_history(executor: StepExecutor, plan: StepPlan, caches: list[LayerCa
     pos_t = torch.from_numpy(pos).to(dev)
     for layer, cache in enumerate(caches):
         kv, k = coords.key_inputs(seed, layer, key_t, pos_t)
-        cache.kv.index_copy_(0, slots, executor._pack_kv(kv))
+        cache.kv.index_copy_(0, slots, executor.pack_kv(kv))
         cache.index_k.index_copy_(0, slots, executor.kernels.quantize_indexer_k(k))

@@ -17,11 +17,11 @@ import threading
 import torch
 
 from cpplan.runtime.executor import LayerCache, StepExecutor
-from cpplan.runtime.model import prefill_history, run_step
-from cpplan.runtime.coords import request_keys
+from cpplan.runtime.model import prefill_history, request_keys_on, run_step
 from cpplan.runtime.oracle import max_abs_error, oracle_step
 from cpplan.runtime.scheduler import BlockAllocator
 from cpplan.schemas.errors import ConfigError
+from cpplan.schemas.names import Group, group_of
 from cpplan.schemas.plan import StepPlan
 
 
@@ -50,14 +50,10 @@ class ThreadComm:
 
     def __init__(self, world: ThreadWorld, rank: int, pcp_size: int, dcp_size: int) -> None:
         self.world, self.rank = world, rank
-        self.sizes = {"pcp": pcp_size, "dcp": dcp_size}
-        self.on_collective = lambda: None
+        self.sizes = {Group.PCP: pcp_size, Group.DCP: dcp_size}
 
-    def before_first(self) -> None:
-        self.on_collective()
-
-    def size(self, group: str) -> int:
-        return self.sizes[group]
+    def size(self, group: Group) -> int:
+        return self.sizes[group_of(group)]
 
     def all_gather(self, group: str, out: torch.Tensor, inp: torch.Tensor) -> None:
         torch.cat(self.world.exchange(self.rank, inp), dim=0, out=out)
@@ -153,12 +149,12 @@ def _run_rank(plan: StepPlan, seed: int, device: str, world: ThreadWorld, rank: 
     tables = alloc.table(plan.req_ids, blocks_per_req)
     caches = [LayerCache.empty(cfg, num_blocks, device) for _ in range(cfg.num_layers)]
     prefill_history(executor, plan, caches, tables, seed)
-    keys = request_keys(plan.req_ids)
+    keys = request_keys_on(plan, executor.device)
     if executor.device.type == "cuda":
         torch.cuda.synchronize(executor.device)  # setup, outside the step under test
     phase.wait()  # setup done
     phase.wait()  # go: the caller's guard is on
-    bound = executor.bind(plan, tables, keys)
-    restored = run_step(executor, bound, caches, seed)
+    bound = executor.bind(plan, tables, num_blocks)
+    restored = run_step(executor, bound, caches, seed, keys)
     phase.wait()  # step done
     return restored, len(bound.ledger)

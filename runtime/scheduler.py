@@ -127,6 +127,7 @@ class BlockAllocator:
 
     def __init__(self, num_blocks: int, block_size: int, dcp_size: int, dcp_rank: int,
                  interleave_size: int) -> None:
+        self.num_blocks = num_blocks
         self.free = list(range(num_blocks - 1, 0, -1))
         self.block_size, self.w, self.rank, self.inter = block_size, dcp_size, dcp_rank, \
             interleave_size

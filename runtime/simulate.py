@@ -22,8 +22,7 @@ import torch.distributed as dist
 
 from cpplan.api import Groups, LayerCache, StepExecutor, record_plan
 from cpplan.api import compile as compile_plan
-from cpplan.runtime.coords import request_keys
-from cpplan.runtime.model import run_step
+from cpplan.runtime.model import request_keys_on, run_step
 from cpplan.runtime.oracle import max_abs_error, oracle_step
 from cpplan.runtime.scheduler import BlockAllocator, MiniScheduler, preset_requests
 from cpplan.schemas.config import ParallelConfig
@@ -168,9 +167,10 @@ class _RankSim:
         tables = self.alloc.table(plan.req_ids, self.blocks_per_req)
         self.ledger_len = 0
         self.t_bind = time.monotonic()
-        bound = self.executor.bind(plan, tables, request_keys(plan.req_ids))
+        keys = request_keys_on(plan, self.groups.device)
+        bound = self.executor.bind(plan, tables, self.alloc.num_blocks)
         try:
-            restored = run_step(self.executor, bound, self.caches, self.opts.seed)
+            restored = run_step(self.executor, bound, self.caches, self.opts.seed, keys)
         finally:
             self.ledger_len = len(bound.ledger)
         world = self.groups.world_size

@@ -1,8 +1,10 @@
-"""A rank's token-level tables for one plan (numpy, host side of bind; no torch).
+"""A rank's per-step tables: built on the host from the plan, typed on the device.
 
-Everything is derived from the plan (global facts) plus the rank's coordinates and its local
-block tables (the engine's). The tables are int64 and land in the arena; ``RankTables.meta``
-holds the host integers the step needs for slicing (never read back from the device).
+Two halves, both here: :func:`build_tables` derives the rank's int64 tables (numpy) from the plan
+(global facts), the rank's coordinates and its local block tables (the engine's); the executor
+packs them into one arena (one H2D copy) and :func:`StepTables.from_arena` names the device views
+and expands each gather chunk's O(regions) parameters into its ``[PT]`` source slots, on the
+device. ``StepMeta`` holds the host integers a step slices with (never read back from the device).
 
 Sentinels: padded tokens have request 0, position 0 and key length 0 (no key); KV rows that are
 not written point at ``dummy_slot``. Gather chunks travel as per-region parameters (padded-local
@@ -15,8 +17,9 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import torch
 
-from cpplan.schemas.errors import CapacityError
+from cpplan.schemas.errors import CapacityError, StepInputError
 from cpplan.schemas.plan import StepPlan
 from cpplan.schemas.sharding import local_index, owner, shard_count
 
@@ -40,8 +43,100 @@ class StepMeta:
 
 @dataclasses.dataclass(frozen=True)
 class RankTables:
-    arrays: dict  # name -> int64 ndarray
+    """Host side: name -> int64 ndarray (what the arena receives, in this order) and the meta."""
+
+    arrays: dict
     meta: StepMeta
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherChunkTables:
+    """Device tables of one gather chunk c on this rank (W > 1)."""
+
+    src: torch.Tensor  # [PT] int64: cache slot of each padded-local row (DUMMY past a shard)
+    num_rows: int  # PT: rows each DCP rank contributes
+    token_range: tuple[int, int, int]  # (first token, end, key width) of the chunk's tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTables:
+    """One bound step's device tables on one rank: int64 views into the step's arena, alive
+    until the arena is reused (``arena_depth`` binds later). T = the plan's padded tokens."""
+
+    token_req: torch.Tensor  # [T] request index per token (0 for padding)
+    token_pos: torch.Tensor  # [T] position in the request (0 for padding)
+    key_len: torch.Tensor  # [T] causal key count, pos + 1 (0 for padding: no key)
+    local_len: torch.Tensor  # [T] keys of this rank's DCP shard within the causal prefix
+    region_pcu: torch.Tensor  # [T] padded-local prefix offset of the token's region (prefill)
+    insert_dec: torch.Tensor  # [nd] cache slot per decode token (DUMMY if not owned)
+    insert_pre: torch.Tensor  # [T - nd] or [P * (T - nd)] after kv_insert: prefill slots
+    block_tables: torch.Tensor  # [N, max_blocks] this rank's local blocks per request
+    restore_index: torch.Tensor  # [sum q] rows of the P * T restored buffer, global order
+    gather: tuple[GatherChunkTables, ...]  # per gather chunk (empty when W == 1)
+
+    @classmethod
+    def from_arena(cls, views: dict, meta: StepMeta, num_requests: int,
+                   block_size: int, dummy_slot: int) -> "StepTables":
+        """Name the arena views and expand every gather chunk's sources on the device."""
+        bt = views["block_tables"].view(num_requests, -1)
+        gather = tuple(
+            GatherChunkTables(src=gather_sources(views, c, rows, bt, block_size, dummy_slot),
+                              num_rows=rows, token_range=meta.chunk_ranges[c])
+            for c, rows in enumerate(meta.chunk_rows))
+        return cls(token_req=views["token_req"], token_pos=views["token_pos"],
+                   key_len=views["key_len"], local_len=views["local_len"],
+                   region_pcu=views["region_pcu"], insert_dec=views["insert_dec"],
+                   insert_pre=views["insert_pre"], block_tables=bt,
+                   restore_index=views["restore_index"], gather=gather)
+
+
+def gather_sources(views: dict, c: int, num_rows: int, bt: torch.Tensor, block_size: int,
+                   dummy_slot: int) -> torch.Tensor:
+    """``[PT]`` int64 slots of this rank's shard of each region of gather chunk ``c``, in
+    padded-local order (rows past a region's shard -> ``dummy_slot``), from the chunk's
+    O(regions) parameters in the arena. Device ops on shapes the plan fixes: no host sync."""
+    pcu, held = views[f"gather_pcu[{c}]"], views[f"gather_held[{c}]"]
+    req = views[f"gather_req[{c}]"]
+    row = torch.arange(num_rows, device=pcu.device)
+    region = torch.searchsorted(pcu[1:], row, right=True)
+    local = row - pcu[region]
+    col = torch.clamp(local // block_size, max=bt.shape[1] - 1)
+    slot = bt[req[region], col] * block_size + local % block_size
+    return torch.where(local < held[region], slot, torch.full_like(slot, dummy_slot))
+
+
+def check_block_tables(plan: StepPlan, dcp_rank: int, block_tables, num_blocks: int | None
+                       ) -> np.ndarray:
+    """Validate a rank's block tables for ``plan`` and return them as ``[N, max_blocks]`` int64.
+
+    Checked, because each of these would otherwise write and read the wrong KV silently: a 2-d
+    integer array with exactly one row per request of the plan; every block the step touches
+    (the first ceil(local tokens / B) of each request on this DCP rank) is not the reserved
+    block 0 and, where ``num_blocks`` is known, below it. O(requests), on the host."""
+    n = plan.num_requests
+    bt = np.asarray(block_tables)
+    if bt.ndim != 2 or bt.shape[0] != n:
+        raise StepInputError(f"step {plan.step_id}: block_tables must be [num_requests={n}, "
+                             f"max_blocks]: got shape {list(bt.shape)}")
+    if bt.dtype.kind not in "iu":
+        raise StepInputError(f"step {plan.step_id}: block_tables must hold integers: got "
+                             f"dtype {bt.dtype}")
+    bt = bt.astype(np.int64, copy=False)
+    cfg = plan.config
+    held = plan.dcp_local_lens.np()[:, dcp_rank].astype(np.int64) if n else np.zeros(0, np.int64)
+    need = -(-held // cfg.block_size)
+    if need.size and int(need.max()) > bt.shape[1]:
+        i = int(np.argmax(need))
+        raise CapacityError(f"step {plan.step_id}: block table too narrow: request {i} needs "
+                            f"{int(need[i])} blocks on this rank, the tables have {bt.shape[1]}")
+    used = np.arange(bt.shape[1])[None, :] < need[:, None]
+    bad = used & ((bt < 1) | ((bt >= num_blocks) if num_blocks is not None else False))
+    if bad.any():
+        i, j = (int(x) for x in np.argwhere(bad)[0])
+        limit = f"1..{num_blocks - 1}" if num_blocks is not None else ">= 1 (0 is reserved)"
+        raise StepInputError(f"step {plan.step_id}: block_tables[{i}][{j}] = {int(bt[i, j])}: "
+                             f"expected a block in {limit}")
+    return bt
 
 
 def _rank_tokens(plan: StepPlan, p: int):
@@ -74,13 +169,14 @@ def _insert_slots(plan, w, block_tables, dummy, tok, req, pos, write, lo, hi):
 
 
 def build_tables(plan: StepPlan, pcp_rank: int, dcp_rank: int, block_tables: np.ndarray,
-                 dummy_slot: int, request_keys: np.ndarray | None = None) -> RankTables:
-    """The rank's tables for ``plan``; ``block_tables`` is ``[N, max_blocks]`` (row i: this
-    rank's local blocks of request i, in the plan's request order)."""
+                 dummy_slot: int) -> RankTables:
+    """The rank's tables for ``plan``; ``block_tables`` is ``[N, max_blocks]`` int64 (row i: this
+    rank's local blocks of request i, in the plan's request order), already validated
+    (:func:`check_block_tables`)."""
     cfg = plan.config
-    t_pad, nd, n = plan.padded_num_tokens, plan.num_decode_tokens, plan.num_requests
+    t_pad, nd = plan.padded_num_tokens, plan.num_decode_tokens
     names = {c.name for c in plan.collectives}
-    bt = np.asarray(block_tables, dtype=np.int64).reshape(n, -1)
+    bt = block_tables
     tok, req, pos, write = _rank_tokens(plan, pcp_rank)
     a = {}
     a["token_req"] = np.zeros(t_pad, np.int64)
@@ -98,8 +194,6 @@ def build_tables(plan: StepPlan, pcp_rank: int, dcp_rank: int, block_tables: np.
                                                       (tok, req, pos, write))
     chunk_ranges, chunk_rows = _chunk_tables(plan, dcp_rank, tok, req, key_len, a)
     a["block_tables"] = bt.reshape(-1)
-    a["request_keys"] = (np.zeros(n, np.int64) if request_keys is None
-                         else np.asarray(request_keys, np.int64))
     a["restore_index"] = plan.restore_index()
     n_real = int(tok.size)
     dec_width = int(local_len[:nd].max()) if nd else 0

@@ -1,0 +1,224 @@
+"""Per-step tables and bind, tested directly on CPU against a token-by-token derivation.
+
+The reference below walks every token of every row with the sharding rule written out
+(owner = (t // I) % W, local = (t // (W I)) I + t % I, counted by brute force), independently of
+``schemas/sharding.py`` and ``runtime/tables.py``; the plan's row arrays are its only input from
+the code under test (the planner is checked against its own reference in tests/planner).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cpplan.planner import compile as compile_plan
+from cpplan.runtime.executor import DUMMY_SLOT, StepExecutor
+from cpplan.runtime.tables import build_tables, check_block_tables
+from cpplan.schemas import CapacityError, ConfigError, ParallelConfig, StepInput, StepInputError
+
+BLOCK = 64
+
+
+def _config(p, w, i):
+    return ParallelConfig(pcp_size=p, dcp_size=w, interleave_size=i, num_heads=8, topk=64,
+                          index_num_heads=4, max_model_len=2048, gather_workspace_tokens=0,
+                          block_size=BLOCK, activation_dtype="float32", num_layers=1,
+                          hidden_size=8 * 512)
+
+
+def _step(seed: int) -> StepInput:
+    rng = np.random.default_rng(seed)
+    n = 9
+    pre = rng.random(n) < 0.5
+    c = rng.integers(0, 1500, n)
+    q = np.where(pre, rng.integers(1, 400, n), 1)
+    return StepInput.build(seed, [f"r{k}" for k in range(n)], c, q, pre)
+
+
+def _owner(t, w, i):
+    return (t // i) % w
+
+
+def _local(t, w, i):
+    return (t // (w * i)) * i + t % i
+
+
+def _held(extent, rank, w, i):
+    return sum(1 for t in range(extent) if _owner(t, w, i) == rank)
+
+
+def _block_tables(n, max_blocks, seed):
+    rng = np.random.default_rng(seed)
+    return (rng.permutation(n * max_blocks) + 1).reshape(n, max_blocks).astype(np.int64)
+
+
+def _slot(bt, req, local):
+    return int(bt[req, local // BLOCK]) * BLOCK + local % BLOCK
+
+
+def _rank_tokens(plan, p):
+    """[(token, request, position, written)] of PCP rank p, walking rows."""
+    out = []
+    c = plan.num_computed_tokens.np()
+    for r in range(plan.num_rows):
+        req = int(plan.row_request.np()[r])
+        start = int(plan.row_token_start.np()[p][r])
+        off = int(plan.row_query_offset.np()[p][r])
+        for k in range(int(plan.row_num_tokens.np()[p][r])):
+            out.append((start + k, req, int(c[req]) + off + k, bool(plan.row_kv_write.np()[p][r])))
+    return out
+
+
+def _naive(plan, p, w_rank, bt):
+    cfg = plan.config
+    w, i = cfg.dcp_size, cfg.interleave_size
+    t_pad, nd = plan.padded_num_tokens, plan.num_decode_tokens
+    ref = {k: np.zeros(t_pad, np.int64) for k in ("token_req", "token_pos", "key_len",
+                                                   "local_len")}
+
+    def insert(tokens, lo, hi):
+        out = np.full(hi - lo, DUMMY_SLOT, np.int64)
+        for tok, req, pos, wr in tokens:
+            if lo <= tok < hi and wr and _owner(pos, w, i) == w_rank:
+                out[tok - lo] = _slot(bt, req, _local(pos, w, i))
+        return out
+
+    mine = _rank_tokens(plan, p)
+    for tok, req, pos, _ in mine:
+        ref["token_req"][tok], ref["token_pos"][tok], ref["key_len"][tok] = req, pos, pos + 1
+        ref["local_len"][tok] = _held(pos + 1, w_rank, w, i)
+    ref["insert_dec"] = insert(mine, 0, nd)
+    if any(c.name == "kv_insert" for c in plan.collectives):
+        ref["insert_pre"] = np.concatenate([insert(_rank_tokens(plan, q), nd, t_pad)
+                                            for q in range(cfg.pcp_size)])
+    else:
+        ref["insert_pre"] = insert(mine, nd, t_pad)
+    extents = plan.extent()
+    srcs = []
+    for ch in (plan.gather_chunks if w > 1 else ()):
+        src = []
+        for req in ch.requests.np():
+            pad = _held(int(extents[req]), 0, w, i)  # rank 0 holds the most
+            held = _held(int(extents[req]), w_rank, w, i)
+            src += [_slot(bt, int(req), loc) if loc < held else DUMMY_SLOT for loc in range(pad)]
+        srcs.append(np.array(src, np.int64))
+    return ref, srcs
+
+
+def _naive_restore(plan):
+    """Row of the rank-major [P * T] buffer holding each query token, global order; a
+    replicated token is taken from the lowest rank holding it."""
+    where = {}
+    for p in range(plan.config.pcp_size):
+        for tok, req, pos, _ in _rank_tokens(plan, p):
+            where.setdefault((req, pos), p * plan.padded_num_tokens + tok)
+    return np.array([where[key] for key in sorted(where)], np.int64)
+
+
+CASES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (2, 2, 4), (3, 3, 2), (4, 4, 1)]
+
+
+@pytest.mark.parametrize("p_size,w_size,inter", CASES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_build_tables_matches_a_token_walk(p_size, w_size, inter, seed):
+    cfg = _config(p_size, w_size, inter)
+    plan = compile_plan(cfg, _step(seed))
+    max_blocks = -(-cfg.shard_rows(cfg.max_model_len) // BLOCK)
+    bt = _block_tables(plan.num_requests, max_blocks, seed)
+    for rank in range(cfg.world_size):
+        p, w = (rank if p_size > 1 else 0), (rank if w_size > 1 else 0)
+        host = build_tables(plan, p, w, bt, DUMMY_SLOT)
+        ref, srcs = _naive(plan, p, w, bt)
+        for name, want in ref.items():
+            np.testing.assert_array_equal(host.arrays[name], want, err_msg=f"{name} rank {rank}")
+        np.testing.assert_array_equal(host.arrays["restore_index"], _naive_restore(plan))
+        assert host.meta.chunk_rows == tuple(len(s) for s in srcs)
+        assert host.meta.num_decode_tokens == plan.num_decode_tokens
+
+
+class _NoComm:
+    """Bind runs no collective; a transport that fails loudly if one is attempted."""
+
+    def size(self, group):
+        raise AssertionError("bind issued a collective")
+
+    all_gather = all_reduce_sum = size
+
+
+def _executor(cfg, rank):
+    p, w = (rank if cfg.pcp_size > 1 else 0), (rank if cfg.dcp_size > 1 else 0)
+    return StepExecutor(cfg, pcp_rank=p, dcp_rank=w, comm=_NoComm(), device="cpu",
+                        max_tokens=2048, max_requests=64)
+
+
+@pytest.mark.parametrize("p_size,w_size,inter", [(2, 2, 1), (3, 3, 2), (1, 2, 4)])
+def test_bind_exposes_typed_tables_equal_to_the_walk(p_size, w_size, inter):
+    cfg = _config(p_size, w_size, inter)
+    plan = compile_plan(cfg, _step(3))
+    max_blocks = -(-cfg.shard_rows(cfg.max_model_len) // BLOCK)
+    bt = _block_tables(plan.num_requests, max_blocks, 3)
+    for rank in range(cfg.world_size):
+        bound = _executor(cfg, rank).bind(plan, bt)
+        p, w = (rank if p_size > 1 else 0), (rank if w_size > 1 else 0)
+        ref, srcs = _naive(plan, p, w, bt)
+        t = bound.tables
+        for name, want in ref.items():
+            np.testing.assert_array_equal(getattr(t, name).numpy(), want, err_msg=name)
+        assert torch.equal(t.block_tables, torch.from_numpy(bt))
+        assert len(t.gather) == len(srcs)
+        for chunk, want in zip(t.gather, srcs):
+            np.testing.assert_array_equal(chunk.src.numpy(), want)
+            assert chunk.num_rows == len(want)
+        assert len(bound.ledger) == 0
+
+
+@pytest.fixture
+def bound_case():
+    cfg = _config(2, 2, 1)
+    plan = compile_plan(cfg, _step(5))
+    max_blocks = -(-cfg.shard_rows(cfg.max_model_len) // BLOCK)
+    return cfg, plan, _block_tables(plan.num_requests, max_blocks, 5)
+
+
+@pytest.mark.parametrize("mangle,match", [
+    (lambda bt: bt[:-1], r"block_tables must be \[num_requests=9, max_blocks\]: got shape \[8,"),
+    (lambda bt: np.concatenate([bt, bt]), r"got shape \[18,"),
+    (lambda bt: bt.T, r"got shape \["),
+    (lambda bt: bt.reshape(-1), r"got shape \[\d+\]"),
+    (lambda bt: bt.astype(np.float64), "must hold integers"),
+])
+def test_bind_refuses_block_tables_of_the_wrong_shape_or_type(bound_case, mangle, match):
+    cfg, plan, bt = bound_case
+    with pytest.raises(StepInputError, match=match):
+        _executor(cfg, 0).bind(plan, mangle(bt))
+
+
+def test_bind_refuses_the_reserved_block_and_out_of_range_blocks(bound_case):
+    cfg, plan, bt = bound_case
+    held = plan.dcp_local_lens.np()[:, 0]
+    req = int(np.argmax(held))
+    zero = bt.copy()
+    zero[req, 0] = 0
+    with pytest.raises(StepInputError, match=rf"block_tables\[{req}\]\[0\] = 0: expected"):
+        _executor(cfg, 0).bind(plan, zero)
+    with pytest.raises(StepInputError, match=r"expected a block in 1\.\.99"):
+        _executor(cfg, 0).bind(plan, bt, num_blocks=100)
+    # entries past what the step touches are the engine's padding: any value is fine there
+    padded = bt.copy()
+    need = -(-held // BLOCK)
+    padded[np.arange(bt.shape[1])[None, :] >= need[:, None]] = 0
+    check_block_tables(plan, 0, padded, int(bt.max()) + 1)
+
+
+def test_bind_refuses_too_narrow_tables_with_the_numbers(bound_case):
+    cfg, plan, bt = bound_case
+    with pytest.raises(CapacityError, match="block table too narrow: request"):
+        _executor(cfg, 0).bind(plan, bt[:, :1])
+
+
+def test_bind_refuses_a_plan_for_another_config(bound_case):
+    cfg, plan, bt = bound_case
+    other = _config(2, 2, 2)
+    with pytest.raises(ConfigError, match="compiled for another config"):
+        _executor(other, 0).bind(plan, bt)
