@@ -129,8 +129,10 @@ def check_block_tables(plan: StepPlan, dcp_rank: int, block_tables, num_blocks: 
         i = int(np.argmax(need))
         raise CapacityError(f"step {plan.step_id}: block table too narrow: request {i} needs "
                             f"{int(need[i])} blocks on this rank, the tables have {bt.shape[1]}")
-    used = np.arange(bt.shape[1])[None, :] < need[:, None]
-    bad = used & ((bt < 1) | ((bt >= num_blocks) if num_blocks is not None else False))
+    width = int(need.max()) if need.size else 0
+    head = bt[:, :width]  # only the blocks the step touches; the rest is the engine's padding
+    used = np.arange(width)[None, :] < need[:, None]
+    bad = used & ((head < 1) | ((head >= num_blocks) if num_blocks is not None else False))
     if bad.any():
         i, j = (int(x) for x in np.argwhere(bad)[0])
         limit = f"1..{num_blocks - 1}" if num_blocks is not None else ">= 1 (0 is reserved)"
