@@ -2,6 +2,7 @@
 
     python bench/step_gpu.py [--json]                     # one GPU: P = W = 1, full model dims
     torchrun --standalone --nproc-per-node 4 bench/step_gpu.py --pcp 4 --dcp 4   # NCCL, 4 GPUs
+    python bench/step_gpu.py --prompt 0 --context 65536:131072   # decode-only, long context
     python bench/step_gpu.py --tiny                       # CPU smoke run at toy sizes
     torchrun --standalone --nproc-per-node 2 bench/step_gpu.py --tiny --pcp 2 --dcp 2   # gloo
 
@@ -166,14 +167,16 @@ def build_config(args, dims: dict, world_pcp: int, world_dcp: int) -> ParallelCo
 
 
 def build_step(args, dims: dict) -> StepInput:
-    """``--decodes`` decodes (contexts spread over the range), then one uncached prompt."""
+    """``--decodes`` decodes (contexts spread over the range), then one uncached prompt
+    (none with ``--prompt 0``: a decode-only step)."""
     lo, hi = dims["context"]
     n = args.decodes
     ctx = lo + (np.arange(n, dtype=np.int64) * 1543) % max(hi - lo, 1)
-    ids = [f"d{i}" for i in range(n)] + ["prompt"]
-    c = np.concatenate([ctx, [0]])
-    q = np.concatenate([np.ones(n, dtype=np.int64), [args.prompt]])
-    return StepInput.build(0, ids, c, q, np.arange(n + 1) == n)
+    prompts = [args.prompt] if args.prompt > 0 else []
+    ids = [f"d{i}" for i in range(n)] + ["prompt"] * len(prompts)
+    c = np.concatenate([ctx, np.zeros(len(prompts), np.int64)])
+    q = np.concatenate([np.ones(n, dtype=np.int64), np.asarray(prompts, np.int64)])
+    return StepInput.build(0, ids, c, q, np.arange(n + len(prompts)) >= n)
 
 
 @dataclasses.dataclass
@@ -345,13 +348,27 @@ def max_over_ranks(r: Rank, res: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- driver
+def _context_range(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition(":")
+    try:
+        lo_i, hi_i = int(lo), int(hi)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO:HI token counts: got {text!r}") from None
+    if not sep or not 1 <= lo_i < hi_i:
+        raise argparse.ArgumentTypeError(f"expected LO:HI with 1 <= LO < HI: got {text!r}")
+    return lo_i, hi_i
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pcp", type=int, default=1)
     ap.add_argument("--dcp", type=int, default=1)
     ap.add_argument("--interleave", type=int, default=1)
-    ap.add_argument("--prompt", type=int, help="prompt tokens (default 32768; --tiny 256)")
+    ap.add_argument("--prompt", type=int,
+                    help="prompt tokens (default 32768; --tiny 256; 0: a decode-only step)")
+    ap.add_argument("--context", type=_context_range,
+                    help="decode contexts LO:HI tokens (default 2048:6144; --tiny 64:192)")
     ap.add_argument("--decodes", type=int, help="decode requests (default 64; --tiny 8)")
     ap.add_argument("--layers", type=int, help="layers (default 4; --tiny 2)")
     ap.add_argument("--repeat", type=int, default=3, help="timed steps per measurement")
@@ -361,6 +378,11 @@ def parse_args(argv=None):
     ap.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     args = ap.parse_args(argv)
     dims = dict(TINY if args.tiny else FULL)
+    if args.context is not None:
+        dims["context"] = args.context
+    args.context = dims["context"]
+    if args.prompt is not None and args.prompt < 0:
+        ap.error(f"--prompt must be >= 0: got {args.prompt}")
     for name in ("prompt", "decodes", "layers"):
         if getattr(args, name) is None:
             setattr(args, name, dims[name])
@@ -400,7 +422,9 @@ def report(args, r: Rank, res: dict, stream) -> dict:
     w(f"bench/step_gpu.py: P={cfg.pcp_size} W={cfg.dcp_size} I={cfg.interleave_size}, "
       f"{g.world_size} rank(s), {backend}, {dev}, kernels {r.ex.kernels.name}, torch "
       f"{torch.__version__}\n")
-    w(f"work: 1 prompt of {args.prompt} tokens + {args.decodes} decodes; T per rank "
+    lo, hi = args.context
+    prompt = f"1 prompt of {args.prompt} tokens" if args.prompt else "no prompt"
+    w(f"work: {prompt} + {args.decodes} decodes of {lo}..{hi - 1} context; T per rank "
       f"{r.plan.padded_num_tokens}; {cfg.num_layers} layers; H {cfg.num_heads}, topk {cfg.topk}, "
       f"indexer {cfg.index_num_heads}x{cfg.index_head_dim}, {cfg.kv_cache_dtype}, "
       f"{cfg.activation_dtype}; medians of {args.repeat}, max over ranks\n\n")
