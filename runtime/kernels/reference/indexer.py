@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import torch
 
-NO_KEY = -1
+from .formats import NO_KEY, dequantize_indexer_k
+from .index import remap_to_gathered
+
 _SCORE_BUDGET = 1 << 22  # gathered [t, L, 128] elements per chunk in indexer_scores
 
 
@@ -36,8 +38,6 @@ def indexer_scores(
     Returns ``[T, L]`` scores: float64 on CPU (exact for the oracle, DESIGN 7), float32 on CUDA;
     -inf where key_rows is NO_KEY.
     """
-    from .reference import dequantize_indexer_k
-
     cdt = torch.float64 if q.device.type == "cpu" else torch.float32
     T, L = key_rows.shape
     out = torch.empty(T, L, dtype=cdt, device=q.device)
@@ -98,8 +98,6 @@ def prefill_key_rows(key_len, region_pcu, padded_local_total: int, dcp_size: int
     max_keys: the rectangle width L (default ``max(key_len)``, which syncs).
     Returns ``(key_rows [T, L] int32, key_ids [T, L] int64)``, NO_KEY beyond key_len.
     """
-    from .reference import remap_to_gathered
-
     L = int(key_len.max()) if max_keys is None else max_keys
     t = torch.arange(L, device=key_len.device)[None, :].expand(key_len.shape[0], L)
     ids = torch.where(t < key_len.long()[:, None], t, NO_KEY)
