@@ -1,11 +1,12 @@
 """Kernel benchmarks on one GPU: every kernel's median time against naive torch and the machine's
 ceilings measured in the same run (bf16 matmul 8192^3, device-to-device copy).
 
-    python bench/kernels.py [--quick] [--json out.json] [--only ceil,prefill,reuse,decode,remap,small,sweep]
+    python bench/kernels.py [--quick] [--json out.json] [--only ceil,prefill,reuse,decode,plans,remap,small,sweep]
 
 Parts: ceil (the two ceilings), prefill (bf16 and fp8 rows, in-kernel and dequantised once),
 reuse (in-kernel vs dequantise-once by references per row), decode (Triton and the Gluon
-variants; every query reads its own rows), remap (zero-copy remap vs index_select, attention and
+variants; every query reads its own rows), plans (default plans by decode shape; split counts
+and head blocks around them at T <= 2), remap (zero-copy remap vs index_select, attention and
 indexer), small (merge, pack, remap, filter), sweep (launch variants and the keys-major variant
 of bench/variants; not in the default list). Attention runs through the runtime's plans: forced
 choices go through ``plan_attention``'s keywords, launch numbers through ``dataclasses.replace``.
@@ -13,6 +14,9 @@ Prints a markdown table (the one recorded in bench/RESULTS.md). FLOPs of sparse 
 query token: 2 * H * topk * (576 + 512); bytes of decode: topk * 656 per query (the KV rows read).
 """
 
+# ruff: noqa: B023, BLE001, C408
+# B023: every lambda here is timed by bench() before its loop variables move on; BLE001: a
+# variant that fails to compile or run is reported and the other measurements go on.
 from __future__ import annotations
 
 import argparse
@@ -23,8 +27,6 @@ import time
 
 import torch
 import triton
-from triton.testing import do_bench
-
 from cpplan.runtime.kernels import reference as ref
 from cpplan.runtime.kernels.triton import attention as ta
 from cpplan.runtime.kernels.triton import index as ti
@@ -32,6 +34,7 @@ from cpplan.runtime.kernels.triton import indexer as tx
 from cpplan.runtime.kernels.triton import merge as tm
 from cpplan.runtime.kernels.triton import pack as tp
 from cpplan.runtime.kernels.triton.plan import plan_attention
+from triton.testing import do_bench
 
 ROWS: list[dict] = []
 
@@ -60,7 +63,6 @@ def ceilings():
     x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     row("ceiling: device copy 2 GiB (read + write)", bench(lambda: y.copy_(x)), bytes_=2 * x.numel())
-    del a, b, x, y
 
 
 def _inputs(T, H, topk, N, fmt, seed=0, distinct=False):
@@ -128,7 +130,6 @@ def bench_prefill(quick):
         r = row(f"prefill triton bf16 bk{bk} w{nw} s{ns}", ms, fl, vs=naive["ms"] / ms,
                 note=f"{naive['ms'] / ms:.2f}x naive")
         best = r if best is None or ms < best["ms"] else best
-    del kv
     q, kv8, idx = _inputs(T, H, topk, N, "fp8_ds_mla")
     best8 = None
     for (bk, nw, ns), var in [(c, "scaled_dots") for c in configs[:2]] + [(configs[0], "dequant")]:
@@ -177,7 +178,6 @@ def bench_decode(quick):
         kvb = ref.dequantize_fp8_ds_mla(kv8).to(torch.bfloat16)
         row(f"decode naive torch (pre-dequantised bf16 rows) B{B} H{H}",
             bench(lambda: naive_torch(q, kvb, idx, sm)), fl, by)
-        del kvb
         for splits, var, ns in ((None, "scaled_dots", 2), (None, "scaled_dots", 3), (4, "scaled_dots", 2),
                                 (None, "dequant", 2)):
             p = attn_plan(q, kv8, idx, "fp8_ds_mla", family=_FAMILY[var], num_splits=splits,
@@ -195,6 +195,30 @@ def bench_decode(quick):
         p = attn_plan(q, kv8, idx, "fp8_ds_mla")
         ms = bench(lambda: ta.sparse_mla_attention(q, kv8, idx, sm, "fp8_ds_mla", plan=p))
         row(f"decode default B{B} H{H} k2048", ms, fl, by, note=p.describe())
+
+
+def bench_plans(quick):
+    """The default plan per decode shape, and for T <= 2 (few programs: most SMs idle unless the
+    top-k is split) the split counts and head blocks around it: where plan.heads_splits and
+    heads_block would be retuned."""
+    sm = 576**-0.5
+    shapes = [(1, 128, "fp8_ds_mla"), (1, 128, "bf16"), (2, 128, "fp8_ds_mla"), (1, 16, "fp8_ds_mla")]
+    if not quick:
+        shapes += [(128, 128, "fp8_ds_mla"), (256, 16, "fp8_ds_mla"), (64, 32, "fp8_ds_mla")]
+    for T, H, fmt in shapes:
+        q, kv, idx = _inputs(T, H, 2048, 1 << 18, fmt, seed=T + H, distinct=True)
+        fl, by = attn_flops(T, H, 2048), T * 2048 * (656 if fmt == "fp8_ds_mla" else 1152)
+        p = attn_plan(q, kv, idx, fmt)
+        ms = bench(lambda: ta.sparse_mla_attention(q, kv, idx, sm, fmt, plan=p))
+        row(f"plan default T{T} H{H} {fmt}", ms, fl, by, note=p.describe())
+        if T > 2 or not p.family.startswith("triton"):
+            continue
+        for splits, block_h in ((8, None), (16, None), (32, None), (32, 32), (32, 16)):
+            alt = attn_plan(q, kv, idx, fmt, num_splits=splits)
+            if block_h:  # smaller head blocks take the few-head launch numbers
+                alt = dataclasses.replace(alt, block_h=block_h, num_warps=4, num_stages=2)
+            ms = bench(lambda: ta.sparse_mla_attention(q, kv, idx, sm, fmt, plan=alt))
+            row(f"plan alternative T{T} H{H} {fmt}", ms, fl, by, note=alt.describe())
 
 
 def bench_remap_vs_copy():
@@ -318,7 +342,7 @@ def _sweep_call(c, q, kv, idx, fmt, splits):
 def _warm(task):
     """Compile one (regime, config) in a worker process (fills Triton's on-disk cache)."""
     regime, ci = task
-    T, H, topk, N, fmt, _, cfgs = SWEEP[regime]
+    _T, H, topk, _N, fmt, _, cfgs = SWEEP[regime]
     t0 = time.time()
     try:
         q, kv, idx = _inputs(8, H, topk, 4096, fmt)
@@ -386,7 +410,8 @@ def main(argv=None):
     parts = a.only.split(",")
     steps = {"ceil": ceilings, "prefill": lambda: bench_prefill(a.quick),
              "reuse": lambda: bench_reuse(a.quick),
-             "decode": lambda: bench_decode(a.quick), "remap": bench_remap_vs_copy,
+             "decode": lambda: bench_decode(a.quick), "plans": lambda: bench_plans(a.quick),
+             "remap": bench_remap_vs_copy,
              "small": bench_small_ops, "sweep": sweep}
     for p in parts:
         try:

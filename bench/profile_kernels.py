@@ -33,8 +33,10 @@ CASES = {
 
 def build(case: str):
     from cpplan.runtime.kernels.triton import attention as ta
-
-    from kernels import _inputs, attn_plan  # same inputs as the benchmark table (bench/ is on sys.path)
+    from kernels import (  # same inputs as the benchmark table (bench/ is on sys.path)
+        _inputs,
+        attn_plan,
+    )
     from variants.kmajor import sparse_mla_attention_kmajor
 
     T, H, topk, rows, fmt, forced, launch, keys_prefetch = CASES[case]

@@ -9,7 +9,14 @@ docstrings), ``triton/``, ``gluon/`` (used by ``triton/``).
 """
 
 from .attention_plan import AttentionPlan, AttentionPlanError, DeviceSpec
-from .dispatch import BACKENDS, OP_NAMES, REFERENCE, KernelBackendError, KernelSet, get_kernels
+from .dispatch import (
+    BACKENDS,
+    OP_NAMES,
+    REFERENCE,
+    KernelBackendError,
+    KernelSet,
+    get_kernels,
+)
 from .reference import (
     D_QK,
     D_ROPE,

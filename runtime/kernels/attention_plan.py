@@ -14,7 +14,6 @@ import dataclasses
 import functools
 
 import torch
-
 from cpplan.schemas.errors import CpplanError
 
 KV_FORMATS = ("bf16", "fp8_ds_mla")
@@ -93,7 +92,7 @@ def device_spec(device) -> DeviceSpec:
     return _cuda_spec(torch.cuda.current_device() if dev.index is None else dev.index)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_spec(index: int) -> DeviceSpec:
     props = torch.cuda.get_device_properties(index)
     return DeviceSpec(kind="cuda", sm_count=props.multi_processor_count,

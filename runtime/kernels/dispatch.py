@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 from cpplan.schemas.errors import CpplanError
 

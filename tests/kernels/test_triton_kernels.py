@@ -12,7 +12,6 @@ import os
 
 import pytest
 import torch
-
 from cpplan.runtime.kernels import AttentionPlanError
 from cpplan.runtime.kernels import reference as ref
 
@@ -350,7 +349,12 @@ def test_indexer_topk_decode(env, W, rank, I):
 
 
 def test_dispatch_table():
-    from cpplan.runtime.kernels import OP_NAMES, REFERENCE, KernelBackendError, get_kernels
+    from cpplan.runtime.kernels import (
+        OP_NAMES,
+        REFERENCE,
+        KernelBackendError,
+        get_kernels,
+    )
 
     assert get_kernels("cpu") is REFERENCE
     with pytest.raises(KernelBackendError, match="flashmla"):

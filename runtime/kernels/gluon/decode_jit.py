@@ -26,13 +26,13 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.runtime.jit import constexpr_function
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy,
     fence_async_shared,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.runtime.jit import constexpr_function
 
 
 @constexpr_function

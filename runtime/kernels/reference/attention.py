@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention_plan import AttentionPlan, check_kv_format
+from ..attention_plan import AttentionPlan, AttentionPlanError, check_kv_format
 from .formats import D_QK, D_V, dequantize_fp8_ds_mla
 from .index import remap_to_gathered
 
@@ -63,8 +63,8 @@ def sparse_mla_attention(
     """
     check_kv_format(kv_format)
     if plan is not None and plan.backend != "reference":
-        raise ValueError(f"plan for backend {plan.backend!r} given to the 'reference' attention: "
-                         "expected one from its own plan_attention")
+        raise AttentionPlanError(f"plan for backend {plan.backend!r} given to the 'reference' attention: "
+                                 "expected one from its own plan_attention")
     if remap is not None:
         indices = remap_to_gathered(indices, *remap)
     if kv.dim() == 3:

@@ -63,7 +63,7 @@ def topk_reference_order(
     slots beyond the valid keys hold id NO_KEY and score -inf. Exact (two stable sorts), so it
     also serves the cross-rank merge of local candidates.
     """
-    T, L = scores.shape
+    T = scores.shape[0]
     valid = key_ids >= 0
     s = scores.masked_fill(~valid, float("-inf"))
     ids = torch.where(valid, key_ids.long(), torch.iinfo(torch.int64).max)

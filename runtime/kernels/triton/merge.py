@@ -27,7 +27,7 @@ def lse_merge_into(out_parts, lse_parts, out, lse) -> None:
 
 def lse_merge(out_parts, lse_parts):
     """Triton ``lse_merge``: returns ``(out [T, H, 512] out_parts.dtype, lse [T, H] float32)``."""
-    R, T, H, DV = out_parts.shape
+    _, T, H, DV = out_parts.shape
     out = torch.empty(T, H, DV, dtype=out_parts.dtype, device=out_parts.device)
     lse = torch.empty(T, H, dtype=torch.float32, device=out_parts.device)
     lse_merge_into(out_parts, lse_parts, out, lse)

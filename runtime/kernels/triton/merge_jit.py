@@ -22,7 +22,7 @@ def lse_merge_kernel(out_parts, lse_parts, out_ptr, lse_ptr, R, TH,
     lse_safe = tl.where(lse_out == float("-inf"), 0.0, lse_out)
     d = tl.arange(0, DV)
     acc = tl.zeros((BLOCK_ROWS, DV), tl.float32)
-    for i in range(0, R):
+    for i in range(R):
         li = tl.load(lse_parts + i * stride_lr + rows, mask=rmask, other=float("-inf"))
         w = tl.exp(li - lse_safe)
         o = tl.load(out_parts + i * stride_or + rows[:, None].to(tl.int64) * DV + d[None, :],

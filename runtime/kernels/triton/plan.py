@@ -21,7 +21,12 @@ import functools
 
 import torch
 
-from ..attention_plan import AttentionPlan, AttentionPlanError, check_kv_format, device_spec
+from ..attention_plan import (
+    AttentionPlan,
+    AttentionPlanError,
+    check_kv_format,
+    device_spec,
+)
 
 HEADS_FAMILIES = ("triton-heads", "triton-heads-scaled")
 GLUON_FAMILIES = ("gluon-small", "gluon-ring")
@@ -106,7 +111,7 @@ def gluon_splits(num_tokens: int, topk: int, family: str, spec) -> int:
     return max(1, min(per_sm * spec.sm_count // max(num_tokens, 1), _cdiv(topk, 2 * GLUON_BLOCK_K)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gluon_available() -> bool:
     """Whether this Triton has the Gluon API the decode kernels use (tested: 3.6)."""
     try:
