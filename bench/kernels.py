@@ -222,7 +222,7 @@ def bench_plans(quick):
 
 
 def bench_remap_vs_copy():
-    """Zero-copy remap vs index_select deinterleave, for attention and the indexer (DESIGN 3.5)."""
+    """Zero-copy remap vs index_select deinterleave, for attention and the indexer (docs/design.md §Gather chunks and the deinterleave map)."""
     W, I, E = 4, 1, 65536
     PT = E // W
     sm = 576**-0.5

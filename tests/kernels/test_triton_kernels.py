@@ -1,7 +1,7 @@
 """Triton kernels against the torch reference.
 
 Two environments: ``interp`` (CPU, TRITON_INTERPRET=1, small shapes, fp16/fp32 operands: the
-interpreter's bf16 ``tl.dot`` is wrong, DESIGN 7) and ``cuda`` (marked gpu: bf16 at full shapes,
+interpreter's bf16 ``tl.dot`` is wrong: docs/design.md §The Triton interpreter's bf16 dot) and ``cuda`` (marked gpu: bf16 at full shapes,
 H up to 128, topk 2048). Tolerances: norm-relative error of the output against a float32
 reference on the same rounded inputs, 3e-3 for fp16 operands and 1.5e-2 for bf16 (the matrix
 dtype's rounding of P and of dequantised rows), 1e-5 for fp32; lse absolute 1e-3.
@@ -291,7 +291,7 @@ def _indexer_inputs(env, T, Hi, N, seed):
     dev = _dev(env)
     dtype = torch.bfloat16 if env == "cuda" else torch.float32
     g = torch.Generator().manual_seed(seed)
-    # integer-valued inputs: every score is exact in float32 and float64 (DESIGN 7), ties abound
+    # integer-valued inputs: every score is exact in float32 and float64 (docs/design.md §Exact top-k needs exact scores), ties abound
     q = torch.randint(-2, 3, (T, Hi, 128), generator=g).to(dtype).to(dev)
     w = torch.randint(-2, 3, (T, Hi), generator=g).float().to(dev)
     k = ref.quantize_indexer_k(torch.randint(-3, 4, (N, 128), generator=g).float()).to(dev)

@@ -4,7 +4,7 @@ Everything runs on CPU (float32 / float64) and on CUDA; nothing syncs on purpose
 docstring says so (the reference is not the hot path on the GPU). Modules: ``formats`` (fp8
 cache formats, the dimension constants), ``attention`` (sparse-MLA attention, LSE merge, the
 trivial ``plan_attention``), ``index`` (token ids -> gathered rows / local slots), ``indexer``
-(indexer scores and the reference-order top-k). Vocabulary (docs/design.md §Vocabulary): T query
+(indexer scores and the reference-order top-k). Vocabulary (docs/design.md §Symbols): T query
 rows, H attention heads, Hi indexer heads, W DCP world size, I interleave, PT padded local total
 of a gather chunk, B block (page) size.
 """

@@ -1,8 +1,8 @@
 """Reference sparse-MLA attention and the exact LSE merge (torch; CPU and CUDA).
 
-The semantics every other backend is tested against; docs/design.md §Decode rows and the LSE
-merge. ``plan_attention`` is trivial here (one family, nothing to tune): it exists so every
-``KernelSet`` has the same plan/run pair.
+The semantics every other backend is tested against; docs/design.md §Reference attention
+semantics and §Decode rows: LSE merge and top-k merge. ``plan_attention`` is trivial here (one
+family, nothing to tune): it exists so every ``KernelSet`` has the same plan/run pair.
 """
 
 from __future__ import annotations
@@ -95,7 +95,8 @@ def _attend_chunk(q, kv, idx, sm_scale, kv_format, cdt):
 
 
 def lse_merge(out_parts: torch.Tensor, lse_parts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact merge of partial attention results (DESIGN 3.6).
+    """Exact merge of partial attention results (docs/design.md §Decode rows: LSE merge and top-k
+    merge).
 
     out_parts: ``[R, T, H, 512]`` float, lse_parts: ``[R, T, H]`` float32 (natural log, -inf for a
     part with no key). Returns ``(out [T, H, 512] out_parts.dtype, lse [T, H] float32)``:

@@ -2,7 +2,7 @@
 
 ``fp8_ds_mla`` KV rows (656 bytes: 512 fp8 e4m3 latent values, four float32 power-of-two scales,
 64 bf16 RoPE values) and indexer keys (132 bytes: 128 fp8 values, one float32 scale); formats in
-docs/design.md §Model dimensions and formats and shared/KERNELS.md. Runs on CPU and CUDA.
+docs/design.md §The fp8_ds_mla KV token (656 bytes) and §Indexer keys and scores. Runs on CPU and CUDA.
 Sentinel: ``NO_KEY = -1`` in every index / id / slot / row tensor means "no key, never read".
 """
 

@@ -1,6 +1,6 @@
 """Reference index maps: global token ids -> gathered rows or -> this rank's cache slots.
 
-docs/design.md §DCP sharding of the KV cache and §Gathered-KV chunks and the deinterleave map.
+docs/design.md §DCP sharding and §Gather chunks and the deinterleave map.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Plain torch reference of the sparse-attention indexer (DESIGN 3.6 and 4).
+"""Plain torch reference of the sparse-attention indexer (docs/design.md §Decode rows: LSE merge and top-k merge; §Indexer keys and scores).
 
 score(query j, key) = sum_h w[j, h] * ReLU(q[j, h] . k_dequant), then the top-k keys in the
 **reference order**: score descending, then global token id ascending. The key set of a query is
@@ -12,7 +12,7 @@ rectangle for the two cases the runtime has:
 - decode (``decode_key_slots``): keys = the tokens of this DCP rank's local shard of the request,
   ``local_len[j]`` of them, as cache slots through the local block table; ids = their global
   token positions ``(l // I) * W * I + rank * I + l % I``. Each rank's local top-k is then merged
-  across ranks by the same order (exact, DESIGN 3.6).
+  across ranks by the same order (exact).
 
 ``indexer_topk_prefill`` / ``indexer_topk_decode`` compose these; the Triton backend implements
 the same two entry points without materialising the rectangles.
@@ -35,7 +35,7 @@ def indexer_scores(
 
     q: ``[T, Hi, 128]`` float; weights: ``[T, Hi]`` float; k_packed: ``[N, 132]`` uint8 packed
     indexer keys (128 fp8 + fp32 scale); key_rows: ``[T, L]`` int, rows of k_packed, NO_KEY = none.
-    Returns ``[T, L]`` scores: float64 on CPU (exact for the oracle, DESIGN 7), float32 on CUDA;
+    Returns ``[T, L]`` scores: float64 on CPU (exact for the oracle: docs/design.md §Exact top-k needs exact scores), float32 on CUDA;
     -inf where key_rows is NO_KEY.
     """
     cdt = torch.float64 if q.device.type == "cpu" else torch.float32

@@ -4,7 +4,7 @@
 as it is: the fp8 rows pass (dequantise once or not), the kernel family (``attention_jit``'s
 heads kernels or the Gluon decode in ``..gluon``), the splits of the top-k and the launch
 numbers. With more than one split, each writes a float32 partial (out, lse) and
-``merge.lse_merge_into`` combines them (docs/design.md §Decode rows and the LSE merge). Only what
+``merge.lse_merge_into`` combines them (docs/design.md §Decode rows: LSE merge and top-k merge). Only what
 would otherwise fail silently is checked here, from host metadata (no sync). Contract:
 ``reference.sparse_mla_attention``.
 """

@@ -13,7 +13,7 @@ the rows of the products (16-64 per program). Two kernels:
   output in four [heads, 128] accumulators; cheaper than dequantising every value at few heads.
 
 Both write a partial (out, lse) per split. REMAP maps global token ids to rows of the rank-major
-gathered buffer in the kernel (docs/design.md §Gathered-KV chunks and the deinterleave map).
+gathered buffer in the kernel (docs/design.md §Gather chunks and the deinterleave map).
 The helpers here are shared by every Triton attention kernel, also bench/variants'; nothing in
 this module imports another kernels module.
 """

@@ -1,8 +1,8 @@
-"""Triton index maps (DESIGN 3.4 / 3.5): global token ids -> gathered rows, or -> local slots.
+"""Triton index maps (docs/design.md §DCP sharding, §Gather chunks and the deinterleave map): global token ids -> gathered rows, or -> local slots.
 
 Contracts: ``reference.remap_to_gathered`` and ``reference.filter_local_slots``. One program per
 (query row, block of K). The attention kernel can also fuse the remap (``remap=`` keyword of
-``triton_attention.sparse_mla_attention``), which skips this pass altogether.
+``attention.sparse_mla_attention``), which skips this pass altogether.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Triton indexer: scores sum_h w_h * ReLU(q_h . k) over packed fp8 keys, then the top-k in the
-reference order (score descending, token id ascending; DESIGN 3.6).
+reference order (score descending, token id ascending; docs/design.md §Decode rows: LSE merge and top-k merge).
 
 One program per (query, block of BLOCK_L keys): a [Hi, 128] x [128, BLOCK_L] product on the
 fp8 keys upcast exactly to the operand dtype, the per-key scale applied after the product (a
@@ -8,7 +8,7 @@ three sources, chosen at compile time:
 
 - ROWS: an explicit ``key_rows [T, L]`` rectangle (``reference.indexer_scores``);
 - PREFILL: keys ``0 .. key_len[j]-1`` of query j's request, rows computed in the kernel from the
-  gather chunk's region parameters (zero-copy deinterleave, DESIGN 3.5);
+  gather chunk's region parameters (zero-copy deinterleave);
 - DECODE: the rank's local shard, ``local_len[j]`` keys, slots through the block table.
 
 For PREFILL and DECODE the kernel writes one int64 sort key per (query, key):
@@ -95,7 +95,7 @@ def _chunked_topk(q, topk, L, budget, launch, to_ids):
 def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_local_total: int,
                          dcp_size: int, interleave: int, topk: int, *, max_keys: int | None = None,
                          logits_budget_bytes: int = LOGITS_BUDGET_BYTES):
-    """Triton ``indexer_topk_prefill`` (contract in ``reference_indexer``); scores float32.
+    """Triton ``indexer_topk_prefill`` (contract in ``reference.indexer``); scores float32.
 
     max_keys: the widest key_len (from the plan; default ``max(key_len)``, which syncs).
     """

@@ -1,4 +1,4 @@
-"""Triton LSE merge of partial attention results (DESIGN 3.6); contract: ``reference.lse_merge``.
+"""Triton LSE merge of partial attention results (docs/design.md §Decode rows: LSE merge and top-k merge); contract: ``reference.lse_merge``.
 
 One program per (token, block of heads): reads the R partial lse values and R x 512 outputs once,
 writes the merged output and lse. A row whose parts are all -inf ends as (0, -inf), never NaN.
