@@ -1,33 +1,40 @@
 """Kernel benchmarks on one GPU: every kernel's median time against naive torch and the machine's
 ceilings measured in the same run (bf16 matmul 8192^3, device-to-device copy).
 
-    python bench/kernels.py [--quick] [--json out.json] [--only ceil,prefill,reuse,decode,remap,small,sweep]
+    python bench/kernels.py [--quick] [--json out.json] [--only ceil,prefill,reuse,decode,plans,remap,small,sweep]
 
 Parts: ceil (the two ceilings), prefill (bf16 and fp8 rows, in-kernel and dequantised once),
 reuse (in-kernel vs dequantise-once by references per row), decode (Triton and the Gluon
-variants; every query reads its own rows), remap (zero-copy remap vs index_select, attention and
-indexer), small (merge, pack, remap, filter), sweep (launch variants; not in the default list).
+variants; every query reads its own rows), plans (default plans by decode shape; split counts
+and head blocks around them at T <= 2), remap (zero-copy remap vs index_select, attention and
+indexer), small (merge, pack, remap, filter), sweep (launch variants and the keys-major variant
+of bench/variants; not in the default list). Attention runs through the runtime's plans: forced
+choices go through ``plan_attention``'s keywords, launch numbers through ``dataclasses.replace``.
 Prints a markdown table (the one recorded in bench/RESULTS.md). FLOPs of sparse MLA per
 query token: 2 * H * topk * (576 + 512); bytes of decode: topk * 656 per query (the KV rows read).
 """
 
+# ruff: noqa: B023, BLE001, C408
+# B023: every lambda here is timed by bench() before its loop variables move on; BLE001: a
+# variant that fails to compile or run is reported and the other measurements go on.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
 
 import torch
 import triton
-from triton.testing import do_bench
-
 from cpplan.runtime.kernels import reference as ref
-from cpplan.runtime.kernels import triton_attention as ta
-from cpplan.runtime.kernels import triton_index as ti
-from cpplan.runtime.kernels import triton_indexer as tx
-from cpplan.runtime.kernels import triton_merge as tm
-from cpplan.runtime.kernels import triton_pack as tp
+from cpplan.runtime.kernels.triton import attention as ta
+from cpplan.runtime.kernels.triton import index as ti
+from cpplan.runtime.kernels.triton import indexer as tx
+from cpplan.runtime.kernels.triton import merge as tm
+from cpplan.runtime.kernels.triton import pack as tp
+from cpplan.runtime.kernels.triton.plan import plan_attention
+from triton.testing import do_bench
 
 ROWS: list[dict] = []
 
@@ -56,7 +63,6 @@ def ceilings():
     x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     row("ceiling: device copy 2 GiB (read + write)", bench(lambda: y.copy_(x)), bytes_=2 * x.numel())
-    del a, b, x, y
 
 
 def _inputs(T, H, topk, N, fmt, seed=0, distinct=False):
@@ -77,6 +83,15 @@ def _inputs(T, H, topk, N, fmt, seed=0, distinct=False):
     return q, buf, idx
 
 
+def attn_plan(q, kv, idx, fmt, *, launch=None, **forced):
+    """The runtime's plan for these operands; ``forced``: plan_attention's family / fp8_rows /
+    num_splits (None = its choice); ``launch``: block_k / num_warps / num_stages to replace."""
+    p = plan_attention(num_tokens=q.shape[0], num_heads=q.shape[1], topk=idx.shape[1], kv_format=fmt,
+                       num_kv_rows=kv.reshape(-1, kv.shape[-1]).shape[0], q_dtype=q.dtype,
+                       device=q.device, **forced)
+    return dataclasses.replace(p, **{k: v for k, v in (launch or {}).items() if v is not None})
+
+
 def naive_torch(q, kv, idx, sm_scale, chunk=256):
     """Gather rows, two einsums and a softmax in bf16 (the baseline the issue measured)."""
     out = torch.empty(q.shape[0], q.shape[1], 512, dtype=q.dtype, device=q.device)
@@ -94,6 +109,9 @@ def attn_flops(T, H, topk):
     return 2 * T * H * topk * (576 + 512)
 
 
+_FAMILY = {"scaled_dots": "triton-heads-scaled", "dequant": "triton-heads"}  # the earlier option names
+
+
 def bench_prefill(quick):
     T, H, topk, N = 4096, 128, 2048, 65536
     fl = attn_flops(T, H, topk)
@@ -104,29 +122,29 @@ def bench_prefill(quick):
     best = None
     for bk, nw, ns in configs:
         try:
-            ms = bench(lambda: ta.sparse_mla_attention(q, kv, idx, sm, "bf16", block_k=bk,
-                                                       num_warps=nw, num_stages=ns))
+            p = attn_plan(q, kv, idx, "bf16", launch=dict(block_k=bk, num_warps=nw, num_stages=ns))
+            ms = bench(lambda: ta.sparse_mla_attention(q, kv, idx, sm, "bf16", plan=p))
         except Exception as e:  # a config that does not compile (registers / shared memory)
             print(f"prefill bf16 bk{bk} w{nw} s{ns}: {type(e).__name__}: {str(e)[:120]}")
             continue
         r = row(f"prefill triton bf16 bk{bk} w{nw} s{ns}", ms, fl, vs=naive["ms"] / ms,
                 note=f"{naive['ms'] / ms:.2f}x naive")
         best = r if best is None or ms < best["ms"] else best
-    del kv
     q, kv8, idx = _inputs(T, H, topk, N, "fp8_ds_mla")
     best8 = None
     for (bk, nw, ns), var in [(c, "scaled_dots") for c in configs[:2]] + [(configs[0], "dequant")]:
         try:
-            ms = bench(lambda: ta.sparse_mla_attention(q, kv8, idx, sm, "fp8_ds_mla", block_k=bk,
-                                                       num_warps=nw, num_stages=ns, fp8_variant=var,
-                                                       fp8_rows="in_kernel"))
+            p = attn_plan(q, kv8, idx, "fp8_ds_mla", family=_FAMILY[var], fp8_rows="in_kernel",
+                          launch=dict(block_k=bk, num_warps=nw, num_stages=ns))
+            ms = bench(lambda: ta.sparse_mla_attention(q, kv8, idx, sm, "fp8_ds_mla", plan=p))
         except Exception as e:
             print(f"prefill fp8 {var} bk{bk} w{nw} s{ns}: {type(e).__name__}: {str(e)[:120]}")
             continue
         r = row(f"prefill triton fp8_ds_mla {var} bk{bk} w{nw} s{ns}", ms, fl,
                 note=f"{best['ms'] / ms:.2f}x best bf16" if best else "")
         best8 = r if best8 is None or ms < best8["ms"] else best8
-    ms = bench(lambda: ta.sparse_mla_attention(q, kv8, idx, sm, "fp8_ds_mla", fp8_rows="dequantise_once"))
+    p = attn_plan(q, kv8, idx, "fp8_ds_mla", fp8_rows="dequantise_once")
+    ms = bench(lambda: ta.sparse_mla_attention(q, kv8, idx, sm, "fp8_ds_mla", plan=p))
     r = row("prefill triton fp8_ds_mla dequantise_once (default here)", ms, fl,
             note=f"{best['ms'] / ms:.2f}x best bf16" if best else "")
     best8 = r if best8 is None or ms < best8["ms"] else best8
@@ -137,15 +155,15 @@ def bench_reuse(quick):
     """fp8 rows dequantised in the kernel vs once up front, by references per row (T * topk / N):
     where ``DEQUANTISE_ONCE_REUSE`` comes from."""
     sm, topk, H, N = 576**-0.5, 2048, 128, 65536
-    from cpplan.runtime.kernels.triton_pack import dequantize_fp8_ds_mla
-
     q, kv8, idx = _inputs(4096, H, topk, N, "fp8_ds_mla", seed=7)
-    row(f"dequantize_fp8_ds_mla -> bf16, {N} rows", bench(lambda: dequantize_fp8_ds_mla(kv8, torch.bfloat16)),
+    row(f"dequantize_fp8_ds_mla -> bf16, {N} rows", bench(lambda: tp.dequantize_fp8_ds_mla(kv8, torch.bfloat16)),
         bytes_=N * (656 + 1152))
     for T in ((64, 256) if quick else (16, 64, 128, 256, 1024, 4096)):
         qt, it = q[:T].contiguous(), idx[:T].contiguous()
-        a = bench(lambda: ta.sparse_mla_attention(qt, kv8, it, sm, "fp8_ds_mla", fp8_rows="in_kernel"))
-        b = bench(lambda: ta.sparse_mla_attention(qt, kv8, it, sm, "fp8_ds_mla", fp8_rows="dequantise_once"))
+        pa = attn_plan(qt, kv8, it, "fp8_ds_mla", fp8_rows="in_kernel")
+        pb = attn_plan(qt, kv8, it, "fp8_ds_mla", fp8_rows="dequantise_once")
+        a = bench(lambda: ta.sparse_mla_attention(qt, kv8, it, sm, "fp8_ds_mla", plan=pa))
+        b = bench(lambda: ta.sparse_mla_attention(qt, kv8, it, sm, "fp8_ds_mla", plan=pb))
         reuse = T * topk / N
         row(f"reuse {reuse:6.1f} (T {T}): in_kernel / dequantise_once", a, attn_flops(T, H, topk),
             note=f"once {b * 1e3:.1f} us: {a / b:.2f}x")
@@ -160,27 +178,51 @@ def bench_decode(quick):
         kvb = ref.dequantize_fp8_ds_mla(kv8).to(torch.bfloat16)
         row(f"decode naive torch (pre-dequantised bf16 rows) B{B} H{H}",
             bench(lambda: naive_torch(q, kvb, idx, sm)), fl, by)
-        del kvb
         for splits, var, ns in ((None, "scaled_dots", 2), (None, "scaled_dots", 3), (4, "scaled_dots", 2),
                                 (None, "dequant", 2)):
-            ms = bench(lambda: ta.sparse_mla_attention(q, kv8, idx, sm, "fp8_ds_mla", num_splits=splits,
-                                                       fp8_variant=var, num_stages=ns, layout="heads"))
+            p = attn_plan(q, kv8, idx, "fp8_ds_mla", family=_FAMILY[var], num_splits=splits,
+                          launch=dict(num_stages=ns))
+            ms = bench(lambda: ta.sparse_mla_attention(q, kv8, idx, sm, "fp8_ds_mla", plan=p))
             row(f"decode triton fp8 {var} B{B} H{H} k2048 splits={splits or 'auto'} s{ns}", ms, fl, by)
         if H <= 32:
             for var, splits, ns, nw in (("ring", None, None, None), ("ring", None, 2, None), ("small", 1, None, 4),
                                         ("small", 2, None, 4), ("small", 4, None, 4), ("small", 1, None, 8)):
-                ms = bench(lambda: ta.sparse_mla_attention(q, kv8, idx, sm, "fp8_ds_mla", layout="gluon",
-                                                           gluon_variant=var, num_splits=splits,
-                                                           num_stages=ns, num_warps=nw))
+                p = attn_plan(q, kv8, idx, "fp8_ds_mla", family=f"gluon-{var}", num_splits=splits,
+                              launch=dict(num_stages=ns, num_warps=nw))
+                ms = bench(lambda: ta.sparse_mla_attention(q, kv8, idx, sm, "fp8_ds_mla", plan=p))
                 row(f"decode gluon {var} fp8 B{B} H{H} k2048 splits={splits or 'auto'} s{ns or 'auto'} "
                     f"w{nw or 'auto'}", ms, fl, by)
-        ms = bench(lambda: ta.sparse_mla_attention(q, kv8, idx, sm, "fp8_ds_mla"))
-        row(f"decode default (layout auto) B{B} H{H} k2048",
-            ms, fl, by)
+        p = attn_plan(q, kv8, idx, "fp8_ds_mla")
+        ms = bench(lambda: ta.sparse_mla_attention(q, kv8, idx, sm, "fp8_ds_mla", plan=p))
+        row(f"decode default B{B} H{H} k2048", ms, fl, by, note=p.describe())
+
+
+def bench_plans(quick):
+    """The default plan per decode shape, and for T <= 2 (few programs: most SMs idle unless the
+    top-k is split) the split counts and head blocks around it: where plan.heads_splits and
+    heads_block would be retuned."""
+    sm = 576**-0.5
+    shapes = [(1, 128, "fp8_ds_mla"), (1, 128, "bf16"), (2, 128, "fp8_ds_mla"), (1, 16, "fp8_ds_mla")]
+    if not quick:
+        shapes += [(128, 128, "fp8_ds_mla"), (256, 16, "fp8_ds_mla"), (64, 32, "fp8_ds_mla")]
+    for T, H, fmt in shapes:
+        q, kv, idx = _inputs(T, H, 2048, 1 << 18, fmt, seed=T + H, distinct=True)
+        fl, by = attn_flops(T, H, 2048), T * 2048 * (656 if fmt == "fp8_ds_mla" else 1152)
+        p = attn_plan(q, kv, idx, fmt)
+        ms = bench(lambda: ta.sparse_mla_attention(q, kv, idx, sm, fmt, plan=p))
+        row(f"plan default T{T} H{H} {fmt}", ms, fl, by, note=p.describe())
+        if T > 2 or not p.family.startswith("triton"):
+            continue
+        for splits, block_h in ((8, None), (16, None), (32, None), (32, 32), (32, 16)):
+            alt = attn_plan(q, kv, idx, fmt, num_splits=splits)
+            if block_h:  # smaller head blocks take the few-head launch numbers
+                alt = dataclasses.replace(alt, block_h=block_h, num_warps=4, num_stages=2)
+            ms = bench(lambda: ta.sparse_mla_attention(q, kv, idx, sm, fmt, plan=alt))
+            row(f"plan alternative T{T} H{H} {fmt}", ms, fl, by, note=alt.describe())
 
 
 def bench_remap_vs_copy():
-    """Zero-copy remap vs index_select deinterleave, for attention and the indexer (DESIGN 3.5)."""
+    """Zero-copy remap vs index_select deinterleave, for attention and the indexer (docs/design.md §Gather chunks and the deinterleave map)."""
     W, I, E = 4, 1, 65536
     PT = E // W
     sm = 576**-0.5
@@ -247,54 +289,64 @@ def bench_small_ops():
     row("filter_local_slots triton [4096, 2048]", bench(lambda: ti.filter_local_slots(ids, bt, 64, 4, 1, 1)), bytes_=by)
 
 
-# ---- variant sweep (the launch choices in triton_attention.default_config come from here) ----
+# ---- variant sweep (the launch numbers in runtime/kernels/triton/plan.py come from here) ----
 
-def _cfg(layout="heads", var="dequant", bk=64, nw=8, ns=2, pf=False, bf=False, ev=False, ws=False):
-    return dict(layout=layout, fp8_variant=var, block_k=bk, num_warps=nw, num_stages=ns, prefetch=pf,
-                deq_bf16=bf, evict=ev, ws=ws)
+def _cfg(family="triton-heads", bk=64, nw=8, ns=2, kmajor=False, pf=False, ev=False):
+    """One sweep point: a heads family with launch numbers, or (kmajor) bench/variants' keys-major
+    kernel with optional register prefetch / evict-first loads."""
+    return dict(family=family, block_k=bk, num_warps=nw, num_stages=ns, kmajor=kmajor, prefetch=pf, evict=ev)
 
 
 def _cfg_name(c):
-    s = f"{c['layout']}"
-    if c["layout"] == "heads":
-        s += f"/{c['fp8_variant']}"
+    s = "keys" if c["kmajor"] else c["family"]
     s += f" bk{c['block_k']} w{c['num_warps']} s{c['num_stages']}"
-    for k, tag in (("prefetch", "pf"), ("deq_bf16", "bf16deq"), ("evict", "evict"), ("ws", "ws")):
+    for k, tag in (("prefetch", "pf"), ("evict", "evict")):
         if c[k]:
             s += f" {tag}"
     return s
 
 
+_K = dict(kmajor=True)
 SWEEP = {
-    # regime: (T, H, topk, N, kv_format, splits to try, configs); first config = the earlier default
+    # regime: (T, H, topk, N, kv_format, splits to try, configs); first config = the earlier default.
+    # fp8 rows are read in the kernel (fp8_rows "in_kernel") in every regime. Keys-major prefetch
+    # at 64/128 keys is left out: an illegal address on the H200 (bench/RESULTS.md).
     "decode_h16": (256, 16, 2048, 1 << 18, "fp8_ds_mla", (None, 2, 4), [
-        _cfg(var="scaled_dots", nw=4, ns=3), _cfg(nw=4, ns=1, pf=True),
-        _cfg("keys", bk=32, nw=4, ns=1), _cfg("keys", bk=32, nw=4, ns=2), _cfg("keys", bk=32, nw=4, ns=3),
-        _cfg("keys", bk=32, nw=4, ns=1, pf=True), _cfg("keys", bk=64, nw=8, ns=2),
-        _cfg("keys", bk=64, nw=8, ns=1, pf=True), _cfg("keys", bk=64, nw=4, ns=2),
-        _cfg("keys", bk=32, nw=4, ns=2, ev=True), _cfg("keys", bk=64, nw=4, ns=1, pf=True)]),
+        _cfg("triton-heads-scaled", nw=4, ns=3), _cfg(nw=4, ns=2),
+        _cfg(bk=32, nw=4, ns=1, **_K), _cfg(bk=32, nw=4, ns=2, **_K), _cfg(bk=32, nw=4, ns=3, **_K),
+        _cfg(bk=32, nw=4, ns=1, pf=True, **_K), _cfg(bk=64, nw=8, ns=2, **_K), _cfg(bk=64, nw=4, ns=2, **_K),
+        _cfg(bk=32, nw=4, ns=2, ev=True, **_K)]),
     "decode_h128": (128, 128, 2048, 1 << 18, "fp8_ds_mla", (None, 2), [
-        _cfg(), _cfg(bf=True), _cfg(bf=True, ns=3), _cfg(pf=True, ns=1), _cfg(pf=True, bf=True, ns=1),
-        _cfg(pf=True, bf=True, ns=2), _cfg(pf=True, bf=True, ns=1, ev=True), _cfg(bk=32, pf=True, bf=True, ns=1),
-        _cfg(bf=True, ws=True), _cfg("keys", bk=64, nw=8, ns=1, pf=True), _cfg("keys", bk=64, nw=8, ns=2)]),
+        _cfg(), _cfg(ns=3), _cfg(bk=32, ns=2), _cfg("triton-heads-scaled"), _cfg(bk=64, nw=8, ns=2, **_K)]),
     "prefill_bf16": (4096, 128, 2048, 65536, "bf16", (None,), [
-        _cfg(ns=3), _cfg(ns=4), _cfg(ns=2, pf=True), _cfg(ns=1, pf=True), _cfg(bk=32, ns=4),
-        _cfg(bk=32, ns=2, pf=True), _cfg(bk=128, ns=1), _cfg(ns=3, ws=True), _cfg("keys", nw=8, ns=2),
-        _cfg("keys", nw=8, ns=1, pf=True)]),
+        _cfg(ns=3), _cfg(ns=4), _cfg(bk=32, ns=4), _cfg(bk=128, ns=1), _cfg(nw=8, ns=2, **_K)]),
     "prefill_fp8": (4096, 128, 2048, 65536, "fp8_ds_mla", (None,), [
-        _cfg(ns=3), _cfg(ns=3, bf=True), _cfg(ns=1, pf=True, bf=True), _cfg(ns=2, pf=True, bf=True),
-        _cfg(ns=2, pf=True), _cfg(bk=32, ns=1, pf=True, bf=True), _cfg("keys", nw=8, ns=1, pf=True)]),
+        _cfg(ns=3), _cfg(ns=2), _cfg(bk=32, ns=3), _cfg("triton-heads-scaled", ns=3)]),
 }
+
+
+def _sweep_call(c, q, kv, idx, fmt, splits):
+    """A callable running sweep point ``c`` with ``splits`` (None: the plan's)."""
+    from variants.kmajor import sparse_mla_attention_kmajor
+
+    sm = 576**-0.5
+    p = attn_plan(q, kv, idx, fmt, family="triton-heads" if c["kmajor"] else c["family"], num_splits=splits,
+                  fp8_rows="in_kernel" if fmt == "fp8_ds_mla" else None,
+                  launch={k: c[k] for k in ("block_k", "num_warps", "num_stages")})
+    if c["kmajor"]:
+        return lambda: sparse_mla_attention_kmajor(q, kv, idx, sm, fmt, plan=p, prefetch=c["prefetch"],
+                                                   evict=c["evict"])
+    return lambda: ta.sparse_mla_attention(q, kv, idx, sm, fmt, plan=p)
 
 
 def _warm(task):
     """Compile one (regime, config) in a worker process (fills Triton's on-disk cache)."""
     regime, ci = task
-    T, H, topk, N, fmt, _, cfgs = SWEEP[regime]
+    _T, H, topk, _N, fmt, _, cfgs = SWEEP[regime]
     t0 = time.time()
     try:
         q, kv, idx = _inputs(8, H, topk, 4096, fmt)
-        ta.sparse_mla_attention(q, kv, idx, 576**-0.5, fmt, **cfgs[ci])
+        _sweep_call(cfgs[ci], q, kv, idx, fmt, None)()
         torch.cuda.synchronize()
         return regime, ci, None, time.time() - t0
     except Exception as e:  # registers / shared memory / unsupported: reported, skipped
@@ -315,22 +367,22 @@ def sweep(regimes=None, workers=12):
                 failed[(r, i)] = err
                 print(f"compile {r} {_cfg_name(SWEEP[r][6][i])}: {err}", flush=True)
     print(f"# compiled {len(tasks)} variants in {time.time() - t0:.0f} s ({len(failed)} failed)", flush=True)
-    sm = 576**-0.5
     best = {}
     for r in regimes:
         T, H, topk, N, fmt, splits_list, cfgs = SWEEP[r]
         q, kv, idx = _inputs(T, H, topk, N, fmt, seed=7)
         fl, by = attn_flops(T, H, topk), T * topk * (656 if fmt == "fp8_ds_mla" else 1152)
-        want = ta.sparse_mla_attention(q, kv, idx, sm, fmt, **cfgs[0])[0].float()
+        want = _sweep_call(cfgs[0], q, kv, idx, fmt, None)()[0].float()
         base = None
         for i, c in enumerate(cfgs):
             if (r, i) in failed:
                 continue
             for sp in splits_list:
                 try:
-                    o = ta.sparse_mla_attention(q, kv, idx, sm, fmt, num_splits=sp, **c)[0].float()
+                    fn = _sweep_call(c, q, kv, idx, fmt, sp)
+                    o = fn()[0].float()
                     err = ((o - want).norm() / want.norm()).item()
-                    ms = bench(lambda: ta.sparse_mla_attention(q, kv, idx, sm, fmt, num_splits=sp, **c))
+                    ms = bench(fn)
                 except Exception as e:
                     print(f"{r} {_cfg_name(c)} splits={sp}: {type(e).__name__}: {str(e)[:160]}", flush=True)
                     continue
@@ -358,7 +410,8 @@ def main(argv=None):
     parts = a.only.split(",")
     steps = {"ceil": ceilings, "prefill": lambda: bench_prefill(a.quick),
              "reuse": lambda: bench_reuse(a.quick),
-             "decode": lambda: bench_decode(a.quick), "remap": bench_remap_vs_copy,
+             "decode": lambda: bench_decode(a.quick), "plans": lambda: bench_plans(a.quick),
+             "remap": bench_remap_vs_copy,
              "small": bench_small_ops, "sweep": sweep}
     for p in parts:
         try:

@@ -16,28 +16,35 @@ import sys
 import torch
 
 CASES = {
-    # name: (T, H, topk, rows, kv_format, options)
-    "prefill_bf16": (4096, 128, 2048, 65536, "bf16", {}),
-    "prefill_fp8_in_kernel": (4096, 128, 2048, 65536, "fp8_ds_mla", {"fp8_rows": "in_kernel"}),
-    "prefill_fp8_once": (4096, 128, 2048, 65536, "fp8_ds_mla", {"fp8_rows": "dequantise_once"}),
-    "decode_h128": (128, 128, 2048, 1 << 18, "fp8_ds_mla", {}),
-    "decode_h16": (256, 16, 2048, 1 << 18, "fp8_ds_mla", {}),
-    "decode_h16_keys": (256, 16, 2048, 1 << 18, "fp8_ds_mla",
-                        {"layout": "keys", "block_k": 32, "prefetch": True, "num_warps": 4, "num_stages": 1}),
-    "decode_h16_gluon": (256, 16, 2048, 1 << 18, "fp8_ds_mla", {"layout": "gluon"}),
-    "decode_h32_gluon": (64, 32, 2048, 1 << 18, "fp8_ds_mla", {"layout": "gluon"}),
-    "decode_h16_dequant": (256, 16, 2048, 1 << 18, "fp8_ds_mla", {"fp8_variant": "dequant"}),
+    # name: (T, H, topk, rows, kv_format, forced plan choices, launch numbers, keys-major prefetch)
+    "prefill_bf16": (4096, 128, 2048, 65536, "bf16", {}, {}, None),
+    "prefill_fp8_in_kernel": (4096, 128, 2048, 65536, "fp8_ds_mla", {"fp8_rows": "in_kernel"}, {}, None),
+    "prefill_fp8_once": (4096, 128, 2048, 65536, "fp8_ds_mla", {"fp8_rows": "dequantise_once"}, {}, None),
+    "decode_h128": (128, 128, 2048, 1 << 18, "fp8_ds_mla", {}, {}, None),
+    "decode_h16": (256, 16, 2048, 1 << 18, "fp8_ds_mla", {}, {}, None),
+    "decode_h16_keys": (256, 16, 2048, 1 << 18, "fp8_ds_mla", {"family": "triton-heads"},
+                        {"block_k": 32, "num_warps": 4, "num_stages": 1}, True),
+    "decode_h16_gluon": (256, 16, 2048, 1 << 18, "fp8_ds_mla", {"family": "gluon-small"}, {}, None),
+    "decode_h32_gluon": (64, 32, 2048, 1 << 18, "fp8_ds_mla", {"family": "gluon-ring"}, {}, None),
+    "decode_h16_scaled": (256, 16, 2048, 1 << 18, "fp8_ds_mla", {"family": "triton-heads-scaled"}, {}, None),
+    "decode_h16_dequant": (256, 16, 2048, 1 << 18, "fp8_ds_mla", {"family": "triton-heads"}, {}, None),
 }
 
 
 def build(case: str):
-    from cpplan.runtime.kernels import triton_attention as ta
+    from cpplan.runtime.kernels.triton import attention as ta
+    from kernels import (  # same inputs as the benchmark table (bench/ is on sys.path)
+        _inputs,
+        attn_plan,
+    )
+    from variants.kmajor import sparse_mla_attention_kmajor
 
-    from kernels import _inputs  # same inputs as the benchmark table (bench/ is on sys.path)
-
-    T, H, topk, rows, fmt, opts = CASES[case]
+    T, H, topk, rows, fmt, forced, launch, keys_prefetch = CASES[case]
     q, kv, idx = _inputs(T, H, topk, rows, fmt, seed=T + H, distinct=case.startswith("decode"))
-    return lambda: ta.sparse_mla_attention(q, kv, idx, 576**-0.5, fmt, **opts)
+    plan = attn_plan(q, kv, idx, fmt, launch=launch, **forced)
+    if keys_prefetch is not None:
+        return lambda: sparse_mla_attention_kmajor(q, kv, idx, 576**-0.5, fmt, plan=plan, prefetch=keys_prefetch)
+    return lambda: ta.sparse_mla_attention(q, kv, idx, 576**-0.5, fmt, plan=plan)
 
 
 def main(argv=None) -> int:
@@ -52,7 +59,7 @@ def main(argv=None) -> int:
     if a.time:
         from triton.testing import do_bench
 
-        for case, (T, H, topk, _rows, _fmt, _o) in CASES.items():
+        for case, (T, H, topk, *_rest) in CASES.items():
             fn = build(case)
             fn()
             ms = do_bench(fn, warmup=25, rep=300, return_mode="median")

@@ -1,19 +1,23 @@
-"""One dispatch table for the kernel backends (STYLE rule 13: no ``if backend == ...`` in steps).
+"""One dispatch table for the kernel backends (no ``if backend == ...`` in step code).
 
 ``get_kernels(device, backend)`` returns a frozen ``KernelSet``: one callable per op, each with
-the signature and semantics of the same-named function in ``reference.py`` /
-``reference_indexer.py`` (read their docstrings for every array's shape and dtype).
+the signature and semantics of the same-named function of the reference backend (``reference/``;
+read its docstrings for every array's shape and dtype). Attention is a plan / run pair:
+``plan_attention(...)`` -> ``AttentionPlan`` once per bound step, then
+``sparse_mla_attention(..., plan=plan)`` per layer (``attention_plan.py``).
 
 Backends: ``"reference"`` (plain torch, CPU and CUDA; the CPU default), ``"triton"`` (CUDA
 default where Triton imports; ops without a Triton kernel fall back to the reference, listed in
 ``KernelSet.backend_of``), ``"flashmla"`` (slot left empty: FlashMLA is not installed on the
-lent GPU image, so asking for it raises ``KernelBackendError``).
+lent GPU image, so asking for it raises ``KernelBackendError``). A backend package imports this
+module for ``KernelSet``; this module loads a backend package by name only when asked for it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+import importlib
+from collections.abc import Callable
 
 from cpplan.schemas.errors import CpplanError
 
@@ -28,7 +32,7 @@ class KernelBackendError(CpplanError, ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class KernelSet:
-    """Callables for every kernel op; see ``reference.py`` for each contract."""
+    """Callables for every kernel op; see ``reference/`` for each contract."""
 
     name: str
     quantize_fp8_ds_mla: Callable
@@ -37,6 +41,7 @@ class KernelSet:
     dequantize_indexer_k: Callable
     pack_fp8_ds_mla_into: Callable
     pack_indexer_k_into: Callable
+    plan_attention: Callable
     sparse_mla_attention: Callable
     lse_merge: Callable
     remap_to_gathered: Callable
@@ -76,9 +81,7 @@ def get_kernels(device: str, backend: str | None = None) -> KernelSet:
                                      "(the CPU runs the reference; tests use TRITON_INTERPRET=1)")
         if not _triton_available():
             raise KernelBackendError("backend 'triton': triton does not import here")
-        from .triton_ops import TRITON
-
-        return TRITON
+        return importlib.import_module(f"{__package__}.triton").TRITON
     if backend == "flashmla":
         raise KernelBackendError("backend 'flashmla': not installed (no FlashMLA build on the lent "
                                  "GPU image); use 'triton' or 'reference'")

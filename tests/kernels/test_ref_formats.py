@@ -6,7 +6,6 @@ import struct
 import numpy as np
 import pytest
 import torch
-
 from cpplan.runtime.kernels import reference as ref
 
 

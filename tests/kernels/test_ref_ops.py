@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 from cpplan.runtime.kernels import reference as ref
 
 NO_KEY = ref.NO_KEY
@@ -164,7 +163,7 @@ def test_topk_random_against_sorted_python():
     scores = torch.randint(0, 5, (6, 40), generator=g).double()
     ids = torch.randperm(40, generator=g)[None].repeat(6, 1)
     ids[:, ::7] = NO_KEY
-    s, i = ref.topk_reference_order(scores, ids, 10)
+    _, i = ref.topk_reference_order(scores, ids, 10)
     for j in range(6):
         cand = sorted((-float(scores[j, c]), int(ids[j, c])) for c in range(40) if ids[j, c] >= 0)
         assert i[j].tolist() == [c[1] for c in cand[:10]]
@@ -178,7 +177,7 @@ def test_indexer_prefill_and_decode_helpers():
     k = ref.quantize_indexer_k(torch.randint(-2, 3, (W * PT, 128), generator=g).float())
     key_len = torch.tensor([5, 0, 11])
     pcu = torch.tensor([0, 0, 6])
-    s, ids = ref.indexer_topk_prefill(q, w, k, key_len, pcu, PT, W, I, 4)
+    _, ids = ref.indexer_topk_prefill(q, w, k, key_len, pcu, PT, W, I, 4)
     for j in range(3):
         keys = range(int(key_len[j]))
         sc = {t: float(ref.indexer_scores(q[j:j + 1], w[j:j + 1], k,
@@ -191,5 +190,5 @@ def test_indexer_prefill_and_decode_helpers():
     slots, gids = ref.decode_key_slots(torch.tensor([2, 0, 70]), bt, 64, W, 1, I)
     assert slots[0, :2].tolist() == [192, 193] and gids[0, :2].tolist() == [2, 3]
     assert (slots[1] == NO_KEY).all() and slots[2, 64].item() == 0 and gids[2, 64].item() == 130
-    s_dec, id_dec = ref.indexer_topk_decode(q, w, k, torch.tensor([2, 0, 3]), bt, 8, W, 1, I, 2)
+    _, id_dec = ref.indexer_topk_decode(q, w, k, torch.tensor([2, 0, 3]), bt, 8, W, 1, I, 2)
     assert id_dec[1].tolist() == [NO_KEY, NO_KEY]

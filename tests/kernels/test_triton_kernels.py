@@ -1,17 +1,18 @@
 """Triton kernels against the torch reference.
 
 Two environments: ``interp`` (CPU, TRITON_INTERPRET=1, small shapes, fp16/fp32 operands: the
-interpreter's bf16 ``tl.dot`` is wrong, DESIGN 7) and ``cuda`` (marked gpu: bf16 at full shapes,
+interpreter's bf16 ``tl.dot`` is wrong: docs/design.md §The Triton interpreter's bf16 dot) and ``cuda`` (marked gpu: bf16 at full shapes,
 H up to 128, topk 2048). Tolerances: norm-relative error of the output against a float32
 reference on the same rounded inputs, 3e-3 for fp16 operands and 1.5e-2 for bf16 (the matrix
 dtype's rounding of P and of dequantised rows), 1e-5 for fp32; lse absolute 1e-3.
 """
 
+import dataclasses
 import os
 
 import pytest
 import torch
-
+from cpplan.runtime.kernels import AttentionPlanError
 from cpplan.runtime.kernels import reference as ref
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -56,6 +57,15 @@ def _check_attention(out, lse, want_o, want_l, dtype):
     assert (lse[fin] - want_l[fin]).abs().max().item() < 1e-3
 
 
+def _plan(q, buf, idx, kv_format, **forced):
+    """The Triton plan for these operands, with forced choices (family, fp8_rows, num_splits)."""
+    from cpplan.runtime.kernels.triton.plan import plan_attention
+
+    return plan_attention(num_tokens=q.shape[0], num_heads=q.shape[1], topk=idx.shape[1],
+                          kv_format=kv_format, num_kv_rows=buf.reshape(-1, buf.shape[-1]).shape[0],
+                          q_dtype=q.dtype, device=q.device, **forced)
+
+
 def _attention_params(env):
     if env == "cuda":
         return [(64, 128, 2048, 8192), (1, 16, 2048, 8192), (33, 64, 2048, 4096), (4, 128, 2000, 3000)]
@@ -65,77 +75,77 @@ def _attention_params(env):
 @pytest.mark.parametrize("env", ENVS)
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
 def test_attention_matches_reference(env, kv_format):
-    from cpplan.runtime.kernels.triton_attention import sparse_mla_attention
+    """Planned here (plan=None) and with explicit plans: splits 3, each way of reading fp8 rows."""
+    from cpplan.runtime.kernels.triton.attention import sparse_mla_attention
 
     for i, (T, H, topk, N) in enumerate(_attention_params(env)):
         q, kv, idx = _case(env, T, H, topk, N, 100 + i)
         buf = ref.quantize_fp8_ds_mla(kv) if kv_format == "fp8_ds_mla" else kv.to(q.dtype)
         want_o, want_l = ref.sparse_mla_attention(q.float(), buf, idx, 576**-0.5, kv_format)
-        modes = ("auto", "in_kernel", "dequantise_once") if kv_format == "fp8_ds_mla" else ("auto",)
+        out, lse = sparse_mla_attention(q, buf, idx, 576**-0.5, kv_format)
+        assert out.dtype == q.dtype and out.shape == (T, H, 512)
+        _check_attention(out, lse, want_o, want_l, q.dtype)
+        modes = (None, "in_kernel", "dequantise_once") if kv_format == "fp8_ds_mla" else (None,)
         for splits in (None, 3):
             for fp8_rows in modes:
-                out, lse = sparse_mla_attention(q, buf, idx, 576**-0.5, kv_format, num_splits=splits,
-                                                fp8_rows=fp8_rows)
+                plan = _plan(q, buf, idx, kv_format, num_splits=splits, fp8_rows=fp8_rows)
+                out, lse = sparse_mla_attention(q, buf, idx, 576**-0.5, kv_format, plan=plan)
                 assert out.dtype == q.dtype and out.shape == (T, H, 512)
                 _check_attention(out, lse, want_o, want_l, q.dtype)
 
 
-def test_fp8_rows_choice_follows_reuse():
-    """Rows read by many tokens are dequantised once; rows read about once stay in the kernel."""
-    from cpplan.runtime.kernels.triton_attention import DEQUANTISE_ONCE_REUSE, default_config
-
-    rows = 65536
-    many = default_config("fp8_ds_mla", 4096, 128, topk=2048, rows=rows)
-    once = default_config("fp8_ds_mla", 128, 128, topk=2048, rows=1 << 18)
-    edge = default_config("fp8_ds_mla", DEQUANTISE_ONCE_REUSE * rows // 2048, 64, topk=2048, rows=rows)
-    assert (many["fp8_rows"], once["fp8_rows"], edge["fp8_rows"]) == ("dequantise_once", "in_kernel",
-                                                                     "dequantise_once")
-    assert default_config("fp8_ds_mla", 4096, 128)["fp8_rows"] == "in_kernel"  # rows unknown
-    assert {k: v for k, v in many.items() if k != "fp8_rows"} == {
-        k: v for k, v in default_config("bf16", 4096, 128).items() if k != "fp8_rows"}
-
-
-VARIANTS = [
-    # keys-major with prefetch at 64/128 keys: illegal address on the H200 (2026-11-29), not listed
-    dict(layout="keys", prefetch=False, block_k=32), dict(layout="keys", prefetch=True, block_k=32),
-    dict(layout="heads", prefetch=True, fp8_variant="dequant"),
-    dict(layout="heads", prefetch=True, fp8_variant="dequant", deq_bf16=True, evict=True),
-]
-
-
 @pytest.mark.parametrize("env", ENVS)
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
-@pytest.mark.parametrize("variant", range(len(VARIANTS)))
-def test_attention_variants(env, kv_format, variant):
-    """Every launch variant the sweep may pick as default: keys-major and prefetching kernels."""
-    from cpplan.runtime.kernels.triton_attention import sparse_mla_attention
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_keys_major_bench_variant(env, kv_format, prefetch):
+    """bench/variants' keys-major kernel (a comparison point of bench/kernels.py's sweep) at the
+    launch numbers that sweep uses (32 keys; prefetch at 64/128 keys faulted on the H200)."""
+    from bench.variants.kmajor import sparse_mla_attention_kmajor
 
     params = ([(3, 16, 150, 200), (2, 32, 64, 90)] if env == "interp"
               else [(64, 16, 2048, 8192), (33, 32, 2000, 4096), (4, 64, 2048, 3000), (8, 128, 2048, 8192)])
-    opts = dict(VARIANTS[variant])
     for i, (T, H, topk, N) in enumerate(params):
         q, kv, idx = _case(env, T, H, topk, N, 300 + i)
         buf = ref.quantize_fp8_ds_mla(kv) if kv_format == "fp8_ds_mla" else kv.to(q.dtype)
         want_o, want_l = ref.sparse_mla_attention(q.float(), buf, idx, 576**-0.5, kv_format)
         for splits in (None, 2):
-            out, lse = sparse_mla_attention(q, buf, idx, 576**-0.5, kv_format, num_splits=splits, **opts)
+            plan = dataclasses.replace(_plan(q, buf, idx, kv_format, family="triton-heads", num_splits=splits,
+                                             fp8_rows="in_kernel" if kv_format == "fp8_ds_mla" else None),
+                                       block_k=32)
+            out, lse = sparse_mla_attention_kmajor(q, buf, idx, 576**-0.5, kv_format, plan=plan, prefetch=prefetch)
             assert out.dtype == q.dtype and out.shape == (T, H, 512)
             _check_attention(out, lse, want_o, want_l, q.dtype)
 
 
 @pytest.mark.parametrize("env", ENVS)
 def test_bad_options_name_what_was_expected(env):
-    """Asking for a path that cannot run here, or an unknown option, is one clear ValueError."""
-    from cpplan.runtime.kernels.triton_attention import sparse_mla_attention
+    """A forced choice that cannot run here, or an unknown one, is one clear AttentionPlanError
+    (a ValueError); so is a plan handed to operands it was not made for."""
+    from cpplan.runtime.kernels.triton.attention import sparse_mla_attention
 
     q, kv, idx = _case(env, 2, 64, 64, 128, 5)
     buf = ref.quantize_fp8_ds_mla(kv)
-    with pytest.raises(ValueError, match="layout 'gluon': needs CUDA sm_90, fp8_ds_mla rows, bf16 q, <= 32 heads,"):
-        sparse_mla_attention(q, buf, idx, 0.05, "fp8_ds_mla", layout="gluon")  # 64 heads
-    with pytest.raises(ValueError, match="fp8_rows 'twice', expected 'auto', 'in_kernel' or 'dequantise_once'"):
-        sparse_mla_attention(q, buf, idx, 0.05, "fp8_ds_mla", fp8_rows="twice")
-    with pytest.raises(ValueError, match="layout 'rows', expected 'auto', 'heads', 'keys' or 'gluon'"):
-        sparse_mla_attention(q, kv.to(q.dtype), idx, 0.05, layout="rows")
+    with pytest.raises(AttentionPlanError, match="family 'gluon-ring': needs CUDA sm_90, fp8_ds_mla rows read"):
+        _plan(q, buf, idx, "fp8_ds_mla", family="gluon-ring")  # 64 heads, and not here
+    with pytest.raises(AttentionPlanError, match="fp8_rows 'twice' for kv_format 'fp8_ds_mla': expected 'in_kernel' or"):
+        _plan(q, buf, idx, "fp8_ds_mla", fp8_rows="twice")
+    with pytest.raises(AttentionPlanError, match="family 'rows', expected one of"):
+        _plan(q, kv.to(q.dtype), idx, "bf16", family="rows")
+    with pytest.raises(AttentionPlanError, match="family 'triton-heads-scaled': needs fp8_ds_mla rows read in"):
+        _plan(q, kv.to(q.dtype), idx, "bf16", family="triton-heads-scaled")
+    with pytest.raises(AttentionPlanError, match="family 'gluon-small' reads fp8 rows in the kernel"):
+        _plan(q, buf, idx, "fp8_ds_mla", family="gluon-small", fp8_rows="dequantise_once")
+    with pytest.raises(AttentionPlanError, match="kv_format 'fp16', expected 'bf16' or 'fp8_ds_mla'"):
+        _plan(q, buf, idx, "fp16")
+    with pytest.raises(AttentionPlanError, match="plan fp8_rows 'none' for kv_format 'fp8_ds_mla'"):
+        sparse_mla_attention(q, buf, idx, 0.05, "fp8_ds_mla", plan=_plan(q, kv, idx, "bf16"))
+    with pytest.raises(AttentionPlanError, match="plan for backend 'reference' given to the 'triton'"):
+        sparse_mla_attention(q, buf, idx, 0.05, "fp8_ds_mla",
+                             plan=ref.plan_attention(num_tokens=2, num_heads=64, topk=64, kv_format="fp8_ds_mla",
+                                                     num_kv_rows=128, q_dtype=q.dtype, device=q.device))
+    gluon = dataclasses.replace(_plan(q, buf, idx, "fp8_ds_mla"), family="gluon-ring", block_h=32)
+    with pytest.raises(AttentionPlanError, match="plan family 'gluon-ring': needs CUDA, bf16 q, at most 32 heads"):
+        sparse_mla_attention(q, buf, idx, 0.05, "fp8_ds_mla", plan=gluon)
 
 
 @pytest.mark.gpu
@@ -145,34 +155,41 @@ def test_gluon_decode_matches_reference(H):
     """The Gluon few-head decode (cp.async ring, keys-major wgmma) against the reference, with
     all-invalid rows, a top-k that is not a multiple of 64, rows at the end of the buffer, T = 1
     and splits that leave a short last split."""
-    from cpplan.runtime.kernels import gluon_attention as ga
-    from cpplan.runtime.kernels.triton_attention import sparse_mla_attention
+    from cpplan.runtime.kernels.gluon import decode
+    from cpplan.runtime.kernels.triton.attention import sparse_mla_attention
+    from cpplan.runtime.kernels.triton.plan import gluon_heads, gluon_launch
 
     for i, (T, topk, N) in enumerate([(64, 2048, 1 << 16), (1, 2048, 8192), (33, 2000, 4096), (5, 70, 300)]):
         q, kv, idx = _case("cuda", T, H, topk, N, 700 + i)
         buf = ref.quantize_fp8_ds_mla(kv).reshape(-1, 64, 656) if N % 64 == 0 else ref.quantize_fp8_ds_mla(kv)
         want_o, want_l = ref.sparse_mla_attention(q.float(), buf, idx, 576**-0.5, "fp8_ds_mla")
-        variants = [(2, 4, "ring"), (2, 8, "ring"), (None, None, "ring"), (None, 4, "small"), (None, 8, "small")]
+        _, ring_warps, ring_stages = gluon_launch(H)
+        variants = [(2, 4, "ring"), (2, 8, "ring"), (ring_stages, ring_warps, "ring"), (3, 4, "small"),
+                    (3, 8, "small")]
         for stages, warps, variant in variants:  # into NaN-poisoned outputs
             out = torch.full((1, T, H, 512), float("nan"), dtype=q.dtype, device="cuda")
             lse = torch.full((1, T, H), float("nan"), device="cuda")
-            ga.launch(q, buf.reshape(-1, 656), idx, out, lse, 576**-0.5, -(-topk // 64) * 64,
-                      num_stages=stages, num_warps=warps, variant=variant)
+            decode.launch(q, buf.reshape(-1, 656), idx, out, lse, 576**-0.5, -(-topk // 64) * 64,
+                          variant=variant, heads_padded=gluon_heads(H), num_stages=stages, num_warps=warps)
             _check_attention(out[0], lse[0], want_o, want_l, q.dtype)
-        for splits in (None, 3, 7):  # through the dispatch entry point, partials merged
-            out, lse = sparse_mla_attention(q, buf, idx, 576**-0.5, "fp8_ds_mla", layout="gluon", num_splits=splits)
-            _check_attention(out, lse, want_o, want_l, q.dtype)
+        for family in ("gluon-small", "gluon-ring"):  # through the plan, partials merged
+            for splits in (None, 3, 7):
+                plan = _plan(q, buf, idx, "fp8_ds_mla", family=family, num_splits=splits)
+                out, lse = sparse_mla_attention(q, buf, idx, 576**-0.5, "fp8_ds_mla", plan=plan)
+                _check_attention(out, lse, want_o, want_l, q.dtype)
+        assert _plan(q, buf, idx, "fp8_ds_mla").family == gluon_launch(H)[0]  # the default here
 
 
 @pytest.mark.parametrize("env", ENVS)
 def test_attention_fp32_operands_and_paged_view(env):
-    from cpplan.runtime.kernels.triton_attention import sparse_mla_attention
+    from cpplan.runtime.kernels.triton.attention import sparse_mla_attention
 
     q, kv, idx = _case(env, 3, 16, 40, 128, 7, dtype=torch.float32)
     cache = ref.quantize_fp8_ds_mla(kv).reshape(2, 64, 656)
     want_o, want_l = ref.sparse_mla_attention(q, cache, idx, 0.05, "fp8_ds_mla")
-    for variant in ("scaled_dots", "dequant"):
-        out, lse = sparse_mla_attention(q, cache, idx, 0.05, "fp8_ds_mla", fp8_variant=variant)
+    for family in ("triton-heads-scaled", "triton-heads"):
+        plan = _plan(q, cache, idx, "fp8_ds_mla", family=family)
+        out, lse = sparse_mla_attention(q, cache, idx, 0.05, "fp8_ds_mla", plan=plan)
         tol = 1e-5 if env == "interp" else 3e-3  # tf32 on the GPU
         assert _rel(out, want_o) < tol
         _check_attention(out, lse, want_o, want_l, torch.float32 if env == "interp" else torch.bfloat16)
@@ -181,7 +198,7 @@ def test_attention_fp32_operands_and_paged_view(env):
 @pytest.mark.parametrize("env", ENVS)
 @pytest.mark.parametrize("W,I", [(2, 1), (4, 64)])
 def test_attention_fused_remap(env, W, I):
-    from cpplan.runtime.kernels.triton_attention import sparse_mla_attention
+    from cpplan.runtime.kernels.triton.attention import sparse_mla_attention
 
     dev = _dev(env)
     PT, T, topk = (160, 2, 48) if env == "interp" else (4096, 64, 2048)
@@ -197,7 +214,7 @@ def test_attention_fused_remap(env, W, I):
 
 @pytest.mark.parametrize("env", ENVS)
 def test_lse_merge(env):
-    from cpplan.runtime.kernels.triton_merge import lse_merge
+    from cpplan.runtime.kernels.triton.merge import lse_merge
 
     dev = _dev(env)
     R, T, H = (3, 2, 16) if env == "interp" else (8, 64, 128)
@@ -216,7 +233,7 @@ def test_lse_merge(env):
 @pytest.mark.parametrize("env", ENVS)
 @pytest.mark.parametrize("W,rank,I", [(1, 0, 1), (2, 1, 1), (4, 3, 2), (2, 0, 64)])
 def test_remap_and_filter(env, W, rank, I):
-    from cpplan.runtime.kernels import triton_index as ti
+    from cpplan.runtime.kernels.triton import index as ti
 
     dev = _dev(env)
     T, K = (3, 1100) if env == "interp" else (256, 2048)
@@ -231,7 +248,7 @@ def test_remap_and_filter(env, W, rank, I):
 
 @pytest.mark.parametrize("env", ENVS)
 def test_pack_bit_identical(env):
-    from cpplan.runtime.kernels import triton_pack as tp
+    from cpplan.runtime.kernels.triton import pack as tp
 
     dev = _dev(env)
     n = 40 if env == "interp" else 4096
@@ -257,7 +274,7 @@ def test_pack_bit_identical(env):
 def test_dequantize_fp8_ds_mla_exact(env):
     """The one-pass dequantisation equals the reference bit for bit, in float32 and in bf16
     (exact: power-of-two scales), for row counts that do not fill the last block."""
-    from cpplan.runtime.kernels import triton_pack as tp
+    from cpplan.runtime.kernels.triton import pack as tp
 
     dev = _dev(env)
     g = torch.Generator().manual_seed(11)
@@ -274,7 +291,7 @@ def _indexer_inputs(env, T, Hi, N, seed):
     dev = _dev(env)
     dtype = torch.bfloat16 if env == "cuda" else torch.float32
     g = torch.Generator().manual_seed(seed)
-    # integer-valued inputs: every score is exact in float32 and float64 (DESIGN 7), ties abound
+    # integer-valued inputs: every score is exact in float32 and float64 (docs/design.md §Exact top-k needs exact scores), ties abound
     q = torch.randint(-2, 3, (T, Hi, 128), generator=g).to(dtype).to(dev)
     w = torch.randint(-2, 3, (T, Hi), generator=g).float().to(dev)
     k = ref.quantize_indexer_k(torch.randint(-3, 4, (N, 128), generator=g).float()).to(dev)
@@ -283,7 +300,7 @@ def _indexer_inputs(env, T, Hi, N, seed):
 
 @pytest.mark.parametrize("env", ENVS)
 def test_indexer_scores_rows(env):
-    from cpplan.runtime.kernels import triton_indexer as tx
+    from cpplan.runtime.kernels.triton import indexer as tx
 
     q, w, k = _indexer_inputs(env, 3, 4, 50, 6)
     rows = torch.randint(-1, 50, (3, 200), generator=torch.Generator().manual_seed(1)).to(q.device)
@@ -295,7 +312,7 @@ def test_indexer_scores_rows(env):
 @pytest.mark.parametrize("env", ENVS)
 @pytest.mark.parametrize("W,I", [(1, 1), (2, 1), (2, 64)])
 def test_indexer_topk_prefill(env, W, I):
-    from cpplan.runtime.kernels import triton_indexer as tx
+    from cpplan.runtime.kernels.triton import indexer as tx
 
     dev = _dev(env)
     T, Hi, PT, topk = (4, 4, 200, 20) if env == "interp" else (64, 64, 8192, 2048)
@@ -315,7 +332,7 @@ def test_indexer_topk_prefill(env, W, I):
 @pytest.mark.parametrize("env", ENVS)
 @pytest.mark.parametrize("W,rank,I", [(1, 0, 1), (4, 2, 1), (2, 1, 64)])
 def test_indexer_topk_decode(env, W, rank, I):
-    from cpplan.runtime.kernels import triton_indexer as tx
+    from cpplan.runtime.kernels.triton import indexer as tx
 
     dev = _dev(env)
     T, Hi, B, topk, nblk = (3, 4, 64, 16, 4) if env == "interp" else (128, 64, 64, 2048, 64)
@@ -332,13 +349,18 @@ def test_indexer_topk_decode(env, W, rank, I):
 
 
 def test_dispatch_table():
-    from cpplan.runtime.kernels import OP_NAMES, REFERENCE, KernelBackendError, get_kernels
+    from cpplan.runtime.kernels import (
+        OP_NAMES,
+        REFERENCE,
+        KernelBackendError,
+        get_kernels,
+    )
 
     assert get_kernels("cpu") is REFERENCE
     with pytest.raises(KernelBackendError, match="flashmla"):
         get_kernels("cuda", "flashmla")
     with pytest.raises(KernelBackendError):
         get_kernels("cpu", "triton")
-    from cpplan.runtime.kernels.triton_ops import TRITON
+    from cpplan.runtime.kernels.triton import TRITON
 
     assert all(callable(getattr(TRITON, op)) for op in OP_NAMES)

@@ -1,19 +1,9 @@
-"""Triton fp8 packing of new KV / indexer-K tokens into their cache slots (the KV insert's write).
-
-Bit-identical to ``reference.quantize_fp8_ds_mla`` / ``quantize_indexer_k``: the scale exponent
-comes from the float32 bits of the group's amax (``reference.fp8_scale_exponent``), values are
-scaled by 2**-e in two exact power-of-two steps (no subnormal scale is ever formed in the
-multiply), cast to fp8 e4m3 with round-to-nearest-even (integer bit arithmetic, ``_to_e4m3_bits``), RoPE cast to bf16 (RNE).
-One program per token; slots < 0 are skipped.
-"""
+"""Jitted bodies of the fp8 packing and the one-pass dequantisation (launched by ``pack.py``)."""
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
-
-from .reference import FP8_DS_MLA_BYTES, INDEXER_K_BYTES
 
 
 @triton.jit
@@ -45,7 +35,7 @@ def _to_e4m3_bits(y):
 
 
 @triton.jit
-def _pack_fp8(x_ptr, slots_ptr, cache_ptr, stride_x, stride_c,
+def pack_fp8(x_ptr, slots_ptr, cache_ptr, stride_x, stride_c,
               GROUPS: tl.constexpr, HAS_ROPE: tl.constexpr):
     i = tl.program_id(0)
     slot = tl.load(slots_ptr + i).to(tl.int64)
@@ -75,45 +65,8 @@ def _pack_fp8(x_ptr, slots_ptr, cache_ptr, stride_x, stride_c,
             tl.store(rope_ptr + tl.arange(0, 64), rb.to(tl.int16))
 
 
-def _pack(cache_flat, slots, x, groups: int, has_rope: bool) -> None:
-    assert cache_flat.dtype == torch.uint8 and cache_flat.stride(-1) == 1 and x.stride(-1) == 1
-    n = x.shape[0]
-    if n == 0:
-        return
-    _pack_fp8[(n,)](x, slots.contiguous(), cache_flat, x.stride(0), cache_flat.stride(0),
-                    GROUPS=groups, HAS_ROPE=has_rope, num_warps=4)
-
-
-def pack_fp8_ds_mla_into(cache_flat, slots, kv) -> None:
-    """Triton ``pack_fp8_ds_mla_into``: ``kv [n, 576]`` float into ``cache_flat [S, 656]``."""
-    if cache_flat.dim() == 3:
-        cache_flat = cache_flat.view(-1, FP8_DS_MLA_BYTES)
-    _pack(cache_flat, slots, kv, 4, True)
-
-
-def pack_indexer_k_into(cache_flat, slots, k) -> None:
-    """Triton ``pack_indexer_k_into``: ``k [n, 128]`` float into ``cache_flat [S, 132]``."""
-    if cache_flat.dim() == 3:
-        cache_flat = cache_flat.view(-1, INDEXER_K_BYTES)
-    _pack(cache_flat, slots, k, 1, False)
-
-
-def quantize_fp8_ds_mla(kv):
-    """Triton ``quantize_fp8_ds_mla``: ``[n, 576]`` -> ``[n, 656]`` uint8."""
-    out = torch.empty(kv.shape[0], FP8_DS_MLA_BYTES, dtype=torch.uint8, device=kv.device)
-    pack_fp8_ds_mla_into(out, torch.arange(kv.shape[0], device=kv.device), kv)
-    return out
-
-
-def quantize_indexer_k(k):
-    """Triton ``quantize_indexer_k``: ``[n, 128]`` -> ``[n, 132]`` uint8."""
-    out = torch.empty(k.shape[0], INDEXER_K_BYTES, dtype=torch.uint8, device=k.device)
-    pack_indexer_k_into(out, torch.arange(k.shape[0], device=k.device), k)
-    return out
-
-
 @triton.jit
-def _unpack_fp8_ds_mla(packed_ptr, out_ptr, n, stride_p, stride_o, BLOCK_R: tl.constexpr):
+def unpack_fp8_ds_mla(packed_ptr, out_ptr, n, stride_p, stride_o, BLOCK_R: tl.constexpr):
     """Rows ``[BLOCK_R, 656]`` uint8 -> ``[BLOCK_R, 576]`` out dtype: fp8 value x its group's
     power-of-two scale (exact in float32), RoPE bf16 as stored."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -127,18 +80,3 @@ def _unpack_fp8_ds_mla(packed_ptr, out_ptr, n, stride_p, stride_o, BLOCK_R: tl.c
     tl.store(dst + tl.arange(0, 512)[None, :], lat.to(out_ptr.dtype.element_ty), mask=m)
     rope = tl.load((src + 528).to(tl.pointer_type(tl.bfloat16)) + tl.arange(0, 64)[None, :], mask=m, other=0.0)
     tl.store(dst + 512 + tl.arange(0, 64)[None, :], rope.to(out_ptr.dtype.element_ty), mask=m)
-
-
-def dequantize_fp8_ds_mla(packed, dtype=torch.float32):
-    """Triton ``dequantize_fp8_ds_mla``: ``[n, 656]`` uint8 -> ``[n, 576]`` ``dtype`` (float32
-    like the reference; bf16 is exact too: power-of-two scales keep the fp8 mantissa)."""
-    if packed.dim() == 3:
-        packed = packed.reshape(-1, FP8_DS_MLA_BYTES)
-    assert packed.dtype == torch.uint8 and packed.shape[1] == FP8_DS_MLA_BYTES and packed.stride(1) == 1
-    n = packed.shape[0]
-    out = torch.empty(n, 576, dtype=dtype, device=packed.device)
-    if n:
-        block_r = 16
-        _unpack_fp8_ds_mla[(triton.cdiv(n, block_r),)](packed, out, n, packed.stride(0), out.stride(0),
-                                                      BLOCK_R=block_r, num_warps=4)
-    return out

@@ -1,4 +1,4 @@
-"""Gluon sparse-MLA decode for few heads per rank over fp8_ds_mla rows (Hopper, sm_90).
+"""Jitted bodies of the Gluon sparse-MLA decode: few heads per rank, fp8_ds_mla rows, sm_90.
 
 Why Gluon: the Triton kernels gather rows with synchronous ``tl.load`` into registers, and the
 Nsight Compute profile of the 16-head decode (bench/RESULTS.md) shows what that costs: 255
@@ -16,30 +16,23 @@ Two variants hide the gather latency differently: "ring" keeps ``NS - 1`` blocks
 ring of raw rows (213 KB of shared memory, one CTA per SM; the default for 17-32 heads) and
 "small" lands each block's raw rows in the upper half of the bf16 tile's own bytes and
 dequantises in place (96 KB, two CTAs per SM, one CTA's gather behind the other's products; the
-default up to 16 heads). One program per (query token, split of the top-k). Same contract and
-outputs as ``triton_attention._sparse_mla_fwd`` (partials per split, merged by
-``triton_merge``). Contract: ``reference.sparse_mla_attention``.
+default up to 16 heads; the choice and its measurements: ``triton/plan.py``). One program per
+(query token, split of the top-k). Same outputs as the Triton heads kernels (partials per split,
+merged by ``triton/merge.py``); launched by ``decode.py``. Contract:
+``reference.sparse_mla_attention``.
 """
 
 from __future__ import annotations
 
-import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.runtime.jit import constexpr_function
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy,
     fence_async_shared,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-
-BLOCK_K = 64  # keys per step: the M of the wgmma products
-# Variants: "ring" (213 KB of shared memory, one CTA per SM, a 2-3 block gather ring) and
-# "small" (96 KB, two 4-warp CTAs per SM, raw rows dequantised in place). H200, B 256, H 16:
-# small 214.8 us vs ring 255.1; B 64, H 32: ring (8 warps) 88.7-98.3 us vs small 105.6.
-_LOG2E = 1.4426950408889634
+from triton.runtime.jit import constexpr_function
 
 
 @constexpr_function
@@ -214,7 +207,7 @@ def _epilogue(out_ptr, lse_ptr, split, t, stride_os, stride_ot, stride_oh, strid
 
 
 @gluon.jit
-def _gluon_decode_fwd(
+def gluon_decode_fwd_ring(
     q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
     stride_qt, stride_qh, stride_kv, stride_it,
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
@@ -299,7 +292,7 @@ def _dequantise_in_place(raw, scales, tile, CONV: gl.constexpr, SC: gl.constexpr
 
 
 @gluon.jit
-def _gluon_decode_fwd_small(
+def gluon_decode_fwd_small(
     q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
     stride_qt, stride_qh, stride_kv, stride_it,
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
@@ -351,61 +344,3 @@ def _gluon_decode_fwd_small(
 
     _epilogue(out_ptr, lse_ptr, split, t, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, H,
               m_i, l_i, acc0, acc1, acc2, acc3, MMA, HP)
-
-
-def supported(q, kv_format: str) -> bool:
-    """Where this kernel runs: CUDA sm_90, fp8_ds_mla rows, bf16 q, at most 32 heads."""
-    return (q.is_cuda and kv_format == "fp8_ds_mla" and q.dtype == torch.bfloat16 and q.shape[1] <= 32
-            and torch.cuda.get_device_capability(q.device)[0] == 9)
-
-
-def _heads_padded(H: int) -> int:
-    return max(16, triton.next_power_of_2(H))
-
-
-def default_variant(hp: int) -> str:
-    return "small" if hp <= 16 else "ring"
-
-
-def default_splits(T: int, H: int, topk: int, device) -> int:
-    """Top-k splits: no more programs than run at once (one "ring" or two "small" CTAs per SM):
-    B 64, H 32 -> 2 splits (91.7 us) beat 4 (two waves, 101 us); B 256, H 16 (small) -> 1
-    split, 214.8 us, against 226.5 with 2 and 239.7 with 4 (H200)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    per_sm = 2 if default_variant(_heads_padded(H)) == "small" else 1
-    return max(1, min(per_sm * sms // max(T, 1), triton.cdiv(topk, 2 * BLOCK_K)))
-
-
-def default_warps(hp: int) -> int:
-    """16 heads: 4 warps (ring: 254 us at B 256 against 285 with 8; small: two 4-warp CTAs fit
-    the register file at 255 registers, 8 warps would not); 32 heads: 8 (the two warpgroups split
-    the heads; 4 warps would hold 4 x 32 accumulator registers per thread and spill)."""
-    return 4 if hp <= 16 else 8
-
-
-def default_stages(hp: int) -> int:
-    """Ring depth: 3 blocks of 41 KB for 16 heads (213 KB of shared memory in all); 32 heads
-    need 2 (3 would take 233 KB, over the H200's 227 KB)."""
-    return 3 if hp <= 16 else 2
-
-
-def launch(q, kv, indices, out, lse, sm_scale: float, keys_per_split: int, *, num_stages: int | None = None,
-           num_warps: int | None = None, variant: str | None = None) -> None:
-    """Fill ``out [splits, T, H, 512]`` and ``lse [splits, T, H]`` (splits from their shape);
-    ``keys_per_split`` a multiple of ``BLOCK_K``."""
-    T, H, _ = q.shape
-    splits = out.shape[0]
-    hp = _heads_padded(H)
-    num_stages = num_stages or default_stages(hp)
-    num_warps = num_warps or default_warps(hp)
-    variant = variant or default_variant(hp)
-    kernels = {"ring": _gluon_decode_fwd, "small": _gluon_decode_fwd_small}
-    if variant not in kernels:
-        raise ValueError(f"gluon variant {variant!r}, expected one of {sorted(kernels)}")
-    kernels[variant][(T, splits)](
-        q, kv, indices, out, lse,
-        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
-        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        H, indices.shape[1], keys_per_split, sm_scale * _LOG2E,
-        HP=hp, NS=num_stages, BK=BLOCK_K, W=num_warps, num_warps=num_warps,
-    )

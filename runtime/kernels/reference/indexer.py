@@ -1,4 +1,4 @@
-"""Plain torch reference of the sparse-attention indexer (DESIGN 3.6 and 4).
+"""Plain torch reference of the sparse-attention indexer (docs/design.md §Decode rows: LSE merge and top-k merge; §Indexer keys and scores).
 
 score(query j, key) = sum_h w[j, h] * ReLU(q[j, h] . k_dequant), then the top-k keys in the
 **reference order**: score descending, then global token id ascending. The key set of a query is
@@ -12,7 +12,7 @@ rectangle for the two cases the runtime has:
 - decode (``decode_key_slots``): keys = the tokens of this DCP rank's local shard of the request,
   ``local_len[j]`` of them, as cache slots through the local block table; ids = their global
   token positions ``(l // I) * W * I + rank * I + l % I``. Each rank's local top-k is then merged
-  across ranks by the same order (exact, DESIGN 3.6).
+  across ranks by the same order (exact).
 
 ``indexer_topk_prefill`` / ``indexer_topk_decode`` compose these; the Triton backend implements
 the same two entry points without materialising the rectangles.
@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import torch
 
-NO_KEY = -1
+from .formats import NO_KEY, dequantize_indexer_k
+from .index import remap_to_gathered
+
 _SCORE_BUDGET = 1 << 22  # gathered [t, L, 128] elements per chunk in indexer_scores
 
 
@@ -33,11 +35,9 @@ def indexer_scores(
 
     q: ``[T, Hi, 128]`` float; weights: ``[T, Hi]`` float; k_packed: ``[N, 132]`` uint8 packed
     indexer keys (128 fp8 + fp32 scale); key_rows: ``[T, L]`` int, rows of k_packed, NO_KEY = none.
-    Returns ``[T, L]`` scores: float64 on CPU (exact for the oracle, DESIGN 7), float32 on CUDA;
+    Returns ``[T, L]`` scores: float64 on CPU (exact for the oracle: docs/design.md §Exact top-k needs exact scores), float32 on CUDA;
     -inf where key_rows is NO_KEY.
     """
-    from .reference import dequantize_indexer_k
-
     cdt = torch.float64 if q.device.type == "cpu" else torch.float32
     T, L = key_rows.shape
     out = torch.empty(T, L, dtype=cdt, device=q.device)
@@ -63,7 +63,7 @@ def topk_reference_order(
     slots beyond the valid keys hold id NO_KEY and score -inf. Exact (two stable sorts), so it
     also serves the cross-rank merge of local candidates.
     """
-    T, L = scores.shape
+    T = scores.shape[0]
     valid = key_ids >= 0
     s = scores.masked_fill(~valid, float("-inf"))
     ids = torch.where(valid, key_ids.long(), torch.iinfo(torch.int64).max)
@@ -98,8 +98,6 @@ def prefill_key_rows(key_len, region_pcu, padded_local_total: int, dcp_size: int
     max_keys: the rectangle width L (default ``max(key_len)``, which syncs).
     Returns ``(key_rows [T, L] int32, key_ids [T, L] int64)``, NO_KEY beyond key_len.
     """
-    from .reference import remap_to_gathered
-
     L = int(key_len.max()) if max_keys is None else max_keys
     t = torch.arange(L, device=key_len.device)[None, :].expand(key_len.shape[0], L)
     ids = torch.where(t < key_len.long()[:, None], t, NO_KEY)

@@ -1,4 +1,4 @@
-"""Sparse-MLA kernel with keys on the wide side of the matrix products (few heads per program).
+"""Bench variant (never a default): sparse-MLA kernel with keys on the wide side of the products.
 
 With 8-32 heads per rank, ``S = Q K^T`` puts the heads on the M side of the product, which the
 Hopper tensor cores (wgmma, M = 64 per warpgroup) cannot fill. Here the products are transposed:
@@ -14,14 +14,28 @@ bf16 rows take the same path with no scales.
 PREFETCH: the next block's rows are gathered into registers as stored (fp8 bytes, scales, rope)
 before this block's products, and the indices one block further ahead, so several gathers are in
 flight per program. Contract: ``reference.sparse_mla_attention``.
+
+Why it is here and not in the runtime (bench/RESULTS.md, variant sweep): at B 256 H 16 its best
+(32 keys, prefetch) measured 344-347 us against 359-376 for the heads kernels, but its prefetch
+variants at 64/128 keys hit an illegal address on the H200 (cause not found); at 64-128 heads it
+lost everywhere; the Gluon decode (214.8 us) now runs that shape on sm_90. Launched by
+``kmajor.py`` for comparison in bench/kernels.py's sweep.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from cpplan.runtime.kernels.triton.attention_jit import block_rows as _block_rows
 
-from .triton_attention import _block_rows, _ld
+
+@triton.jit
+def _ld(ptrs, mask, other, EVICT: tl.constexpr):
+    """``tl.load``; EVICT marks streamed rows evict-first (decode: read once, keep L2 for others)."""
+    if EVICT:
+        return tl.load(ptrs, mask=mask, other=other, eviction_policy="evict_first")
+    else:
+        return tl.load(ptrs, mask=mask, other=other)
 
 
 @triton.jit
@@ -124,7 +138,7 @@ def _store_group_t(o_ptr, acc, inv_l, g: tl.constexpr, hmask):
 
 
 @triton.jit
-def _sparse_mla_fwd_kmajor(
+def sparse_mla_fwd_kmajor(
     q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, pcu_ptr,
     stride_qt, stride_qh, stride_kv, stride_it,
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt,

@@ -1,5 +1,5 @@
 """Triton indexer: scores sum_h w_h * ReLU(q_h . k) over packed fp8 keys, then the top-k in the
-reference order (score descending, token id ascending; DESIGN 3.6).
+reference order (score descending, token id ascending; docs/design.md §Decode rows: LSE merge and top-k merge).
 
 One program per (query, block of BLOCK_L keys): a [Hi, 128] x [128, BLOCK_L] product on the
 fp8 keys upcast exactly to the operand dtype, the per-key scale applied after the product (a
@@ -8,7 +8,7 @@ three sources, chosen at compile time:
 
 - ROWS: an explicit ``key_rows [T, L]`` rectangle (``reference.indexer_scores``);
 - PREFILL: keys ``0 .. key_len[j]-1`` of query j's request, rows computed in the kernel from the
-  gather chunk's region parameters (zero-copy deinterleave, DESIGN 3.5);
+  gather chunk's region parameters (zero-copy deinterleave);
 - DECODE: the rank's local shard, ``local_len[j]`` keys, slots through the block table.
 
 For PREFILL and DECODE the kernel writes one int64 sort key per (query, key):
@@ -23,61 +23,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import INDEXER_K_BYTES, NO_KEY
+from ..reference.formats import INDEXER_K_BYTES, NO_KEY
+from ..reference.indexer import topk_reference_order
+from .indexer_jit import indexer_kernel
 
 MODE_ROWS, MODE_PREFILL, MODE_DECODE = 0, 1, 2
 LOGITS_BUDGET_BYTES = 1 << 28
 _BLOCK_L = 128
 _DOT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
-# B is not specialised: Triton's alignment analysis otherwise assumes (blk*B + c%B)*132 is
-# 64-byte aligned and emits 16-byte loads (misaligned address on the H200).
-@triton.jit(do_not_specialize=["B"])
-def _indexer_kernel(q_ptr, w_ptr, k_ptr, out_ptr, rows_ptr, len_ptr, pcu_ptr, bt_ptr,
-                    stride_qt, stride_qh, stride_wt, stride_ot, stride_rt, stride_bt,
-                    HI, L, PT, B, RANK, W: tl.constexpr, I: tl.constexpr,
-                    MODE: tl.constexpr, COMPOSITE: tl.constexpr, BLOCK_H: tl.constexpr,
-                    BLOCK_L: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    lb = tl.program_id(0)
-    j = tl.program_id(1).to(tl.int64)
-    c = lb * BLOCK_L + tl.arange(0, BLOCK_L)
-    if MODE == 0:
-        rows = tl.load(rows_ptr + j * stride_rt + c, mask=c < L, other=-1).to(tl.int64)
-        valid = rows >= 0
-        n_keys = L
-    else:
-        n_keys = tl.load(len_ptr + j)
-        valid = c < n_keys
-        if MODE == 1:
-            pcu = tl.load(pcu_ptr + j).to(tl.int64)
-            g = c // I
-            rows = (g % W) * PT + pcu + (g // W) * I + c % I
-        else:
-            blk = tl.load(bt_ptr + j * stride_bt + c // B, mask=valid, other=0).to(tl.int64)
-            rows = blk * B + c % B
-    rows = tl.where(valid, rows, 0).to(tl.int64)
-    score = tl.full((BLOCK_L,), float("-inf"), tl.float32)
-    if lb * BLOCK_L < n_keys:
-        heads = tl.arange(0, BLOCK_H)
-        hmask = heads < HI
-        q = tl.load(q_ptr + j * stride_qt + heads[:, None] * stride_qh + tl.arange(0, 128)[None, :],
-                    mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
-        w = tl.load(w_ptr + j * stride_wt + heads, mask=hmask, other=0.0).to(tl.float32)
-        kb = k_ptr + rows * 132
-        raw = tl.load(kb[:, None] + tl.arange(0, 128)[None, :], mask=valid[:, None], other=0)
-        k = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32).to(DOT_DTYPE)
-        scale = tl.load((kb + 128).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale[None, :]
-        s = tl.sum(tl.maximum(s, 0.0) * w[:, None], 0)
-        score = tl.where(valid, s, float("-inf"))
-    if COMPOSITE:
-        bits = score.to(tl.int32, bitcast=True)
-        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-        key = (ordered << 32) | (4294967295 - c.to(tl.int64))
-        tl.store(out_ptr + j * stride_ot + c, key, mask=c < L)
-    else:
-        tl.store(out_ptr + j * stride_ot + c, score, mask=c < L)
 
 
 def _launch(q, weights, k, out, mode, composite, L, rows=None, lens=None, pcu=None, bt=None,
@@ -86,7 +39,7 @@ def _launch(q, weights, k, out, mode, composite, L, rows=None, lens=None, pcu=No
     dummy = out
     rows_, lens_, pcu_, bt_ = (x if x is not None else dummy for x in (rows, lens, pcu, bt))
     grid = (triton.cdiv(L, _BLOCK_L), T)
-    _indexer_kernel[grid](
+    indexer_kernel[grid](
         q, weights, k, out, rows_, lens_, pcu_, bt_,
         q.stride(0), q.stride(1), weights.stride(0), out.stride(0),
         rows.stride(0) if rows is not None else 0, bt.stride(0) if bt is not None else 0,
@@ -107,8 +60,6 @@ def indexer_scores(q, weights, k_packed, key_rows):
 
 def indexer_topk(q, weights, k_packed, key_rows, key_ids, topk: int):
     """Triton scores + exact reference-order top-k over explicit (key_rows, key_ids)."""
-    from .reference_indexer import topk_reference_order
-
     ids = torch.where(key_rows >= 0, key_ids.long(), NO_KEY)
     return topk_reference_order(indexer_scores(q, weights, k_packed, key_rows), ids, topk)
 
@@ -144,7 +95,7 @@ def _chunked_topk(q, topk, L, budget, launch, to_ids):
 def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_local_total: int,
                          dcp_size: int, interleave: int, topk: int, *, max_keys: int | None = None,
                          logits_budget_bytes: int = LOGITS_BUDGET_BYTES):
-    """Triton ``indexer_topk_prefill`` (contract in ``reference_indexer``); scores float32.
+    """Triton ``indexer_topk_prefill`` (contract in ``reference.indexer``); scores float32.
 
     max_keys: the widest key_len (from the plan; default ``max(key_len)``, which syncs).
     """

@@ -1,0 +1,114 @@
+"""fp8 cache formats of the torch reference: quantise, dequantise and pack (bit-exact contracts).
+
+``fp8_ds_mla`` KV rows (656 bytes: 512 fp8 e4m3 latent values, four float32 power-of-two scales,
+64 bf16 RoPE values) and indexer keys (132 bytes: 128 fp8 values, one float32 scale); formats in
+docs/design.md §The fp8_ds_mla KV token (656 bytes) and §Indexer keys and scores. Runs on CPU and CUDA.
+Sentinel: ``NO_KEY = -1`` in every index / id / slot / row tensor means "no key, never read".
+"""
+
+from __future__ import annotations
+
+import torch
+
+NO_KEY = -1
+D_QK = 576  # 512 latent + 64 RoPE
+D_V = 512
+D_ROPE = 64
+D_INDEXER = 128
+FP8_DS_MLA_BYTES = 656  # 512 fp8 | 4 x fp32 scale | 64 x bf16
+INDEXER_K_BYTES = 132  # 128 fp8 | 1 x fp32 scale
+FP8_GROUP = 128
+FP8_MAX = 448.0
+_SCALE_FLOOR = 2.0**-126
+
+
+def fp8_scale_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """Exact ``ceil(log2(max(amax, 2**-126) / 448))`` as int32, for float32 ``amax`` (any shape).
+
+    Computed from the float32 bits (frexp), never through a rounded log2 or a subnormal quotient:
+    with ``a = m * 2**e``, m in [0.5, 1) and ``448 = 0.875 * 2**9``, the result is
+    ``e - 9 + (m > 0.875)``. The Triton packer uses the same bit rule, so both are bit-identical.
+    """
+    a = torch.clamp(amax.float(), min=_SCALE_FLOOR)
+    m, e = torch.frexp(a)
+    return (e - 9 + (m > 0.875).to(e.dtype)).to(torch.int32)
+
+
+def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """2**exponent as float32, exact also where the result is subnormal (via float64)."""
+    return torch.pow(2.0, exponent.to(torch.float64)).to(torch.float32)
+
+
+def _quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [n, g, 128] float32 -> (fp8 bytes [n, g*128] uint8, scales [n, g] float32)."""
+    scale = _pow2(fp8_scale_exponent(x.abs().amax(dim=-1)))
+    # x / scale is exact (power of two); do it in float64 so no subnormal step can round.
+    q = (x.double() / scale.double().unsqueeze(-1)).to(torch.float8_e4m3fn)
+    return q.view(torch.uint8).reshape(x.shape[0], -1), scale
+
+
+def quantize_fp8_ds_mla(kv: torch.Tensor) -> torch.Tensor:
+    """Quantise KV tokens into the ``fp8_ds_mla`` cache format.
+
+    kv: ``[n, 576]`` float (any float dtype; converted to float32 first, which is exact for
+    bf16/fp16/fp32 inputs). Returns ``[n, 656]`` uint8 on kv's device, one token per row:
+    bytes 0..511 the 512 latent values as fp8 e4m3 (round to nearest even), bytes 512..527 four
+    float32 scales (little-endian, one per 128 latent values, each a power of two), bytes
+    528..655 the 64 RoPE values as bf16 (round to nearest even).
+    """
+    n = kv.shape[0]
+    assert kv.shape[-1] == D_QK, f"kv last dim {kv.shape[-1]}, expected {D_QK}"
+    x = kv.float()
+    fp8, scale = _quantize_groups(x[:, :D_V].reshape(n, D_V // FP8_GROUP, FP8_GROUP))
+    rope = x[:, D_V:].to(torch.bfloat16).contiguous().view(torch.uint8).reshape(n, 2 * D_ROPE)
+    scale_bytes = scale.contiguous().view(torch.uint8).reshape(n, 16)
+    return torch.cat([fp8, scale_bytes, rope], dim=1)
+
+
+def dequantize_fp8_ds_mla(packed: torch.Tensor) -> torch.Tensor:
+    """``[n, 656]`` uint8 fp8_ds_mla rows -> ``[n, 576]`` float32 (exact: scales are powers of 2)."""
+    assert packed.dtype == torch.uint8 and packed.shape[-1] == FP8_DS_MLA_BYTES
+    n = packed.shape[0]
+    p = packed.contiguous()
+    vals = p[:, :D_V].view(torch.float8_e4m3fn).float().reshape(n, 4, FP8_GROUP)
+    scale = p[:, D_V : D_V + 16].contiguous().view(torch.float32).reshape(n, 4, 1)
+    rope = p[:, D_V + 16 :].contiguous().view(torch.bfloat16).float()
+    return torch.cat([(vals * scale).reshape(n, D_V), rope], dim=1)
+
+
+def quantize_indexer_k(k: torch.Tensor) -> torch.Tensor:
+    """Indexer keys ``[n, 128]`` float -> ``[n, 132]`` uint8: 128 fp8 e4m3 | one float32 scale.
+
+    Same scale rule as fp8_ds_mla with one group of 128 values.
+    """
+    n = k.shape[0]
+    assert k.shape[-1] == D_INDEXER
+    fp8, scale = _quantize_groups(k.float().reshape(n, 1, D_INDEXER))
+    return torch.cat([fp8, scale.contiguous().view(torch.uint8).reshape(n, 4)], dim=1)
+
+
+def dequantize_indexer_k(packed: torch.Tensor) -> torch.Tensor:
+    """``[n, 132]`` uint8 -> ``[n, 128]`` float32 (exact)."""
+    assert packed.dtype == torch.uint8 and packed.shape[-1] == INDEXER_K_BYTES
+    p = packed.contiguous()
+    vals = p[:, :D_INDEXER].view(torch.float8_e4m3fn).float()
+    return vals * p[:, D_INDEXER:].contiguous().view(torch.float32)
+
+
+def pack_fp8_ds_mla_into(cache_flat: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> None:
+    """Quantise ``kv [n, 576]`` and write row i into ``cache_flat[slots[i]]`` (in place).
+
+    cache_flat: ``[S, 656]`` uint8 (a paged cache ``[num_blocks, 64, 656]`` viewed flat);
+    slots: ``[n]`` int64/int32, a slot < 0 is skipped (not written).
+    """
+    _pack_into(cache_flat, slots, quantize_fp8_ds_mla(kv))
+
+
+def pack_indexer_k_into(cache_flat: torch.Tensor, slots: torch.Tensor, k: torch.Tensor) -> None:
+    """Quantise indexer keys ``k [n, 128]`` into ``cache_flat [S, 132]`` uint8 at ``slots``."""
+    _pack_into(cache_flat, slots, quantize_indexer_k(k))
+
+
+def _pack_into(cache_flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    keep = slots >= 0
+    cache_flat.index_copy_(0, slots[keep].long(), rows[keep])
