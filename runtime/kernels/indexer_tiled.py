@@ -9,20 +9,22 @@ operand (registers) and the queries x heads tile, loaded once per program, the B
 memory); each key tile is read once for BQ queries. The epilogue (ReLU, head weights, the sum
 over each query's heads, the per-key power-of-two scale) reduces along N, which in the MMA
 accumulator layout is mostly within a thread plus a quad shuffle: no shared-memory round trip.
-Tile choice (defaults, sweepable): BK 128 x BQ 2 (N 128) with 8 warps gives a 128 x 128 fp32
-accumulator = 64 registers per thread, plus the converted A tile (32 KiB / 256 threads = 32
-registers) and the pipelined fp8 loads: fits without spills, and the B tile (32 KiB) plus 3
-stages of fp8 keys (16 KiB each) fit shared memory. BQ 4 (N 256) doubles the accumulator (128
-registers) for half the key traffic per FLOP: the first thing to sweep. Queries of a block that
+Tile choice (defaults, sweepable): BK 128 x BQ 2 (N 128) with 8 warps: a 128 x 128 fp32
+accumulator is 64 registers per thread and the converted A tile 32 more, the B tile (32 KiB) and
+3 stages of fp8 keys (16 KiB each) fit shared memory. An offline sm_90 compile (Triton 3.9) still
+reports 255 registers and 176 B of stack: the byte gather of 132-byte rows (not 16-byte aligned,
+so no TMA and at most 4-byte vectors) carries a pointer per 4 keys' bytes. BQ 4 (N 256) halves
+the key traffic per FLOP but spills more (1.7 KB stack there); BK 64 x BQ 2 at 4 warps spills
+16 B. These are the first things to sweep (``bench/indexer.py --sweep``). Queries of a block that
 belong to different requests (a different region_pcu; rare) fall back to one key tile per query.
 Causal bounds: a program stops at its block's largest key_len; keys past a query's own bound are
 not written. Decode queries each own their keys (BQ 1, N = 64): memory-bound, so the keys of a
 request are split over programs (about ``programs_per_sm`` x SMs programs in all, one launch for
 the whole batch).
 
-Top-k. Scores are written as order-preserving int32 keys (-0.0 folded to +0.0, which the
-reference ties). Per row, ``ceil(32 / radix_bits)`` histogram passes (``tl.histogram``) find the
-exact K-th largest key and how many keys equal to it to take (the lowest positions, i.e. the
+Top-k. Scores are written as order-preserving int32 keys (a row cannot hold both signed zeros:
+-0.0 needs every weight of the row negative, and then no score is +0.0). Per row,
+``ceil(32 / radix_bits)`` histogram passes (``tl.histogram``) find the exact K-th largest key and how many keys equal to it to take (the lowest positions, i.e. the
 lowest token ids, as the reference's stable order); one compaction pass writes the <= K winners
 as composites ``key << 32 | (2**32 - 1 - position)`` and a sort of KP = next_pow2(K) entries
 orders them (score descending, id ascending). Long rows with few rows (decode at long context)
@@ -91,8 +93,8 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
     kp = triton.next_power_of_2(topk)
     blk, bits, warps = tiles.select_block, tiles.radix_bits, tiles.select_warps
     segs = max(1, min(triton.cdiv(tiles.programs_per_sm * _num_sms(keys.device), R), L // (4 * kp)))
-    common = dict(RANK=rank, W=W, I=I, DECODE_IDS=decode_ids, KP=kp, BLOCK=blk, BITS=bits,
-                  num_warps=warps)
+    common = {"RANK": rank, "W": W, "I": I, "DECODE_IDS": decode_ids, "KP": kp, "BLOCK": blk,
+              "BITS": bits, "num_warps": warps}
     scratch = torch.empty(R, kp, dtype=torch.int64, device=keys.device)
     if segs == 1:
         jit.select_kernel[(1, R)](keys, lens, scratch, top_s, top_i, keys.stride(0),

@@ -155,7 +155,7 @@ def _digit_histogram(keys_ptr, lo, end, hi, prefix, P: tl.constexpr, HI_SHIFT: t
     hist = tl.zeros((1 << BITS,), tl.int32)
     for c0 in range(lo, end, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
-        key, v = _load_keys(keys_ptr, c, hi, COMPOSITE_IN)
+        key, _ = _load_keys(keys_ptr, c, hi, COMPOSITE_IN)
         u = key ^ -2147483648  # unsigned order as bits; "no key" -> 0
         valid = u != 0
         if P > 0:
@@ -166,7 +166,7 @@ def _digit_histogram(keys_ptr, lo, end, hi, prefix, P: tl.constexpr, HI_SHIFT: t
 
 @triton.jit
 def _append_digit(prefix, b, HI_SHIFT: tl.constexpr, BITS: tl.constexpr):
-    WIDTH: tl.constexpr = BITS if HI_SHIFT > BITS else HI_SHIFT
+    WIDTH: tl.constexpr = BITS if HI_SHIFT > BITS else HI_SHIFT  # noqa: FURB136 (jit code)
     return (prefix << WIDTH) | b
 
 

@@ -10,7 +10,6 @@ import os
 
 import pytest
 import torch
-
 from cpplan.runtime.kernels import reference as ref
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -30,7 +29,7 @@ def _it():
 def _tiles(env, **kw):
     it = _it()
     if env == "interp":  # small tiles: several key blocks and select steps per row
-        kw = dict(dict(block_k=32, decode_block_k=32, select_block=64), **kw)
+        kw = {"block_k": 32, "decode_block_k": 32, "select_block": 64, **kw}
     return it.IndexerTiles(**kw)
 
 
