@@ -1,0 +1,204 @@
+"""Indexer benchmark on one GPU: the old per-(query, key block) Triton kernel against the tiled
+one (``runtime/kernels/indexer_tiled.py``) in the same run, with the bf16 matmul ceiling.
+
+    python bench/indexer.py [--quick] [--only prefill,decode] [--sweep] [--json out.json]
+
+Prefill cases: the last T tokens of an N-token context (query i has keys 0 .. N - T + i),
+64 heads x 128 dims, topk 2048, one rank. Decode cases: B requests of one context each, paged
+cache (block 64, shuffled block table). Inputs are integer-valued, so scores are exact and ties
+abound; each case checks new == old (ids and scores, order included). Logits FLOPs: 2 * 64 * 128
+per (query, key). Medians of ``triton.testing.do_bench``. ``--sweep`` times tile variants of the
+first prefill case and of the decode cases (logits and select separately where it helps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import torch
+from cpplan.runtime.kernels import get_kernels
+from cpplan.runtime.kernels import indexer_tiled as it
+from cpplan.runtime.kernels import reference as ref
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
+from triton.testing import do_bench
+
+HI, TOPK, BLOCK = 64, 2048, 64
+PREFILL = [(4096, 32768), (2048, 65536), (8192, 8192)]
+DECODE = [(b, ctx) for ctx in (4096, 131072) for b in (1, 8, 64)]
+ROWS: list[dict] = []
+FAILS = (CompilationError, OutOfResources, RuntimeError)  # a variant that does not build or run
+
+
+def bench(fn):
+    fn()
+    torch.cuda.synchronize()
+    return do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def row(name, ms, flops=None, ceil=None, note=""):
+    tf = flops / ms / 1e9 if flops else None
+    r = {"name": name, "ms": ms, "tflops": tf, "of_ceiling": tf / ceil if tf and ceil else None,
+         "note": note}
+    ROWS.append(r)
+    cols = f"{tf:7.0f} TFLOP/s {r['of_ceiling']:5.0%}" if r["of_ceiling"] else f"{'':21s}"
+    print(f"{name:52s} {ms * 1e3:10.1f} us {cols}  {note}", flush=True)
+    return r
+
+
+def ceiling():
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    r = row("ceiling: bf16 matmul 8192^3", bench(lambda: a @ b), flops=2 * 8192**3)
+    return r["tflops"]
+
+
+def _ints(shape, lo, hi, g):
+    return torch.randint(lo, hi + 1, shape, device="cuda", generator=g)
+
+
+def prefill_inputs(T, N, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = _ints((T, HI, 128), -2, 2, g).to(torch.bfloat16)
+    w = _ints((T, HI), -2, 2, g).float()
+    k = ref.quantize_indexer_k(_ints((N, 128), -3, 3, g).float())
+    key_len = torch.arange(N - T + 1, N + 1, device="cuda")
+    pcu = torch.zeros(T, dtype=torch.int64, device="cuda")
+    args = (q, w, k, key_len, pcu, N, 1, 1, TOPK)
+    return args, 2 * HI * 128 * int(key_len.sum())
+
+
+def decode_inputs(B, ctx, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    nblk = ctx // BLOCK
+    q = _ints((B, HI, 128), -2, 2, g).to(torch.bfloat16)
+    w = _ints((B, HI), -2, 2, g).float()
+    k = ref.quantize_indexer_k(_ints((B * nblk * BLOCK, 128), -3, 3, g).float())
+    bt = torch.randperm(B * nblk, device="cuda", generator=g).int().reshape(B, nblk)
+    local_len = torch.full((B,), ctx, device="cuda")
+    args = (q, w, k, local_len, bt, BLOCK, 1, 0, 1, TOPK)
+    return args, 2 * HI * 128 * B * ctx
+
+
+def same(a, b):
+    return torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
+
+
+def case(name, old_fn, new_fn, args, max_keys, flops, ceil):
+    old = old_fn(*args, max_keys=max_keys)
+    new = new_fn(*args, max_keys=max_keys)
+    ok = same(old, new)
+    t_old = bench(lambda: old_fn(*args, max_keys=max_keys))
+    t_new = bench(lambda: new_fn(*args, max_keys=max_keys))
+    row(f"{name} old", t_old, flops, ceil)
+    row(f"{name} new", t_new, flops, ceil, f"x{t_old / t_new:.2f} vs old, new==old: {ok}")
+    return ok
+
+
+def prefill_parts(args, tiles, ceil, flops, label):
+    """Times the tiled logits alone and the select alone (one chunk: the whole prefill)."""
+    q, w, k, key_len, pcu, N = args[:6]
+    keys = torch.empty(q.shape[0], N, dtype=torch.int32, device="cuda")
+    top_s, top_i = (torch.empty(q.shape[0], TOPK, device="cuda"),
+                    torch.empty(q.shape[0], TOPK, dtype=torch.int32, device="cuda"))
+
+    def logits():
+        it._logits(q, w, k, keys, 1, True, N, bq=tiles.block_q, bk=tiles.block_k,
+                   warps=tiles.logits_warps, stages=tiles.logits_stages, lens=key_len, pcu=pcu,
+                   PT=N, W=1, I=1)
+
+    def select():
+        it._select(keys, key_len, TOPK, top_s, top_i, tiles)
+
+    for part, fn, fl in (("logits", logits, flops), ("select", select, None)):
+        try:
+            row(f"  {label} {part}", bench(fn), fl, ceil)
+        except FAILS as e:
+            print(f"  {label} {part}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
+
+
+def run_prefill(cases, ceil, kernels):
+    ok = True
+    for T, N in cases:
+        args, flops = prefill_inputs(T, N)
+        ok &= case(f"prefill T {T} N {N}", kernels.indexer_topk_prefill, it.indexer_topk_prefill,
+                   args, N, flops, ceil)
+        prefill_parts(args, it.IndexerTiles(), ceil, flops, "parts")
+        del args
+    return ok
+
+
+def run_decode(cases, ceil, kernels):
+    ok = True
+    for B, ctx in cases:
+        args, flops = decode_inputs(B, ctx)
+        ok &= case(f"decode B {B} ctx {ctx}", kernels.indexer_topk_decode, it.indexer_topk_decode,
+                   args, ctx, flops, ceil)
+        del args
+    return ok
+
+
+def sweep(ceil):
+    args, flops = prefill_inputs(*PREFILL[0])
+    base = it.IndexerTiles()
+    for bq in (1, 2, 4):
+        for bk in (64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3, 4):
+                    t = dataclasses.replace(base, block_q=bq, block_k=bk, logits_warps=warps,
+                                            logits_stages=stages)
+                    prefill_parts(args, t, ceil, flops, f"bq {bq} bk {bk} w {warps} s {stages}")
+    for bits in (8, 11):
+        for blk in (1024, 2048, 4096):
+            for warps in (4, 8, 16):
+                t = dataclasses.replace(base, radix_bits=bits, select_block=blk, select_warps=warps)
+                prefill_parts(args, t, ceil, None, f"select bits {bits} block {blk} w {warps}")
+    del args
+    for B, ctx in ((64, 4096), (8, 131072), (1, 131072)):
+        sweep_decode(B, ctx, ceil)
+
+
+def sweep_decode(B, ctx, ceil):
+    args, flops = decode_inputs(B, ctx)
+    base = it.IndexerTiles()
+    for bk in (32, 64, 128):
+        for warps in (4, 8):
+            for pps in (1, 2, 4, 8):
+                t = dataclasses.replace(base, decode_block_k=bk, decode_warps=warps,
+                                        programs_per_sm=pps)
+                name = f"decode B {B} ctx {ctx} bk {bk} w {warps} pps {pps}"
+                try:
+                    row(name, bench(lambda t=t: it.indexer_topk_decode(*args, max_keys=ctx,
+                                                                       tiles=t)), flops, ceil)
+                except FAILS as e:
+                    print(f"{name}: failed ({type(e).__name__})", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="first prefill and two decode cases")
+    ap.add_argument("--only", default="prefill,decode")
+    ap.add_argument("--sweep", action="store_true", help="tile variants (long)")
+    ap.add_argument("--json", help="write the rows here")
+    a = ap.parse_args()
+    kernels = get_kernels("cuda", "triton")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    ceil = ceiling()
+    parts = a.only.split(",")
+    ok = True
+    if "prefill" in parts:
+        ok &= run_prefill(PREFILL[:1] if a.quick else PREFILL, ceil, kernels)
+    if "decode" in parts:
+        ok &= run_decode([(64, 4096), (8, 131072)] if a.quick else DECODE, ceil, kernels)
+    if a.sweep:
+        sweep(ceil)
+    print(f"new == old in every case: {ok}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"rows": ROWS, "all_equal": ok}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

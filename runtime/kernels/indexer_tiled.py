@@ -1,0 +1,224 @@
+"""Tiled Triton indexer: logits as a matrix product over blocks of queries and keys, then an
+exact top-k by radix select (no sort of every key). Same entry points, arguments and results as
+``triton_indexer`` (contracts: ``reference_indexer``); bodies in ``indexer_tiled_jit``.
+
+Logits (docs/design.md §3.6). One program owns BQ consecutive queries and a range of keys; per
+block of BK keys it computes ``K [BK, 128] @ Q^T [128, BQ * HP]`` (HP = heads padded to a power
+of two, 64 for the model). Keys sit on the M side, so the fp8 -> bf16 converted key tile is the A
+operand (registers) and the queries x heads tile, loaded once per program, the B operand (shared
+memory); each key tile is read once for BQ queries. The epilogue (ReLU, head weights, the sum
+over each query's heads, the per-key power-of-two scale) reduces along N, which in the MMA
+accumulator layout is mostly within a thread plus a quad shuffle: no shared-memory round trip.
+Tile choice (defaults, sweepable): BK 128 x BQ 2 (N 128) with 8 warps: a 128 x 128 fp32
+accumulator is 64 registers per thread and the converted A tile 32 more, the B tile (32 KiB) and
+3 stages of fp8 keys (16 KiB each) fit shared memory. An offline sm_90 compile (Triton 3.9) still
+reports 255 registers and 176 B of stack: the byte gather of 132-byte rows (not 16-byte aligned,
+so no TMA and at most 4-byte vectors) carries a pointer per 4 keys' bytes. BQ 4 (N 256) halves
+the key traffic per FLOP but spills more (1.7 KB stack there); BK 64 x BQ 2 at 4 warps spills
+16 B. These are the first things to sweep (``bench/indexer.py --sweep``). Queries of a block that
+belong to different requests (a different region_pcu; rare) fall back to one key tile per query.
+Causal bounds: a program stops at its block's largest key_len; keys past a query's own bound are
+not written. Decode queries each own their keys (BQ 1, N = 64): memory-bound, so the keys of a
+request are split over programs (about ``programs_per_sm`` x SMs programs in all, one launch for
+the whole batch).
+
+Top-k. Scores are written as order-preserving int32 keys (a row cannot hold both signed zeros:
+-0.0 needs every weight of the row negative, and then no score is +0.0). Per row,
+``ceil(32 / radix_bits)`` histogram passes (``tl.histogram``) find the exact K-th largest key and how many keys equal to it to take (the lowest positions, i.e. the
+lowest token ids, as the reference's stable order); one compaction pass writes the <= K winners
+as composites ``key << 32 | (2**32 - 1 - position)`` and a sort of KP = next_pow2(K) entries
+orders them (score descending, id ascending). Long rows with few rows (decode at long context)
+are split into segments: each selects its own top-K composites, a second select over the
+``segments x KP`` candidates (in position order, so ties stay exact) gives the row's top-K.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from . import indexer_tiled_jit as jit
+from .reference import INDEXER_K_BYTES, NO_KEY
+
+LOGITS_BUDGET_BYTES = 1 << 29  # int32 keys of a prefill chunk: 4096 queries x 32k keys
+_DOT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerTiles:
+    """Launch parameters (the bench's ``--sweep`` varies them; results do not depend on them)."""
+
+    block_q: int = 2  # prefill queries per logits program (N = block_q * padded heads)
+    block_k: int = 128  # prefill keys per product (M)
+    logits_warps: int = 8
+    logits_stages: int = 3
+    decode_block_k: int = 64
+    decode_warps: int = 4
+    decode_stages: int = 3
+    select_block: int = 1024  # keys per select step
+    select_warps: int = 8
+    radix_bits: int = 11  # histogram bins 2**radix_bits; ceil(32 / bits) passes
+    programs_per_sm: int = 2  # decode logits and long-row select fill this many programs per SM
+
+
+def _num_sms(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _logits(q, weights, k, out, mode, out_keys, L, *, bq, bk, warps, stages, splits=1,
+            rows=None, lens=None, pcu=None, bt=None, PT=0, W=1, I=1, B=1):
+    T, HI, _ = q.shape
+    dummy = out
+    rows_, lens_, pcu_, bt_ = (x if x is not None else dummy for x in (rows, lens, pcu, bt))
+    per_split = triton.cdiv(triton.cdiv(L, splits), bk) * bk
+    grid = (triton.cdiv(L, per_split), triton.cdiv(T, bq))
+    jit.logits_kernel[grid](
+        q, weights, k, out, rows_, lens_, pcu_, bt_,
+        q.stride(0), q.stride(1), weights.stride(0), out.stride(0),
+        rows.stride(0) if rows is not None else 0, bt.stride(0) if bt is not None else 0,
+        T, HI, L, PT, B, per_split, W=W, I=I, MODE=mode, OUT_KEYS=out_keys, BQ=bq,
+        HP=max(16, triton.next_power_of_2(HI)), BK=bk, DOT_DTYPE=_DOT[q.dtype],
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps,
+        num_stages=stages)
+
+
+def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1, rank=0):
+    """Exact top-k of each row of int32 keys ``[R, L]`` (row r: its first lens[r] columns)."""
+    R, L = keys.shape
+    kp = triton.next_power_of_2(topk)
+    blk, bits, warps = tiles.select_block, tiles.radix_bits, tiles.select_warps
+    segs = max(1, min(triton.cdiv(tiles.programs_per_sm * _num_sms(keys.device), R), L // (4 * kp)))
+    common = {"RANK": rank, "W": W, "I": I, "DECODE_IDS": decode_ids, "KP": kp, "BLOCK": blk,
+              "BITS": bits, "num_warps": warps}
+    scratch = torch.empty(R, kp, dtype=torch.int64, device=keys.device)
+    if segs == 1:
+        jit.select_kernel[(1, R)](keys, lens, scratch, top_s, top_i, keys.stride(0),
+                                  scratch.stride(0), top_s.stride(0), L, L, topk, HAS_LEN=True,
+                                  COMPOSITE_IN=False, FINAL=True, **common)
+        return
+    seg_len = triton.cdiv(triton.cdiv(L, segs), blk) * blk
+    segs = triton.cdiv(L, seg_len)
+    cand = torch.empty(R, segs * kp, dtype=torch.int64, device=keys.device)
+    jit.select_kernel[(segs, R)](keys, lens, cand, top_s, top_i, keys.stride(0), cand.stride(0),
+                                 top_s.stride(0), L, seg_len, topk, HAS_LEN=True,
+                                 COMPOSITE_IN=False, FINAL=False, **common)
+    n = segs * kp
+    jit.select_kernel[(1, R)](cand, lens, scratch, top_s, top_i, cand.stride(0), scratch.stride(0),
+                              top_s.stride(0), n, n, topk, HAS_LEN=False, COMPOSITE_IN=True,
+                              FINAL=True, **common)
+
+
+def score_keys(scores: torch.Tensor) -> torch.Tensor:
+    """float32 scores -> the kernels' order-preserving int32 keys (-0.0 as +0.0)."""
+    bits = torch.where(scores == 0, 0.0, scores.float()).view(torch.int32)
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def select_topk(scores, lens, topk: int, *, tiles: IndexerTiles | None = None):
+    """The select alone: top-k of ``scores [R, L]`` float32 over each row's first ``lens[r]``
+    columns, in the reference order with ids = column positions. Returns ``(top_scores [R, topk]
+    float32, top_ids [R, topk] int32)``, NO_KEY / -inf pads (for tests and the bench)."""
+    top_s, top_i = _outputs(scores.shape[0], topk, scores.device)
+    if scores.numel() and topk:
+        _select(score_keys(scores), lens.contiguous(), topk, top_s, top_i, tiles or IndexerTiles())
+    return top_s, top_i
+
+
+def _outputs(T, topk, device):
+    top_s = torch.full((T, topk), float("-inf"), dtype=torch.float32, device=device)
+    top_i = torch.full((T, topk), NO_KEY, dtype=torch.int32, device=device)
+    return top_s, top_i
+
+
+def _contig(q, weights):
+    return (q if q.stride(-1) == 1 else q.contiguous(),
+            weights if weights.stride(-1) == 1 else weights.contiguous())
+
+
+def indexer_scores(q, weights, k_packed, key_rows, *, tiles: IndexerTiles | None = None):
+    """Tiled ``indexer_scores``: float32 scores ``[T, L]``, -inf where key_rows is NO_KEY."""
+    tiles = tiles or IndexerTiles()
+    q, weights = _contig(q, weights)
+    T, L = key_rows.shape
+    out = torch.empty(T, L, dtype=torch.float32, device=q.device)
+    if T and L:
+        _logits(q, weights, k_packed, out, 0, False, L, bq=1, bk=tiles.decode_block_k,
+                warps=tiles.decode_warps, stages=tiles.decode_stages, rows=key_rows.contiguous())
+    return out
+
+
+def indexer_topk(q, weights, k_packed, key_rows, key_ids, topk: int, *,
+                 tiles: IndexerTiles | None = None):
+    """Tiled scores + the reference order over explicit (key_rows, key_ids).
+
+    key_ids need not follow the rows' order, so the exact order comes from
+    ``topk_reference_order`` (this source serves tests and tools, not the step).
+    """
+    from .reference_indexer import topk_reference_order
+
+    ids = torch.where(key_rows >= 0, key_ids.long(), NO_KEY)
+    return topk_reference_order(indexer_scores(q, weights, k_packed, key_rows, tiles=tiles), ids,
+                                topk)
+
+
+def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_local_total: int,
+                         dcp_size: int, interleave: int, topk: int, *, max_keys: int | None = None,
+                         logits_budget_bytes: int = LOGITS_BUDGET_BYTES,
+                         tiles: IndexerTiles | None = None):
+    """Tiled ``indexer_topk_prefill`` (contract in ``reference_indexer``); scores float32.
+
+    max_keys: the widest key_len (from the plan; default ``max(key_len)``, which syncs).
+    Queries run in chunks whose int32 keys fit ``logits_budget_bytes``.
+    """
+    tiles = tiles or IndexerTiles()
+    q, weights = _contig(q, weights)
+    L = int(key_len.max()) if max_keys is None else max_keys
+    T = q.shape[0]
+    top_s, top_i = _outputs(T, topk, q.device)
+    if T == 0 or L == 0 or topk == 0:
+        return top_s, top_i
+    key_len, region_pcu = key_len.contiguous(), region_pcu.contiguous()
+    step = max(1, logits_budget_bytes // (4 * L))
+    keys = torch.empty(min(step, T), L, dtype=torch.int32, device=q.device)
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        _logits(q[t0:t1], weights[t0:t1], k_gathered, keys[: t1 - t0], 1, True, L,
+                bq=tiles.block_q, bk=tiles.block_k, warps=tiles.logits_warps,
+                stages=tiles.logits_stages, lens=key_len[t0:t1], pcu=region_pcu[t0:t1],
+                PT=padded_local_total, W=dcp_size, I=interleave)
+        _select(keys[: t1 - t0], key_len[t0:t1], topk, top_s[t0:t1], top_i[t0:t1], tiles)
+    return top_s, top_i
+
+
+def indexer_topk_decode(q, weights, k_cache_flat, local_len, block_table, block_size: int,
+                        dcp_size: int, dcp_rank: int, interleave: int, topk: int, *,
+                        max_keys: int | None = None, tiles: IndexerTiles | None = None):
+    """Tiled ``indexer_topk_decode``: the rank's local top-k as (score, global id) candidates.
+
+    One logits launch for the whole batch (keys split over about ``programs_per_sm`` x SMs
+    programs) and one or two select launches; no host work per request.
+    """
+    tiles = tiles or IndexerTiles()
+    q, weights = _contig(q, weights)
+    L = int(local_len.max()) if max_keys is None else max_keys
+    T = q.shape[0]
+    top_s, top_i = _outputs(T, topk, q.device)
+    if T == 0 or L == 0 or topk == 0:
+        return top_s, top_i
+    if k_cache_flat.dim() == 3:
+        k_cache_flat = k_cache_flat.view(-1, INDEXER_K_BYTES)
+    local_len, block_table = local_len.contiguous(), block_table.contiguous()
+    keys = torch.empty(T, L, dtype=torch.int32, device=q.device)
+    bk = tiles.decode_block_k
+    splits = max(1, min(triton.cdiv(L, bk), triton.cdiv(tiles.programs_per_sm * _num_sms(q.device), T)))
+    _logits(q, weights, k_cache_flat, keys, 2, True, L, bq=1, bk=bk,
+            warps=tiles.decode_warps, stages=tiles.decode_stages, splits=splits, lens=local_len,
+            bt=block_table, W=dcp_size, I=interleave, B=block_size)
+    _select(keys, local_len, topk, top_s, top_i, tiles, decode_ids=True, W=dcp_size, I=interleave,
+            rank=dcp_rank)
+    return top_s, top_i

@@ -1,0 +1,259 @@
+"""Jitted bodies of the tiled indexer (launchers, tile reasoning: ``indexer_tiled.py``).
+
+Two kernels:
+
+- ``logits_kernel``: one program per (key split, block of BQ queries); loops over key blocks of
+  BK keys up to the block's largest causal bound. Per key block one matrix product
+  ``K [BK, 128] @ Q^T [128, BQ * HP]`` (keys on the M side, queries x heads on the N side), then
+  ReLU, the head weights, the sum over each query's HP heads and the per-key scale, giving
+  ``[BK, BQ]`` scores. Writes float32 scores or order-preserving int32 keys.
+- ``select_kernel``: exact top-k of one (row, segment) by radix select over the int32 keys
+  (histogram passes of BITS bits find the exact threshold and how many keys equal to it to take,
+  lowest position first), a compaction pass, then a sort of the <= KP selected composites
+  ``key << 32 | (2**32 - 1 - c)`` (score descending, position ascending).
+
+Ordered key of a float32 score: its bits if >= 0, else bits ^ 0x7FFFFFFF; signed int32 order of
+the keys is the float order. INT32_MIN (the key of no float we produce) marks "no key".
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+NO_KEY_BITS = -2147483648  # int32 key "no key"; its unsigned view is 0
+NO_COMPOSITE = -9223372036854775808
+
+
+@triton.jit
+def _score_tile(k_ptr, rows, kvalid, qT, w, BQ: tl.constexpr, HP: tl.constexpr,
+                DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """Scores [BK, BQ] of key rows ``rows [BK]`` (kvalid: rows to read) against qT [128, BQ*HP]."""
+    kb = k_ptr + rows.to(tl.int64) * 132
+    raw = tl.load(kb[:, None] + tl.arange(0, 128)[None, :], mask=kvalid[:, None], other=0)
+    k8 = raw.to(tl.float8e4nv, bitcast=True)
+    if DOT_DTYPE == tl.float32:
+        k = k8.to(tl.float32)
+    else:
+        k = k8.to(DOT_DTYPE)  # exact: e4m3 values are representable in fp16 and bf16
+    scale = tl.load((kb + 128).to(tl.pointer_type(tl.float32)), mask=kvalid, other=0.0)
+    acc = tl.dot(k, qT, input_precision=PRECISION)  # [BK, BQ * HP] fp32
+    s = tl.maximum(acc, 0.0) * w[None, :]
+    BK: tl.constexpr = rows.shape[0]
+    s = tl.sum(tl.reshape(s, (BK, BQ, HP)), 2)
+    # the scale is a positive power of two: scaling after ReLU and the head sum is exact
+    return s * scale[:, None]
+
+
+@triton.jit
+def _prefill_rows(c, pcu, PT, W: tl.constexpr, I: tl.constexpr):
+    g = c // I
+    return (g % W) * PT + pcu + (g // W) * I + c % I
+
+
+@triton.jit(do_not_specialize=["B", "PT"])
+def logits_kernel(q_ptr, w_ptr, k_ptr, out_ptr, rows_ptr, len_ptr, pcu_ptr, bt_ptr,
+                  stride_qt, stride_qh, stride_wt, stride_ot, stride_rt, stride_bt,
+                  T, HI, L, PT, B, KEYS_PER_SPLIT,
+                  W: tl.constexpr, I: tl.constexpr, MODE: tl.constexpr, OUT_KEYS: tl.constexpr,
+                  BQ: tl.constexpr, HP: tl.constexpr, BK: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """MODE 0 rows (BQ must be 1), 1 prefill, 2 decode (BQ must be 1)."""
+    split = tl.program_id(0)
+    j0 = tl.program_id(1) * BQ
+    r = tl.arange(0, BQ * HP)
+    jr = j0 + r // HP
+    hr = r % HP
+    cmask = (jr < T) & (hr < HI)
+    d = tl.arange(0, 128)
+    qT = tl.load(q_ptr + jr.to(tl.int64)[None, :] * stride_qt + hr[None, :] * stride_qh + d[:, None],
+                 mask=cmask[None, :], other=0.0).to(DOT_DTYPE)
+    w = tl.load(w_ptr + jr.to(tl.int64) * stride_wt + hr, mask=cmask, other=0.0).to(tl.float32)
+    jq = j0 + tl.arange(0, BQ)
+    qmask = jq < T
+    if MODE == 0:
+        n = tl.where(qmask, L, 0)
+    else:
+        n = tl.load(len_ptr + jq, mask=qmask, other=0).to(tl.int32)
+    lo = split * KEYS_PER_SPLIT
+    hi = tl.minimum(tl.max(n), lo + KEYS_PER_SPLIT)
+    if MODE == 1:
+        pcu = tl.load(pcu_ptr + jq, mask=qmask, other=0).to(tl.int64)
+        p_lo = tl.min(tl.where(n > 0, pcu, 9223372036854775807))
+        shared = tl.max(tl.where(n > 0, pcu, -1)) <= p_lo
+    optr = out_ptr + jq.to(tl.int64)[None, :] * stride_ot
+    if MODE == 0:
+        for kb in range(lo, hi, BK):
+            c = kb + tl.arange(0, BK)
+            rows = tl.load(rows_ptr + j0.to(tl.int64) * stride_rt + c, mask=c < L, other=-1)
+            kvalid = rows >= 0
+            s = _score_tile(k_ptr, tl.where(kvalid, rows, 0), kvalid, qT, w, BQ, HP, DOT_DTYPE,
+                            PRECISION)
+            _store(optr + c[:, None], s, kvalid[:, None] & qmask[None, :],
+                   (c < L)[:, None] & qmask[None, :], OUT_KEYS)
+    elif MODE == 1:
+        if shared:  # the queries of the block are one request's: one key tile serves all
+            for kb in range(lo, hi, BK):
+                c = kb + tl.arange(0, BK)
+                kvalid = c < hi
+                rows = tl.where(kvalid, _prefill_rows(c, p_lo, PT, W, I), 0)
+                s = _score_tile(k_ptr, rows, kvalid, qT, w, BQ, HP, DOT_DTYPE, PRECISION)
+                valid = c[:, None] < n[None, :]
+                _store(optr + c[:, None], s, valid, valid, OUT_KEYS)
+        else:  # a request boundary inside the block (rare): one key tile per query
+            for kb in range(lo, hi, BK):
+                c = kb + tl.arange(0, BK)
+                kvalid = c < hi
+                s = tl.zeros((BK, BQ), tl.float32)
+                for qi in tl.static_range(BQ):
+                    pq = tl.sum(tl.where(tl.arange(0, BQ) == qi, pcu, 0))
+                    rows = tl.where(kvalid, _prefill_rows(c, pq, PT, W, I), 0)
+                    sq = _score_tile(k_ptr, rows, kvalid, qT, w, BQ, HP, DOT_DTYPE, PRECISION)
+                    s = tl.where(tl.arange(0, BQ)[None, :] == qi, sq, s)
+                valid = c[:, None] < n[None, :]
+                _store(optr + c[:, None], s, valid, valid, OUT_KEYS)
+    else:
+        for kb in range(lo, hi, BK):
+            c = kb + tl.arange(0, BK)
+            kvalid = c < hi
+            blk = tl.load(bt_ptr + j0.to(tl.int64) * stride_bt + c // B, mask=kvalid, other=0)
+            rows = tl.where(kvalid, blk.to(tl.int64) * B + c % B, 0)
+            s = _score_tile(k_ptr, rows, kvalid, qT, w, BQ, HP, DOT_DTYPE, PRECISION)
+            valid = c[:, None] < n[None, :]
+            _store(optr + c[:, None], s, valid, valid, OUT_KEYS)
+
+
+@triton.jit
+def _store(ptrs, s, valid, mask, OUT_KEYS: tl.constexpr):
+    """Scores (-inf where not valid) or int32 keys (valid entries only) of a [BK, BQ] tile."""
+    if OUT_KEYS:
+        bits = s.to(tl.int32, bitcast=True)
+        tl.store(ptrs, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits), mask=valid)
+    else:
+        tl.store(ptrs, tl.where(valid, s, float("-inf")), mask=mask)
+
+
+@triton.jit
+def _load_keys(keys_ptr, c, hi, COMPOSITE_IN: tl.constexpr):
+    """Chunk of int32 keys (NO_KEY_BITS past hi) and its composites (only for COMPOSITE_IN)."""
+    m = c < hi
+    if COMPOSITE_IN:
+        v = tl.load(keys_ptr + c, mask=m, other=-9223372036854775808)
+        key = (v >> 32).to(tl.int32)
+    else:
+        key = tl.load(keys_ptr + c, mask=m, other=-2147483648)
+        v = (key.to(tl.int64) << 32) | (4294967295 - c.to(tl.int64))
+    return key, v
+
+
+@triton.jit
+def _digit_histogram(keys_ptr, lo, end, hi, prefix, P: tl.constexpr, HI_SHIFT: tl.constexpr,
+                     COMPOSITE_IN: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr):
+    """Histogram of the digit below bit HI_SHIFT over the keys whose higher bits equal prefix."""
+    SHIFT: tl.constexpr = HI_SHIFT - BITS if HI_SHIFT > BITS else 0
+    WIDTH: tl.constexpr = HI_SHIFT - SHIFT
+    hist = tl.zeros((1 << BITS,), tl.int32)
+    for c0 in range(lo, end, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        key, _ = _load_keys(keys_ptr, c, hi, COMPOSITE_IN)
+        u = key ^ -2147483648  # unsigned order as bits; "no key" -> 0
+        valid = u != 0
+        if P > 0:
+            valid = valid & (((u >> HI_SHIFT) & ((1 << (32 - HI_SHIFT)) - 1)) == prefix)
+        hist += tl.histogram((u >> SHIFT) & ((1 << WIDTH) - 1), 1 << BITS, mask=valid)
+    return hist
+
+
+@triton.jit
+def _append_digit(prefix, b, HI_SHIFT: tl.constexpr, BITS: tl.constexpr):
+    WIDTH: tl.constexpr = BITS if HI_SHIFT > BITS else HI_SHIFT  # noqa: FURB136 (jit code)
+    return (prefix << WIDTH) | b
+
+
+@triton.jit
+def _radix_threshold(keys_ptr, lo, hi, K, COMPOSITE_IN: tl.constexpr, BLOCK: tl.constexpr,
+                     BITS: tl.constexpr):
+    """(threshold key, how many keys equal to it to take) so that the taken keys are the top K.
+
+    Fewer than K valid keys: threshold NO_KEY_BITS and 0 (take every valid key).
+    """
+    NB: tl.constexpr = 1 << BITS
+    NPASS: tl.constexpr = (32 + BITS - 1) // BITS
+    bins = tl.arange(0, NB)
+    prefix = tl.zeros((), tl.int32)
+    krem = K
+    take_all = K < 0  # becomes (valid keys <= K) after the first pass
+    for p in tl.static_range(NPASS):
+        end = tl.where(take_all, lo, hi)  # no more passes once every key is taken
+        hist = _digit_histogram(keys_ptr, lo, end, hi, prefix, p, 32 - p * BITS, COMPOSITE_IN,
+                                BLOCK, BITS)
+        total = tl.sum(hist)
+        if p == 0:
+            take_all = total <= K
+        ge = total - tl.cumsum(hist, 0) + hist  # keys in this digit or above
+        b = tl.max(tl.where(ge >= krem, bins, 0))
+        krem = krem - tl.sum(tl.where(bins > b, hist, 0))
+        prefix = _append_digit(prefix, b, 32 - p * BITS, BITS)
+    thr = tl.where(take_all, -2147483648, prefix ^ -2147483648)
+    k_eq = tl.where(take_all, 0, krem)
+    return thr, k_eq
+
+
+@triton.jit
+def _compact(keys_ptr, dst_ptr, lo, hi, thr, k_eq, COMPOSITE_IN: tl.constexpr,
+             BLOCK: tl.constexpr):
+    """Writes the composites of keys > thr and the first k_eq keys == thr, in scan order."""
+    taken = tl.zeros((), tl.int32)
+    eqs = tl.zeros((), tl.int32)
+    for c0 in range(lo, hi, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        key, v = _load_keys(keys_ptr, c, hi, COMPOSITE_IN)
+        live = key != -2147483648
+        eq = (live & (key == thr)).to(tl.int32)
+        take = (live & (key > thr)) | ((eq > 0) & (eqs + tl.cumsum(eq, 0) - eq < k_eq))
+        ti = take.to(tl.int32)
+        tl.store(dst_ptr + taken + tl.cumsum(ti, 0) - ti, v, mask=take)
+        taken += tl.sum(ti)
+        eqs += tl.sum(eq)
+    return taken
+
+
+@triton.jit
+def select_kernel(keys_ptr, len_ptr, dst_ptr, s_ptr, i_ptr,
+                  stride_kr, stride_dr, stride_or, N, SEG_LEN, K, RANK,
+                  W: tl.constexpr, I: tl.constexpr, HAS_LEN: tl.constexpr, COMPOSITE_IN: tl.constexpr,
+                  FINAL: tl.constexpr, DECODE_IDS: tl.constexpr, KP: tl.constexpr,
+                  BLOCK: tl.constexpr, BITS: tl.constexpr):
+    """Top-K of keys[row, seg*SEG_LEN : ...] (row length len[row], or N without len_ptr).
+
+    Not FINAL: the KP sorted composites go to dst[row, seg*KP : (seg+1)*KP] (pads NO_COMPOSITE).
+    FINAL (one segment): dst[row] is scratch; scores / ids (NO_KEY pads) go to s / i.
+    """
+    seg = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    n = N
+    if HAS_LEN:
+        n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
+    lo = seg * SEG_LEN
+    hi = tl.minimum(n, lo + SEG_LEN)
+    src = keys_ptr + row * stride_kr
+    dst = dst_ptr + row * stride_dr + seg * KP
+    thr, k_eq = _radix_threshold(src, lo, hi, K, COMPOSITE_IN, BLOCK, BITS)
+    taken = _compact(src, dst, lo, hi, thr, k_eq, COMPOSITE_IN, BLOCK)
+    tl.debug_barrier()  # the compaction's global writes, read back by other threads below
+    slot = tl.arange(0, KP)
+    v = tl.load(dst + slot, mask=slot < taken, other=-9223372036854775808)
+    v = tl.sort(v, 0, descending=True)
+    if FINAL:
+        key = (v >> 32).to(tl.int32)
+        bits = tl.where(key < 0, key ^ 0x7FFFFFFF, key)
+        c = 4294967295 - (v & 4294967295)
+        if DECODE_IDS:
+            c = (c // I) * (W * I) + RANK * I + c % I
+        live = slot < taken
+        tl.store(s_ptr + row * stride_or + slot,
+                 tl.where(live, bits.to(tl.float32, bitcast=True), float("-inf")), mask=slot < K)
+        tl.store(i_ptr + row * stride_or + slot, tl.where(live, c, -1).to(tl.int32), mask=slot < K)
+    else:
+        tl.debug_barrier()  # every thread has read its slots before any is overwritten
+        tl.store(dst + slot, v)

@@ -1,0 +1,182 @@
+"""The tiled indexer (logits as a tiled product, radix-select top-k) against the torch reference.
+
+Inputs are integer-valued (q, weights, fp8 keys with power-of-two scales), so every score is
+exact in float32 and float64 and ties abound: results must equal the reference bit for bit,
+order on ties included. ``interp`` runs the interpreter (fp16/fp32 operands: its bf16 dot is
+wrong) at small shapes and small tiles; ``cuda`` (marked gpu) runs bf16 at full shapes.
+"""
+
+import os
+
+import pytest
+import torch
+from cpplan.runtime.kernels import reference as ref
+
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+CUDA = torch.cuda.is_available() and not INTERP
+ENVS = [
+    pytest.param("interp", marks=pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]),
+]
+
+
+def _it():
+    from cpplan.runtime.kernels import indexer_tiled
+
+    return indexer_tiled
+
+
+def _tiles(env, **kw):
+    it = _it()
+    if env == "interp":  # small tiles: several key blocks and select steps per row
+        kw = {"block_k": 32, "decode_block_k": 32, "select_block": 64, **kw}
+    return it.IndexerTiles(**kw)
+
+
+def _dev(env):
+    return "cuda" if env == "cuda" else "cpu"
+
+
+def _inputs(env, T, Hi, N, seed, dtype=None):
+    dev = _dev(env)
+    dtype = dtype or (torch.bfloat16 if env == "cuda" else torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-2, 3, (T, Hi, 128), generator=g).to(dtype).to(dev)
+    w = torch.randint(-2, 3, (T, Hi), generator=g).float().to(dev)
+    k = ref.quantize_indexer_k(torch.randint(-3, 4, (N, 128), generator=g).float()).to(dev)
+    return q, w, k
+
+
+def _check(got, want):
+    s, ids = got
+    ws, wids = want
+    assert torch.equal(ids.cpu(), wids.cpu())
+    assert torch.equal(s.cpu().double(), ws.cpu().double())
+
+
+@pytest.mark.parametrize("env", ENVS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_scores_rows(env, dtype):
+    it = _it()
+    if env == "cuda":
+        dtype = torch.bfloat16
+    q, w, k = _inputs(env, 3, 5, 50, 6, dtype)
+    rows = torch.randint(-1, 50, (3, 200), generator=torch.Generator().manual_seed(1)).to(q.device)
+    s = it.indexer_scores(q, w, k, rows, tiles=_tiles(env))
+    want = ref.indexer_scores(q.cpu().double(), w.cpu(), k.cpu(), rows.cpu())
+    assert torch.equal(s.cpu().double(), want)
+    ids = torch.randperm(200, generator=torch.Generator().manual_seed(2)).repeat(3, 1).to(q.device)
+    _check(it.indexer_topk(q, w, k, rows, ids, 37, tiles=_tiles(env)),
+           ref.indexer_topk(q.cpu().double(), w.cpu(), k.cpu(), rows.cpu(), ids.cpu(), 37))
+
+
+def _prefill_case(env, T, PT, topk, W, seed, nreq):
+    """Random causal bounds (padded rows, rows shorter than topk), nreq requests in the chunk."""
+    dev = _dev(env)
+    g = torch.Generator().manual_seed(seed)
+    key_len = torch.randint(1, PT // nreq, (T,), generator=g)
+    key_len[0] = 0
+    key_len[-1] = min(topk // 2, PT // nreq - 1)
+    req = torch.sort(torch.randint(0, nreq, (T,), generator=g)).values
+    pcu = req * (PT // nreq)
+    return key_len.to(dev), pcu.to(dev)
+
+
+@pytest.mark.parametrize("env", ENVS)
+@pytest.mark.parametrize("W,I", [(1, 1), (2, 1), (2, 64)])
+@pytest.mark.parametrize("block_q,nreq,sms", [(2, 1, 2), (4, 3, 0), (2, 2, 8)])
+def test_prefill(env, W, I, block_q, nreq, sms):
+    it = _it()
+    T, Hi, PT, topk = (9, 4, 240, 24) if env == "interp" else (256, 64, 8192, 2048)
+    q, w, k = _inputs(env, T, Hi, W * PT, 7)
+    key_len, pcu = _prefill_case(env, T, PT, topk, W, 3, nreq)
+    tiles = _tiles(env, block_q=block_q, programs_per_sm=sms)
+    budget = 4 * PT * 4  # several query chunks
+    got = it.indexer_topk_prefill(q, w, k, key_len, pcu, PT, W, I, topk, max_keys=PT,
+                                  logits_budget_bytes=budget, tiles=tiles)
+    _check(got, ref.indexer_topk_prefill(q.cpu().double(), w.cpu(), k.cpu(), key_len.cpu(),
+                                         pcu.cpu(), PT, W, I, topk, max_keys=PT))
+
+
+@pytest.mark.parametrize("env", ENVS)
+@pytest.mark.parametrize("W,rank,I", [(1, 0, 1), (4, 2, 1), (2, 1, 64)])
+@pytest.mark.parametrize("sms", [0, 8])
+def test_decode(env, W, rank, I, sms):
+    it = _it()
+    dev = _dev(env)
+    T, Hi, B, topk, nblk = (3, 4, 16, 16, 12) if env == "interp" else (64, 64, 64, 2048, 128)
+    q, w, k = _inputs(env, T, Hi, 2 * T * nblk * B, 8, torch.float16 if env == "interp" else None)
+    g = torch.Generator().manual_seed(3)
+    bt = torch.stack([torch.randperm(2 * T * nblk, generator=g)[:nblk] for _ in range(T)]).int()
+    local_len = torch.randint(1, nblk * B, (T,), generator=g)
+    local_len[-1] = 5  # fewer keys than topk
+    bt, local_len = bt.to(dev), local_len.to(dev)
+    got = it.indexer_topk_decode(q, w, k, local_len, bt, B, W, rank, I, topk,
+                                 tiles=_tiles(env, programs_per_sm=sms))
+    _check(got, ref.indexer_topk_decode(q.cpu().double(), w.cpu(), k.cpu(), local_len.cpu(),
+                                        bt.cpu(), B, W, rank, I, topk))
+
+
+def _select_scores(kind, R, L, g):
+    if kind == "ties":  # few distinct values: the threshold lands inside a run of equal scores
+        return torch.randint(-3, 4, (R, L), generator=g).float()
+    if kind == "equal":
+        return torch.full((R, L), 2.5)
+    if kind == "signs":  # -0.0 / +0.0 tie; infinities; values sharing high bits
+        s = torch.randn(R, L, generator=g) * 1e-3
+        s[:, ::7] = -0.0
+        s[:, 3::11] = 0.0
+        s[:, 5::13] = float("inf")
+        s[:, 6::17] = float("-inf")
+        return s
+    return torch.randn(R, L, generator=g) * torch.logspace(-30, 30, L)[None, :]
+
+
+@pytest.mark.parametrize("env", ENVS)
+@pytest.mark.parametrize("kind", ["ties", "equal", "signs", "spread"])
+@pytest.mark.parametrize("sms,bits", [(0, 11), (8, 8)])
+def test_select(env, kind, sms, bits):
+    it = _it()
+    R, L, topk = (5, 700, 40) if env == "interp" else (64, 40000, 2048)
+    g = torch.Generator().manual_seed(11)
+    scores = _select_scores(kind, R, L, g)
+    lens = torch.randint(0, L + 1, (R,), generator=g)
+    lens[0], lens[1], lens[-1] = 0, topk - 1, L  # empty, fewer keys than topk, full
+    pos = torch.arange(L)[None, :].expand(R, L)
+    ids = torch.where(pos < lens[:, None], pos, ref.NO_KEY)
+    want = ref.topk_reference_order(scores.double(), ids, topk)
+    dev = _dev(env)
+    got = it.select_topk(scores.to(dev), lens.to(dev), topk,
+                         tiles=_tiles(env, programs_per_sm=sms, radix_bits=bits))
+    _check(got, want)
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_prefill_all_equal_scores(env):
+    """q = 0: every score is 0, the top-k is the lowest ids of each row in order."""
+    it = _it()
+    T, PT, topk = (4, 100, 30) if env == "interp" else (64, 8192, 2048)
+    q, w, k = _inputs(env, T, 4, PT, 5)
+    key_len = torch.tensor([PT, topk, topk - 3, 1] * (T // 4), device=q.device)
+    pcu = torch.zeros(T, dtype=torch.int64, device=q.device)
+    s, ids = it.indexer_topk_prefill(q * 0, w, k, key_len, pcu, PT, 1, 1, topk, tiles=_tiles(env))
+    pos = torch.arange(topk, device=q.device)[None, :]
+    want = torch.where(pos < key_len[:, None].clamp_max(topk), pos, ref.NO_KEY).int()
+    assert torch.equal(ids, want)
+    assert torch.equal(s == 0, want >= 0) and torch.isneginf(s[want < 0]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_prefill_matches_old_kernel():
+    """Full shape, realistic causal bounds (the last T of N tokens): new == old == reference."""
+    from cpplan.runtime.kernels import triton_indexer as old
+
+    it = _it()
+    T, N, topk = 1024, 8192, 2048
+    q, w, k = _inputs("cuda", T, 64, N, 9)
+    key_len = torch.arange(N - T + 1, N + 1, device="cuda")
+    pcu = torch.zeros(T, dtype=torch.int64, device="cuda")
+    got = it.indexer_topk_prefill(q, w, k, key_len, pcu, N, 1, 1, topk, max_keys=N)
+    _check(got, old.indexer_topk_prefill(q, w, k, key_len, pcu, N, 1, 1, topk, max_keys=N))
+    _check(got, ref.indexer_topk_prefill(q.float(), w, k, key_len, pcu, N, 1, 1, topk, max_keys=N))
