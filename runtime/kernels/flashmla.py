@@ -269,7 +269,8 @@ def sparse_mla_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         out, lse = fm.flash_mla_with_kvcache(
             qp.unsqueeze(1), kv.view(-1, PAGE, 1, FP8_DS_MLA_BYTES), None, None, D_V, meta,
             softmax_scale=sm_scale, is_fp8_kvcache=True, indices=idx, use_legacy=True, kv_format="V32")
-        return finish(out[:, 0], lse[:, :, 0], H)  # out [B, 1, Hp, 512], lse [B, Hp, 1]
+        # out [B, 1, Hp, 512], lse [B, Hp, 1]: with s_q 1 both reshape to tokens x heads
+        return finish(out.reshape(T, -1, D_V), lse.reshape(T, -1), H)
     if kernel != "prefill":
         raise KernelBackendError(f"fp8_kernel_choice {fp8_kernel_choice!r}: expected 'auto', 'decode' or 'prefill'")
     rows = _dequantise(kv) if kv_format == "fp8_ds_mla" else kv.contiguous()
