@@ -41,17 +41,20 @@ decode fp8 B256 H64        227 us            395 us            flashmla  measure
 decode fp8 B64 H32         80 us (pad 64)    159 us            flashmla  measured (issue 12)
 decode fp8 B256 H16        226 us (pad 64)   221 us (Gluon)    triton    measured (issue 12)
 decode fp8 B1 H128         26.8 us           135 us            flashmla  measured (issue 12)
-fp8 rows, T*topk >= 4 N    dequant + prefill (rules above)     -         derived (see below)
-fp8 rows, T*topk < N, N    dequant dominates                   triton    derived
-  not a multiple of 64
+fp8, T*topk < 4N, pages    the decode kernel: decode rows      per H     derived (see below)
+fp8, otherwise             dequantise once + prefill rows      per H, T  derived (see below)
+fp8, that and T*topk < N   dequantising dominates              triton    derived
 =========================  ================  ================  ========  ======================
 
 fp8 rows: the decode kernel (~0.6 ns per reference at H128) against dequantise-once (0.55 ns per
 row, bench/RESULTS.md) plus the bf16 kernel (~0.53 ns per reference) breaks even near 4
 references per row, the same threshold as Triton's ``DEQUANTISE_ONCE_REUSE``.
 The derived rows are estimates from the measured ones (bench/attention.py has a case for each,
-marked "to settle"); unmeasured shapes stay on Triton. fp16/fp32 q, H > 128 and kv formats other
-than bf16 rows / fp8_ds_mla always run Triton.
+marked "to settle"). Shapes between measured ones follow their neighbours (decode at any batch
+with H >= 32, prefill at H 65..127 padded to 128); below the measured gains (decode H < 32,
+prefill H < 64) Triton runs. fp16/fp32 q and H > 128 always run Triton.
+Each decode token is its own FlashMLA batch entry (B = T, s_q = 1), so the metadata is per
+number of decode tokens: an attention plan made once per step should call ``decode_schedule``.
 """
 
 from __future__ import annotations
