@@ -242,8 +242,8 @@ def _check(q, kv, indices, kv_format) -> None:
     if kv.dim() != 2 or kv.shape[1] != width or kv.dtype != dtype or kv.stride(1) != 1:
         raise KernelBackendError(f"FlashMLA {kv_format} kv: got {tuple(kv.shape)} {kv.dtype} strides "
                                  f"{kv.stride()}, expected [N, {width}] {dtype} with unit stride")
-    if indices.dim() != 2 or indices.shape[0] != T:
-        raise KernelBackendError(f"FlashMLA indices: got {tuple(indices.shape)}, expected [{T}, topk]")
+    if indices.dim() != 2 or indices.shape[0] != T or indices.shape[1] < 1:
+        raise KernelBackendError(f"FlashMLA indices: got {tuple(indices.shape)}, expected [{T}, topk >= 1]")
 
 
 def sparse_mla_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
@@ -261,25 +261,32 @@ def sparse_mla_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         return q.new_empty(0, H, D_V), torch.empty(0, H, dtype=torch.float32, device=q.device)
     qp = pad_heads(q, padded_heads(H))
     idx = flashmla_indices(indices)
-    kernel = "prefill"
-    if kv_format == "fp8_ds_mla":
-        kernel = fp8_kernel(T, indices.shape[1], kv.shape[0]) if fp8_kernel_choice == "auto" else fp8_kernel_choice
+    kernel = "prefill" if kv_format == "bf16" else fp8_kernel_choice
+    if kernel == "auto":
+        kernel = fp8_kernel(T, indices.shape[1], kv.shape[0])
     if kernel == "decode":
-        if kv.shape[0] % PAGE or not kv.is_contiguous():
-            raise KernelBackendError(f"FlashMLA decode kv: got {tuple(kv.shape)} strides {kv.stride()}, "
-                                     f"expected contiguous rows, a multiple of {PAGE}")
-        meta = decode_schedule(T, qp.shape[1], idx.shape[-1], q.device)
-        out, lse = fm.flash_mla_with_kvcache(
-            qp.unsqueeze(1), kv.view(-1, PAGE, 1, FP8_DS_MLA_BYTES), None, None, D_V, meta,
-            softmax_scale=sm_scale, is_fp8_kvcache=True, indices=idx, use_legacy=True, kv_format="V32")
-        # out [B, 1, Hp, 512], lse [B, Hp, 1]: with s_q 1 both reshape to tokens x heads
-        return finish(out.reshape(T, -1, D_V), lse.reshape(T, -1), H)
-    if kernel != "prefill":
+        out, lse = _decode(fm, qp, kv, idx, sm_scale)
+    elif kernel == "prefill":
+        rows = _dequantise(kv) if kv_format == "fp8_ds_mla" else kv.contiguous()
+        out, _max_logits, lse = fm.flash_mla_sparse_fwd(qp, rows.unsqueeze(1), idx, sm_scale, d_v=D_V,
+                                                        use_legacy=True)
+    else:
         raise KernelBackendError(f"fp8_kernel_choice {fp8_kernel_choice!r}: expected 'auto', 'decode' or 'prefill'")
-    rows = _dequantise(kv) if kv_format == "fp8_ds_mla" else kv.contiguous()
-    out, _max_logits, lse = fm.flash_mla_sparse_fwd(qp, rows.unsqueeze(1), idx, sm_scale, d_v=D_V,
-                                                    use_legacy=True)
     return finish(out, lse, H)
+
+
+def _decode(fm, qp, kv, idx, sm_scale):
+    """The fp8 decode kernel over kv viewed as 64-slot pages; every token its own batch entry."""
+    if kv.shape[0] % PAGE or not kv.is_contiguous():
+        raise KernelBackendError(f"FlashMLA decode kv: got {tuple(kv.shape)} strides {kv.stride()}, "
+                                 f"expected contiguous rows, a multiple of {PAGE}")
+    T, Hp, _ = qp.shape
+    meta = decode_schedule(T, Hp, idx.shape[-1], qp.device)
+    out, lse = fm.flash_mla_with_kvcache(
+        qp.unsqueeze(1), kv.view(-1, PAGE, 1, FP8_DS_MLA_BYTES), None, None, D_V, meta,
+        softmax_scale=sm_scale, is_fp8_kvcache=True, indices=idx, use_legacy=True, kv_format="V32")
+    # out [B, 1, Hp, 512] and lse [B, Hp, 1]: with s_q 1 both reshape to tokens x heads
+    return out.reshape(T, Hp, D_V), lse.reshape(T, Hp)
 
 
 def route(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, kv_format: str) -> str:
