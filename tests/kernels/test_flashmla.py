@@ -1,0 +1,272 @@
+"""The FlashMLA backend: pure parts on the CPU, the adapter against the torch reference on an H200.
+
+CPU (CI): ``choose`` / ``fp8_kernel`` / ``supported`` against the table in the module docstring,
+and the conversions (head padding, index conversion, LSE / empty-row conversion) against
+hand-written expectations; the kernel set falls back where FlashMLA cannot run.
+GPU (``gpu`` mark; skipped with the reason where flash_mla does not import or the device is not
+sm_90): every path (bf16 rows, fp8 rows dequantised once, the fp8 decode kernel over pages) at
+H 16/32/64/128 against ``reference.sparse_mla_attention`` in float32 on the same rounded inputs.
+Tolerance: norm-relative 1e-2 on out. FlashMLA rounds P to bf16 before P . V and writes bf16
+(unit roundoff 2^-8 = 3.9e-3 each, errors of random sign: a norm-relative error of a few 1e-3);
+fp8 rows are dequantised exactly (power-of-two scales). lse: absolute 1e-3 (fp32 softmax
+statistics over bf16 products; only the summation order differs).
+"""
+
+import math
+
+import pytest
+import torch
+from cpplan.runtime.kernels import flashmla as fm
+from cpplan.runtime.kernels import reference as ref
+from cpplan.runtime.kernels.dispatch import OP_NAMES, REFERENCE, KernelBackendError
+
+BF16, F16 = torch.bfloat16, torch.float16
+K = 2048
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: the pure parts
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args, want", [
+    # the measured cases (module docstring table)
+    ((4096, 128, K, "bf16", 65536, BF16), "flashmla"),
+    ((4096, 64, K, "bf16", 65536, BF16), "flashmla"),
+    ((128, 128, K, "fp8_ds_mla", 1 << 18, BF16), "flashmla"),
+    ((256, 64, K, "fp8_ds_mla", 1 << 18, BF16), "flashmla"),
+    ((64, 32, K, "fp8_ds_mla", 1 << 18, BF16), "flashmla"),
+    ((256, 16, K, "fp8_ds_mla", 1 << 18, BF16), "triton"),
+    ((1, 128, K, "fp8_ds_mla", 1 << 18, BF16), "flashmla"),
+    # derived rules
+    ((4096, 32, K, "bf16", 65536, BF16), "triton"),  # padding to 64 eats the gain
+    ((4096, 16, K, "bf16", 65536, BF16), "triton"),
+    ((4096, 96, K, "bf16", 65536, BF16), "flashmla"),  # padded to 128
+    ((65, 128, K, "bf16", 65536, BF16), "triton"),  # 65 x 2 programs of 64 heads: under a wave
+    ((66, 128, K, "bf16", 65536, BF16), "flashmla"),  # 132 programs: one wave of the H200's SMs
+    ((131, 64, K, "bf16", 65536, BF16), "triton"),
+    ((132, 64, K, "bf16", 65536, BF16), "flashmla"),
+    ((1, 128, K, "bf16", 1 << 18, BF16), "triton"),  # bf16-cache decode: one program per head group
+    ((4096, 128, K, "fp8_ds_mla", 65536, BF16), "flashmla"),  # reuse 128: dequantise once
+    ((4096, 16, K, "fp8_ds_mla", 65536, BF16), "triton"),
+    ((10, 128, K, "fp8_ds_mla", 100_001, BF16), "triton"),  # not pages and reuse 0.2: no dequant
+    # never FlashMLA
+    ((4096, 128, K, "bf16", 65536, F16), "triton"),
+    ((4096, 128, K, "bf16", 65536, torch.float32), "triton"),
+    ((4096, 256, K, "bf16", 65536, BF16), "triton"),
+    ((0, 128, K, "fp8_ds_mla", 1 << 18, BF16), "triton"),
+    ((128, 128, 0, "fp8_ds_mla", 1 << 18, BF16), "triton"),
+    ((128, 128, K, "int8", 1 << 18, BF16), "triton"),
+])
+def test_choose_table(args, want):
+    assert fm.choose(*args) == want
+
+
+def test_choose_fp8_rows_by_layout_and_reuse():
+    # 66 tokens x 2048 = 135,168 references. Rows not in whole pages: the decode kernel cannot
+    # view them, and dequantise-once needs every row read at least once on average.
+    assert fm.choose(66, 128, K, "fp8_ds_mla", 64001, BF16) == "flashmla"  # 2.1 refs per row
+    assert fm.choose(66, 128, K, "fp8_ds_mla", 200_001, BF16) == "triton"  # 0.68 refs per row
+    assert fm.choose(65, 128, K, "fp8_ds_mla", 64001, BF16) == "triton"  # 130 programs
+    # the same 0.68 refs per row in whole pages: the fp8 decode kernel, no dequantisation
+    assert fm.choose(66, 128, K, "fp8_ds_mla", 200_000, BF16) == "flashmla"
+
+
+@pytest.mark.parametrize("T, topk, N, want", [
+    (128, K, 1 << 18, "decode"),  # reuse 1
+    (511, K, 1 << 18, "decode"),  # reuse 3.99
+    (512, K, 1 << 18, "prefill"),  # reuse 4
+    (4096, K, 65536, "prefill"),
+    (1, K, 1000, "prefill"),  # not whole pages
+    (1, K, 1024, "decode"),
+])
+def test_fp8_kernel(T, topk, N, want):
+    assert fm.fp8_kernel(T, topk, N) == want
+
+
+@pytest.mark.parametrize("args, want", [
+    ((128, "fp8_ds_mla", BF16, 1 << 18, True), True),
+    ((16, "fp8_ds_mla", BF16, 1 << 18, True), True),  # padded to 64
+    ((128, "fp8_ds_mla", BF16, 1000, True), False),  # not whole pages
+    ((128, "bf16", BF16, 1 << 18, True), False),  # the decode kernel reads fp8 only
+    ((128, "bf16", BF16, 1000, False), True),
+    ((128, "fp8_ds_mla", BF16, 1000, False), True),
+    ((129, "bf16", BF16, 1000, False), False),
+    ((0, "bf16", BF16, 1000, False), False),
+    ((64, "bf16", F16, 1000, False), False),
+    ((64, "bf16", BF16, 0, False), False),
+])
+def test_supported(args, want):
+    assert fm.supported(*args) is want
+
+
+@pytest.mark.parametrize("H, want", [(1, 64), (16, 64), (32, 64), (64, 64), (65, 128), (128, 128),
+                                     (129, None), (0, None)])
+def test_padded_heads(H, want):
+    assert fm.padded_heads(H) == want
+
+
+def test_pad_heads_zero_rows():
+    q = torch.arange(2 * 3 * 576, dtype=torch.float32).reshape(2, 3, 576).to(BF16)
+    p = fm.pad_heads(q, 64)
+    assert p.shape == (2, 64, 576) and p.is_contiguous() and p.dtype == BF16
+    assert torch.equal(p[:, :3], q) and not p[:, 3:].any()
+    same = torch.zeros(2, 64, 576, dtype=BF16)
+    assert fm.pad_heads(same, 64).data_ptr() == same.data_ptr()  # no copy when nothing to pad
+
+
+def test_flashmla_indices():
+    idx = torch.tensor([[3, -1, 7], [-5, 0, 2]], dtype=torch.int64)
+    got = fm.flashmla_indices(idx, granule=4)
+    want = torch.tensor([[[3, -1, 7, -1]], [[-1, 0, 2, -1]]], dtype=torch.int32)
+    assert got.dtype == torch.int32 and got.is_contiguous() and torch.equal(got, want)
+    full = torch.tensor([[1, 2, 3, 4]], dtype=torch.int32)
+    assert torch.equal(fm.flashmla_indices(full, granule=4), full.reshape(1, 1, 4))
+    assert fm.flashmla_indices(torch.zeros(5, 2048, dtype=torch.int32)).shape == (5, 1, 2048)
+    assert fm.flashmla_indices(torch.zeros(5, 100, dtype=torch.int32)).shape == (5, 1, 128)
+
+
+def test_finish_converts_lse_and_empty_rows():
+    out = torch.ones(2, 64, 512, dtype=BF16)
+    lse = torch.full((2, 64), 1.5)
+    lse[1, 2] = math.inf  # FlashMLA: row (token 1, head 2) has no key
+    lse[0, 10] = math.inf  # a padded head: dropped
+    o, l = fm.finish(out, lse, 3)
+    assert o.shape == (2, 3, 512) and o.is_contiguous() and l.shape == (2, 3) and l.dtype == torch.float32
+    want_l = torch.tensor([[1.5, 1.5, 1.5], [1.5, 1.5, -math.inf]])
+    assert torch.equal(l, want_l)
+    assert not o[1, 2].any() and (o[0] == 1).all() and (o[1, :2] == 1).all()
+
+
+def test_kernel_set_falls_back_where_flashmla_cannot_run():
+    ks = fm.flashmla_kernel_set(REFERENCE)
+    assert ks.name == "flashmla"
+    owner = dict(ks.backend_of)
+    assert "sparse_mla_attention" not in owner  # the set's own backend
+    assert set(owner) == set(OP_NAMES) - {"sparse_mla_attention"}
+    assert all(v == "reference" for v in owner.values())
+    assert ks.quantize_fp8_ds_mla is REFERENCE.quantize_fp8_ds_mla
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 64, 576, generator=g).to(BF16)
+    kv = torch.randn(100, 576, generator=g).to(BF16)
+    idx = torch.randint(-1, 100, (3, 16), generator=g, dtype=torch.int32)
+    assert fm.route(q, kv, idx, "bf16") == "triton"  # CPU tensors
+    o, l = ks.sparse_mla_attention(q, kv, idx, 0.05, "bf16")
+    wo, wl = ref.sparse_mla_attention(q, kv, idx, 0.05, "bf16")
+    assert torch.equal(o, wo) and torch.equal(l, wl)
+
+
+def test_adapter_refuses_what_flashmla_cannot_run():
+    q = torch.zeros(2, 64, 576, dtype=BF16)
+    kv = torch.zeros(10, 576, dtype=BF16)
+    idx = torch.zeros(2, 4, dtype=torch.int32)
+    with pytest.raises(KernelBackendError, match="expected .T, 1..128, 576. bfloat16 on CUDA"):
+        fm.sparse_mla_attention(q, kv, idx, 0.1, "bf16")
+    with pytest.raises(KernelBackendError, match="kv_format 'fp16'"):
+        fm.sparse_mla_attention(q, kv, idx, 0.1, "fp16")
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: FlashMLA against the reference
+# --------------------------------------------------------------------------------------------
+_WHY = fm.unavailable_reason()
+needs_flashmla = pytest.mark.skipif(_WHY != "", reason=f"FlashMLA cannot run here: {_WHY}")
+HEADS = [16, 32, 64, 128]
+
+
+def _case(T, H, topk, N, fmt, seed):
+    """q bf16, kv rows (bf16 or fp8_ds_mla), indices with 20% NO_KEY, token 0 with no key at all,
+    token 1 reading the last rows of the buffer."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(T, H, 576, device="cuda", generator=g).to(BF16)
+    raw = torch.randn(N, 576, device="cuda", generator=g)
+    kv = ref.quantize_fp8_ds_mla(raw) if fmt == "fp8_ds_mla" else raw.to(BF16)
+    idx = torch.randint(0, N, (T, topk), device="cuda", generator=g, dtype=torch.int32)
+    idx[torch.rand(T, topk, device="cuda", generator=g) < 0.2] = ref.NO_KEY
+    idx[0] = ref.NO_KEY
+    idx[1, : min(topk, N)] = torch.arange(N - min(topk, N), N, device="cuda", dtype=torch.int32)
+    return q, kv, idx
+
+
+def _check(q, kv, idx, fmt, out, lse):
+    sm = 576**-0.5
+    want_o, want_l = ref.sparse_mla_attention(q.float(), kv, idx, sm, fmt)
+    assert out.dtype == BF16 and out.shape == want_o.shape and lse.dtype == torch.float32
+    assert not out.isnan().any() and not lse.isnan().any()
+    empty = torch.isneginf(want_l)
+    assert empty[0].all() and not empty[1:].any()  # the case's one empty token
+    assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
+    assert torch.isfinite(lse[~empty]).all()
+    rel = ((out.double() - want_o.double()).norm() / want_o.double().norm()).item()
+    assert rel < 1e-2, rel
+    assert (lse[~empty] - want_l[~empty]).abs().max().item() < 1e-3
+
+
+@pytest.mark.gpu
+@needs_flashmla
+@pytest.mark.parametrize("H", HEADS)
+@pytest.mark.parametrize("topk", [K, 100])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+def test_prefill_path(fmt, topk, H):
+    q, kv, idx = _case(70, H, topk, 3001, fmt, seed=H + topk)
+    out, lse = fm.sparse_mla_attention(q, kv, idx, 576**-0.5, fmt, fp8_kernel_choice="prefill")
+    _check(q, kv, idx, fmt, out, lse)
+
+
+@pytest.mark.gpu
+@needs_flashmla
+@pytest.mark.parametrize("H", HEADS)
+@pytest.mark.parametrize("topk", [K, 100])
+def test_decode_path(topk, H):
+    q, kv, idx = _case(33, H, topk, 64 * 80, "fp8_ds_mla", seed=7 * H + topk)
+    out, lse = fm.sparse_mla_attention(q, kv, idx, 576**-0.5, "fp8_ds_mla", fp8_kernel_choice="decode")
+    _check(q, kv, idx, "fp8_ds_mla", out, lse)
+    # a paged cache [blocks, 64, 656] is the same buffer
+    out3, lse3 = fm.sparse_mla_attention(q, kv.view(-1, 64, 656), idx, 576**-0.5, "fp8_ds_mla",
+                                         fp8_kernel_choice="decode")
+    assert torch.equal(out3, out) and torch.equal(lse3, lse)
+
+
+@pytest.mark.gpu
+@needs_flashmla
+def test_decode_schedule_reused_per_shape():
+    fm._SCHEDULE_CACHE.clear()
+    q, kv, idx = _case(17, 64, K, 64 * 64, "fp8_ds_mla", seed=1)
+    fm.sparse_mla_attention(q, kv, idx, 576**-0.5, "fp8_ds_mla", fp8_kernel_choice="decode")
+    meta = fm.decode_schedule(17, 64, K, q.device)
+    assert len(fm._SCHEDULE_CACHE) == 1 and meta.have_initialized
+    q2, kv2, idx2 = _case(17, 64, K, 64 * 64, "fp8_ds_mla", seed=2)  # same shape, new data
+    out, lse = fm.sparse_mla_attention(q2, kv2, idx2, 576**-0.5, "fp8_ds_mla", fp8_kernel_choice="decode")
+    assert fm.decode_schedule(17, 64, K, q.device) is meta and len(fm._SCHEDULE_CACHE) == 1
+    _check(q2, kv2, idx2, "fp8_ds_mla", out, lse)
+    q3, kv3, idx3 = _case(5, 64, K, 64 * 64, "fp8_ds_mla", seed=3)  # another batch: its own entry
+    fm.sparse_mla_attention(q3, kv3, idx3, 576**-0.5, "fp8_ds_mla", fp8_kernel_choice="decode")
+    assert len(fm._SCHEDULE_CACHE) == 2
+
+
+@pytest.mark.gpu
+@needs_flashmla
+def test_raw_flashmla_conventions():
+    """What the adapter converts, seen on the kernel itself: natural-log LSE, +inf and out 0 for a
+    token with no key. If this fails, ``finish`` converts the wrong thing."""
+    flash_mla = fm._import()[0]
+    q, kv, idx = _case(8, 64, K, 1000, "bf16", seed=5)
+    out, _, lse = flash_mla.flash_mla_sparse_fwd(q, kv.unsqueeze(1), fm.flashmla_indices(idx),
+                                                 576**-0.5, d_v=512, use_legacy=True)
+    want_o, want_l = ref.sparse_mla_attention(q.float(), kv, idx, 576**-0.5, "bf16")
+    assert torch.isposinf(lse[0]).all() and (out[0] == 0).all()
+    assert (lse[1:] - want_l[1:]).abs().max().item() < 1e-3
+    assert ((out[1:].double() - want_o[1:]).norm() / want_o[1:].norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+@needs_flashmla
+@pytest.mark.parametrize("B, H, want", [(8, 64, "flashmla"), (8, 16, "triton")])
+def test_kernel_set_on_gpu(B, H, want):
+    from cpplan.runtime.kernels import get_kernels
+
+    ks = fm.flashmla_kernel_set(get_kernels("cuda", "triton"))
+    q, kv, idx = _case(B, H, K, 1 << 16, "fp8_ds_mla", seed=B * H)
+    assert fm.route(q, kv, idx, "fp8_ds_mla") == want
+    out, lse = ks.sparse_mla_attention(q, kv, idx, 576**-0.5, "fp8_ds_mla")
+    _check(q, kv, idx, "fp8_ds_mla", out, lse)
+
+
