@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench/attention.py needs a CUDA GPU (none visible)", file=sys.stderr)
         return 2
-    from cpplan.runtime.kernels import flashmla as fm
+    from cpplan.runtime.kernels.flashmla import attention as fm
     from cpplan.runtime.kernels import get_kernels
 
     ks = get_kernels("cuda", "triton")

@@ -19,7 +19,7 @@ import json
 
 import torch
 from cpplan.runtime.kernels import get_kernels
-from cpplan.runtime.kernels import indexer_tiled as it
+from cpplan.runtime.kernels.triton import indexer_tiled as it
 from cpplan.runtime.kernels import reference as ref
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources

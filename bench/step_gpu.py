@@ -190,6 +190,7 @@ class Rank:
     tables: np.ndarray
     caches: list
     x: dict
+    attention: dict = dataclasses.field(default_factory=dict)  # pass -> plan of the last step
 
 
 def setup_rank(args, dims: dict, groups: Groups) -> Rank:
@@ -250,6 +251,7 @@ def run_step(r: Rank, log) -> float:
     ex.restore(bound, x["hidden"])
     ex.finish(bound)
     log.point("restore")
+    r.attention = {k: p.describe() for k, p in bound.attention.items()}
     return bind_host_ms
 
 
@@ -372,7 +374,7 @@ def parse_args(argv=None):
     ap.add_argument("--decodes", type=int, help="decode requests (default 64; --tiny 8)")
     ap.add_argument("--layers", type=int, help="layers (default 4; --tiny 2)")
     ap.add_argument("--repeat", type=int, default=3, help="timed steps per measurement")
-    ap.add_argument("--kernels", choices=("reference", "triton"),
+    ap.add_argument("--kernels", choices=("reference", "triton", "flashmla"),
                     help="kernel backend (default: the device's, Triton on CUDA)")
     ap.add_argument("--tiny", action="store_true", help="toy sizes (runs on a CPU)")
     ap.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
@@ -443,7 +445,9 @@ def report(args, r: Rank, res: dict, stream) -> dict:
       + f"; bind on host {res['bind_host_ms']:.3f} ms\n")
     if "peak_gib" in res:
         w(f"peak device memory {res['peak_gib']:.1f} GiB\n")
-    return {"pcp": cfg.pcp_size, "dcp": cfg.dcp_size, "world": g.world_size,
+    for name, plan in r.attention.items():
+        w(f"attention {name}: {plan}\n")
+    return {"attention": r.attention, "pcp": cfg.pcp_size, "dcp": cfg.dcp_size, "world": g.world_size,
             "backend": backend, "device": dev, "kernels": r.ex.kernels.name,
             "prompt": args.prompt, "decodes": args.decodes, "layers": cfg.num_layers,
             "tokens_per_rank": r.plan.padded_num_tokens, "repeat": args.repeat,

@@ -57,6 +57,9 @@ class BoundStep:
     meta: StepMeta
     tables: StepTables
     channel: coll.StepChannel
+    # attention pass ("local" / "decode" / "chunk[c]") -> the kernel plan every layer runs;
+    # chosen at the pass's first call from host shapes (the cache's rows are first seen there)
+    attention: dict = dataclasses.field(default_factory=dict)
 
     @property
     def ledger(self) -> coll.Ledger:
@@ -179,8 +182,11 @@ class StepExecutor:
             all_s, all_i = coll.topk_candidates(bound.channel, scores, top)
             top = k.topk_reference_order(all_s, all_i, cfg.topk)[1]
         kv_slots = k.filter_local_slots(top, bt, bs, w_size, self.dcp_rank, inter)
-        return k.sparse_mla_attention(q[lo:hi], *self._kv_view(cache.kv), kv_slots,
-                                      self.sm_scale, **self._fmt())
+        kv = self._kv_view(cache.kv)
+        plan = self._attention_plan(bound, "local" if cfg.dcp_size == 1 else "decode", q, lo, hi,
+                                    kv.shape[0])
+        return k.sparse_mla_attention(q[lo:hi], kv, kv_slots, self.sm_scale,
+                                      kv_format=cfg.kv_cache_dtype, plan=plan)
 
     def _attend_chunk(self, bound, cache, q, index_q, index_w, c: int, out) -> None:
         """Prefill tokens of gather chunk c: all-gather the chunk's indexer K and KV shards
@@ -200,8 +206,10 @@ class StepExecutor:
         top = k.indexer_topk_prefill(index_q[lo:hi], index_w[lo:hi], k_all, t.key_len[lo:hi],
                                      pcu, pt, w_size, inter, cfg.topk, max_keys=width)[1]
         kv_rows = k.remap_to_gathered(top, pcu, pt, w_size, inter)
-        out[lo:hi] = k.sparse_mla_attention(q[lo:hi], *self._kv_view(kv_all), kv_rows,
-                                            self.sm_scale, **self._fmt())[0]
+        plan = self._attention_plan(bound, f"chunk[{c}]", q, lo, hi, kv_all.shape[0])
+        out[lo:hi] = k.sparse_mla_attention(q[lo:hi], self._kv_view(kv_all), kv_rows,
+                                            self.sm_scale, kv_format=cfg.kv_cache_dtype,
+                                            plan=plan)[0]
 
     def _merge_decode(self, bound, o_part, lse_part):
         """Exact LSE merge over DCP (DESIGN 3.6): all-gather lse, scale, all-reduce."""
@@ -243,13 +251,23 @@ class StepExecutor:
             return self.kernels.quantize_fp8_ds_mla(kv)
         return kv.to(torch.bfloat16).contiguous().view(torch.uint8)
 
-    def _kv_view(self, kv_bytes: torch.Tensor) -> tuple[torch.Tensor]:
+    def _kv_view(self, kv_bytes: torch.Tensor) -> torch.Tensor:
+        """Cache bytes as the attention kernels read them: fp8_ds_mla rows stay uint8."""
         if self.config.kv_cache_dtype == "fp8_ds_mla":
-            return (kv_bytes,)
-        return (kv_bytes.view(torch.bfloat16),)
+            return kv_bytes
+        return kv_bytes.view(torch.bfloat16)
 
-    def _fmt(self) -> dict:
-        return {"kv_format": self.config.kv_cache_dtype}
+    def _attention_plan(self, bound: BoundStep, key: str, q: torch.Tensor, lo: int, hi: int,
+                        num_kv_rows: int):
+        """The pass's kernel plan, made once per bound step (host shapes only, no sync)."""
+        plan = bound.attention.get(key)
+        if plan is None:
+            plan = self.kernels.plan_attention(
+                num_tokens=hi - lo, num_heads=q.shape[1], topk=self.config.topk,
+                kv_format=self.config.kv_cache_dtype, num_kv_rows=num_kv_rows, q_dtype=q.dtype,
+                device=self.device)
+            bound.attention[key] = plan
+        return plan
 
 
 def lse_merge_weight(lse_all: torch.Tensor, rank: int) -> torch.Tensor:

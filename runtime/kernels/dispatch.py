@@ -6,10 +6,12 @@ read its docstrings for every array's shape and dtype). Attention is a plan / ru
 ``plan_attention(...)`` -> ``AttentionPlan`` once per bound step, then
 ``sparse_mla_attention(..., plan=plan)`` per layer (``attention_plan.py``).
 
-Backends: ``"reference"`` (plain torch, CPU and CUDA; the CPU default), ``"triton"`` (CUDA
-default where Triton imports; ops without a Triton kernel fall back to the reference, listed in
-``KernelSet.backend_of``), ``"flashmla"`` (slot left empty: FlashMLA is not installed on the
-lent GPU image, so asking for it raises ``KernelBackendError``). A backend package imports this
+Backends: ``"reference"`` (plain torch, CPU and CUDA; the CPU default), ``"triton"`` (Triton
+kernels, a Gluon decode on Hopper; ops without a Triton kernel fall back to the reference, listed
+in ``KernelSet.backend_of``), ``"flashmla"`` (the CUDA default where ``flash_mla`` imports on an
+sm_90 device: FlashMLA's attention for the shapes where it wins, Triton for the rest; asking for
+it where it cannot run raises ``KernelBackendError`` with the reason). Without FlashMLA, CUDA
+defaults to "triton". A backend package imports this
 module for ``KernelSet``; this module loads a backend package by name only when asked for it.
 """
 
@@ -72,20 +74,32 @@ def get_kernels(device: str, backend: str | None = None) -> KernelSet:
     if kind not in ("cpu", "cuda"):
         raise KernelBackendError(f"device {device!r}: expected 'cpu' or 'cuda[:n]'")
     if backend is None:
-        backend = "reference" if kind == "cpu" else ("triton" if _triton_available() else "reference")
+        backend = "reference" if kind == "cpu" else _cuda_default(device)
     if backend == "reference":
         return REFERENCE
-    if backend == "triton":
+    if backend in ("triton", "flashmla"):
         if kind != "cuda":
-            raise KernelBackendError(f"backend 'triton' on device {device!r}: expected a cuda device "
-                                     "(the CPU runs the reference; tests use TRITON_INTERPRET=1)")
+            raise KernelBackendError(f"backend {backend!r} on device {device!r}: expected a cuda "
+                                     "device (the CPU runs the reference; tests use "
+                                     "TRITON_INTERPRET=1)")
         if not _triton_available():
-            raise KernelBackendError("backend 'triton': triton does not import here")
-        return importlib.import_module(f"{__package__}.triton").TRITON
-    if backend == "flashmla":
-        raise KernelBackendError("backend 'flashmla': not installed (no FlashMLA build on the lent "
-                                 "GPU image); use 'triton' or 'reference'")
+            raise KernelBackendError(f"backend {backend!r}: triton does not import here")
+        if backend == "triton":
+            return importlib.import_module(f"{__package__}.triton").TRITON
+        flashmla = importlib.import_module(f"{__package__}.flashmla")
+        why = flashmla.attention.unavailable_reason(device)
+        if why:
+            raise KernelBackendError(f"backend 'flashmla': {why}; use 'triton' or 'reference'")
+        return flashmla.FLASHMLA
     raise KernelBackendError(f"backend {backend!r}: expected one of {BACKENDS}")
+
+
+def _cuda_default(device) -> str:
+    """"flashmla" where FlashMLA runs on ``device``, else "triton" (else "reference")."""
+    if not _triton_available():
+        return "reference"
+    flashmla = importlib.import_module(f"{__package__}.flashmla")
+    return "flashmla" if flashmla.attention.available(device) else "triton"
 
 
 def _triton_available() -> bool:

@@ -16,7 +16,7 @@ import math
 
 import pytest
 import torch
-from cpplan.runtime.kernels import flashmla as fm
+from cpplan.runtime.kernels.flashmla import attention as fm
 from cpplan.runtime.kernels import reference as ref
 from cpplan.runtime.kernels.dispatch import OP_NAMES, REFERENCE, KernelBackendError
 
@@ -136,22 +136,29 @@ def test_finish_converts_lse_and_empty_rows():
     assert not o[1, 2].any() and (o[0] == 1).all() and (o[1, :2] == 1).all()
 
 
-def test_kernel_set_falls_back_where_flashmla_cannot_run():
-    ks = fm.flashmla_kernel_set(REFERENCE)
-    assert ks.name == "flashmla"
-    owner = dict(ks.backend_of)
-    assert "sparse_mla_attention" not in owner  # the set's own backend
-    assert set(owner) == set(OP_NAMES) - {"sparse_mla_attention"}
-    assert all(v == "reference" for v in owner.values())
-    assert ks.quantize_fp8_ds_mla is REFERENCE.quantize_fp8_ds_mla
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(3, 64, 576, generator=g).to(BF16)
-    kv = torch.randn(100, 576, generator=g).to(BF16)
-    idx = torch.randint(-1, 100, (3, 16), generator=g, dtype=torch.int32)
-    assert fm.route(q, kv, idx, "bf16") == "triton"  # CPU tensors
-    o, l = ks.sparse_mla_attention(q, kv, idx, 0.05, "bf16")
-    wo, wl = ref.sparse_mla_attention(q, kv, idx, 0.05, "bf16")
-    assert torch.equal(o, wo) and torch.equal(l, wl)
+def test_flashmla_set_plans_triton_where_flashmla_cannot_run():
+    from cpplan.runtime.kernels import DeviceSpec
+    from cpplan.runtime.kernels.flashmla import FLASHMLA
+    from cpplan.runtime.kernels.triton import TRITON
+
+    assert FLASHMLA.name == "flashmla"
+    owner = dict(FLASHMLA.backend_of)
+    own = {"sparse_mla_attention", "plan_attention"}
+    assert own.isdisjoint(owner) and set(owner) == set(OP_NAMES) - own
+    assert FLASHMLA.quantize_fp8_ds_mla is TRITON.quantize_fp8_ds_mla
+    kw = dict(num_tokens=8, num_heads=64, topk=2048, kv_format="fp8_ds_mla",
+              num_kv_rows=1 << 16, q_dtype=BF16)
+    assert FLASHMLA.plan_attention(device="cpu", **kw) == TRITON.plan_attention(device="cpu", **kw)
+    a100 = DeviceSpec("cuda", 108, (8, 0))
+    assert FLASHMLA.plan_attention(device=a100, **kw).backend == "triton"
+    h200 = DeviceSpec("cuda", 132, (9, 0))
+    fused = FLASHMLA.plan_attention(device=h200, fused_remap=True, **kw)
+    assert fused.backend == "triton"  # FlashMLA takes plain rows only
+    plan = FLASHMLA.plan_attention(device=h200, **kw)
+    if not fm.available():  # flash_mla does not import here: Triton's plan, same as Triton's
+        assert plan == TRITON.plan_attention(device=h200, **kw)
+    else:
+        assert plan.backend == "flashmla" and plan.family == "flashmla-decode"
 
 
 def test_adapter_refuses_what_flashmla_cannot_run():
@@ -263,10 +270,13 @@ def test_raw_flashmla_conventions():
 def test_kernel_set_on_gpu(B, H, want):
     from cpplan.runtime.kernels import get_kernels
 
-    ks = fm.flashmla_kernel_set(get_kernels("cuda", "triton"))
+    ks = get_kernels("cuda", "flashmla")
     q, kv, idx = _case(B, H, K, 1 << 16, "fp8_ds_mla", seed=B * H)
-    assert fm.route(q, kv, idx, "fp8_ds_mla") == want
-    out, lse = ks.sparse_mla_attention(q, kv, idx, 576**-0.5, "fp8_ds_mla")
+    plan = ks.plan_attention(num_tokens=B, num_heads=H, topk=idx.shape[1],
+                             kv_format="fp8_ds_mla", num_kv_rows=kv.shape[0], q_dtype=q.dtype,
+                             device=q.device)
+    assert plan.backend == want
+    out, lse = ks.sparse_mla_attention(q, kv, idx, 576**-0.5, "fp8_ds_mla", plan=plan)
     _check(q, kv, idx, "fp8_ds_mla", out, lse)
 
 

@@ -21,7 +21,7 @@ ENVS = [
 
 
 def _it():
-    from cpplan.runtime.kernels import indexer_tiled
+    from cpplan.runtime.kernels.triton import indexer_tiled
 
     return indexer_tiled
 
@@ -170,7 +170,7 @@ def test_prefill_all_equal_scores(env):
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_prefill_matches_old_kernel():
     """Full shape, realistic causal bounds (the last T of N tokens): new == old == reference."""
-    from cpplan.runtime.kernels import triton_indexer as old
+    from cpplan.runtime.kernels.triton import indexer as old
 
     it = _it()
     T, N, topk = 1024, 8192, 2048

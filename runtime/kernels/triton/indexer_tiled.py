@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from . import indexer_tiled_jit as jit
-from .reference import INDEXER_K_BYTES, NO_KEY
+from ..reference.formats import INDEXER_K_BYTES, NO_KEY
 
 LOGITS_BUDGET_BYTES = 1 << 29  # int32 keys of a prefill chunk: 4096 queries x 32k keys
 _DOT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -159,7 +159,7 @@ def indexer_topk(q, weights, k_packed, key_rows, key_ids, topk: int, *,
     key_ids need not follow the rows' order, so the exact order comes from
     ``topk_reference_order`` (this source serves tests and tools, not the step).
     """
-    from .reference_indexer import topk_reference_order
+    from ..reference.indexer import topk_reference_order
 
     ids = torch.where(key_rows >= 0, key_ids.long(), NO_KEY)
     return topk_reference_order(indexer_scores(q, weights, k_packed, key_rows, tiles=tiles), ids,

@@ -65,8 +65,8 @@ import functools
 
 import torch
 
-from .dispatch import OP_NAMES, KernelBackendError, KernelSet
-from .reference import D_QK, D_V, FP8_DS_MLA_BYTES, NO_KEY
+from ..dispatch import KernelBackendError
+from ..reference.formats import D_QK, D_V, FP8_DS_MLA_BYTES, NO_KEY
 
 PAGE = 64  # FlashMLA's only page size ("page_block_size must be 64")
 TOPK_GRANULE = 64  # the kernels' key block: topk must be a multiple of it
@@ -226,7 +226,7 @@ def _require():
 
 def _dequantise(kv: torch.Tensor) -> torch.Tensor:
     # Triton is imported only when this path runs (the module itself needs torch only).
-    from .triton_pack import dequantize_fp8_ds_mla
+    from ..triton.pack import dequantize_fp8_ds_mla
 
     return dequantize_fp8_ds_mla(kv, torch.bfloat16)
 
@@ -302,19 +302,3 @@ def route(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, kv_format: s
         return "triton"
     pick = choose(q.shape[0], q.shape[1], indices.shape[1], kv_format, rows.shape[0], q.dtype)
     return pick if pick == "triton" or available(q.device) else "triton"
-
-
-def flashmla_kernel_set(triton_set: KernelSet) -> KernelSet:
-    """``triton_set`` with ``sparse_mla_attention`` running FlashMLA where ``route`` picks it and
-    ``triton_set.sparse_mla_attention`` otherwise (also whenever Triton keyword options such as
-    ``remap`` are passed: FlashMLA has no fused remap)."""
-    fallback = triton_set.sparse_mla_attention
-
-    def attention(q, kv, indices, sm_scale, kv_format="bf16", **options):
-        if not options and route(q, kv, indices, kv_format) == "flashmla":
-            return sparse_mla_attention(q, kv, indices, sm_scale, kv_format)
-        return fallback(q, kv, indices, sm_scale, kv_format, **options)
-
-    inherited = dict(triton_set.backend_of)
-    backend_of = tuple((op, inherited.get(op, triton_set.name)) for op in OP_NAMES if op != "sparse_mla_attention")
-    return dataclasses.replace(triton_set, name="flashmla", sparse_mla_attention=attention, backend_of=backend_of)
