@@ -38,7 +38,7 @@ prefill bf16 H32 / H16     ~2.31 ms (pad)    ~2.4 / ~1.2 ms    triton    derived
 prefill, T x H/64 < 132    grid < 1 wave     splits the top-k  triton    derived
 decode fp8 B128 H128       180 us            393 us            flashmla  measured (issue 12)
 decode fp8 B256 H64        227 us            395 us            flashmla  measured (issue 12)
-decode fp8 B64 H32         80 us (pad 64)    159 us            flashmla  measured (issue 12)
+decode fp8 B64 H32         80 us (pad 64)    89 us (Gluon)     triton    measured (2026-11-30)
 decode fp8 B256 H16        226 us (pad 64)   221 us (Gluon)    triton    measured (issue 12)
 decode fp8 B1 H128         26.8 us           135 us            flashmla  measured (issue 12)
 fp8, T*topk < 4N, pages    the decode kernel: decode rows      per H     derived (see below)
@@ -71,9 +71,13 @@ from ..reference.formats import D_QK, D_V, FP8_DS_MLA_BYTES, NO_KEY
 PAGE = 64  # FlashMLA's only page size ("page_block_size must be 64")
 TOPK_GRANULE = 64  # the kernels' key block: topk must be a multiple of it
 HEAD_SIZES = (64, 128)  # "h_q == 64 || h_q == 128"
-MIN_HEADS_DECODE = 32  # decode B64 H32 padded: 80 vs 159 us; B256 H16 padded: 226 vs 221 us
+# decode B64 H32 padded to 64: adapter 134.5 / raw 78.6 us vs Triton's Gluon 89.1; B64 H16
+# 134.8 vs 106.2 (bench/attention.py, H200, 2026-11-30): the Gluon few-head decode keeps H < 64
+MIN_HEADS_DECODE = 64
 MIN_HEADS_PREFILL = 64  # prefill H64: 2.31 vs 4.85 ms; below, padding eats the gain (derived)
-MIN_PREFILL_PROGRAMS = 132  # H200 SMs: the prefill grid is T x H/64, no split over the top-k
+# the prefill grid is T x H/64 with no split over the top-k: bf16-cache decode B64 H128 (128
+# programs) 107.6 vs Triton 188.9 us, B1 H128 121.8 vs 65.5 (bench/attention.py, 2026-11-30)
+MIN_PREFILL_PROGRAMS = 128
 DECODE_KERNEL_MAX_REUSE = 4  # fp8 rows referenced < 4x each on average: the fp8 decode kernel
 FP8_PREFILL_MIN_REUSE = 1  # fp8 prefill via dequantise-once only when every row is read >= 1x
 _SCHEDULES = 64  # decode metadata entries kept (one per decode shape)
@@ -176,24 +180,30 @@ def pad_heads(q: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def flashmla_indices(indices: torch.Tensor, granule: int = TOPK_GRANULE) -> torch.Tensor:
-    """cpplan ``[T, topk]`` (rows or slots, NO_KEY = none) -> FlashMLA ``[T, 1, topk']`` int32,
-    every negative entry -1 (the decode kernel's only "no key"), topk' = topk padded with -1 to a
-    multiple of ``granule``."""
+    """cpplan ``[T, topk]`` (rows or slots, NO_KEY = -1 = none, the only negative value cpplan's
+    index kernels write) -> FlashMLA ``[T, 1, topk']`` int32, topk' = topk padded with -1 to a
+    multiple of ``granule``. One conversion pass (a cast) where topk is already a multiple."""
     T, topk = indices.shape
-    idx = indices.to(torch.int32).clamp_min(NO_KEY)
     pad = -topk % granule
-    if pad:
-        idx = torch.cat([idx, idx.new_full((T, pad), NO_KEY)], dim=1)
-    return idx.reshape(T, 1, topk + pad).contiguous()
+    if not pad:
+        return indices.to(torch.int32).reshape(T, 1, topk)
+    idx = indices.new_full((T, topk + pad), NO_KEY, dtype=torch.int32)
+    idx[:, :topk] = indices
+    return idx.reshape(T, 1, topk + pad)
 
 
-def finish(out: torch.Tensor, lse: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def finish(out: torch.Tensor, lse: torch.Tensor, num_heads: int,
+           kernel_zeroes_empty: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashMLA's ``out [T, Hp, 512]`` and natural-log ``lse [T, Hp]`` (+inf: no key) -> cpplan's
-    ``(out [T, H, 512] contiguous, lse [T, H] float32)``: padded heads dropped, -inf and out 0
-    on rows with no key."""
+    ``(out [T, H, 512], lse [T, H] float32)``: padded heads dropped, -inf on rows with no key,
+    out 0 there. ``kernel_zeroes_empty``: the kernel already writes 0 on such rows (the sparse
+    prefill kernel does: tests/kernels/test_flashmla.py, raw conventions), so out is not passed
+    over again (a full read + write of out: 0.25 ms at T 4096, H 128)."""
     lse = lse[:, :num_heads].float()
     empty = torch.isposinf(lse)
-    out = out[:, :num_heads].masked_fill(empty[..., None], 0)
+    out = out[:, :num_heads]
+    if not kernel_zeroes_empty:
+        out = out.masked_fill(empty[..., None], 0)
     return out, lse.masked_fill(empty, float("-inf"))
 
 
@@ -266,13 +276,13 @@ def sparse_mla_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         kernel = fp8_kernel(T, indices.shape[1], kv.shape[0])
     if kernel == "decode":
         out, lse = _decode(fm, qp, kv, idx, sm_scale)
-    elif kernel == "prefill":
-        rows = _dequantise(kv) if kv_format == "fp8_ds_mla" else kv.contiguous()
-        out, _max_logits, lse = fm.flash_mla_sparse_fwd(qp, rows.unsqueeze(1), idx, sm_scale, d_v=D_V,
-                                                        use_legacy=True)
-    else:
+        return finish(out, lse, H)
+    if kernel != "prefill":
         raise KernelBackendError(f"fp8_kernel_choice {fp8_kernel_choice!r}: expected 'auto', 'decode' or 'prefill'")
-    return finish(out, lse, H)
+    rows = _dequantise(kv) if kv_format == "fp8_ds_mla" else kv.contiguous()
+    out, _max_logits, lse = fm.flash_mla_sparse_fwd(qp, rows.unsqueeze(1), idx, sm_scale, d_v=D_V,
+                                                    use_legacy=True)
+    return finish(out, lse, H, kernel_zeroes_empty=True)
 
 
 def _decode(fm, qp, kv, idx, sm_scale):
