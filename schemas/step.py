@@ -38,10 +38,12 @@ def _as_array(values, name: str, allowed: set) -> np.ndarray:
         types = set(map(type, values))
         if types - allowed:
             first = next(v for v in values if type(v) not in allowed)
-            raise StepInputError(f"{name} must hold {'bools' if bool in allowed else 'integers'}"
-                                 f": got {type(first).__name__} {first!r}")
+            what = "bools (or 0/1 integers)" if bool in allowed else "integers"
+            raise StepInputError(f"{name} must hold {what}: got {type(first).__name__} "
+                                 f"{first!r}")
         try:
-            arr = np.asarray(values, dtype=np.int64 if int in allowed else np.bool_)
+            arr = np.asarray(values, dtype=np.int64 if bool not in allowed else
+                             None if len(values) else np.bool_)
         except OverflowError:
             raise StepInputError(f"{name} must be within int32: got a value beyond int64") \
                 from None
@@ -62,7 +64,7 @@ def _counts(values, name: str) -> np.ndarray:
 
 
 def _flags(values) -> np.ndarray:
-    arr = _as_array(values, "is_prefilling", _BOOL_TYPES)
+    arr = _as_array(values, "is_prefilling", _BOOL_TYPES | _INT_TYPES)
     if arr.dtype.kind == "b":
         return arr
     if arr.dtype.kind not in "iu" or (arr.size and (arr.min() < 0 or arr.max() > 1)):
