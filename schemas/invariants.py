@@ -97,8 +97,7 @@ KERNEL_RULES = {
     K.Q_LOW: ("num_scheduled_tokens", "must be >= 1"),
     K.EXTENT: ("extent", "(c + q) must be <= max_model_len"),
     K.PRE: ("is_prefilling", "must be 0 or 1"),
-    K.MODE: ("mode", "must follow is_prefilling, q, pcp_size and dcp_size (docs/design.md "
-                     "§Planning)"),
+    K.MODE: ("mode", "must follow is_prefilling, q, pcp_size and dcp_size"),
     K.CHUNK: ("chunk_size", "must be ceil(q / 2P) for a split request, q otherwise"),
     K.SHARD: ("dcp_shard_rows", "must be shard_rows(c + q)"),
     K.LOCAL: ("dcp_local_lens", "must be the KV tokens of the extent on each DCP rank"),
@@ -162,6 +161,8 @@ def _check_tables(plan: StepPlan) -> None:
     shape = {K.LOCAL: (n, cfg.dcp_size)}.get(rule)
     if rule in (K.ROW_OFF, K.ROW_LEN, K.ROW_KV, K.ROW_START):
         shape = (cfg.pcp_size, r)
+    if rule in (K.ROWS, K.DEC_ROWS, K.DEC_TOKENS, K.N_CHUNKS):  # whole-plan counts
+        _fail(f"{name} {words}: got {got}")
     where = ", ".join(map(str, np.unravel_index(at, shape))) if shape else str(at)
     _fail(f"{name}[{where}] {words}: got {got}")
 
