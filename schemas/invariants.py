@@ -9,15 +9,13 @@ and the config in one jitted pass (:mod:`cpplan.schemas._invariant_kernel`; no P
 requests or rows, one over gather chunks and collectives only), so decoding stays cheap.
 
 What holds afterwards: every array has its documented dtype and shape; every count and size is
-within int32; requests have ``c >= 0``, ``q >= 1``, ``c + q <= max_model_len``, a mode that
-matches ``is_prefilling``, ``1 <= cs <= q``, ``dcp_shard_rows = shard_rows(c + q)`` and DCP
-local lengths summing to the extent; rows point at requests in the published order (decodes
-first, a split request's two rows side by side), stay within their request's query, start
-where the previous row on the rank ended and cover each request's query exactly once;
-``num_tokens``, ``padded_num_tokens`` and ``cudagraph_size`` agree with the rows and the config;
-the gather chunks hold the prefill requests in order with prefix sums that add up and fit the
-workspace; collectives have known names, ops, groups and dtypes and shapes within int32 whose
-byte counts add up.
+within int32; the request columns satisfy the step rules (``c >= 0``, ``q >= 1``,
+``c + q <= max_model_len``) and every derived table (modes, chunk sizes, DCP shard rows and
+local lengths, the published rows with their offsets, lengths, token starts and KV writes, the
+per-rank counts, T and the CUDA-graph size, the greedy gather chunks and their prefix sums)
+equals the one the rules give; collectives have known names, ops, groups and dtypes, shapes
+within int32 and byte counts that add up. Not checked: that req_ids are unique (a set of
+strings would cost as much as the rest of decoding).
 """
 
 from __future__ import annotations
@@ -123,6 +121,10 @@ KERNEL_RULES = {
 
 
 _DTYPES = {"<i4": np.dtype("<i4"), "<i8": np.dtype("<i8"), "|u1": np.dtype("|u1")}
+# kernel arguments of a plan without gather chunks (read-only like the decoded views, so the
+# jitted function keeps one signature)
+_EMPTY = {name: np.frombuffer(b"", dtype) for name, dtype in _DTYPES.items()}
+_NO_INTS = np.zeros(0, np.int64)
 
 
 def _flat(arr) -> np.ndarray:
@@ -139,8 +141,13 @@ def _check_tables(plan: StepPlan) -> None:
     _check_chunk_shapes(chunks)
 
     def cat(name: str, dtype: str) -> np.ndarray:
+        if not chunks:
+            return _EMPTY[dtype]
         return np.frombuffer(b"".join([getattr(ch, name).data for ch in chunks]),
                              _DTYPES[dtype])
+
+    def ints(values: list) -> np.ndarray:
+        return np.array(values, np.int64) if values else _NO_INTS
 
     n, r = len(plan.req_ids), plan.row_request.shape[0]
     rule, at, got = K.check_tables(
@@ -151,10 +158,9 @@ def _check_tables(plan: StepPlan) -> None:
         _flat(plan.row_kv_write), np.array(plan.num_tokens, np.int64), plan.num_decode_rows,
         plan.num_decode_tokens, cfg.pcp_size, cfg.dcp_size, cfg.interleave_size,
         cfg.max_model_len, cfg.gather_workspace_tokens,
-        np.array([ch.requests.shape[0] for ch in chunks], np.int64), cat("requests", "<i4"),
+        ints([ch.requests.shape[0] for ch in chunks]), cat("requests", "<i4"),
         cat("pad", "<i4"), cat("padded_local_cu", "<i8"), cat("global_cu", "<i8"),
-        np.array([ch.padded_local_total for ch in chunks], np.int64),
-        np.array([ch.total for ch in chunks], np.int64))
+        ints([ch.padded_local_total for ch in chunks]), ints([ch.total for ch in chunks]))
     if rule == K.OK:
         return
     name, words = KERNEL_RULES[rule]
