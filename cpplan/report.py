@@ -11,7 +11,7 @@ import dataclasses
 import msgspec
 import numpy as np
 
-from cpplan.schemas import MODE_NAMES, SCHEMA_VERSION, StepPlan, digest
+from cpplan.schemas import MODE_NAMES, SCHEMA_VERSION, CapacityError, StepPlan, digest
 
 
 def _cost_dict(plan: StepPlan) -> dict:
@@ -35,29 +35,34 @@ def _plain(obj):
     return obj
 
 
-def requests_table(plan: StepPlan) -> list[dict]:
-    c = plan.num_computed_tokens.np().tolist()
-    q = plan.num_scheduled_tokens.np().tolist()
-    pre = plan.is_prefilling.np().tolist()
-    mode = plan.mode.np().tolist()
-    cs = plan.chunk_size.np().tolist()
-    shard = plan.dcp_shard_rows.np().tolist()
-    local = plan.dcp_local_lens.np().tolist()
+def requests_table(plan: StepPlan, limit: int | None = None) -> list[dict]:
+    """One dict per request; only the first ``limit`` when given (a text report shows a few,
+    and builds no more than it shows)."""
+    end = plan.num_requests if limit is None else min(limit, plan.num_requests)
+    c = plan.num_computed_tokens.np()[:end].tolist()
+    q = plan.num_scheduled_tokens.np()[:end].tolist()
+    pre = plan.is_prefilling.np()[:end].tolist()
+    mode = plan.mode.np()[:end].tolist()
+    cs = plan.chunk_size.np()[:end].tolist()
+    shard = plan.dcp_shard_rows.np()[:end].tolist()
+    local = plan.dcp_local_lens.np()[:end].tolist()
     return [
         {"index": i, "req_id": rid, "num_computed_tokens": c[i], "num_scheduled_tokens": q[i],
          "is_prefilling": bool(pre[i]), "mode": MODE_NAMES[mode[i]], "chunk_size": cs[i],
          "extent": c[i] + q[i], "dcp_shard_rows": shard[i], "dcp_local_lens": local[i]}
-        for i, rid in enumerate(plan.req_ids)
+        for i, rid in enumerate(plan.req_ids[:end])
     ]
 
 
-def ranks_table(plan: StepPlan) -> list[dict]:
-    req = plan.row_request.np().tolist()
-    offs = plan.row_query_offset.np().tolist()
-    lens = plan.row_num_tokens.np().tolist()
-    starts = plan.row_token_start.np().tolist()
-    writes = plan.row_kv_write.np().tolist()
-    pos = plan.row_position_start().tolist()
+def ranks_table(plan: StepPlan, limit: int | None = None) -> list[dict]:
+    """Per PCP rank, its rows (the first ``limit`` when given)."""
+    end = plan.num_rows if limit is None else min(limit, plan.num_rows)
+    req = plan.row_request.np()[:end].tolist()
+    offs = plan.row_query_offset.np()[:, :end].tolist()
+    lens = plan.row_num_tokens.np()[:, :end].tolist()
+    starts = plan.row_token_start.np()[:, :end].tolist()
+    writes = plan.row_kv_write.np()[:, :end].tolist()
+    pos = plan.row_position_start()[:, :end].tolist()
     out = []
     for p in range(plan.config.pcp_size):
         rows = [
@@ -72,8 +77,16 @@ def ranks_table(plan: StepPlan) -> list[dict]:
     return out
 
 
+MAX_INDICES = 2**24  # --indices lists at most this many deinterleave entries (about 200 MB)
+
+
 def chunks_table(plan: StepPlan, with_indices: bool) -> list[dict]:
     cfg = plan.config
+    if with_indices:
+        count = sum(chunk.total for chunk in plan.gather_chunks)
+        if count > MAX_INDICES:
+            raise CapacityError(f"--indices would list {count:,} deinterleave indices: limit "
+                                f"{MAX_INDICES:,} (leave --indices off for this plan)")
     out = []
     for k, chunk in enumerate(plan.gather_chunks):
         entry = {"index": k, "requests": chunk.requests.np().tolist(),
@@ -116,7 +129,10 @@ def workspace(plan: StepPlan) -> dict:
     }
 
 
-def plan_report(plan: StepPlan, *, with_indices: bool = False, with_cost: bool = True) -> dict:
+def plan_report(plan: StepPlan, *, with_indices: bool = False, with_cost: bool = True,
+                max_rows: int | None = None) -> dict:
+    """The report; ``max_rows`` caps the requests and the rows per rank listed (a text report's
+    view: what is built stays bounded by what is shown), None lists everything."""
     report = {
         "digest": digest(plan).hex(),
         "schema_version": SCHEMA_VERSION,
@@ -126,8 +142,8 @@ def plan_report(plan: StepPlan, *, with_indices: bool = False, with_cost: bool =
         "num_decode_tokens": plan.num_decode_tokens,
         "padded_num_tokens": plan.padded_num_tokens,
         "cudagraph_size": plan.cudagraph_size,
-        "requests": requests_table(plan),
-        "ranks": ranks_table(plan),
+        "requests": requests_table(plan, max_rows),
+        "ranks": ranks_table(plan, max_rows),
         "gather_chunks": chunks_table(plan, with_indices),
         "collectives": collectives_table(plan),
         "workspace": workspace(plan),

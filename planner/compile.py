@@ -16,8 +16,8 @@ import numpy as np
 from cpplan.planner._kernels import plan_kernel
 from cpplan.schemas.arrays import Array
 from cpplan.schemas.config import INDEXER_K_BYTES_PER_TOKEN, MAX_SUPPORTED_TOKENS, ParallelConfig
-from cpplan.schemas.errors import StepInputError
 from cpplan.schemas import names
+from cpplan.schemas.errors import ConfigError, StepInputError
 from cpplan.schemas.names import TOPK_CANDIDATE_DTYPE
 from cpplan.schemas.plan import EAGER, Collective, GatherChunk, StepPlan
 from cpplan.schemas.step import StepInput
@@ -30,8 +30,13 @@ def compile(config: ParallelConfig, step: StepInput) -> StepPlan:  # noqa: A001 
     """The StepPlan of ``step`` under ``config`` (every field per DESIGN 3 and schemas/plan.py).
 
     Raises StepInputError for a step the config cannot run (bad counts, duplicate req_id, an
-    extent above max_model_len, more tokens than int32 holds).
+    extent above max_model_len, more tokens than int32 holds) or an argument of the wrong type
+    (ConfigError for the config).
     """
+    if not isinstance(config, ParallelConfig):
+        raise ConfigError(f"compile: config must be a ParallelConfig: got {type(config).__name__}")
+    if not isinstance(step, StepInput):
+        raise StepInputError(f"compile: step must be a StepInput: got {type(step).__name__}")
     step.validate(config)
     c = _column(step.num_computed_tokens, np.int64)
     q = _column(step.num_scheduled_tokens, np.int64)

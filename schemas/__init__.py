@@ -22,6 +22,8 @@ from cpplan.schemas.errors import (
     CollectiveLedgerError,
     ConfigError,
     CpplanError,
+    InputFileError,
+    OutputError,
     PlanFormatError,
     PlanMismatchError,
     RankLostError,

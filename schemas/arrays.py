@@ -28,7 +28,10 @@ class Array(msgspec.Struct, frozen=True, array_like=True):
     data: bytes
 
     def __post_init__(self) -> None:
-        expected = _ITEMSIZE[self.dtype]
+        expected = _ITEMSIZE.get(self.dtype) if isinstance(self.dtype, str) else None
+        if expected is None:
+            raise ValueError(f"array dtype must be one of {', '.join(ALLOWED_DTYPES)}: got "
+                             f"{self.dtype!r}")
         for dim in self.shape:
             expected *= dim
         if len(self.data) != expected:

@@ -15,6 +15,7 @@ with one line saying what was wrong. No pickle anywhere.
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Annotated, TypeVar
 
@@ -24,6 +25,7 @@ import xxhash
 from cpplan._version import __version__
 from cpplan.schemas.config import ParallelConfig
 from cpplan.schemas.errors import PlanFormatError, SchemaVersionError
+from cpplan.schemas.invariants import check_plan
 from cpplan.schemas.plan import StepPlan
 from cpplan.schemas.step import StepInput
 
@@ -71,6 +73,7 @@ _payload_decoders = {
     KIND_CONFIG: msgspec.msgpack.Decoder(ParallelConfig),
 }
 _step_json_decoder = msgspec.json.Decoder(_StepFile)
+_object_json_decoder = msgspec.json.Decoder(dict)
 _config_json_decoder = msgspec.json.Decoder(ParallelConfig)
 
 T = TypeVar("T")
@@ -151,7 +154,7 @@ def _unwrap(data: bytes, kind: str, max_bytes: int) -> Envelope:
 def _what_it_looks_like(data) -> str:
     """Why a checksum failed, in words a user can act on."""
     head = bytes(data[:1])
-    if head == b"{" or head[:1].isspace():
+    if head == b"{" or head[:1].isspace() or bytes(data[:3]) == UTF8_BOM:
         return "the file is JSON, not a cpplan msgpack file (a step or config JSON goes where " \
                "a step or config is expected)"
     if head != b"\x96":  # every cpplan file starts with the 6-item envelope array
@@ -186,6 +189,7 @@ def decode_plan(data: bytes, *, max_bytes: int = MAX_FILE_BYTES) -> StepPlan:
     plan = _decode_payload(env)
     if config_fingerprint(plan.config) != env.config_fingerprint:
         raise PlanFormatError("config fingerprint does not match the plan's config")
+    check_plan(plan)  # checksum-valid is not consistent: refuse what inspect/runtime can't use
     return plan
 
 
@@ -199,6 +203,64 @@ def read_envelope(data: bytes, *, max_bytes: int = MAX_FILE_BYTES) -> Envelope:
     else:
         kind = KIND_PLAN
     return _unwrap(data, kind, max_bytes)
+
+
+# ---------------------------------------------------------------- JSON
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
+def _strip_bom(data):
+    """A UTF-8 byte order mark (as some Windows editors write) is accepted and dropped."""
+    if isinstance(data, (bytes, bytearray, memoryview)) and bytes(data[:3]) == UTF8_BOM:
+        return bytes(data[3:])
+    return data
+
+
+def _looks_like_json(data) -> bool:
+    head = bytes(data[:1]) if isinstance(data, (bytes, bytearray, memoryview)) else b""
+    return head[:1].isspace() or head == b"{"
+
+
+def _decode_json(decoder, data, what: str):
+    """Typed JSON decode; a key given twice in one object is refused (msgspec would keep one
+    of them silently), checked by the standard library once msgspec has accepted the text."""
+    try:
+        obj = decoder.decode(data)
+    except _DECODE_FAILURES as exc:
+        raise PlanFormatError(f"invalid {what} JSON: {_one_line(exc)}") from None
+    try:
+        json.loads(bytes(data), object_pairs_hook=_refuse_duplicates)
+    except _DuplicateKey as exc:
+        raise PlanFormatError(f"invalid {what} JSON: key {exc.args[0]!r} given twice in one "
+                              f"object") from None
+    except (ValueError, RecursionError) as exc:
+        raise PlanFormatError(f"invalid {what} JSON: {_one_line(exc)}") from None
+    return obj
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _refuse_duplicates(pairs):
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        seen = set()
+        for k in keys:
+            if k in seen:
+                raise _DuplicateKey(k)
+            seen.add(k)
+    return dict(pairs)
+
+
+def decode_json_object(data, what: str, max_bytes: int = 2**20) -> dict:
+    """A small JSON object (e.g. ``replay.json``): BOM accepted, duplicate keys refused; any
+    failure is a PlanFormatError naming ``what``."""
+    if isinstance(data, (bytes, bytearray, memoryview)) and len(data) > max_bytes:
+        raise PlanFormatError(f"{what}: file too large: got {len(data):,} bytes, limit "
+                              f"{max_bytes:,}")
+    obj = _decode_json(_object_json_decoder, _strip_bom(data), what)
+    return obj
 
 
 # ---------------------------------------------------------------- steps
@@ -234,12 +296,10 @@ def decode_step(data: bytes, *, max_bytes: int = MAX_FILE_BYTES) -> StepInput:
     """A step from a cpplan step file, a bare msgpack map or JSON (detected by content)."""
     if isinstance(data, (bytes, bytearray, memoryview)) and len(data) > max_bytes:
         raise PlanFormatError(f"file too large: got {len(data):,} bytes, limit {max_bytes:,}")
+    data = _strip_bom(data)
+    if _looks_like_json(data):
+        return _step_from_file(_decode_json(_step_json_decoder, data, "step"))
     head = bytes(data[:1]) if isinstance(data, (bytes, bytearray, memoryview)) else b""
-    if head[:1].isspace() or head == b"{":
-        try:
-            return _step_from_file(_step_json_decoder.decode(data))
-        except _DECODE_FAILURES as exc:
-            raise PlanFormatError(f"invalid step JSON: {_one_line(exc)}") from None
     if head and 0x80 <= head[0] <= 0x8F or head in (b"\xde", b"\xdf"):  # a bare msgpack map
         try:
             return _step_from_file(_payload_decoders[KIND_STEP].decode(data))
@@ -262,12 +322,9 @@ def decode_config(data: bytes, *, max_bytes: int = MAX_FILE_BYTES) -> ParallelCo
     here (the file is not a valid config); build ParallelConfig directly to get ConfigError."""
     if isinstance(data, (bytes, bytearray, memoryview)) and len(data) > max_bytes:
         raise PlanFormatError(f"file too large: got {len(data):,} bytes, limit {max_bytes:,}")
-    head = bytes(data[:1]) if isinstance(data, (bytes, bytearray, memoryview)) else b""
-    if head[:1].isspace() or head == b"{":
-        try:
-            return _config_json_decoder.decode(data)
-        except _DECODE_FAILURES as exc:
-            raise PlanFormatError(f"invalid config JSON: {_one_line(exc)}") from None
+    data = _strip_bom(data)
+    if _looks_like_json(data):
+        return _decode_json(_config_json_decoder, data, "config")
     return _decode_payload(_unwrap(data, KIND_CONFIG, max_bytes))
 
 

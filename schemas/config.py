@@ -1,6 +1,8 @@
 """ParallelConfig: the static facts every rank shares for the life of a serving process.
 
 Validated at construction (also when decoded from a file): an invalid config never exists.
+Types are checked too (msgspec checks them only when decoding): a bool, float or str where an
+integer belongs, or a dtype name outside the enums, is a ConfigError, not a later crash.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
+import numpy as np
 
 from cpplan.schemas.errors import ConfigError
 from cpplan.schemas.sharding import shard_rows
@@ -16,8 +19,16 @@ KV_BYTES_PER_TOKEN = {"fp8_ds_mla": 656, "bf16": 1152}
 INDEXER_K_BYTES_PER_TOKEN = 132  # 128 fp8 values + one fp32 scale
 MAX_SUPPORTED_TOKENS = 2**31 - 1  # every token count in a plan fits int32
 
+MAX_PARALLEL_SIZE = 1024  # PCP / DCP ranks; reports draw and list one lane per rank
+
 KvCacheDtype = Literal["fp8_ds_mla", "bf16"]
 ActivationDtype = Literal["bfloat16", "float16", "float32"]
+ACTIVATION_DTYPES = ("bfloat16", "float16", "float32")
+_POSITIVE_FIELDS = (
+    "pcp_size", "dcp_size", "interleave_size", "block_size", "num_heads", "num_layers",
+    "qk_head_dim", "v_head_dim", "topk", "index_num_heads", "index_head_dim", "hidden_size",
+    "max_model_len",
+)
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -47,18 +58,19 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     gather_workspace_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for name in (
-            "pcp_size", "dcp_size", "interleave_size", "block_size", "num_heads", "num_layers",
-            "qk_head_dim", "v_head_dim", "topk", "index_num_heads", "index_head_dim",
-            "hidden_size", "max_model_len",
-        ):
-            value = getattr(self, name)
-            if value < 1:
-                raise ConfigError(f"{name} must be positive: got {value}")
-        if self.max_model_len > MAX_SUPPORTED_TOKENS:
-            raise ConfigError(
-                f"max_model_len must be <= {MAX_SUPPORTED_TOKENS}: got {self.max_model_len}"
-            )
+        for name in _POSITIVE_FIELDS:
+            self._check_int(name, 1)
+        self._check_int("gather_workspace_tokens", 0)
+        for name in ("pcp_size", "dcp_size"):
+            if getattr(self, name) > MAX_PARALLEL_SIZE:
+                raise ConfigError(f"{name} must be <= {MAX_PARALLEL_SIZE}: got "
+                                  f"{getattr(self, name)}")
+        for name, allowed in (("kv_cache_dtype", tuple(KV_BYTES_PER_TOKEN)),
+                              ("activation_dtype", ACTIVATION_DTYPES)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {', '.join(allowed)}: got "
+                                  f"{getattr(self, name)!r}")
+        self._check_graph_sizes()
         p, w = self.pcp_size, self.dcp_size
         if not (w == 1 or p == 1 or w == p):
             raise ConfigError(
@@ -74,11 +86,6 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ConfigError(
                 f"qk_head_dim must be >= v_head_dim: got {self.qk_head_dim} < {self.v_head_dim}"
             )
-        sizes = self.cudagraph_token_sizes
-        if any(s < 1 for s in sizes) or list(sizes) != sorted(set(sizes)):
-            raise ConfigError(
-                f"cudagraph_token_sizes must be positive, strictly increasing: got {list(sizes)}"
-            )
         minimum = self.min_gather_workspace_tokens
         if self.gather_workspace_tokens == 0:
             msgspec.structs.force_setattr(self, "gather_workspace_tokens", minimum)
@@ -87,11 +94,45 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 f"gather_workspace_tokens must be >= dcp_size * shard_rows(max_model_len) = "
                 f"{minimum}: got {self.gather_workspace_tokens}"
             )
-        elif self.gather_workspace_tokens > MAX_SUPPORTED_TOKENS:
+        if self.gather_workspace_tokens > MAX_SUPPORTED_TOKENS:
             raise ConfigError(
-                f"gather_workspace_tokens must be <= {MAX_SUPPORTED_TOKENS}: "
-                f"got {self.gather_workspace_tokens}"
+                f"gather_workspace_tokens (dcp_size * shard_rows(max_model_len) when 0) must be "
+                f"<= {MAX_SUPPORTED_TOKENS}: got {self.gather_workspace_tokens}"
             )
+
+    def _check_int(self, name: str, low: int) -> None:
+        """An int (a numpy integer is taken as its value; a bool, float or str is refused) in
+        [low, MAX_SUPPORTED_TOKENS]: every size and count of a plan fits int32."""
+        value = getattr(self, name)
+        if isinstance(value, np.integer):
+            value = int(value)
+            msgspec.structs.force_setattr(self, name, value)
+        if type(value) is not int:
+            raise ConfigError(f"{name} must be an integer: got {type(value).__name__} "
+                              f"{value!r}")
+        if value < low:
+            rule = "positive" if low == 1 else f">= {low}"
+            raise ConfigError(f"{name} must be {rule}: got {value}")
+        if value > MAX_SUPPORTED_TOKENS:
+            raise ConfigError(f"{name} must be <= {MAX_SUPPORTED_TOKENS}: got {value}")
+
+    def _check_graph_sizes(self) -> None:
+        sizes = self.cudagraph_token_sizes
+        if isinstance(sizes, (list, np.ndarray)):
+            sizes = tuple(sizes)
+        if not isinstance(sizes, tuple):
+            raise ConfigError(f"cudagraph_token_sizes must be a tuple of integers: got "
+                              f"{type(sizes).__name__}")
+        sizes = tuple(int(s) if isinstance(s, np.integer) else s for s in sizes)
+        if any(type(s) is not int for s in sizes):
+            raise ConfigError(f"cudagraph_token_sizes must hold integers only: got "
+                              f"{[s for s in sizes]!r}")
+        if any(not 1 <= s <= MAX_SUPPORTED_TOKENS for s in sizes) \
+                or list(sizes) != sorted(set(sizes)):
+            raise ConfigError(
+                f"cudagraph_token_sizes must be in [1, {MAX_SUPPORTED_TOKENS}], strictly "
+                f"increasing: got {list(sizes)}")
+        msgspec.structs.force_setattr(self, "cudagraph_token_sizes", sizes)
 
     @property
     def min_gather_workspace_tokens(self) -> int:

@@ -31,6 +31,17 @@ class SchemaVersionError(PlanFormatError):
     """A file written by a newer schema than this cpplan reads."""
 
 
+class InputFileError(PlanFormatError):
+    """A path that cannot be read as an input: missing, unreadable, not a regular file (a FIFO,
+    a device, a folder) or larger than the cap. Raised before any byte is decoded."""
+
+
+class OutputError(CpplanError, OSError):
+    """An output path that cannot be written: refused (a symlink, device or folder is never
+    replaced), or the write failed (read-only folder, full disk, name too long). Names the
+    target, never the hidden temp file."""
+
+
 class CapacityError(CpplanError, ValueError):
     """A plan needs more rows than a runtime buffer sized at start-up holds."""
 

@@ -17,6 +17,63 @@ from cpplan.schemas.config import ParallelConfig
 from cpplan.schemas.errors import StepInputError
 
 
+MAX_STEP_ID = 2**63 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+_COLUMN_DTYPES = (("num_computed_tokens", ("<i8", "<i4")), ("num_scheduled_tokens", ("<i8", "<i4")),
+                  ("is_prefilling", ("|u1",)))
+_INT_TYPES = {int, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+              np.uint64}
+_BOOL_TYPES = {bool, np.bool_}
+
+
+def _as_array(values, name: str, allowed: set) -> np.ndarray:
+    """values as a 1-D numpy array, its element types checked when it is a Python sequence
+    (numpy would silently turn [1, True] into [1, 1] and ["false"] into [True])."""
+    if isinstance(values, np.ndarray):
+        arr = values
+    else:
+        if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+            raise StepInputError(f"{name} must be a sequence or a numpy array: got "
+                                 f"{type(values).__name__}")
+        types = set(map(type, values))
+        if types - allowed:
+            first = next(v for v in values if type(v) not in allowed)
+            what = "bools (or 0/1 integers)" if bool in allowed else "integers"
+            raise StepInputError(f"{name} must hold {what}: got {type(first).__name__} "
+                                 f"{first!r}")
+        try:
+            arr = np.asarray(values, dtype=np.int64 if bool not in allowed else
+                             None if len(values) else np.bool_)
+        except OverflowError:
+            raise StepInputError(f"{name} must be within int32: got a value beyond int64") \
+                from None
+    if arr.ndim != 1:
+        raise StepInputError(f"{name} must be one-dimensional: got shape {arr.shape}")
+    return arr
+
+
+def _counts(values, name: str) -> np.ndarray:
+    arr = _as_array(values, name, _INT_TYPES)
+    if arr.dtype.kind not in "iu":
+        raise StepInputError(f"{name} must have an integer dtype: got {arr.dtype}")
+    if arr.size and (arr.min() < INT32_MIN or arr.max() > INT32_MAX):
+        bad = arr[(arr < INT32_MIN) | (arr > INT32_MAX)][0]
+        raise StepInputError(f"{name} must be within int32 [{INT32_MIN}, {INT32_MAX}]: got "
+                             f"{int(bad)}")
+    return arr
+
+
+def _flags(values) -> np.ndarray:
+    arr = _as_array(values, "is_prefilling", _BOOL_TYPES | _INT_TYPES)
+    if arr.dtype.kind == "b":
+        return arr
+    if arr.dtype.kind not in "iu" or (arr.size and (arr.min() < 0 or arr.max() > 1)):
+        raise StepInputError(f"is_prefilling must be bools (or 0/1 integers): got dtype "
+                             f"{arr.dtype}" + (f" values in [{arr.min()}, {arr.max()}]"
+                                               if arr.dtype.kind in "iu" else ""))
+    return arr.astype(np.bool_)
+
+
 class RequestInput(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One request of a step, as it appears in a step file."""
 
@@ -40,9 +97,28 @@ class StepInput(msgspec.Struct, frozen=True, kw_only=True):
     is_prefilling: Array
 
     def __post_init__(self) -> None:
+        step_id = self.step_id
+        if isinstance(step_id, np.integer):
+            step_id = int(step_id)
+            msgspec.structs.force_setattr(self, "step_id", step_id)
+        if type(step_id) is not int or not 0 <= step_id <= MAX_STEP_ID:
+            raise StepInputError(f"step_id must be an integer in [0, {MAX_STEP_ID}]: got "
+                                 f"{type(step_id).__name__} {step_id!r}")
+        if not isinstance(self.req_ids, tuple):
+            raise StepInputError(f"req_ids must be a tuple of str: got "
+                                 f"{type(self.req_ids).__name__}")
+        bad = [i for i, rid in enumerate(self.req_ids) if type(rid) is not str] \
+            if set(map(type, self.req_ids)) - {str} else []
+        if bad:
+            rid = self.req_ids[bad[0]]
+            raise StepInputError(f"req_ids[{bad[0]}] of step {step_id} must be a str: got "
+                                 f"{type(rid).__name__} {rid!r}")
         n = len(self.req_ids)
-        for name in ("num_computed_tokens", "num_scheduled_tokens", "is_prefilling"):
+        for name, dtypes in _COLUMN_DTYPES:
             column = getattr(self, name)
+            if not isinstance(column, Array) or column.dtype not in dtypes:
+                raise StepInputError(f"{name} must be an Array of dtype {' or '.join(dtypes)}: "
+                                     f"got {getattr(column, 'dtype', type(column).__name__)}")
             if column.shape != (n,):
                 raise StepInputError(
                     f"{name} must have shape ({n},) like req_ids: got {column.shape}"
@@ -57,12 +133,21 @@ class StepInput(msgspec.Struct, frozen=True, kw_only=True):
         num_scheduled_tokens: Sequence[int] | np.ndarray,
         is_prefilling: Sequence[bool] | np.ndarray,
     ) -> "StepInput":
+        """Columns from sequences or arrays. Token counts must be integers (a float, bool or
+        str is refused, never rounded or coerced) within int32; ``is_prefilling`` must be
+        bools (or 0/1 integers in an integer array). Range rules against a config are
+        :meth:`validate`'s."""
+        if isinstance(req_ids, (str, bytes)):
+            raise StepInputError(f"req_ids must be a sequence of str: got "
+                                 f"{type(req_ids).__name__} {req_ids!r}")
         return cls(
-            step_id=int(step_id),
+            step_id=step_id,
             req_ids=tuple(req_ids),
-            num_computed_tokens=Array.of(num_computed_tokens, "<i8"),
-            num_scheduled_tokens=Array.of(num_scheduled_tokens, "<i8"),
-            is_prefilling=Array.of(np.asarray(is_prefilling, dtype=bool), "|u1"),
+            num_computed_tokens=Array.of(_counts(num_computed_tokens,
+                                                 "num_computed_tokens"), "<i8"),
+            num_scheduled_tokens=Array.of(_counts(num_scheduled_tokens,
+                                                  "num_scheduled_tokens"), "<i8"),
+            is_prefilling=Array.of(_flags(is_prefilling), "|u1"),
         )
 
     @classmethod

@@ -1,7 +1,9 @@
 """The ``cpplan`` command line: one module per command, registered here.
 
-Every command turns cpplan's own errors (and missing files) into one line on stderr and the
-error's exit code (2 for bad input), never a traceback.
+Every command turns cpplan's own errors (and any OSError) into one line on stderr and the
+error's exit code (2 for bad input), never a traceback; control characters in the line are
+escaped. A reader closing stdout early (``| head``) ends the output quietly: the command's own
+exit code (0, or diff's 0/1), no BrokenPipe traceback. See FAILURE_BEHAVIOUR.md.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import importlib
 import sys
 
 from cpplan._version import __version__
+from cpplan.cli.terminal import plain, quiet_broken_pipe
 from cpplan.schemas.errors import CpplanError
 
 # command name -> module under cpplan.cli; each module defines register(subparsers) and
@@ -29,7 +32,7 @@ EXIT_BAD_INPUT = 2
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2, no usage dump
-        sys.stderr.write(f"cpplan: error: {message}\n")
+        sys.stderr.write(f"cpplan: error: {plain(' '.join(message.split()))}\n")
         raise SystemExit(EXIT_BAD_INPUT)
 
 
@@ -62,11 +65,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.run(args) or 0)
     except CpplanError as exc:
-        sys.stderr.write(f"cpplan {args.command}: error: {exc}\n")
+        _error_line(args.command, str(exc))
         return exc.exit_code
-    except (FileNotFoundError, IsADirectoryError, PermissionError) as exc:
-        sys.stderr.write(f"cpplan {args.command}: error: {exc.strerror}: {exc.filename}\n")
+    except BrokenPipeError:
+        quiet_broken_pipe()
+        return 0
+    except OSError as exc:
+        where = f": {exc.filename}" if exc.filename else ""
+        _error_line(args.command, f"{exc.strerror or exc}{where}")
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         sys.stderr.write(f"cpplan {args.command}: interrupted\n")
         return 130
+
+
+def _error_line(command: str, message: str) -> None:
+    sys.stderr.write(f"cpplan {command}: error: {plain(' '.join(message.split()))}\n")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from cpplan.schemas import (
     ParallelConfig,
@@ -15,26 +14,54 @@ from cpplan.schemas import (
     decode_step,
 )
 from cpplan.schemas import codec
+from cpplan.schemas.files import read_input
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer: got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer: got {value}")
-    return value
+INT32_MAX = 2**31 - 1
+MAX_LIST_ITEMS = 4096
+
+
+def bounded_int(low: int, high: int):
+    """An argparse type: a decimal integer in [low, high] (one line naming both otherwise);
+    ``int()`` alone would let --pcp 9223372036854775808 through to a crash."""
+    def parse(text: str) -> int:
+        value = _parse_int(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected an integer in [{low}, {high}]: "
+                                             f"got {value}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def _parse_int(text: str) -> int:
+    stripped = text.strip()
+    if len(stripped) > 20 or not stripped.lstrip("+-").isdigit() \
+            or not stripped.lstrip("+-").isascii():
+        raise argparse.ArgumentTypeError(f"expected an integer: got {text[:40]!r}")
+    return int(stripped)
+
+
+_positive_int = bounded_int(0, INT32_MAX)
 
 
 def _int_list(text: str) -> tuple[int, ...]:
     if not text.strip():
         return ()
+    parts = text.split(",")
+    if len(parts) > MAX_LIST_ITEMS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_LIST_ITEMS} sizes: got "
+                                         f"{len(parts)}")
     try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
+        values = tuple(_parse_int(part) for part in parts)
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers like 8,16,32: got {text!r}") from None
+            f"expected comma-separated integers like 8,16,32: got {text[:60]!r}") from None
+    bad = [v for v in values if not 1 <= v <= INT32_MAX]
+    if bad:
+        raise argparse.ArgumentTypeError(f"expected sizes in [1, {INT32_MAX}]: got {bad[0]}")
+    return values
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +103,8 @@ def config_from_args(args: argparse.Namespace) -> ParallelConfig:
 
 
 def read_file(path: str) -> bytes:
-    return Path(path).read_bytes()
+    """Every CLI input goes through here: a regular file of at most MAX_INPUT_BYTES."""
+    return read_input(path)
 
 
 def is_plan_file(data: bytes) -> bool:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from cpplan.cli.common import add_config_flags, load_plan
+import numpy as np
+
+from cpplan.cli.common import add_config_flags, bounded_int, load_plan
 from cpplan.schemas import MODE_DECODE, MODE_REPLICATED, MODE_SPLIT, StepPlan
-from cpplan.schemas.errors import PlanFormatError
+from cpplan.schemas.errors import CapacityError, OutputError
+from cpplan.schemas.files import check_output_target, write_atomic
 
 EXAMPLE = """examples:
   cpplan draw step.msgpack -o step.png
@@ -17,6 +20,11 @@ EXAMPLE = """examples:
 MODE_STYLE = {MODE_DECODE: ("", "#1f4e79"), MODE_SPLIT: ("", "black"),
               MODE_REPLICATED: ("///", "#7a5c00")}
 LANE_HEIGHT = 0.6
+FIG_WIDTH = 12  # inches
+MIN_DPI, MAX_DPI = 10, 600
+MAX_LANES = 64  # PCP ranks drawn
+MAX_SPANS = 50_000  # row spans (ranks x rows) drawn
+MAX_PIXELS = 60_000_000  # before bbox trimming; about 240 MB of RGBA while rendering
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,20 +37,43 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("plan", metavar="PLAN", help="plan file, or a step file plus config")
     parser.add_argument("-o", "--output", required=True, metavar="PNG")
-    parser.add_argument("--dpi", type=int, default=120)
+    parser.add_argument("--dpi", type=bounded_int(MIN_DPI, MAX_DPI), default=120,
+                        help=f"resolution, {MIN_DPI} to {MAX_DPI} (default 120)")
     add_config_flags(parser)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if not args.output.lower().endswith(".png"):
-        raise PlanFormatError(f"output must be a .png file: got {args.output!r}")
+        raise OutputError(f"output must be a .png file: got {args.output!r}")
+    check_output_target(args.output)  # before the work, not after
     plan = load_plan(args.plan, args)
-    draw_plan(plan, args.output, dpi=args.dpi)
+    write_atomic(args.output, render_png(plan, dpi=args.dpi))
     return 0
 
 
 def draw_plan(plan: StepPlan, path: str, dpi: int = 120) -> None:
+    """Draw ``plan`` into the PNG file ``path`` (written atomically)."""
+    write_atomic(path, render_png(plan, dpi=dpi))
+
+
+def check_drawable(plan: StepPlan, dpi: int) -> None:
+    """Refuse, with one line, a picture too large to be useful or to allocate safely."""
+    p_size = plan.config.pcp_size
+    spans = p_size * plan.num_rows
+    if p_size > MAX_LANES or spans > MAX_SPANS:
+        raise CapacityError(f"draw shows at most {MAX_LANES} PCP ranks and {MAX_SPANS:,} row "
+                            f"spans: got {p_size} ranks, {spans:,} spans (use cpplan inspect)")
+    width, height = FIG_WIDTH * dpi, (1.2 + 1.1 * p_size) * dpi
+    if width * height > MAX_PIXELS:
+        raise CapacityError(f"draw at --dpi {dpi} would be {int(width)} x {int(height)} pixels:"
+                            f" limit {MAX_PIXELS:,} pixels (lower --dpi)")
+
+
+def render_png(plan: StepPlan, dpi: int = 120) -> bytes:
+    """The picture as PNG bytes (rendered in memory, so a failed write leaves no file)."""
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -56,7 +87,8 @@ def draw_plan(plan: StepPlan, path: str, dpi: int = 120) -> None:
     lens, starts = plan.row_num_tokens.np(), plan.row_token_start.np()
     offs = plan.row_query_offset.np()
     cmap = plt.get_cmap("tab20")
-    fig, ax = plt.subplots(figsize=(12, 1.2 + 1.1 * p_size))
+    check_drawable(plan, dpi)
+    fig, ax = plt.subplots(figsize=(FIG_WIDTH, 1.2 + 1.1 * p_size))
     for p in range(p_size):
         y = p_size - 1 - p
         for j in range(len(req)):
@@ -66,8 +98,9 @@ def draw_plan(plan: StepPlan, path: str, dpi: int = 120) -> None:
             ax.add_patch(Rectangle((starts[p, j], y), lens[p, j], LANE_HEIGHT,
                                    facecolor=cmap(int(req[j]) % 20), edgecolor=edge,
                                    hatch=hatch, linewidth=0.6))
-            if lens[p, j] > 0.08 * t_pad:  # room for the label
-                ax.text(starts[p, j] + lens[p, j] / 2, y + LANE_HEIGHT / 2, f"r{req[j]} q{offs[p, j]}:{offs[p, j] + lens[p, j]}",
+            if lens[p, j] > 0.08 * t_pad:  # room for the label (numbers only: no user text)
+                ax.text(starts[p, j] + lens[p, j] / 2, y + LANE_HEIGHT / 2,
+                        f"r{req[j]} q{offs[p, j]}:{offs[p, j] + lens[p, j]}",
                         ha="center", va="center", fontsize=7)
         real = plan.num_tokens[p]
         if real < plan.padded_num_tokens:
@@ -92,20 +125,30 @@ def draw_plan(plan: StepPlan, path: str, dpi: int = 120) -> None:
         Patch(facecolor="#dddddd", edgecolor="grey", hatch="xx", label="padding"),
     ], loc="lower right", fontsize=8, ncols=4, bbox_to_anchor=(1.0, 1.06), frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi, bbox_inches="tight")
-    plt.close(fig)
+    buffer = io.BytesIO()
+    try:
+        fig.savefig(buffer, dpi=dpi, bbox_inches="tight", format="png")
+    finally:
+        plt.close(fig)
+    return buffer.getvalue()
 
 
 def _draw_chunks(ax, plan: StepPlan, p: int, y: float) -> None:
     """Bracket, under lane p, the span of rows whose requests form each gather chunk."""
     req = plan.row_request.np()
     lens, starts = plan.row_num_tokens.np()[p], plan.row_token_start.np()[p]
+    chunk_of = np.full(plan.num_requests, -1, np.int64)
     for k, chunk in enumerate(plan.gather_chunks):
-        members = set(chunk.requests.np().tolist())
-        rows = [j for j in range(len(req)) if int(req[j]) in members and lens[j] > 0]
-        if not rows:
-            continue
-        x0, x1 = starts[rows[0]], starts[rows[-1]] + lens[rows[-1]]
+        chunk_of[chunk.requests.np()] = k
+    rows = np.flatnonzero((chunk_of[req] >= 0) & (lens > 0))
+    if not rows.size:
+        return
+    # a chunk's rows are contiguous on a rank: its first and last non-empty row bound it
+    ids, first = np.unique(chunk_of[req[rows]], return_index=True)
+    _, last_rev = np.unique(chunk_of[req[rows]][::-1], return_index=True)
+    last = rows.size - 1 - last_rev
+    for k, a, b in zip(ids.tolist(), rows[first].tolist(), rows[last].tolist()):
+        x0, x1 = starts[a], starts[b] + lens[b]
         ax.plot([x0, x0, x1, x1], [y - 0.05, y - 0.15, y - 0.15, y - 0.05], color="purple",
                 linewidth=1.2)
         ax.text((x0 + x1) / 2, y - 0.3, f"gather chunk {k}", ha="center", va="center",

@@ -7,6 +7,7 @@ import json
 import sys
 
 from cpplan.cli.common import add_config_flags, load_plan
+from cpplan.cli.terminal import emit, markup, quiet_broken_pipe
 from cpplan.report import plan_report
 from cpplan.schemas import StepInputError
 
@@ -42,21 +43,33 @@ def run(args: argparse.Namespace) -> int:
         raise StepInputError(
             f"--rank must be in [0, {plan.config.pcp_size}) for pcp_size "
             f"{plan.config.pcp_size}: got {args.rank}")
-    report = plan_report(plan, with_indices=args.indices)
+    report = plan_report(plan, with_indices=args.indices,
+                         max_rows=None if args.json else MAX_ROWS_SHOWN)
     if args.rank is not None:
         report["ranks"] = [report["ranks"][args.rank]]
     if args.json:
-        sys.stdout.write(json.dumps(report, separators=(",", ":")) + "\n")
+        emit(json.dumps(report, separators=(",", ":")))
         return 0
-    _print_text(report)
+    report["totals"] = {"requests": plan.num_requests, "rows": plan.num_rows}
+    try:
+        _print_text(report)
+    except BrokenPipeError:
+        quiet_broken_pipe()
     return 0
 
 
 def _print_text(report: dict) -> None:
     from rich.console import Console
 
-    # piped output keeps full cell text instead of folding tables to 80 columns
-    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:  # Rich's own exits 1; a closed pipe is not an error
+            self.quiet = True
+            quiet_broken_pipe()
+
+    # piped output keeps full cell text instead of folding tables to 80 columns; no emoji
+    # codes or markup from data (user strings go through terminal.markup)
+    console = _Console(highlight=False, emoji=False,
+                       width=None if sys.stdout.isatty() else 160)
     for section in (_header, _requests, _ranks, _chunks, _collectives, _cost):
         section(console, report)
 
@@ -84,16 +97,18 @@ def _header(console, report: dict) -> None:
 
 
 def _requests(console, report: dict) -> None:
-    table = _table(f"requests ({len(report['requests'])})",
+    total = report["totals"]["requests"]
+    table = _table(f"requests ({total})",
                    ("#", "req_id", "mode", "c", "q", "cs", "extent", "shard rows"),
                    left=("req_id", "mode"))
     colour = {"decode": "cyan", "split": "green", "replicated": "yellow"}
     for r in report["requests"][:MAX_ROWS_SHOWN]:
-        table.add_row(str(r["index"]), r["req_id"], f"[{colour[r['mode']]}]{r['mode']}[/]",
+        table.add_row(str(r["index"]), markup(r["req_id"]),
+                      f"[{colour[r['mode']]}]{r['mode']}[/]",
                       str(r["num_computed_tokens"]), str(r["num_scheduled_tokens"]),
                       str(r["chunk_size"]), str(r["extent"]), str(r["dcp_shard_rows"]))
     console.print(table)
-    _more(console, len(report["requests"]), "requests")
+    _more(console, total, "requests")
 
 
 def _ranks(console, report: dict) -> None:
@@ -109,7 +124,7 @@ def _ranks(console, report: dict) -> None:
                           str(row["num_tokens"]), str(row["position_start"]),
                           "yes" if row["kv_write"] else "-")
         console.print(table)
-        _more(console, len(rank["rows"]), "rows")
+        _more(console, report["totals"]["rows"], "rows")
 
 
 def _more(console, total: int, what: str) -> None:
@@ -135,7 +150,7 @@ def _collectives(console, report: dict) -> None:
                    ("name", "op", "group", "dtype", "shape", "bytes/layer", "bytes/step"),
                    left=("name", "op", "group", "dtype", "shape"))
     for c in report["collectives"]:
-        table.add_row(c["name"], c["op"], c["group"], c["dtype"],
+        table.add_row(markup(c["name"]), c["op"], c["group"], c["dtype"],
                       "x".join(map(str, c["shape"])),
                       f"{c['bytes']:,}" if c["per_layer"] else "-", f"{c['bytes_per_step']:,}")
     console.print(table)

@@ -12,6 +12,12 @@ import json
 import os
 import sys
 
+from cpplan.cli.common import bounded_int
+from cpplan.schemas.files import read_input
+
+MAX_SEED = 2**63 - 1
+MAX_META_BYTES = 1 << 20  # replay.json holds a seed
+
 EXAMPLE = """example:
   cpplan simulate --record runs/a && cpplan replay runs/a/step-7.msgpack --device cpu
 """
@@ -23,24 +29,40 @@ def register(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("step", metavar="STEP.msgpack")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--seed", type=int, default=None, help="override replay.json's seed")
+    p.add_argument("--seed", type=bounded_int(0, MAX_SEED), default=None,
+                   help="override replay.json's seed")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.set_defaults(run=run)
 
 
-def run(args) -> int:
-    from cpplan.runtime.replay import replay_plan
-    from cpplan.runtime.simulate import TOLERANCE
-    from cpplan.schemas.codec import decode_plan
-    from cpplan.schemas.errors import ConfigError
+def _seed_from(meta_path: str) -> int:
+    """The seed in ``replay.json``: a JSON object whose optional "seed" is an integer in
+    [0, MAX_SEED]; anything else is a one-line PlanFormatError naming the file."""
+    from cpplan.schemas.codec import decode_json_object
+    from cpplan.schemas.errors import PlanFormatError
 
-    with open(args.step, "rb") as f:
-        plan = decode_plan(f.read())
+    meta = decode_json_object(read_input(meta_path, max_bytes=MAX_META_BYTES), meta_path)
+    seed = meta.get("seed", 0)
+    if type(seed) is not int or not 0 <= seed <= MAX_SEED:
+        raise PlanFormatError(f"{meta_path}: seed must be an integer in [0, {MAX_SEED}]: got "
+                              f"{seed!r}"[:200])
+    return seed
+
+
+def run(args) -> int:
+    from cpplan.schemas.codec import decode_plan
+    from cpplan.schemas.errors import ConfigError, StepInputError
+
+    plan = decode_plan(read_input(args.step))
+    if plan.num_requests == 0:
+        raise StepInputError(f"step {plan.step_id} has no requests: nothing to replay")
     seed = args.seed
     meta_path = os.path.join(os.path.dirname(os.path.abspath(args.step)), "replay.json")
-    if seed is None and os.path.exists(meta_path):
-        with open(meta_path) as f:
-            seed = int(json.load(f).get("seed", 0))
+    if seed is None and os.path.lexists(meta_path):
+        seed = _seed_from(meta_path)
+    from cpplan.runtime.replay import replay_plan
+    from cpplan.runtime.simulate import TOLERANCE
+
     if args.device == "cuda":
         import torch
 

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+
+from cpplan.cli.common import bounded_int
 
 EXAMPLE = """example:
   cpplan simulate                      # P=2 x W=2, fp8_ds_mla, 24 steps, 2 layers
@@ -29,16 +32,16 @@ def register(sub) -> None:
     p = sub.add_parser("simulate", help="run the mini serving loop across ranks vs the oracle",
                        description=__doc__, epilog=EXAMPLE,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pcp", type=int, default=2, help="PCP size P (default 2)")
-    p.add_argument("--dcp", type=int, default=2, help="DCP size W (default 2)")
-    p.add_argument("--interleave", type=int, default=1, help="interleave size I (default 1)")
+    p.add_argument("--pcp", type=bounded_int(1, 1024), default=2, help="PCP size P (default 2)")
+    p.add_argument("--dcp", type=bounded_int(1, 1024), default=2, help="DCP size W (default 2)")
+    p.add_argument("--interleave", type=bounded_int(1, INT32_MAX), default=1, help="interleave size I (default 1)")
     p.add_argument("--kv-cache-dtype", choices=("fp8_ds_mla", "bf16"), default="fp8_ds_mla")
-    p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--steps", type=bounded_int(0, 10**6), default=24)
+    p.add_argument("--seed", type=bounded_int(0, 2**63 - 1), default=0)
+    p.add_argument("--layers", type=bounded_int(0, 1024), default=2)
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     p.add_argument("--verify", choices=("every", "sampled", "off"), default="every")
-    p.add_argument("--verify-every", type=int, default=4, metavar="N",
+    p.add_argument("--verify-every", type=bounded_int(0, 10**6), default=4, metavar="N",
                    help="with --verify sampled: check every N-th step (default 4)")
     p.add_argument("--timeout", type=float, default=30.0, metavar="S",
                    help="seconds before a rank missing from the digest check is declared lost")
@@ -48,6 +51,28 @@ def register(sub) -> None:
                         "config, step-id; default q+1)")
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON summary")
     p.set_defaults(run=run)
+
+
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 86_400.0
+INT32_MAX = 2**31 - 1
+
+
+def check_record_dir(path: str) -> None:
+    """--record DIR must be a writable folder (created if missing), checked before any rank
+    starts: found out at the first recorded step it would cost the whole control timeout."""
+    import tempfile
+
+    from cpplan.schemas.errors import OutputError
+
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise OutputError(f"--record {path}: not a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise OutputError(f"--record {path}: cannot write there: {exc.strerror or exc}") \
+            from None
 
 
 def _options(args):
@@ -75,6 +100,11 @@ def _options(args):
                           f"{args.steps}: got {inject.step}")
     if not args.timeout > 0:
         raise ConfigError(f"--timeout must be > 0 seconds: got {args.timeout}")
+    if not MIN_TIMEOUT_S <= args.timeout <= MAX_TIMEOUT_S:  # also NaN and inf
+        raise ConfigError(f"--timeout must be in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}] seconds "
+                          f"(a shorter one declares live ranks lost): got {args.timeout}")
+    if args.record is not None:
+        check_record_dir(args.record)
     return SimOptions(pcp=args.pcp, dcp=args.dcp, interleave=args.interleave,
                       kv_cache_dtype=args.kv_cache_dtype, steps=args.steps, seed=args.seed,
                       layers=args.layers, backend=args.backend, verify=args.verify,
@@ -89,6 +119,9 @@ def run(args) -> int:
     opts = _options(args)
     config = preset_config(opts)  # ConfigError (exit 2) for an unsupported topology
     world = config.world_size
+    if opts.inject and world == 1:
+        raise ConfigError("--inject-divergence needs a world of >= 2 ranks (one rank has no one "
+                          "to diverge from): got --pcp 1 --dcp 1")
     if opts.inject and not 0 <= opts.inject.rank < world:
         raise ConfigError(f"--inject-divergence rank must be in [0, {world}): got "
                           f"{opts.inject.rank}")
