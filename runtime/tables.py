@@ -1,15 +1,29 @@
-"""A rank's per-step tables: built on the host from the plan, typed on the device.
+"""A rank's per-step tables: parameters built on the host, token tables expanded on the device.
 
-Two halves, both here: :func:`build_tables` derives the rank's int64 tables (numpy) from the plan
-(global facts), the rank's coordinates and its local block tables (the engine's); the executor
-packs them into one arena (one H2D copy) and :func:`StepTables.from_arena` names the device views
-and expands each gather chunk's O(regions) parameters into its ``[PT]`` source slots, on the
-device. ``StepMeta`` holds the host integers a step slices with (never read back from the device).
+Two halves, both here. :func:`build_tables` (numpy, O(rows + requests), never O(tokens)) cuts the
+rank's tables into *segments*, runs of consecutive entries that are affine in their index, and
+returns each segment's end and parameters plus the host integers of the step (``StepMeta``);
+the executor packs them into one arena (one H2D copy) and :meth:`StepTables.expand` expands them
+on the device with a fixed number of vectorised torch ops (arange, one searchsorted, one gather,
+then arithmetic; see docs/design.md §5.3), whatever the number of requests, rows or chunks.
+
+The expanded index space ``u`` has four sections, each a concatenation of segments:
+
+- tokens ``[0, T)``: this rank's tokens (token_req, token_pos, key_len, region_pcu);
+- insert ``[T, T + UI)``: the tokens whose KV this rank may write, in ``insert_dec`` /
+  ``insert_pre`` order (own tokens, or after ``kv_insert`` own decodes then every PCP rank's
+  prefill tokens);
+- gather: every gather chunk's ``[PT]`` padded-local rows, chunk after chunk;
+- restore ``[sum q]``: the restore index.
+
+Per segment (columns of ``seg_params``): ``A``, ``K``, ``B`` with values ``x = A + B * u`` (a
+token's position, a gather row's local index, a restore row) and ``k = K + B * u`` (a token's key
+count; a gather row's local index again), ``REQ`` and ``PCU`` (token section),
+``BTROW`` (request * block-table width) and ``LIM`` (insert: 1 where the row's KV is written;
+gather: rows of the region this rank holds). Gaps between rows (padding) are segments of zeros.
 
 Sentinels: padded tokens have request 0, position 0 and key length 0 (no key); KV rows that are
-not written point at ``dummy_slot``. Gather chunks travel as per-region parameters (padded-local
-prefix sums, rows this rank holds, request index): O(requests), never O(KV tokens); the
-executor expands them to slots on the device.
+not written point at ``dummy_slot``.
 """
 
 from __future__ import annotations
@@ -19,9 +33,13 @@ import dataclasses
 import numpy as np
 import torch
 
-from cpplan.schemas.errors import CapacityError, StepInputError
-from cpplan.schemas.plan import StepPlan
-from cpplan.schemas.sharding import local_index, owner, shard_count
+from cpplan.schemas.errors import CapacityError, PlanFormatError, StepInputError
+from cpplan.schemas.plan import MODE_SPLIT, StepPlan
+from cpplan.schemas.sharding import shard_count
+
+A, K, B, REQ, PCU, BTROW, LIM = range(7)  # rows of seg_params
+NUM_PARAMS = 7
+_IOTA: dict = {}  # device -> arange shared by every bind on it (read only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +60,40 @@ class StepMeta:
 
 
 @dataclasses.dataclass(frozen=True)
-class RankTables:
-    """Host side: name -> int64 ndarray (what the arena receives, in this order) and the meta."""
+class Layout:
+    """Host integers of the device expansion: section sizes and the sharding constants."""
 
-    arrays: dict
+    num_requests: int
+    insert_len: int  # UI: nd + P * (T - nd) after kv_insert, else T
+    dcp_size: int
+    dcp_rank: int
+    interleave_size: int
+    block_size: int
+    dummy_slot: int
+
+    def total(self, meta: StepMeta) -> int:
+        return meta.padded + self.insert_len + sum(meta.chunk_rows) + meta.num_global_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class RankTables:
+    """Host side: ``params`` name -> int64 ndarray (what the arena receives, in this order),
+    the step's host integers and the expansion's layout."""
+
+    params: dict
     meta: StepMeta
+    layout: Layout
+
+    @property
+    def arrays(self) -> dict:
+        """The expanded tables as numpy arrays, through :meth:`StepTables.expand` on the CPU
+        (for tests and debugging; bind expands on its own device)."""
+        views = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in self.params.items()}
+        t = StepTables.expand(views, self.meta, self.layout)
+        out = {f.name: getattr(t, f.name).numpy() for f in dataclasses.fields(t)
+               if f.name != "gather"}
+        out.update({f"gather_src[{c}]": g.src.numpy() for c, g in enumerate(t.gather)})
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +107,9 @@ class GatherChunkTables:
 
 @dataclasses.dataclass(frozen=True)
 class StepTables:
-    """One bound step's device tables on one rank: int64 views into the step's arena, alive
-    until the arena is reused (``arena_depth`` binds later). T = the plan's padded tokens."""
+    """One bound step's device tables on one rank, int64, expanded from the step's arena
+    (``block_tables`` is a view into it, alive until the arena is reused ``arena_depth`` binds
+    later). T = the plan's padded tokens."""
 
     token_req: torch.Tensor  # [T] request index per token (0 for padding)
     token_pos: torch.Tensor  # [T] position in the request (0 for padding)
@@ -75,34 +123,80 @@ class StepTables:
     gather: tuple[GatherChunkTables, ...]  # per gather chunk (empty when W == 1)
 
     @classmethod
-    def from_arena(cls, views: dict, meta: StepMeta, num_requests: int,
-                   block_size: int, dummy_slot: int) -> "StepTables":
-        """Name the arena views and expand every gather chunk's sources on the device."""
-        bt = views["block_tables"].view(num_requests, -1)
-        gather = tuple(
-            GatherChunkTables(src=gather_sources(views, c, rows, bt, block_size, dummy_slot),
-                              num_rows=rows, token_range=meta.chunk_ranges[c])
-            for c, rows in enumerate(meta.chunk_rows))
-        return cls(token_req=views["token_req"], token_pos=views["token_pos"],
-                   key_len=views["key_len"], local_len=views["local_len"],
-                   region_pcu=views["region_pcu"], insert_dec=views["insert_dec"],
-                   insert_pre=views["insert_pre"], block_tables=bt,
-                   restore_index=views["restore_index"], gather=gather)
+    def expand(cls, views: dict, meta: StepMeta, lay: Layout) -> "StepTables":
+        """Expand the arena's segments into the step's tables on the arena's device: a fixed
+        number of ops on shapes the plan fixes (no host sync, nothing per request or chunk)."""
+        ends, seg = views["seg_ends"], views["seg_params"].view(NUM_PARAMS, -1)
+        bt = views["block_tables"].view(lay.num_requests, -1)
+        u = _iota(lay.total(meta), ends.device)
+        g = seg.index_select(1, torch.searchsorted(ends, u, right=True))
+        g[A: K + 1].addcmul_(g[B], u)  # x and k in one op
+        t_pad, ui, nd = meta.padded, lay.insert_len, meta.num_decode_tokens
+        key_len = g[K, :t_pad]
+        local_len = key_len if lay.dcp_size == 1 else _shard_count(key_len, lay)
+        z_end = t_pad + ui + sum(meta.chunk_rows)
+        slots = _slots(g, t_pad, ui, z_end, bt, lay)
+        gather, off = [], ui
+        for rows, token_range in zip(meta.chunk_rows, meta.chunk_ranges):
+            gather.append(GatherChunkTables(src=slots[off: off + rows], num_rows=rows,
+                                            token_range=token_range))
+            off += rows
+        return cls(token_req=g[REQ, :t_pad], token_pos=g[A, :t_pad], key_len=key_len,
+                   local_len=local_len, region_pcu=g[PCU, :t_pad], insert_dec=slots[:nd],
+                   insert_pre=slots[nd:ui], block_tables=bt, restore_index=g[A, z_end:],
+                   gather=tuple(gather))
 
 
-def gather_sources(views: dict, c: int, num_rows: int, bt: torch.Tensor, block_size: int,
-                   dummy_slot: int) -> torch.Tensor:
-    """``[PT]`` int64 slots of this rank's shard of each region of gather chunk ``c``, in
-    padded-local order (rows past a region's shard -> ``dummy_slot``), from the chunk's
-    O(regions) parameters in the arena. Device ops on shapes the plan fixes: no host sync."""
-    pcu, held = views[f"gather_pcu[{c}]"], views[f"gather_held[{c}]"]
-    req = views[f"gather_req[{c}]"]
-    row = torch.arange(num_rows, device=pcu.device)
-    region = torch.searchsorted(pcu[1:], row, right=True)
-    local = row - pcu[region]
-    col = torch.clamp(local // block_size, max=bt.shape[1] - 1)
-    slot = bt[req[region], col] * block_size + local % block_size
-    return torch.where(local < held[region], slot, torch.full_like(slot, dummy_slot))
+def _iota(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` on ``device``, from one cached buffer (grown when a step needs more)."""
+    have = _IOTA.get(device)
+    if have is None or have.numel() < n:
+        have = _IOTA[device] = torch.arange(max(n, 2 * have.numel() if have is not None else 0,
+                                                1 << 16), device=device)
+    return have[:n]
+
+
+def _shard_count(length: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """torch version of ``sharding.shard_count`` for this rank (W > 1)."""
+    w_size, inter, rank = lay.dcp_size, lay.interleave_size, lay.dcp_rank
+    if inter == 1:  # ceil((L - rank) / W), 0 when L <= rank: the same count in two ops
+        return torch.add(length, w_size - 1 - rank).div_(w_size, rounding_mode="floor")
+    period = w_size * inter
+    full = torch.div(length, period, rounding_mode="floor")
+    part = torch.remainder(length, period).sub_(rank * inter).clamp_(0, inter)
+    return part.add_(full, alpha=inter)
+
+
+def _slots(g: torch.Tensor, lo: int, ui: int, hi: int, bt: torch.Tensor,
+           lay: Layout) -> torch.Tensor:
+    """Cache slots of u in ``[lo, hi)`` (the insert section, then the gather rows), dummy where
+    this rank writes / holds nothing. Rewrites the insert section's ``A`` (position -> local
+    index) and ``K`` rows of ``g`` in place; those rows are not part of any table."""
+    w_size, inter, bs = lay.dcp_size, lay.interleave_size, lay.block_size
+    loc = g[A, lo:hi]
+    if w_size == 1:
+        keep = g[LIM, lo:hi]  # 1 where written (no gather rows when W == 1)
+    else:
+        pos, other = g[A, lo: lo + ui], g[K, lo: lo + ui]
+        if inter == 1:
+            torch.bitwise_xor(torch.remainder(pos, w_size), lay.dcp_rank, out=other)
+            pos.div_(w_size, rounding_mode="floor")  # local index
+        else:
+            blk = torch.div(pos, inter, rounding_mode="floor")
+            torch.bitwise_xor(torch.remainder(blk, w_size), lay.dcp_rank, out=other)
+            within = torch.remainder(pos, inter)
+            torch.add(within, blk.div_(w_size, rounding_mode="floor"), alpha=inter, out=pos)
+        # insert: owner xor rank (0 iff owned) < written flag; gather: local index < held
+        keep = torch.lt(g[K, lo:hi], g[LIM, lo:hi])
+    flat = bt.reshape(-1) if bt.numel() else bt.new_zeros(1)
+    col = torch.div(loc, bs, rounding_mode="floor")
+    if w_size > 1:  # a row this rank does not hold may lie past its table's width
+        col.clamp_(max=max(bt.shape[1] - 1, 0))
+    col.add_(g[BTROW, lo:hi])
+    slot = torch.remainder(loc, bs).add_(flat.take(col), alpha=bs)
+    if lay.dummy_slot == 0:
+        return slot.mul_(keep)
+    return torch.where(keep.bool(), slot, lay.dummy_slot)
 
 
 def check_block_tables(plan: StepPlan, dcp_rank: int, block_tables, num_blocks: int | None
@@ -141,112 +235,189 @@ def check_block_tables(plan: StepPlan, dcp_rank: int, block_tables, num_blocks: 
     return bt
 
 
-def _rank_tokens(plan: StepPlan, p: int):
-    """(token index, request, position, kv_write) of PCP rank p's real tokens."""
-    lens = plan.row_num_tokens.np()[p].astype(np.int64)
-    row = np.repeat(np.arange(len(lens)), lens)
-    within = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
-    tok = plan.row_token_start.np()[p].astype(np.int64)[row] + within
-    req = plan.row_request.np().astype(np.int64)[row]
-    pos = plan.row_position_start()[p][row] + within
-    return tok, req, pos, plan.row_kv_write.np()[p][row].astype(bool)
-
-
-def _slots(block_tables: np.ndarray, req, local, block_size: int) -> np.ndarray:
-    col = local // block_size
-    if col.size and int(col.max()) >= block_tables.shape[1]:
-        raise CapacityError(f"block table too narrow: needs {int(col.max()) + 1} blocks per "
-                            f"request, the tables given have {block_tables.shape[1]}")
-    return block_tables[req, col].astype(np.int64) * block_size + local % block_size
-
-
-def _insert_slots(plan, w, block_tables, dummy, tok, req, pos, write, lo, hi):
-    """Slots for tokens with lo <= tok < hi, at rows tok - lo (others: dummy)."""
-    cfg = plan.config
-    out = np.full(hi - lo, dummy, dtype=np.int64)
-    sel = (tok >= lo) & (tok < hi) & write & (owner(pos, cfg.dcp_size, cfg.interleave_size) == w)
-    loc = local_index(pos[sel], cfg.dcp_size, cfg.interleave_size)
-    out[tok[sel] - lo] = _slots(block_tables, req[sel], loc, cfg.block_size)
-    return out
-
-
 def build_tables(plan: StepPlan, pcp_rank: int, dcp_rank: int, block_tables: np.ndarray,
                  dummy_slot: int) -> RankTables:
-    """The rank's tables for ``plan``; ``block_tables`` is ``[N, max_blocks]`` int64 (row i: this
-    rank's local blocks of request i, in the plan's request order), already validated
-    (:func:`check_block_tables`)."""
+    """The rank's segments for ``plan``; ``block_tables`` is ``[N, max_blocks]`` int64 (row i:
+    this rank's local blocks of request i, in the plan's request order), already validated
+    (:func:`check_block_tables`). O(P * rows + requests) numpy work."""
     cfg = plan.config
-    t_pad, nd = plan.padded_num_tokens, plan.num_decode_tokens
+    t_pad, nd, p_size = plan.padded_num_tokens, plan.num_decode_tokens, cfg.pcp_size
     names = {c.name for c in plan.collectives}
-    bt = block_tables
-    tok, req, pos, write = _rank_tokens(plan, pcp_rank)
-    a = {}
-    a["token_req"] = np.zeros(t_pad, np.int64)
-    a["token_req"][tok] = req
-    a["token_pos"] = np.zeros(t_pad, np.int64)
-    a["token_pos"][tok] = pos
-    key_len = np.zeros(t_pad, np.int64)
-    key_len[tok] = pos + 1
-    a["key_len"] = key_len
-    local_len = np.zeros(t_pad, np.int64)
-    local_len[tok] = shard_count(pos + 1, cfg.dcp_size, cfg.interleave_size, dcp_rank)
-    a["local_len"] = local_len
     kv_insert = "kv_insert" in names
-    a["insert_dec"], a["insert_pre"] = _insert_tables(plan, dcp_rank, bt, dummy_slot, kv_insert,
-                                                      (tok, req, pos, write))
-    chunk_ranges, chunk_rows = _chunk_tables(plan, dcp_rank, tok, req, key_len, a)
-    a["block_tables"] = bt.reshape(-1)
-    a["restore_index"] = plan.restore_index()
-    n_real = int(tok.size)
-    dec_width = int(local_len[:nd].max()) if nd else 0
-    local_width = int(key_len[:n_real].max()) if n_real else 0
-    meta = StepMeta(num_tokens=n_real, padded=t_pad, num_decode_tokens=nd,
-                    decode_width=max(dec_width, 1), local_range=(0, n_real, max(local_width, 1)),
-                    chunk_ranges=chunk_ranges, chunk_rows=chunk_rows, kv_insert=kv_insert,
-                    decode_merge="decode_out" in names, restore="restore" in names,
-                    num_global_tokens=int(a["restore_index"].size))
-    return RankTables(arrays=a, meta=meta)
-
-
-def _insert_tables(plan, dcp_rank, bt, dummy_slot, kv_insert, mine):
-    """(insert_dec [nd], insert_pre): cache slots for the local decode tokens, then for the
-    prefill tokens: every PCP rank's (``[P * (T - nd)]``, after ``kv_insert``) or this rank's
-    own (``[T - nd]``). Tokens this rank does not write point at ``dummy_slot``."""
-    t_pad, nd = plan.padded_num_tokens, plan.num_decode_tokens
-    dec = _insert_slots(plan, dcp_rank, bt, dummy_slot, *mine, 0, nd)
+    rows = _rows(plan)
+    width = block_tables.shape[1]
+    chunks = _chunks(plan, dcp_rank)
+    # token windows (rank, first token, end, first u, region_pcu applies): this rank's tokens
+    # (decodes, then prefills), then the insert section
+    wins = [(pcp_rank, 0, nd, 0, 0), (pcp_rank, nd, t_pad, nd, 1)]
     if kv_insert:
-        parts = [_insert_slots(plan, dcp_rank, bt, dummy_slot, *_rank_tokens(plan, q), nd, t_pad)
-                 for q in range(plan.config.pcp_size)]
-        return dec, np.concatenate(parts)
-    return dec, _insert_slots(plan, dcp_rank, bt, dummy_slot, *mine, nd, t_pad)
+        wins.append((pcp_rank, 0, nd, t_pad, 0))
+        wins += [(q, nd, t_pad, t_pad + nd + q * (t_pad - nd), 0) for q in range(p_size)]
+        insert_len = nd + p_size * (t_pad - nd)
+    else:
+        wins.append((pcp_rank, 0, t_pad, t_pad, 0))
+        insert_len = t_pad
+    tok_ends, tok_par, s, e = _token_segments(rows, np.array(wins, np.int64), chunks, width)
+    g_ends, g_par = _gather_segments(chunks, t_pad + insert_len, width)
+    r_ends, r_par = _restore_segments(plan, rows, t_pad + insert_len + chunks.total)
+    ends = np.concatenate([tok_ends, g_ends, r_ends])
+    if ends.size and (np.diff(ends) < 0).any():
+        raise PlanFormatError(f"step {plan.step_id}: rows of a rank are not in token order "
+                              f"(row_token_start must be an exclusive prefix sum of lengths)")
+    meta = _meta(plan, pcp_rank, dcp_rank, rows, s, e, chunks, kv_insert, names)
+    layout = Layout(num_requests=plan.num_requests, insert_len=insert_len,
+                    dcp_size=cfg.dcp_size, dcp_rank=dcp_rank,
+                    interleave_size=cfg.interleave_size, block_size=cfg.block_size,
+                    dummy_slot=dummy_slot)
+    params = {"seg_ends": ends,
+              "seg_params": np.concatenate([tok_par, g_par, r_par], axis=1),
+              "block_tables": block_tables.reshape(-1)}
+    return RankTables(params=params, meta=meta, layout=layout)
 
 
-def _chunk_tables(plan, dcp_rank, tok, req, key_len, a) -> tuple[tuple, tuple]:
-    """Per gather chunk (W > 1): its O(regions) parameters into ``a`` (the executor expands them
-    to [PT] slots on the device) and ``region_pcu`` per token; returns (chunk_ranges,
-    chunk_rows): each chunk's (first token, end, key width) on this rank, and its PT."""
-    nd, n = plan.num_decode_tokens, plan.num_requests
-    region_pcu = np.zeros(plan.padded_num_tokens, np.int64)
-    chunk_ranges, chunk_rows = [], []
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """Per PCP rank and row, int64 ``[P, R]``: token start and end; ``a`` with position =
+    a + token; the written flag. ``req`` ``[R]``."""
+
+    start: np.ndarray
+    end: np.ndarray
+    a: np.ndarray
+    write: np.ndarray
+    req: np.ndarray
+
+
+def _rows(plan: StepPlan) -> _Rows:
+    start = plan.row_token_start.np().astype(np.int64)
+    req = plan.row_request.np().astype(np.int64)
+    first = plan.num_computed_tokens.np().astype(np.int64)[req] + plan.row_query_offset.np()
+    return _Rows(start=start, end=start + plan.row_num_tokens.np(), a=first - start,
+                 write=plan.row_kv_write.np().astype(np.int64), req=req)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunks:
+    """The gather chunks' regions, concatenated (W > 1; empty otherwise): request, first and
+    end row in the gather section, rows held here; per request its chunk (-1: none) and pcu."""
+
+    req: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    held: np.ndarray
+    chunk_of: np.ndarray  # [N]
+    pcu_of: np.ndarray  # [N]
+    rows: tuple[int, ...]  # PT per chunk
+    total: int
+
+
+def _chunks(plan: StepPlan, dcp_rank: int) -> _Chunks:
+    n = plan.num_requests
+    chunk_of, pcu_of = np.full(n, -1, np.int64), np.zeros(n, np.int64)
     chunks = plan.gather_chunks if plan.config.dcp_size > 1 else ()
+    reqs, starts, ends, off = [], [], [], 0
     for c, ch in enumerate(chunks):
-        creq = ch.requests.np().astype(np.int64)
-        pcu = ch.padded_local_cu.np()
-        a[f"gather_pcu[{c}]"] = pcu
-        a[f"gather_held[{c}]"] = plan.dcp_local_lens.np()[creq, dcp_rank].astype(np.int64)
-        a[f"gather_req[{c}]"] = creq
-        region_of = np.full(n, -1, np.int64)
-        region_of[creq] = np.arange(len(creq))
-        in_chunk = (region_of[req] >= 0) & (tok >= nd)
-        ctok = tok[in_chunk]
-        region_pcu[ctok] = pcu[region_of[req[in_chunk]]]
-        if ctok.size:
-            lo, hi = int(ctok.min()), int(ctok.max()) + 1
-            assert hi - lo == ctok.size, "a gather chunk's tokens are contiguous on a rank"
-            width = int(key_len[lo:hi].max())
-        else:
-            lo = hi = width = 0
-        chunk_ranges.append((lo, hi, width))
-        chunk_rows.append(ch.padded_local_total)
-    a["region_pcu"] = region_pcu
-    return tuple(chunk_ranges), tuple(chunk_rows)
+        creq, pcu = ch.requests.np(), ch.padded_local_cu.np()
+        chunk_of[creq], pcu_of[creq] = c, pcu[:-1]
+        reqs.append(creq)
+        starts.append(pcu[:-1] + off)
+        ends.append(pcu[1:] + off)
+        off += ch.padded_local_total
+    if not chunks:
+        empty = np.zeros(0, np.int64)
+        return _Chunks(empty, empty, empty, empty, chunk_of, pcu_of, (), 0)
+    req = np.concatenate(reqs).astype(np.int64)
+    held = plan.dcp_local_lens.np()[req, dcp_rank].astype(np.int64)
+    return _Chunks(req, np.concatenate(starts), np.concatenate(ends), held, chunk_of, pcu_of,
+                   tuple(ch.padded_local_total for ch in chunks), off)
+
+
+def _token_segments(rows: _Rows, wins: np.ndarray, chunks: _Chunks, width: int):
+    """Segments of token windows ``wins`` ``[nw, 5]`` (rank q, tokens [lo, hi) at u = base..,
+    region_pcu on/off): per window a gap before each row, the row clipped to the window, and
+    the gap after the last row. Returns (ends, params [6, S], clipped starts and ends
+    ``[nw, R]``)."""
+    q, lo, hi, base, pcu_on = wins.T
+    s = np.clip(rows.start[q], lo[:, None], hi[:, None])
+    e = np.clip(rows.end[q], lo[:, None], hi[:, None])
+    shift = (base - lo)[:, None]  # u = token + shift
+    nw, nr = s.shape
+    ends = np.empty((nw, 2 * nr + 1), np.int64)
+    ends[:, 0:2 * nr:2] = s
+    ends[:, 1:2 * nr:2] = e
+    ends[:, -1] = hi
+    ends += shift
+    par = np.zeros((NUM_PARAMS, nw, 2 * nr + 1), np.int64)
+    real = par[:, :, 1:2 * nr:2]
+    real[A] = rows.a[q] - shift
+    real[K] = real[A] + 1
+    real[B] = 1
+    real[REQ] = rows.req
+    real[PCU] = chunks.pcu_of[rows.req] * pcu_on[:, None]
+    real[BTROW] = rows.req * width
+    real[LIM] = rows.write[q]
+    return ends.reshape(-1), par.reshape(NUM_PARAMS, -1), s, e
+
+
+def _gather_segments(chunks: _Chunks, base: int, width: int):
+    """One segment per region: u = base + row; x = the region's local row."""
+    par = np.zeros((NUM_PARAMS, chunks.req.size), np.int64)
+    par[A] = par[K] = -(chunks.start + base)
+    par[B] = 1
+    par[BTROW] = chunks.req * width
+    par[LIM] = chunks.held
+    return chunks.end + base, par
+
+
+def _restore_segments(plan: StepPlan, rows: _Rows, base: int):
+    """One segment per (rank, row) a query token is restored from (split rows from every rank,
+    the others from PCP rank 0), in global token order: x = row of the ``[P * T]`` buffer."""
+    lens = plan.row_num_tokens.np()
+    take = lens > 0
+    take[1:, plan.mode.np()[rows.req] != MODE_SPLIT] = False
+    rank, row = np.nonzero(take)
+    q = plan.num_scheduled_tokens.np().astype(np.int64)
+    qcu = np.cumsum(q) - q
+    dst = qcu[rows.req[row]] + plan.row_query_offset.np()[rank, row]
+    order = np.argsort(dst, kind="stable")
+    rank, row, dst = rank[order], row[order], dst[order]
+    par = np.zeros((NUM_PARAMS, dst.size), np.int64)
+    par[A] = rank * plan.padded_num_tokens + rows.start[rank, row] - dst - base
+    par[B] = 1
+    return dst + lens[rank, row] + base, par
+
+
+def _meta(plan, pcp_rank, dcp_rank, rows, s, e, chunks, kv_insert, names) -> StepMeta:
+    """Host integers from the rows of the token section (windows 0 and 1 of ``s`` / ``e``):
+    widths are the largest key counts of a row's last token."""
+    cfg = plan.config
+    nd = plan.num_decode_tokens
+    keys = np.where(e[:2] > s[:2], rows.a[pcp_rank] + e[:2], 0)  # [2, R]
+    dec_keys = int(keys[0].max()) if keys.size else 0
+    dec_width = int(shard_count(dec_keys, cfg.dcp_size, cfg.interleave_size, dcp_rank))
+    n_real = int(plan.row_num_tokens.np()[pcp_rank].sum())
+    chunk_ranges = _chunk_ranges(plan, rows, s[1], e[1], keys[1], chunks)
+    return StepMeta(num_tokens=n_real, padded=plan.padded_num_tokens, num_decode_tokens=nd,
+                    decode_width=max(dec_width, 1),
+                    local_range=(0, n_real, max(int(keys.max()) if keys.size else 0, 1)),
+                    chunk_ranges=chunk_ranges, chunk_rows=chunks.rows, kv_insert=kv_insert,
+                    decode_merge="decode_out" in names, restore="restore" in names,
+                    num_global_tokens=int(plan.num_scheduled_tokens.np().sum()))
+
+
+def _chunk_ranges(plan, rows, s, e, keys, chunks) -> tuple:
+    """(first token, end, key width) of each gather chunk's prefill tokens on this rank."""
+    nch = len(chunks.rows)
+    if not nch:
+        return ()
+    ch = chunks.chunk_of[rows.req]
+    sel = (e > s) & (ch >= 0)
+    ch, s, e, keys = ch[sel], s[sel], e[sel], keys[sel]
+    lo = np.full(nch, plan.padded_num_tokens, np.int64)
+    hi, wd, count = (np.zeros(nch, np.int64) for _ in range(3))
+    np.minimum.at(lo, ch, s)
+    np.maximum.at(hi, ch, e)
+    np.maximum.at(wd, ch, keys)
+    np.add.at(count, ch, e - s)
+    lo[count == 0] = 0
+    assert np.array_equal(hi - lo, count), "a gather chunk's tokens are contiguous on a rank"
+    return tuple(zip(lo.tolist(), hi.tolist(), wd.tolist()))
