@@ -23,6 +23,7 @@ from cpplan.runtime import collectives as coll
 from cpplan.runtime.arena import ArenaRing, arena_words
 from cpplan.runtime.kernels import get_kernels
 from cpplan.runtime.tables import StepMeta, StepTables, build_tables, check_block_tables
+from cpplan.runtime.tables import warmup as warmup_tables
 from cpplan.schemas.codec import config_fingerprint
 from cpplan.schemas.config import ParallelConfig
 from cpplan.schemas.errors import CapacityError, ConfigError, CpplanError
@@ -83,6 +84,7 @@ class StepExecutor:
         words = arena_words(max_tokens, max_requests, max_blocks_per_request, config.pcp_size,
                             config.dcp_size)
         self.arena = ArenaRing(words, self.device, arena_depth)
+        warmup_tables()  # bind's host kernels, compiled (or loaded) now rather than at step 1
         self.sm_scale = 1.0 / math.sqrt(config.qk_head_dim)
         self._fingerprint = config_fingerprint(config)
 

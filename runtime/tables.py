@@ -1,26 +1,19 @@
-"""A rank's per-step tables: parameters built on the host, token tables expanded on the device.
+"""A rank's per-step tables: segments built on the host, token tables expanded on the device.
 
-Two halves, both here. :func:`build_tables` (numpy, O(rows + requests), never O(tokens)) cuts the
-rank's tables into *segments*, runs of consecutive entries that are affine in their index, and
-returns each segment's end and parameters plus the host integers of the step (``StepMeta``);
-the executor packs them into one arena (one H2D copy) and :meth:`StepTables.expand` expands them
-on the device with a fixed number of vectorised torch ops (arange, one searchsorted, one gather,
-then arithmetic; see docs/design.md §5.3), whatever the number of requests, rows or chunks.
+:func:`build_tables` (one jitted pass, O(P * rows + requests), never O(tokens)) cuts the rank's
+tables into *segments*, runs of entries affine in their index ``u``, and returns each segment's
+end and parameters with the step's host integers (``StepMeta``, widths from per-row maxima). The
+executor packs them into one arena (one H2D copy); :meth:`StepTables.expand` expands them on the
+device in a fixed number of torch ops (cached arange, one searchsorted, one gather, arithmetic),
+whatever the number of requests, rows or chunks (docs/design.md §5.3). Sections of ``u``:
+tokens ``[0, T)`` (this rank's: token_req, token_pos, key_len, region_pcu); insert ``[T, T + UI)``
+(``insert_dec`` then ``insert_pre``: own tokens, or after ``kv_insert`` own decodes then every
+PCP rank's prefill tokens); every gather chunk's ``[PT]`` rows, chunk after chunk; restore.
 
-The expanded index space ``u`` has four sections, each a concatenation of segments:
-
-- tokens ``[0, T)``: this rank's tokens (token_req, token_pos, key_len, region_pcu);
-- insert ``[T, T + UI)``: the tokens whose KV this rank may write, in ``insert_dec`` /
-  ``insert_pre`` order (own tokens, or after ``kv_insert`` own decodes then every PCP rank's
-  prefill tokens);
-- gather: every gather chunk's ``[PT]`` padded-local rows, chunk after chunk;
-- restore ``[sum q]``: the restore index.
-
-Per segment (columns of ``seg_params``): ``A``, ``K``, ``B`` with values ``x = A + B * u`` (a
-token's position, a gather row's local index, a restore row) and ``k = K + B * u`` (a token's key
-count; a gather row's local index again), ``REQ`` and ``PCU`` (token section),
-``BTROW`` (request * block-table width) and ``LIM`` (insert: 1 where the row's KV is written;
-gather: rows of the region this rank holds). Gaps between rows (padding) are segments of zeros.
+Per segment (rows of ``seg_params``): ``x = A + B * u`` (a token's position, a gather row's
+local index, a restore row), ``k = K + B * u`` (a token's key count; a gather row's local index),
+``REQ`` and ``PCU`` (tokens), ``BTROW`` (request * block-table width) and ``LIM`` (insert: 1 where
+the row's KV is written; gather: rows of the region this rank holds). Gaps (padding) are zeros.
 
 Sentinels: padded tokens have request 0, position 0 and key length 0 (no key); KV rows that are
 not written point at ``dummy_slot``.
@@ -32,6 +25,7 @@ import dataclasses
 
 import numpy as np
 import torch
+from numba import njit
 
 from cpplan.schemas.errors import CapacityError, PlanFormatError, StepInputError
 from cpplan.schemas.plan import MODE_SPLIT, StepPlan
@@ -223,32 +217,37 @@ def check_block_tables(plan: StepPlan, dcp_rank: int, block_tables, num_blocks: 
         i = int(np.argmax(need))
         raise CapacityError(f"step {plan.step_id}: block table too narrow: request {i} needs "
                             f"{int(need[i])} blocks on this rank, the tables have {bt.shape[1]}")
-    width = int(need.max()) if need.size else 0
-    head = bt[:, :width]  # only the blocks the step touches; the rest is the engine's padding
-    used = np.arange(width)[None, :] < need[:, None]
-    bad = used & ((head < 1) | ((head >= num_blocks) if num_blocks is not None else False))
-    if bad.any():
-        i, j = (int(x) for x in np.argwhere(bad)[0])
+    # only the blocks the step touches; the rest is the engine's padding
+    i, j = _first_bad_block(bt, need, -1 if num_blocks is None else num_blocks)
+    if i >= 0:
         limit = f"1..{num_blocks - 1}" if num_blocks is not None else ">= 1 (0 is reserved)"
         raise StepInputError(f"step {plan.step_id}: block_tables[{i}][{j}] = {int(bt[i, j])}: "
                              f"expected a block in {limit}")
     return bt
 
 
+@njit(cache=True)
+def _first_bad_block(bt, need, num_blocks):
+    """(i, j) of the first (row-major) block ``bt[i, j]``, ``j < need[i]``, that is < 1 or,
+    where ``num_blocks`` >= 0, >= num_blocks; (-1, -1) if none."""
+    for i in range(bt.shape[0]):
+        for j in range(need[i]):
+            if bt[i, j] < 1 or (num_blocks >= 0 and bt[i, j] >= num_blocks):
+                return i, j
+    return -1, -1
+
+
 def build_tables(plan: StepPlan, pcp_rank: int, dcp_rank: int, block_tables: np.ndarray,
                  dummy_slot: int) -> RankTables:
     """The rank's segments for ``plan``; ``block_tables`` is ``[N, max_blocks]`` int64 (row i:
     this rank's local blocks of request i, in the plan's request order), already validated
-    (:func:`check_block_tables`). O(P * rows + requests) numpy work."""
+    (:func:`check_block_tables`). O(P * rows + requests), in one jitted call."""
     cfg = plan.config
     t_pad, nd, p_size = plan.padded_num_tokens, plan.num_decode_tokens, cfg.pcp_size
     names = {c.name for c in plan.collectives}
     kv_insert = "kv_insert" in names
-    rows = _rows(plan)
-    width = block_tables.shape[1]
-    chunks = _chunks(plan, dcp_rank)
-    # token windows (rank, first token, end, first u, region_pcu applies): this rank's tokens
-    # (decodes, then prefills), then the insert section
+    # token windows (rank, first token, end, first u, region_pcu on): this rank's decodes and
+    # prefills (the token section), then the insert section
     wins = [(pcp_rank, 0, nd, 0, 0), (pcp_rank, nd, t_pad, nd, 1)]
     if kv_insert:
         wins.append((pcp_rank, 0, nd, t_pad, 0))
@@ -257,167 +256,179 @@ def build_tables(plan: StepPlan, pcp_rank: int, dcp_rank: int, block_tables: np.
     else:
         wins.append((pcp_rank, 0, t_pad, t_pad, 0))
         insert_len = t_pad
-    tok_ends, tok_par, s, e = _token_segments(rows, np.array(wins, np.int64), chunks, width)
-    g_ends, g_par = _gather_segments(chunks, t_pad + insert_len, width)
-    r_ends, r_par = _restore_segments(plan, rows, t_pad + insert_len + chunks.total)
-    ends = np.concatenate([tok_ends, g_ends, r_ends])
-    if ends.size and (np.diff(ends) < 0).any():
-        raise PlanFormatError(f"step {plan.step_id}: rows of a rank are not in token order "
-                              f"(row_token_start must be an exclusive prefix sum of lengths)")
-    meta = _meta(plan, pcp_rank, dcp_rank, rows, s, e, chunks, kv_insert, names)
+    ch = _chunks(plan, dcp_rank)
+    ends, par, ranges, facts = _segment_kernel(
+        plan.row_token_start.np(), plan.row_num_tokens.np(), plan.row_query_offset.np(),
+        plan.row_kv_write.np(), plan.row_request.np(), plan.num_computed_tokens.np(),
+        plan.num_scheduled_tokens.np(), plan.mode.np(), np.array(wins, np.int64), ch.pcu_of,
+        ch.chunk_of, ch.regions, block_tables.shape[1], t_pad, t_pad + insert_len, len(ch.rows))
+    if facts[3] or facts[5]:
+        what = "rows of a rank are not in token order" if facts[3] else "a gather chunk's "\
+            "tokens are not contiguous on a rank"
+        raise PlanFormatError(f"step {plan.step_id}: {what} (expected from row_token_start, "
+                              f"an exclusive prefix sum of row_num_tokens)")
+    dec_width = int(shard_count(int(facts[0]), cfg.dcp_size, cfg.interleave_size, dcp_rank))
+    n_real = int(facts[2])
+    meta = StepMeta(num_tokens=n_real, padded=t_pad, num_decode_tokens=nd,
+                    decode_width=max(dec_width, 1), local_range=(0, n_real, max(int(facts[1]), 1)),
+                    chunk_ranges=tuple(map(tuple, ranges.tolist())), chunk_rows=ch.rows,
+                    kv_insert=kv_insert, decode_merge="decode_out" in names,
+                    restore="restore" in names, num_global_tokens=int(facts[4]))
     layout = Layout(num_requests=plan.num_requests, insert_len=insert_len,
                     dcp_size=cfg.dcp_size, dcp_rank=dcp_rank,
                     interleave_size=cfg.interleave_size, block_size=cfg.block_size,
                     dummy_slot=dummy_slot)
-    params = {"seg_ends": ends,
-              "seg_params": np.concatenate([tok_par, g_par, r_par], axis=1),
-              "block_tables": block_tables.reshape(-1)}
+    params = {"seg_ends": ends, "seg_params": par, "block_tables": block_tables.reshape(-1)}
     return RankTables(params=params, meta=meta, layout=layout)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Rows:
-    """Per PCP rank and row, int64 ``[P, R]``: token start and end; ``a`` with position =
-    a + token; the written flag. ``req`` ``[R]``."""
-
-    start: np.ndarray
-    end: np.ndarray
-    a: np.ndarray
-    write: np.ndarray
-    req: np.ndarray
-
-
-def _rows(plan: StepPlan) -> _Rows:
-    start = plan.row_token_start.np().astype(np.int64)
-    req = plan.row_request.np().astype(np.int64)
-    first = plan.num_computed_tokens.np().astype(np.int64)[req] + plan.row_query_offset.np()
-    return _Rows(start=start, end=start + plan.row_num_tokens.np(), a=first - start,
-                 write=plan.row_kv_write.np().astype(np.int64), req=req)
-
-
-@dataclasses.dataclass(frozen=True)
 class _Chunks:
-    """The gather chunks' regions, concatenated (W > 1; empty otherwise): request, first and
-    end row in the gather section, rows held here; per request its chunk (-1: none) and pcu."""
+    """The gather chunks' regions (W > 1; none otherwise): ``regions`` ``[4, G]`` int64 rows
+    request, first and end row in the gather section, rows this rank holds; per request its
+    chunk (-1: none) and pcu; PT per chunk."""
 
-    req: np.ndarray
-    start: np.ndarray
-    end: np.ndarray
-    held: np.ndarray
+    regions: np.ndarray
     chunk_of: np.ndarray  # [N]
     pcu_of: np.ndarray  # [N]
-    rows: tuple[int, ...]  # PT per chunk
-    total: int
+    rows: tuple[int, ...]
 
 
 def _chunks(plan: StepPlan, dcp_rank: int) -> _Chunks:
-    n = plan.num_requests
-    chunk_of, pcu_of = np.full(n, -1, np.int64), np.zeros(n, np.int64)
     chunks = plan.gather_chunks if plan.config.dcp_size > 1 else ()
-    reqs, starts, ends, off = [], [], [], 0
-    for c, ch in enumerate(chunks):
-        creq, pcu = ch.requests.np(), ch.padded_local_cu.np()
-        chunk_of[creq], pcu_of[creq] = c, pcu[:-1]
-        reqs.append(creq)
-        starts.append(pcu[:-1] + off)
-        ends.append(pcu[1:] + off)
-        off += ch.padded_local_total
-    if not chunks:
-        empty = np.zeros(0, np.int64)
-        return _Chunks(empty, empty, empty, empty, chunk_of, pcu_of, (), 0)
-    req = np.concatenate(reqs).astype(np.int64)
-    held = plan.dcp_local_lens.np()[req, dcp_rank].astype(np.int64)
-    return _Chunks(req, np.concatenate(starts), np.concatenate(ends), held, chunk_of, pcu_of,
-                   tuple(ch.padded_local_total for ch in chunks), off)
+    if chunks:
+        creq = np.concatenate([ch.requests.np() for ch in chunks])
+        pcu = np.concatenate([ch.padded_local_cu.np() for ch in chunks])
+    else:
+        creq, pcu = np.zeros(0, np.int32), np.zeros(0, np.int64)
+    sizes = np.array([len(ch.requests) for ch in chunks], np.int64)
+    regions, chunk_of, pcu_of = _region_kernel(creq, pcu, sizes, plan.dcp_local_lens.np(),
+                                               dcp_rank, plan.num_requests)
+    return _Chunks(regions, chunk_of, pcu_of, tuple(ch.padded_local_total for ch in chunks))
 
 
-def _token_segments(rows: _Rows, wins: np.ndarray, chunks: _Chunks, width: int):
-    """Segments of token windows ``wins`` ``[nw, 5]`` (rank q, tokens [lo, hi) at u = base..,
-    region_pcu on/off): per window a gap before each row, the row clipped to the window, and
-    the gap after the last row. Returns (ends, params [6, S], clipped starts and ends
-    ``[nw, R]``)."""
-    q, lo, hi, base, pcu_on = wins.T
-    s = np.clip(rows.start[q], lo[:, None], hi[:, None])
-    e = np.clip(rows.end[q], lo[:, None], hi[:, None])
-    shift = (base - lo)[:, None]  # u = token + shift
-    nw, nr = s.shape
-    ends = np.empty((nw, 2 * nr + 1), np.int64)
-    ends[:, 0:2 * nr:2] = s
-    ends[:, 1:2 * nr:2] = e
-    ends[:, -1] = hi
-    ends += shift
-    par = np.zeros((NUM_PARAMS, nw, 2 * nr + 1), np.int64)
-    real = par[:, :, 1:2 * nr:2]
-    real[A] = rows.a[q] - shift
-    real[K] = real[A] + 1
-    real[B] = 1
-    real[REQ] = rows.req
-    real[PCU] = chunks.pcu_of[rows.req] * pcu_on[:, None]
-    real[BTROW] = rows.req * width
-    real[LIM] = rows.write[q]
-    return ends.reshape(-1), par.reshape(NUM_PARAMS, -1), s, e
+@njit(cache=True)
+def _region_kernel(creq, pcu, sizes, local_lens, dcp_rank, num_requests):
+    """Chunks' ``requests`` and ``padded_local_cu`` concatenated (``sizes[c]`` regions each)
+    -> (regions [4, G], chunk_of [N], pcu_of [N]); see :class:`_Chunks`."""
+    regions = np.empty((4, creq.size), np.int64)
+    chunk_of, pcu_of = np.full(num_requests, -1, np.int64), np.zeros(num_requests, np.int64)
+    j, at, off = 0, 0, 0  # region, its entry in pcu, first row of its chunk
+    for c in range(sizes.size):
+        for _ in range(sizes[c]):
+            req = creq[j]
+            regions[0, j], regions[1, j], regions[2, j] = req, pcu[at] + off, pcu[at + 1] + off
+            regions[3, j] = local_lens[req, dcp_rank]
+            chunk_of[req], pcu_of[req] = c, pcu[at]
+            j += 1
+            at += 1
+        off += pcu[at]
+        at += 1
+    return regions, chunk_of, pcu_of
 
 
-def _gather_segments(chunks: _Chunks, base: int, width: int):
-    """One segment per region: u = base + row; x = the region's local row."""
-    par = np.zeros((NUM_PARAMS, chunks.req.size), np.int64)
-    par[A] = par[K] = -(chunks.start + base)
-    par[B] = 1
-    par[BTROW] = chunks.req * width
-    par[LIM] = chunks.held
-    return chunks.end + base, par
+@njit(cache=True)
+def _segment_kernel(start, lens, off, write, row_req, computed, scheduled, mode, wins, pcu_of,
+                    chunk_of, regions, width, t_pad, gather_base, num_chunks):
+    """Every segment of the step (see the module docstring), in u order, and the host facts.
+    Token windows ``wins`` ``[nw, 5]`` (rank, tokens [lo, hi) at u = base.., region_pcu on);
+    windows 0 and 1 are this rank's decodes and prefills. Returns (ends [S], params [7, S],
+    per chunk (first token, end, key width) [C, 3], facts: max decode key count, max key
+    count, real tokens, rows out of token order, sum q, a chunk's tokens not contiguous)."""
+    n_ranks, n_rows = start.shape
+    n_win, n_reg = wins.shape[0], regions.shape[1]
+    restored = 0
+    for p in range(n_ranks):
+        for r in range(n_rows):
+            if lens[p, r] > 0 and (p == 0 or mode[row_req[r]] == MODE_SPLIT):
+                restored += 1
+    n_tok = n_win * (2 * n_rows + 1)
+    ends = np.empty(n_tok + n_reg + restored, np.int64)
+    par = np.zeros((NUM_PARAMS, ends.size), np.int64)
+    facts = np.zeros(6, np.int64)
+    ranges = np.zeros((num_chunks, 3), np.int64)
+    count = np.zeros(num_chunks, np.int64)
+    ranges[:, 0] = 1 << 62
+    k = 0
+    for w in range(n_win):
+        q, lo, hi, pcu_on = wins[w, 0], wins[w, 1], wins[w, 2], wins[w, 4]
+        shift = wins[w, 3] - lo  # u = token + shift
+        for r in range(n_rows):
+            s, e = min(max(start[q, r], lo), hi), min(max(start[q, r] + lens[q, r], lo), hi)
+            req = row_req[r]
+            a = computed[req] + off[q, r] - start[q, r]  # position of token t: a + t
+            ends[k], ends[k + 1] = s + shift, e + shift  # the gap before the row, the row
+            k += 1
+            par[A, k], par[K, k], par[B, k] = a - shift, a - shift + 1, 1
+            par[REQ, k], par[PCU, k] = req, pcu_of[req] * pcu_on
+            par[BTROW, k], par[LIM, k] = req * width, write[q, r]
+            k += 1
+            if w < 2 and e > s:
+                facts[1] = max(facts[1], a + e)
+                if w == 0:
+                    facts[0] = max(facts[0], a + e)
+                elif chunk_of[req] >= 0:
+                    c = chunk_of[req]
+                    ranges[c, 0], ranges[c, 1] = min(ranges[c, 0], s), max(ranges[c, 1], e)
+                    ranges[c, 2], count[c] = max(ranges[c, 2], a + e), count[c] + e - s
+        ends[k] = hi + shift
+        k += 1
+    for j in range(n_reg):  # gather rows: x = k = the region's local row
+        ends[k] = regions[2, j] + gather_base
+        par[A, k] = par[K, k] = -(regions[1, j] + gather_base)
+        par[B, k], par[BTROW, k], par[LIM, k] = 1, regions[0, j] * width, regions[3, j]
+        k += 1
+    _restore_segments(start, lens, off, row_req, scheduled, mode, t_pad, ends, par, k,
+                      gather_base + (regions[2, n_reg - 1] if n_reg else 0))
+    for c in range(num_chunks):
+        if count[c] == 0:
+            ranges[c, 0] = ranges[c, 1] = 0
+        elif ranges[c, 1] - ranges[c, 0] != count[c]:
+            facts[5] = 1
+    for i in range(1, ends.size):
+        if ends[i] < ends[i - 1]:
+            facts[3] = 1
+    facts[2] = lens[wins[0, 0]].sum()
+    facts[4] = scheduled.astype(np.int64).sum()
+    return ends, par, ranges, facts
 
 
-def _restore_segments(plan: StepPlan, rows: _Rows, base: int):
-    """One segment per (rank, row) a query token is restored from (split rows from every rank,
-    the others from PCP rank 0), in global token order: x = row of the ``[P * T]`` buffer."""
-    lens = plan.row_num_tokens.np()
-    take = lens > 0
-    take[1:, plan.mode.np()[rows.req] != MODE_SPLIT] = False
-    rank, row = np.nonzero(take)
-    q = plan.num_scheduled_tokens.np().astype(np.int64)
-    qcu = np.cumsum(q) - q
-    dst = qcu[rows.req[row]] + plan.row_query_offset.np()[rank, row]
-    order = np.argsort(dst, kind="stable")
-    rank, row, dst = rank[order], row[order], dst[order]
-    par = np.zeros((NUM_PARAMS, dst.size), np.int64)
-    par[A] = rank * plan.padded_num_tokens + rows.start[rank, row] - dst - base
-    par[B] = 1
-    return dst + lens[rank, row] + base, par
+@njit(cache=True)
+def _restore_segments(start, lens, off, row_req, scheduled, mode, t_pad, ends, par, k, base):
+    """From ``k`` on: one segment per (rank, row) a query token is restored from (split rows
+    from every rank, the others from PCP rank 0), in global token order; x = the token's row
+    of the ``[P * T]`` buffer."""
+    n_ranks, n_rows = start.shape
+    n = ends.size - k
+    dst, src, length = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
+    first = np.empty(scheduled.size, np.int64)  # exclusive prefix sum of q
+    acc = 0
+    for i in range(scheduled.size):
+        first[i] = acc
+        acc += scheduled[i]
+    j = 0
+    for p in range(n_ranks):
+        for r in range(n_rows):
+            if lens[p, r] > 0 and (p == 0 or mode[row_req[r]] == MODE_SPLIT):
+                dst[j] = first[row_req[r]] + off[p, r]
+                src[j], length[j] = p * t_pad + start[p, r], lens[p, r]
+                j += 1
+    for i in np.argsort(dst):
+        ends[k] = dst[i] + length[i] + base
+        par[A, k], par[B, k] = src[i] - dst[i] - base, 1
+        k += 1
 
 
-def _meta(plan, pcp_rank, dcp_rank, rows, s, e, chunks, kv_insert, names) -> StepMeta:
-    """Host integers from the rows of the token section (windows 0 and 1 of ``s`` / ``e``):
-    widths are the largest key counts of a row's last token."""
-    cfg = plan.config
-    nd = plan.num_decode_tokens
-    keys = np.where(e[:2] > s[:2], rows.a[pcp_rank] + e[:2], 0)  # [2, R]
-    dec_keys = int(keys[0].max()) if keys.size else 0
-    dec_width = int(shard_count(dec_keys, cfg.dcp_size, cfg.interleave_size, dcp_rank))
-    n_real = int(plan.row_num_tokens.np()[pcp_rank].sum())
-    chunk_ranges = _chunk_ranges(plan, rows, s[1], e[1], keys[1], chunks)
-    return StepMeta(num_tokens=n_real, padded=plan.padded_num_tokens, num_decode_tokens=nd,
-                    decode_width=max(dec_width, 1),
-                    local_range=(0, n_real, max(int(keys.max()) if keys.size else 0, 1)),
-                    chunk_ranges=chunk_ranges, chunk_rows=chunks.rows, kv_insert=kv_insert,
-                    decode_merge="decode_out" in names, restore="restore" in names,
-                    num_global_tokens=int(plan.num_scheduled_tokens.np().sum()))
+def warmup() -> None:
+    """Compile (or load from ``__pycache__``) the host kernels for the array types plans carry
+    (read-only int32 / uint8 views), so that the first bind pays no JIT cost."""
+    def ro(dtype, *shape):
+        return np.frombuffer(np.zeros(shape, dtype).tobytes(), dtype).reshape(shape)
 
-
-def _chunk_ranges(plan, rows, s, e, keys, chunks) -> tuple:
-    """(first token, end, key width) of each gather chunk's prefill tokens on this rank."""
-    nch = len(chunks.rows)
-    if not nch:
-        return ()
-    ch = chunks.chunk_of[rows.req]
-    sel = (e > s) & (ch >= 0)
-    ch, s, e, keys = ch[sel], s[sel], e[sel], keys[sel]
-    lo = np.full(nch, plan.padded_num_tokens, np.int64)
-    hi, wd, count = (np.zeros(nch, np.int64) for _ in range(3))
-    np.minimum.at(lo, ch, s)
-    np.maximum.at(hi, ch, e)
-    np.maximum.at(wd, ch, keys)
-    np.add.at(count, ch, e - s)
-    lo[count == 0] = 0
-    assert np.array_equal(hi - lo, count), "a gather chunk's tokens are contiguous on a rank"
-    return tuple(zip(lo.tolist(), hi.tolist(), wd.tolist()))
+    _first_bad_block(np.ones((1, 1), np.int64), np.ones(1, np.int64), -1)
+    regions, chunk_of, pcu_of = _region_kernel(np.zeros(0, np.int32), np.zeros(0, np.int64),
+                                               np.zeros(0, np.int64), ro(np.int32, 1, 1), 0, 1)
+    rows = ro(np.int32, 1, 1)
+    _segment_kernel(rows, rows, rows, ro(np.uint8, 1, 1), ro(np.int32, 1), ro(np.int32, 1),
+                    ro(np.int32, 1), ro(np.uint8, 1), np.zeros((1, 5), np.int64), pcu_of,
+                    chunk_of, regions, 1, 1, 1, 0)
