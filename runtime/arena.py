@@ -68,12 +68,13 @@ class ArenaRing:
 
 def arena_words(max_tokens: int, max_requests: int, max_blocks_per_request: int,
                 pcp_size: int, dcp_size: int) -> int:
-    """An upper bound of the int64 words one bind needs (see ``tables.build_tables``):
-    ``max_tokens`` per rank (T), ``max_requests`` per step."""
-    per_token = 6  # token_req, token_pos, key_len, local_len, region_pcu, insert_dec
-    # per gather chunk: pcu [n + 1], held [n], req [n]; chunks <= requests
-    gather = 4 * max_requests if dcp_size > 1 else 0
-    return (per_token * max_tokens + pcp_size * max_tokens  # insert_pre
-            + gather
-            + max_requests * (max_blocks_per_request + 1)  # block tables, request keys
-            + pcp_size * max_tokens)  # restore index
+    """An upper bound of the int64 words one bind needs (see ``tables.build_tables``): segment
+    ends and 7 parameters per segment, and the block tables, for ``max_requests`` per step.
+    Rows R <= 2 * requests (a split request has two); segments: per token window (3 without
+    kv_insert, P + 3 with) 2R + 1, one per gather region (<= requests), one per restored
+    (rank, row) (<= P * R). Independent of ``max_tokens`` (kept for the signature)."""
+    rows = 2 * max_requests
+    windows = pcp_size + 3 if pcp_size > 1 else 3
+    segments = (windows * (2 * rows + 1) + (max_requests if dcp_size > 1 else 0)
+                + pcp_size * rows)
+    return 8 * segments + max_requests * max_blocks_per_request

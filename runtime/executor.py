@@ -23,6 +23,7 @@ from cpplan.runtime import collectives as coll
 from cpplan.runtime.arena import ArenaRing, arena_words
 from cpplan.runtime.kernels import get_kernels
 from cpplan.runtime.tables import StepMeta, StepTables, build_tables, check_block_tables
+from cpplan.runtime.tables import warmup as warmup_tables
 from cpplan.schemas.codec import config_fingerprint
 from cpplan.schemas.config import ParallelConfig
 from cpplan.schemas.errors import CapacityError, ConfigError, CpplanError
@@ -86,6 +87,7 @@ class StepExecutor:
         words = arena_words(max_tokens, max_requests, max_blocks_per_request, config.pcp_size,
                             config.dcp_size)
         self.arena = ArenaRing(words, self.device, arena_depth)
+        warmup_tables()  # bind's host kernels, compiled (or loaded) now rather than at step 1
         self.sm_scale = 1.0 / math.sqrt(config.qk_head_dim)
         self._fingerprint = config_fingerprint(config)
 
@@ -101,8 +103,9 @@ class StepExecutor:
     # ------------------------------------------------------------------ bind
     def bind(self, plan: StepPlan, block_tables: np.ndarray,
              num_blocks: int | None = None) -> BoundStep:
-        """Start the digest check, build the rank's tables, pack them into the next arena (one
-        H2D copy). ``block_tables`` ``[N, max_blocks]`` int: this rank's local blocks of each of
+        """Start the digest check, build the rank's table segments (host, O(rows + requests)),
+        pack them into the next arena (one H2D copy) and expand them into the step's tables on
+        the device. ``block_tables`` ``[N, max_blocks]`` int: this rank's local blocks of each of
         the plan's requests (block 0 is reserved); ``num_blocks`` (optional) the cache's block
         count, to refuse out-of-range blocks. Bad tables or a plan compiled for another config
         raise before anything is sent or written."""
@@ -114,9 +117,8 @@ class StepExecutor:
                 pending.wait()
             raise
         host = build_tables(plan, self.pcp_rank, self.dcp_rank, bt, DUMMY_SLOT)
-        views = self.arena.pack(host.arrays, plan.step_id)
-        tables = StepTables.from_arena(views, host.meta, plan.num_requests,
-                                       self.config.block_size, DUMMY_SLOT)
+        views = self.arena.pack(host.params, plan.step_id)
+        tables = StepTables.expand(views, host.meta, host.layout)
         return BoundStep(plan, host.meta, tables, coll.StepChannel(self.comm, pending))
 
     def _check_bind(self, plan: StepPlan, block_tables, num_blocks: int | None) -> np.ndarray:

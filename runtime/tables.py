@@ -1,15 +1,22 @@
-"""A rank's per-step tables: built on the host from the plan, typed on the device.
+"""A rank's per-step tables: segments built on the host, token tables expanded on the device.
 
-Two halves, both here: :func:`build_tables` derives the rank's int64 tables (numpy) from the plan
-(global facts), the rank's coordinates and its local block tables (the engine's); the executor
-packs them into one arena (one H2D copy) and :func:`StepTables.from_arena` names the device views
-and expands each gather chunk's O(regions) parameters into its ``[PT]`` source slots, on the
-device. ``StepMeta`` holds the host integers a step slices with (never read back from the device).
+:func:`build_tables` (one jitted pass, O(P * rows + requests), never O(tokens)) cuts the rank's
+tables into *segments*, runs of entries affine in their index ``u``, and returns each segment's
+end and parameters with the step's host integers (``StepMeta``, widths from per-row maxima). The
+executor packs them into one arena (one H2D copy); :meth:`StepTables.expand` expands them on the
+device in a fixed number of torch ops (cached arange, one searchsorted, one gather, arithmetic),
+whatever the number of requests, rows or chunks (docs/design.md §5.3). Sections of ``u``:
+tokens ``[0, T)`` (this rank's: token_req, token_pos, key_len, region_pcu); insert ``[T, T + UI)``
+(``insert_dec`` then ``insert_pre``: own tokens, or after ``kv_insert`` own decodes then every
+PCP rank's prefill tokens); every gather chunk's ``[PT]`` rows, chunk after chunk; restore.
+
+Per segment (rows of ``seg_params``): ``x = A + B * u`` (a token's position, a gather row's
+local index, a restore row), ``k = K + B * u`` (a token's key count; a gather row's local index),
+``REQ`` and ``PCU`` (tokens), ``BTROW`` (request * block-table width) and ``LIM`` (insert: 1 where
+the row's KV is written; gather: rows of the region this rank holds). Gaps (padding) are zeros.
 
 Sentinels: padded tokens have request 0, position 0 and key length 0 (no key); KV rows that are
-not written point at ``dummy_slot``. Gather chunks travel as per-region parameters (padded-local
-prefix sums, rows this rank holds, request index): O(requests), never O(KV tokens); the
-executor expands them to slots on the device.
+not written point at ``dummy_slot``.
 """
 
 from __future__ import annotations
@@ -18,10 +25,15 @@ import dataclasses
 
 import numpy as np
 import torch
+from numba import njit
 
-from cpplan.schemas.errors import CapacityError, StepInputError
-from cpplan.schemas.plan import StepPlan
-from cpplan.schemas.sharding import local_index, owner, shard_count
+from cpplan.schemas.errors import CapacityError, PlanFormatError, StepInputError
+from cpplan.schemas.plan import MODE_SPLIT, StepPlan
+from cpplan.schemas.sharding import shard_count
+
+A, K, B, REQ, PCU, BTROW, LIM = range(7)  # rows of seg_params
+NUM_PARAMS = 7
+_IOTA: dict = {}  # device -> arange shared by every bind on it (read only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +54,40 @@ class StepMeta:
 
 
 @dataclasses.dataclass(frozen=True)
-class RankTables:
-    """Host side: name -> int64 ndarray (what the arena receives, in this order) and the meta."""
+class Layout:
+    """Host integers of the device expansion: section sizes and the sharding constants."""
 
-    arrays: dict
+    num_requests: int
+    insert_len: int  # UI: nd + P * (T - nd) after kv_insert, else T
+    dcp_size: int
+    dcp_rank: int
+    interleave_size: int
+    block_size: int
+    dummy_slot: int
+
+    def total(self, meta: StepMeta) -> int:
+        return meta.padded + self.insert_len + sum(meta.chunk_rows) + meta.num_global_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class RankTables:
+    """Host side: ``params`` name -> int64 ndarray (what the arena receives, in this order),
+    the step's host integers and the expansion's layout."""
+
+    params: dict
     meta: StepMeta
+    layout: Layout
+
+    @property
+    def arrays(self) -> dict:
+        """The expanded tables as numpy arrays, through :meth:`StepTables.expand` on the CPU
+        (for tests and debugging; bind expands on its own device)."""
+        views = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in self.params.items()}
+        t = StepTables.expand(views, self.meta, self.layout)
+        out = {f.name: getattr(t, f.name).numpy() for f in dataclasses.fields(t)
+               if f.name != "gather"}
+        out.update({f"gather_src[{c}]": g.src.numpy() for c, g in enumerate(t.gather)})
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +101,9 @@ class GatherChunkTables:
 
 @dataclasses.dataclass(frozen=True)
 class StepTables:
-    """One bound step's device tables on one rank: int64 views into the step's arena, alive
-    until the arena is reused (``arena_depth`` binds later). T = the plan's padded tokens."""
+    """One bound step's device tables on one rank, int64, expanded from the step's arena
+    (``block_tables`` is a view into it, alive until the arena is reused ``arena_depth`` binds
+    later). T = the plan's padded tokens."""
 
     token_req: torch.Tensor  # [T] request index per token (0 for padding)
     token_pos: torch.Tensor  # [T] position in the request (0 for padding)
@@ -75,34 +117,80 @@ class StepTables:
     gather: tuple[GatherChunkTables, ...]  # per gather chunk (empty when W == 1)
 
     @classmethod
-    def from_arena(cls, views: dict, meta: StepMeta, num_requests: int,
-                   block_size: int, dummy_slot: int) -> "StepTables":
-        """Name the arena views and expand every gather chunk's sources on the device."""
-        bt = views["block_tables"].view(num_requests, -1)
-        gather = tuple(
-            GatherChunkTables(src=gather_sources(views, c, rows, bt, block_size, dummy_slot),
-                              num_rows=rows, token_range=meta.chunk_ranges[c])
-            for c, rows in enumerate(meta.chunk_rows))
-        return cls(token_req=views["token_req"], token_pos=views["token_pos"],
-                   key_len=views["key_len"], local_len=views["local_len"],
-                   region_pcu=views["region_pcu"], insert_dec=views["insert_dec"],
-                   insert_pre=views["insert_pre"], block_tables=bt,
-                   restore_index=views["restore_index"], gather=gather)
+    def expand(cls, views: dict, meta: StepMeta, lay: Layout) -> "StepTables":
+        """Expand the arena's segments into the step's tables on the arena's device: a fixed
+        number of ops on shapes the plan fixes (no host sync, nothing per request or chunk)."""
+        ends, seg = views["seg_ends"], views["seg_params"].view(NUM_PARAMS, -1)
+        bt = views["block_tables"].view(lay.num_requests, -1)
+        u = _iota(lay.total(meta), ends.device)
+        g = seg.index_select(1, torch.searchsorted(ends, u, right=True))
+        g[A: K + 1].addcmul_(g[B], u)  # x and k in one op
+        t_pad, ui, nd = meta.padded, lay.insert_len, meta.num_decode_tokens
+        key_len = g[K, :t_pad]
+        local_len = key_len if lay.dcp_size == 1 else _shard_count(key_len, lay)
+        z_end = t_pad + ui + sum(meta.chunk_rows)
+        slots = _slots(g, t_pad, ui, z_end, bt, lay)
+        gather, off = [], ui
+        for rows, token_range in zip(meta.chunk_rows, meta.chunk_ranges):
+            gather.append(GatherChunkTables(src=slots[off: off + rows], num_rows=rows,
+                                            token_range=token_range))
+            off += rows
+        return cls(token_req=g[REQ, :t_pad], token_pos=g[A, :t_pad], key_len=key_len,
+                   local_len=local_len, region_pcu=g[PCU, :t_pad], insert_dec=slots[:nd],
+                   insert_pre=slots[nd:ui], block_tables=bt, restore_index=g[A, z_end:],
+                   gather=tuple(gather))
 
 
-def gather_sources(views: dict, c: int, num_rows: int, bt: torch.Tensor, block_size: int,
-                   dummy_slot: int) -> torch.Tensor:
-    """``[PT]`` int64 slots of this rank's shard of each region of gather chunk ``c``, in
-    padded-local order (rows past a region's shard -> ``dummy_slot``), from the chunk's
-    O(regions) parameters in the arena. Device ops on shapes the plan fixes: no host sync."""
-    pcu, held = views[f"gather_pcu[{c}]"], views[f"gather_held[{c}]"]
-    req = views[f"gather_req[{c}]"]
-    row = torch.arange(num_rows, device=pcu.device)
-    region = torch.searchsorted(pcu[1:], row, right=True)
-    local = row - pcu[region]
-    col = torch.clamp(local // block_size, max=bt.shape[1] - 1)
-    slot = bt[req[region], col] * block_size + local % block_size
-    return torch.where(local < held[region], slot, torch.full_like(slot, dummy_slot))
+def _iota(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` on ``device``, from one cached buffer (grown when a step needs more)."""
+    have = _IOTA.get(device)
+    if have is None or have.numel() < n:
+        have = _IOTA[device] = torch.arange(max(n, 2 * have.numel() if have is not None else 0,
+                                                1 << 16), device=device)
+    return have[:n]
+
+
+def _shard_count(length: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """torch version of ``sharding.shard_count`` for this rank (W > 1)."""
+    w_size, inter, rank = lay.dcp_size, lay.interleave_size, lay.dcp_rank
+    if inter == 1:  # ceil((L - rank) / W), 0 when L <= rank: the same count in two ops
+        return torch.add(length, w_size - 1 - rank).div_(w_size, rounding_mode="floor")
+    period = w_size * inter
+    full = torch.div(length, period, rounding_mode="floor")
+    part = torch.remainder(length, period).sub_(rank * inter).clamp_(0, inter)
+    return part.add_(full, alpha=inter)
+
+
+def _slots(g: torch.Tensor, lo: int, ui: int, hi: int, bt: torch.Tensor,
+           lay: Layout) -> torch.Tensor:
+    """Cache slots of u in ``[lo, hi)`` (the insert section, then the gather rows), dummy where
+    this rank writes / holds nothing. Rewrites the insert section's ``A`` (position -> local
+    index) and ``K`` rows of ``g`` in place; those rows are not part of any table."""
+    w_size, inter, bs = lay.dcp_size, lay.interleave_size, lay.block_size
+    loc = g[A, lo:hi]
+    if w_size == 1:
+        keep = g[LIM, lo:hi]  # 1 where written (no gather rows when W == 1)
+    else:
+        pos, other = g[A, lo: lo + ui], g[K, lo: lo + ui]
+        if inter == 1:
+            torch.bitwise_xor(torch.remainder(pos, w_size), lay.dcp_rank, out=other)
+            pos.div_(w_size, rounding_mode="floor")  # local index
+        else:
+            blk = torch.div(pos, inter, rounding_mode="floor")
+            torch.bitwise_xor(torch.remainder(blk, w_size), lay.dcp_rank, out=other)
+            within = torch.remainder(pos, inter)
+            torch.add(within, blk.div_(w_size, rounding_mode="floor"), alpha=inter, out=pos)
+        # insert: owner xor rank (0 iff owned) < written flag; gather: local index < held
+        keep = torch.lt(g[K, lo:hi], g[LIM, lo:hi])
+    flat = bt.reshape(-1) if bt.numel() else bt.new_zeros(1)
+    col = torch.div(loc, bs, rounding_mode="floor")
+    if w_size > 1:  # a row this rank does not hold may lie past its table's width
+        col.clamp_(max=max(bt.shape[1] - 1, 0))
+    col.add_(g[BTROW, lo:hi])
+    slot = torch.remainder(loc, bs).add_(flat.take(col), alpha=bs)
+    if lay.dummy_slot == 0:
+        return slot.mul_(keep)
+    return torch.where(keep.bool(), slot, lay.dummy_slot)
 
 
 def check_block_tables(plan: StepPlan, dcp_rank: int, block_tables, num_blocks: int | None
@@ -129,124 +217,218 @@ def check_block_tables(plan: StepPlan, dcp_rank: int, block_tables, num_blocks: 
         i = int(np.argmax(need))
         raise CapacityError(f"step {plan.step_id}: block table too narrow: request {i} needs "
                             f"{int(need[i])} blocks on this rank, the tables have {bt.shape[1]}")
-    width = int(need.max()) if need.size else 0
-    head = bt[:, :width]  # only the blocks the step touches; the rest is the engine's padding
-    used = np.arange(width)[None, :] < need[:, None]
-    bad = used & ((head < 1) | ((head >= num_blocks) if num_blocks is not None else False))
-    if bad.any():
-        i, j = (int(x) for x in np.argwhere(bad)[0])
+    # only the blocks the step touches; the rest is the engine's padding
+    i, j = _first_bad_block(bt, need, -1 if num_blocks is None else num_blocks)
+    if i >= 0:
         limit = f"1..{num_blocks - 1}" if num_blocks is not None else ">= 1 (0 is reserved)"
         raise StepInputError(f"step {plan.step_id}: block_tables[{i}][{j}] = {int(bt[i, j])}: "
                              f"expected a block in {limit}")
     return bt
 
 
-def _rank_tokens(plan: StepPlan, p: int):
-    """(token index, request, position, kv_write) of PCP rank p's real tokens."""
-    lens = plan.row_num_tokens.np()[p].astype(np.int64)
-    row = np.repeat(np.arange(len(lens)), lens)
-    within = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
-    tok = plan.row_token_start.np()[p].astype(np.int64)[row] + within
-    req = plan.row_request.np().astype(np.int64)[row]
-    pos = plan.row_position_start()[p][row] + within
-    return tok, req, pos, plan.row_kv_write.np()[p][row].astype(bool)
-
-
-def _slots(block_tables: np.ndarray, req, local, block_size: int) -> np.ndarray:
-    col = local // block_size
-    if col.size and int(col.max()) >= block_tables.shape[1]:
-        raise CapacityError(f"block table too narrow: needs {int(col.max()) + 1} blocks per "
-                            f"request, the tables given have {block_tables.shape[1]}")
-    return block_tables[req, col].astype(np.int64) * block_size + local % block_size
-
-
-def _insert_slots(plan, w, block_tables, dummy, tok, req, pos, write, lo, hi):
-    """Slots for tokens with lo <= tok < hi, at rows tok - lo (others: dummy)."""
-    cfg = plan.config
-    out = np.full(hi - lo, dummy, dtype=np.int64)
-    sel = (tok >= lo) & (tok < hi) & write & (owner(pos, cfg.dcp_size, cfg.interleave_size) == w)
-    loc = local_index(pos[sel], cfg.dcp_size, cfg.interleave_size)
-    out[tok[sel] - lo] = _slots(block_tables, req[sel], loc, cfg.block_size)
-    return out
+@njit(cache=True)
+def _first_bad_block(bt, need, num_blocks):
+    """(i, j) of the first (row-major) block ``bt[i, j]``, ``j < need[i]``, that is < 1 or,
+    where ``num_blocks`` >= 0, >= num_blocks; (-1, -1) if none."""
+    for i in range(bt.shape[0]):
+        for j in range(need[i]):
+            if bt[i, j] < 1 or (num_blocks >= 0 and bt[i, j] >= num_blocks):
+                return i, j
+    return -1, -1
 
 
 def build_tables(plan: StepPlan, pcp_rank: int, dcp_rank: int, block_tables: np.ndarray,
                  dummy_slot: int) -> RankTables:
-    """The rank's tables for ``plan``; ``block_tables`` is ``[N, max_blocks]`` int64 (row i: this
-    rank's local blocks of request i, in the plan's request order), already validated
-    (:func:`check_block_tables`)."""
+    """The rank's segments for ``plan``; ``block_tables`` is ``[N, max_blocks]`` int64 (row i:
+    this rank's local blocks of request i, in the plan's request order), already validated
+    (:func:`check_block_tables`). O(P * rows + requests), in one jitted call."""
     cfg = plan.config
-    t_pad, nd = plan.padded_num_tokens, plan.num_decode_tokens
+    t_pad, nd, p_size = plan.padded_num_tokens, plan.num_decode_tokens, cfg.pcp_size
     names = {c.name for c in plan.collectives}
-    bt = block_tables
-    tok, req, pos, write = _rank_tokens(plan, pcp_rank)
-    a = {}
-    a["token_req"] = np.zeros(t_pad, np.int64)
-    a["token_req"][tok] = req
-    a["token_pos"] = np.zeros(t_pad, np.int64)
-    a["token_pos"][tok] = pos
-    key_len = np.zeros(t_pad, np.int64)
-    key_len[tok] = pos + 1
-    a["key_len"] = key_len
-    local_len = np.zeros(t_pad, np.int64)
-    local_len[tok] = shard_count(pos + 1, cfg.dcp_size, cfg.interleave_size, dcp_rank)
-    a["local_len"] = local_len
     kv_insert = "kv_insert" in names
-    a["insert_dec"], a["insert_pre"] = _insert_tables(plan, dcp_rank, bt, dummy_slot, kv_insert,
-                                                      (tok, req, pos, write))
-    chunk_ranges, chunk_rows = _chunk_tables(plan, dcp_rank, tok, req, key_len, a)
-    a["block_tables"] = bt.reshape(-1)
-    a["restore_index"] = plan.restore_index()
-    n_real = int(tok.size)
-    dec_width = int(local_len[:nd].max()) if nd else 0
-    local_width = int(key_len[:n_real].max()) if n_real else 0
-    meta = StepMeta(num_tokens=n_real, padded=t_pad, num_decode_tokens=nd,
-                    decode_width=max(dec_width, 1), local_range=(0, n_real, max(local_width, 1)),
-                    chunk_ranges=chunk_ranges, chunk_rows=chunk_rows, kv_insert=kv_insert,
-                    decode_merge="decode_out" in names, restore="restore" in names,
-                    num_global_tokens=int(a["restore_index"].size))
-    return RankTables(arrays=a, meta=meta)
-
-
-def _insert_tables(plan, dcp_rank, bt, dummy_slot, kv_insert, mine):
-    """(insert_dec [nd], insert_pre): cache slots for the local decode tokens, then for the
-    prefill tokens: every PCP rank's (``[P * (T - nd)]``, after ``kv_insert``) or this rank's
-    own (``[T - nd]``). Tokens this rank does not write point at ``dummy_slot``."""
-    t_pad, nd = plan.padded_num_tokens, plan.num_decode_tokens
-    dec = _insert_slots(plan, dcp_rank, bt, dummy_slot, *mine, 0, nd)
+    # token windows (rank, first token, end, first u, region_pcu on): this rank's decodes and
+    # prefills (the token section), then the insert section
+    wins = [(pcp_rank, 0, nd, 0, 0), (pcp_rank, nd, t_pad, nd, 1)]
     if kv_insert:
-        parts = [_insert_slots(plan, dcp_rank, bt, dummy_slot, *_rank_tokens(plan, q), nd, t_pad)
-                 for q in range(plan.config.pcp_size)]
-        return dec, np.concatenate(parts)
-    return dec, _insert_slots(plan, dcp_rank, bt, dummy_slot, *mine, nd, t_pad)
+        wins.append((pcp_rank, 0, nd, t_pad, 0))
+        wins += [(q, nd, t_pad, t_pad + nd + q * (t_pad - nd), 0) for q in range(p_size)]
+        insert_len = nd + p_size * (t_pad - nd)
+    else:
+        wins.append((pcp_rank, 0, t_pad, t_pad, 0))
+        insert_len = t_pad
+    ch = _chunks(plan, dcp_rank)
+    ends, par, ranges, facts = _segment_kernel(
+        plan.row_token_start.np(), plan.row_num_tokens.np(), plan.row_query_offset.np(),
+        plan.row_kv_write.np(), plan.row_request.np(), plan.num_computed_tokens.np(),
+        plan.num_scheduled_tokens.np(), plan.mode.np(), np.array(wins, np.int64), ch.pcu_of,
+        ch.chunk_of, ch.regions, block_tables.shape[1], t_pad, t_pad + insert_len, len(ch.rows))
+    if facts[3] or facts[5]:
+        what = "rows of a rank are not in token order" if facts[3] else "a gather chunk's "\
+            "tokens are not contiguous on a rank"
+        raise PlanFormatError(f"step {plan.step_id}: {what} (expected from row_token_start, "
+                              f"an exclusive prefix sum of row_num_tokens)")
+    dec_width = int(shard_count(int(facts[0]), cfg.dcp_size, cfg.interleave_size, dcp_rank))
+    n_real = int(facts[2])
+    meta = StepMeta(num_tokens=n_real, padded=t_pad, num_decode_tokens=nd,
+                    decode_width=max(dec_width, 1), local_range=(0, n_real, max(int(facts[1]), 1)),
+                    chunk_ranges=tuple(map(tuple, ranges.tolist())), chunk_rows=ch.rows,
+                    kv_insert=kv_insert, decode_merge="decode_out" in names,
+                    restore="restore" in names, num_global_tokens=int(facts[4]))
+    layout = Layout(num_requests=plan.num_requests, insert_len=insert_len,
+                    dcp_size=cfg.dcp_size, dcp_rank=dcp_rank,
+                    interleave_size=cfg.interleave_size, block_size=cfg.block_size,
+                    dummy_slot=dummy_slot)
+    params = {"seg_ends": ends, "seg_params": par, "block_tables": block_tables.reshape(-1)}
+    return RankTables(params=params, meta=meta, layout=layout)
 
 
-def _chunk_tables(plan, dcp_rank, tok, req, key_len, a) -> tuple[tuple, tuple]:
-    """Per gather chunk (W > 1): its O(regions) parameters into ``a`` (the executor expands them
-    to [PT] slots on the device) and ``region_pcu`` per token; returns (chunk_ranges,
-    chunk_rows): each chunk's (first token, end, key width) on this rank, and its PT."""
-    nd, n = plan.num_decode_tokens, plan.num_requests
-    region_pcu = np.zeros(plan.padded_num_tokens, np.int64)
-    chunk_ranges, chunk_rows = [], []
+@dataclasses.dataclass(frozen=True)
+class _Chunks:
+    """The gather chunks' regions (W > 1; none otherwise): ``regions`` ``[4, G]`` int64 rows
+    request, first and end row in the gather section, rows this rank holds; per request its
+    chunk (-1: none) and pcu; PT per chunk."""
+
+    regions: np.ndarray
+    chunk_of: np.ndarray  # [N]
+    pcu_of: np.ndarray  # [N]
+    rows: tuple[int, ...]
+
+
+def _chunks(plan: StepPlan, dcp_rank: int) -> _Chunks:
     chunks = plan.gather_chunks if plan.config.dcp_size > 1 else ()
-    for c, ch in enumerate(chunks):
-        creq = ch.requests.np().astype(np.int64)
-        pcu = ch.padded_local_cu.np()
-        a[f"gather_pcu[{c}]"] = pcu
-        a[f"gather_held[{c}]"] = plan.dcp_local_lens.np()[creq, dcp_rank].astype(np.int64)
-        a[f"gather_req[{c}]"] = creq
-        region_of = np.full(n, -1, np.int64)
-        region_of[creq] = np.arange(len(creq))
-        in_chunk = (region_of[req] >= 0) & (tok >= nd)
-        ctok = tok[in_chunk]
-        region_pcu[ctok] = pcu[region_of[req[in_chunk]]]
-        if ctok.size:
-            lo, hi = int(ctok.min()), int(ctok.max()) + 1
-            assert hi - lo == ctok.size, "a gather chunk's tokens are contiguous on a rank"
-            width = int(key_len[lo:hi].max())
-        else:
-            lo = hi = width = 0
-        chunk_ranges.append((lo, hi, width))
-        chunk_rows.append(ch.padded_local_total)
-    a["region_pcu"] = region_pcu
-    return tuple(chunk_ranges), tuple(chunk_rows)
+    if chunks:
+        creq = np.concatenate([ch.requests.np() for ch in chunks])
+        pcu = np.concatenate([ch.padded_local_cu.np() for ch in chunks])
+    else:
+        creq, pcu = np.zeros(0, np.int32), np.zeros(0, np.int64)
+    sizes = np.array([len(ch.requests) for ch in chunks], np.int64)
+    regions, chunk_of, pcu_of = _region_kernel(creq, pcu, sizes, plan.dcp_local_lens.np(),
+                                               dcp_rank, plan.num_requests)
+    return _Chunks(regions, chunk_of, pcu_of, tuple(ch.padded_local_total for ch in chunks))
+
+
+@njit(cache=True)
+def _region_kernel(creq, pcu, sizes, local_lens, dcp_rank, num_requests):
+    """Chunks' ``requests`` and ``padded_local_cu`` concatenated (``sizes[c]`` regions each)
+    -> (regions [4, G], chunk_of [N], pcu_of [N]); see :class:`_Chunks`."""
+    regions = np.empty((4, creq.size), np.int64)
+    chunk_of, pcu_of = np.full(num_requests, -1, np.int64), np.zeros(num_requests, np.int64)
+    j, at, off = 0, 0, 0  # region, its entry in pcu, first row of its chunk
+    for c in range(sizes.size):
+        for _ in range(sizes[c]):
+            req = creq[j]
+            regions[0, j], regions[1, j], regions[2, j] = req, pcu[at] + off, pcu[at + 1] + off
+            regions[3, j] = local_lens[req, dcp_rank]
+            chunk_of[req], pcu_of[req] = c, pcu[at]
+            j += 1
+            at += 1
+        off += pcu[at]
+        at += 1
+    return regions, chunk_of, pcu_of
+
+
+@njit(cache=True)
+def _segment_kernel(start, lens, off, write, row_req, computed, scheduled, mode, wins, pcu_of,
+                    chunk_of, regions, width, t_pad, gather_base, num_chunks):
+    """Every segment of the step (see the module docstring), in u order, and the host facts.
+    Token windows ``wins`` ``[nw, 5]`` (rank, tokens [lo, hi) at u = base.., region_pcu on);
+    windows 0 and 1 are this rank's decodes and prefills. Returns (ends [S], params [7, S],
+    per chunk (first token, end, key width) [C, 3], facts: max decode key count, max key
+    count, real tokens, rows out of token order, sum q, a chunk's tokens not contiguous)."""
+    n_ranks, n_rows = start.shape
+    n_win, n_reg = wins.shape[0], regions.shape[1]
+    restored = 0
+    for p in range(n_ranks):
+        for r in range(n_rows):
+            if lens[p, r] > 0 and (p == 0 or mode[row_req[r]] == MODE_SPLIT):
+                restored += 1
+    n_tok = n_win * (2 * n_rows + 1)
+    ends = np.empty(n_tok + n_reg + restored, np.int64)
+    par = np.zeros((NUM_PARAMS, ends.size), np.int64)
+    facts = np.zeros(6, np.int64)
+    ranges = np.zeros((num_chunks, 3), np.int64)
+    count = np.zeros(num_chunks, np.int64)
+    ranges[:, 0] = 1 << 62
+    k = 0
+    for w in range(n_win):
+        q, lo, hi, pcu_on = wins[w, 0], wins[w, 1], wins[w, 2], wins[w, 4]
+        shift = wins[w, 3] - lo  # u = token + shift
+        for r in range(n_rows):
+            s, e = min(max(start[q, r], lo), hi), min(max(start[q, r] + lens[q, r], lo), hi)
+            req = row_req[r]
+            a = computed[req] + off[q, r] - start[q, r]  # position of token t: a + t
+            ends[k], ends[k + 1] = s + shift, e + shift  # the gap before the row, the row
+            k += 1
+            par[A, k], par[K, k], par[B, k] = a - shift, a - shift + 1, 1
+            par[REQ, k], par[PCU, k] = req, pcu_of[req] * pcu_on
+            par[BTROW, k], par[LIM, k] = req * width, write[q, r]
+            k += 1
+            if w < 2 and e > s:
+                facts[1] = max(facts[1], a + e)
+                if w == 0:
+                    facts[0] = max(facts[0], a + e)
+                elif chunk_of[req] >= 0:
+                    c = chunk_of[req]
+                    ranges[c, 0], ranges[c, 1] = min(ranges[c, 0], s), max(ranges[c, 1], e)
+                    ranges[c, 2], count[c] = max(ranges[c, 2], a + e), count[c] + e - s
+        ends[k] = hi + shift
+        k += 1
+    for j in range(n_reg):  # gather rows: x = k = the region's local row
+        ends[k] = regions[2, j] + gather_base
+        par[A, k] = par[K, k] = -(regions[1, j] + gather_base)
+        par[B, k], par[BTROW, k], par[LIM, k] = 1, regions[0, j] * width, regions[3, j]
+        k += 1
+    _restore_segments(start, lens, off, row_req, scheduled, mode, t_pad, ends, par, k,
+                      gather_base + (regions[2, n_reg - 1] if n_reg else 0))
+    for c in range(num_chunks):
+        if count[c] == 0:
+            ranges[c, 0] = ranges[c, 1] = 0
+        elif ranges[c, 1] - ranges[c, 0] != count[c]:
+            facts[5] = 1
+    for i in range(1, ends.size):
+        if ends[i] < ends[i - 1]:
+            facts[3] = 1
+    facts[2] = lens[wins[0, 0]].sum()
+    facts[4] = scheduled.astype(np.int64).sum()
+    return ends, par, ranges, facts
+
+
+@njit(cache=True)
+def _restore_segments(start, lens, off, row_req, scheduled, mode, t_pad, ends, par, k, base):
+    """From ``k`` on: one segment per (rank, row) a query token is restored from (split rows
+    from every rank, the others from PCP rank 0), in global token order; x = the token's row
+    of the ``[P * T]`` buffer."""
+    n_ranks, n_rows = start.shape
+    n = ends.size - k
+    dst, src, length = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
+    first = np.empty(scheduled.size, np.int64)  # exclusive prefix sum of q
+    acc = 0
+    for i in range(scheduled.size):
+        first[i] = acc
+        acc += scheduled[i]
+    j = 0
+    for p in range(n_ranks):
+        for r in range(n_rows):
+            if lens[p, r] > 0 and (p == 0 or mode[row_req[r]] == MODE_SPLIT):
+                dst[j] = first[row_req[r]] + off[p, r]
+                src[j], length[j] = p * t_pad + start[p, r], lens[p, r]
+                j += 1
+    for i in np.argsort(dst):
+        ends[k] = dst[i] + length[i] + base
+        par[A, k], par[B, k] = src[i] - dst[i] - base, 1
+        k += 1
+
+
+def warmup() -> None:
+    """Compile (or load from ``__pycache__``) the host kernels for the array types plans carry
+    (read-only int32 / uint8 views), so that the first bind pays no JIT cost."""
+    def ro(dtype, *shape):
+        return np.frombuffer(np.zeros(shape, dtype).tobytes(), dtype).reshape(shape)
+
+    _first_bad_block(np.ones((1, 1), np.int64), np.ones(1, np.int64), -1)
+    regions, chunk_of, pcu_of = _region_kernel(np.zeros(0, np.int32), np.zeros(0, np.int64),
+                                               np.zeros(0, np.int64), ro(np.int32, 1, 1), 0, 1)
+    rows = ro(np.int32, 1, 1)
+    _segment_kernel(rows, rows, rows, ro(np.uint8, 1, 1), ro(np.int32, 1), ro(np.int32, 1),
+                    ro(np.int32, 1), ro(np.uint8, 1), np.zeros((1, 5), np.int64), pcu_of,
+                    chunk_of, regions, 1, 1, 1, 0)

@@ -8,14 +8,19 @@ the code under test (the planner is checked against its own reference in tests/p
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
+import torch.utils._python_dispatch
 
 from cpplan.planner import compile as compile_plan
+from cpplan.runtime.arena import arena_words
 from cpplan.runtime.executor import DUMMY_SLOT, StepExecutor
 from cpplan.runtime.tables import build_tables, check_block_tables
 from cpplan.schemas import CapacityError, ConfigError, ParallelConfig, StepInput, StepInputError
+from cpplan.schemas.arrays import Array
+from cpplan.schemas.errors import PlanFormatError
 
 BLOCK = 64
 
@@ -222,3 +227,81 @@ def test_bind_refuses_a_plan_for_another_config(bound_case):
     other = _config(2, 2, 2)
     with pytest.raises(ConfigError, match="compiled for another config"):
         _executor(other, 0).bind(plan, bt)
+
+
+# ------------------------------------------------------------------ device expansion
+@pytest.mark.parametrize("p_size,w_size,inter", [(1, 1, 1), (2, 2, 1), (3, 3, 2)])
+def test_a_nonzero_dummy_slot_marks_exactly_the_unwritten_rows(p_size, w_size, inter):
+    cfg = _config(p_size, w_size, inter)
+    plan = compile_plan(cfg, _step(4))
+    bt = _block_tables(plan.num_requests, -(-cfg.shard_rows(cfg.max_model_len) // BLOCK), 4)
+    for rank in range(cfg.world_size):
+        p, w = (rank if p_size > 1 else 0), (rank if w_size > 1 else 0)
+        got = build_tables(plan, p, w, bt, 7).arrays
+        ref, srcs = _naive(plan, p, w, bt)  # real slots are >= BLOCK: DUMMY_SLOT only marks
+        for name in ("insert_dec", "insert_pre"):
+            want = np.where(ref[name] == DUMMY_SLOT, 7, ref[name])
+            np.testing.assert_array_equal(got[name], want, err_msg=name)
+        for c, src in enumerate(srcs):
+            np.testing.assert_array_equal(got[f"gather_src[{c}]"],
+                                          np.where(src == DUMMY_SLOT, 7, src))
+
+
+class _OpCount(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts ATen calls that may launch a kernel (views excluded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        ret = func._schema.returns
+        self.count += not (ret and ret[0].alias_info is not None
+                           and not ret[0].alias_info.is_write)
+        return func(*args, **(kwargs or {}))
+
+
+def _step_of(n: int, prefills: int) -> StepInput:
+    c = 37 * np.arange(n) % 1500
+    q = np.where(np.arange(n) < prefills, 150, 1)
+    return StepInput.build(0, [f"r{k}" for k in range(n)], c, q, np.arange(n) < prefills)
+
+
+@pytest.mark.parametrize("p_size,w_size,inter", [(1, 1, 1), (2, 2, 1), (2, 2, 4)])
+def test_bind_issues_the_same_device_ops_whatever_the_requests_and_chunks(p_size, w_size, inter):
+    cfg = _config(p_size, w_size, inter)
+    max_blocks = -(-cfg.shard_rows(cfg.max_model_len) // BLOCK)
+    counts = set()
+    for n, prefills in ((3, 1), (9, 4), (40, 12)):  # 1 to several gather chunks
+        plan = compile_plan(cfg, _step_of(n, prefills))
+        ex = _executor(cfg, 0)
+        bt = _block_tables(plan.num_requests, max_blocks, 0)
+        ex.bind(plan, bt)  # the cached arange
+        with _OpCount() as ops:
+            ex.bind(plan, bt)
+        counts.add(ops.count)
+        assert w_size == 1 or len(plan.gather_chunks) >= 1
+    assert len(counts) == 1 and counts.pop() <= 25
+
+
+def test_arena_words_bounds_every_bind():
+    for p_size, w_size, inter in CASES:
+        cfg = _config(p_size, w_size, inter)
+        max_blocks = -(-cfg.shard_rows(cfg.max_model_len) // BLOCK)
+        for n, prefills in ((1, 0), (1, 1), (9, 9), (40, 12), (64, 64)):
+            plan = compile_plan(cfg, _step_of(n, prefills))
+            bt = _block_tables(n, max_blocks, 0)
+            host = build_tables(plan, p_size - 1, w_size - 1, bt, DUMMY_SLOT)
+            need = sum(a.size for a in host.params.values())
+            assert need <= arena_words(plan.padded_num_tokens, n, max_blocks, p_size, w_size)
+
+
+def test_build_tables_refuses_rows_out_of_token_order():
+    cfg = _config(2, 2, 1)
+    plan = compile_plan(cfg, _step(0))
+    start = plan.row_token_start.np().copy()
+    start[0] = start[0][::-1]
+    bad = msgspec.structs.replace(plan, row_token_start=Array.of(start, "<i4"))
+    bt = _block_tables(plan.num_requests, 64, 0)
+    with pytest.raises(PlanFormatError, match="not in token order"):
+        build_tables(bad, 0, 0, bt, DUMMY_SLOT)
