@@ -29,8 +29,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from cpplan.runtime.replay import replay_plan
-    from cpplan.runtime.simulate import TOLERANCE
+    from cpplan.sim.replay import replay_plan
+    from cpplan.sim.simulate import TOLERANCE
     from cpplan.schemas.codec import decode_plan
     from cpplan.schemas.errors import ConfigError
 
