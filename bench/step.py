@@ -29,11 +29,12 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from cpplan.api import ParallelConfig, StepExecutor, StepInput, World, compile
+from cpplan.api import ParallelConfig, StepExecutor, StepInput, compile
 from cpplan.runtime.executor import DUMMY_SLOT
 from cpplan.runtime.groups import Groups
 from cpplan.runtime.tables import build_tables
 from cpplan.runtime.verify import DigestCheck
+from cpplan.sim.launch import World
 
 
 class _NoComm:

@@ -52,11 +52,11 @@ import torch.distributed as dist
 from cpplan.api import Groups, LayerCache, ParallelConfig, StepExecutor, StepInput, compile
 from cpplan.runtime import collectives as coll
 from cpplan.runtime.kernels import get_kernels
-from cpplan.runtime.launch import join_torchrun, leave_torchrun, torchrun_env
-from cpplan.runtime.scheduler import BlockAllocator
 from cpplan.runtime.verify import DigestCheck
 from cpplan.schemas.codec import digest
 from cpplan.schemas.errors import ConfigError
+from cpplan.sim.allocator import BlockAllocator
+from cpplan.sim.launch import join_torchrun, leave_torchrun, torchrun_env
 
 PHASES = ("insert", "gather", "indexer", "attention", "merge", "other")
 KERNEL_PHASE = {"quantize_fp8_ds_mla": "insert", "quantize_indexer_k": "insert",

@@ -28,7 +28,6 @@ import os
 from cpplan.planner.compile import compile  # noqa: A004 - the planner's public name
 from cpplan.runtime.executor import BoundStep, LayerCache, StepExecutor
 from cpplan.runtime.groups import Groups
-from cpplan.runtime.launch import World
 from cpplan.schemas.codec import encode_plan
 from cpplan.schemas.config import ParallelConfig
 from cpplan.schemas.files import write_atomic
@@ -45,4 +44,4 @@ def record_plan(plan: StepPlan, directory: str) -> str:
 
 
 __all__ = ["BoundStep", "Groups", "LayerCache", "ParallelConfig", "StepExecutor", "StepInput",
-           "StepPlan", "World", "compile", "record_plan"]
+           "StepPlan", "compile", "record_plan"]

@@ -14,10 +14,12 @@ import os
 
 import torch
 
-from cpplan.api import Groups, LayerCache, ParallelConfig, StepExecutor, World, compile
-from cpplan.runtime import coords
-from cpplan.runtime.oracle import max_abs_error, oracle_step
-from cpplan.runtime.scheduler import BlockAllocator, MiniScheduler, preset_requests
+from cpplan.api import Groups, LayerCache, ParallelConfig, StepExecutor, compile
+from cpplan.sim import coords
+from cpplan.sim.allocator import BlockAllocator
+from cpplan.sim.launch import World
+from cpplan.sim.oracle import max_abs_error, oracle_step
+from cpplan.sim.scheduler import MiniScheduler, preset_requests
 
 CONFIG = ParallelConfig(pcp_size=2, dcp_size=2, interleave_size=1, kv_cache_dtype="fp8_ds_mla",
                         num_heads=8, num_layers=2, topk=64, index_num_heads=4,

@@ -60,8 +60,8 @@ def run(args) -> int:
     meta_path = os.path.join(os.path.dirname(os.path.abspath(args.step)), "replay.json")
     if seed is None and os.path.lexists(meta_path):
         seed = _seed_from(meta_path)
-    from cpplan.runtime.replay import replay_plan
-    from cpplan.runtime.simulate import TOLERANCE
+    from cpplan.sim.replay import replay_plan
+    from cpplan.sim.simulate import TOLERANCE
 
     if args.device == "cuda":
         import torch

@@ -76,7 +76,7 @@ def check_record_dir(path: str) -> None:
 
 
 def _options(args):
-    from cpplan.runtime.simulate import INJECT_KINDS, Inject, SimOptions
+    from cpplan.sim.simulate import INJECT_KINDS, Inject, SimOptions
     from cpplan.schemas.errors import ConfigError
 
     inject = None
@@ -113,7 +113,7 @@ def _options(args):
 
 
 def run(args) -> int:
-    from cpplan.runtime.simulate import preset_config
+    from cpplan.sim.simulate import preset_config
     from cpplan.schemas.errors import ConfigError
 
     opts = _options(args)
@@ -125,7 +125,7 @@ def run(args) -> int:
     if opts.inject and not 0 <= opts.inject.rank < world:
         raise ConfigError(f"--inject-divergence rank must be in [0, {world}): got "
                           f"{opts.inject.rank}")
-    from cpplan.runtime.launch import torchrun_env
+    from cpplan.sim.launch import torchrun_env
 
     env = torchrun_env()
     if env is not None:
@@ -142,8 +142,8 @@ def run(args) -> int:
 
 
 def _launch(opts, world: int, as_json: bool) -> int:
-    from cpplan.runtime.launch import World
-    from cpplan.runtime.simulate import rank_main
+    from cpplan.sim.launch import World
+    from cpplan.sim.simulate import rank_main
 
     t0 = time.monotonic()
     _header(opts, world, "spawned")
@@ -160,8 +160,8 @@ def _as_torchrun_rank(opts, world: int, env, as_json: bool) -> int:
     """Run as rank ``env.rank`` of torchrun's world. Errors that every rank detects alike
     (world size, GPUs) are said once, by rank 0 (local rank 0 for GPUs); the others exit with
     the same code silently."""
-    from cpplan.runtime.launch import RankResult, join_torchrun, leave_torchrun
-    from cpplan.runtime.simulate import rank_main
+    from cpplan.sim.launch import RankResult, join_torchrun, leave_torchrun
+    from cpplan.sim.simulate import rank_main
     from cpplan.schemas.errors import ConfigError, RankLostError
 
     if env.world_size != world:
@@ -210,13 +210,13 @@ def _header(opts, world: int, how: str) -> None:
 
 
 def _exit_code_of(summary: dict) -> int:
-    from cpplan.runtime.simulate import TOLERANCE
+    from cpplan.sim.simulate import TOLERANCE
 
     return 0 if summary["max_abs_err"] <= TOLERANCE else 1
 
 
 def _report(opts, results, elapsed: float, as_json: bool) -> int:
-    from cpplan.runtime.simulate import TOLERANCE
+    from cpplan.sim.simulate import TOLERANCE
     from cpplan.schemas.errors import RankLostError
 
     failures = []

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from cpplan.runtime.launch import World
-from cpplan.runtime.simulate import INJECT_KINDS, TOLERANCE, Inject, SimOptions, rank_main
+from cpplan.sim.launch import World
+from cpplan.sim.simulate import INJECT_KINDS, TOLERANCE, Inject, SimOptions, rank_main
 from cpplan.schemas.errors import PlanMismatchError, RankLostError
 
 TOPOLOGIES = {2: [(2, 1, 1), (1, 2, 1), (2, 2, 1), (2, 2, 4)], 3: [(3, 3, 2)], 4: [(4, 4, 1)]}

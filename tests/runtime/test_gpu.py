@@ -12,8 +12,8 @@ import torch
 
 from cpplan.planner.compile import compile as compile_plan
 from cpplan.runtime.kernels import get_kernels
-from cpplan.runtime.replay import replay_plan
-from cpplan.runtime.simulate import TOLERANCE, SimOptions, preset_config
+from cpplan.sim.replay import replay_plan
+from cpplan.sim.simulate import TOLERANCE, SimOptions, preset_config
 from cpplan.schemas import StepInput
 
 pytestmark = [pytest.mark.gpu,

@@ -22,12 +22,13 @@ import torch.distributed as dist
 
 from cpplan.api import Groups, LayerCache, StepExecutor, record_plan
 from cpplan.api import compile as compile_plan
-from cpplan.runtime.model import request_keys_on, run_step
-from cpplan.runtime.oracle import max_abs_error, oracle_step
-from cpplan.runtime.scheduler import BlockAllocator, MiniScheduler, preset_requests
 from cpplan.schemas.config import ParallelConfig
 from cpplan.schemas.errors import CpplanError, StepInputError
 from cpplan.schemas.step import StepInput
+from cpplan.sim.allocator import BlockAllocator
+from cpplan.sim.model import request_keys_on, run_step
+from cpplan.sim.oracle import max_abs_error, oracle_step
+from cpplan.sim.scheduler import MiniScheduler, preset_requests
 
 INJECT_KINDS = ("reorder", "q+1", "drop", "config", "step-id")
 # float32 on CPU: ranks and oracle select the same keys (exact integer indexer scores) and read
@@ -64,8 +65,8 @@ class SimOptions:
     # (kind "hang": it first stalls, alive with its connections open, for 2x the timeout)
 
 
-# The small preset (DESIGN 7): real 576/512 dims and formats, few heads, topk below contexts,
-# the minimum workspace (several gather chunks per step).
+# The small preset (docs/design.md §7.3): real 576/512 dims and formats, few heads, topk below
+# contexts, the minimum workspace (several gather chunks per step).
 PRESET = dict(block_size=64, num_heads=8, topk=64, index_num_heads=4, index_head_dim=128,
               activation_dtype="float32")
 TOKEN_BUDGET, MAX_RUNNING, KV_TOKEN_BUDGET = 128, 10, 1100

@@ -1,6 +1,6 @@
 """The reference sparse-MLA model the simulator runs on each rank, through the embedding API.
 
-Each layer's inputs come from coordinates (:mod:`cpplan.runtime.coords`), not from the previous
+Each layer's inputs come from coordinates (:mod:`cpplan.sim.coords`), not from the previous
 layer, so every layer's attention output can be checked against the oracle; the step's
 "hidden" rows are every layer's output concatenated (``hidden_size = L * H * 512`` in the
 simulator's preset), which ``restore`` brings to global order.
@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cpplan.runtime import coords
 from cpplan.runtime.executor import BoundStep, LayerCache, StepExecutor
-from cpplan.schemas.sharding import local_index, owner
 from cpplan.schemas.plan import StepPlan
+from cpplan.schemas.sharding import local_index, owner
+from cpplan.sim import coords
 
 ACT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -1,8 +1,8 @@
 """The single-device oracle: the same sparse-MLA layer with every request's whole KV on one
-device and no plan (DESIGN 7). It regenerates keys from coordinates, quantises them exactly as
-the cache does (fp8_ds_mla round trip, or bf16 rounding), scores every causal key with the
-indexer, selects the top-k in the reference order and attends: no sharding, no gathers, no
-merge. Used by ``cpplan simulate``, ``cpplan replay`` and tests/dist.
+device and no plan (docs/design.md §7). It regenerates keys from coordinates, quantises them
+exactly as the cache does (fp8_ds_mla round trip, or bf16 rounding), scores every causal key
+with the indexer, selects the top-k in the reference order and attends: no sharding, no
+gathers, no merge. Used by ``cpplan simulate``, ``cpplan replay`` and tests/dist.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import math
 import numpy as np
 import torch
 
-from cpplan.runtime import coords
 from cpplan.runtime.kernels import get_kernels
 from cpplan.schemas.config import ParallelConfig
+from cpplan.sim import coords
 
 NO_KEY = -1
 

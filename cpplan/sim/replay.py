@@ -17,12 +17,12 @@ import threading
 import torch
 
 from cpplan.runtime.executor import LayerCache, StepExecutor
-from cpplan.runtime.model import prefill_history, request_keys_on, run_step
-from cpplan.runtime.oracle import max_abs_error, oracle_step
-from cpplan.runtime.scheduler import BlockAllocator
 from cpplan.schemas.errors import ConfigError
 from cpplan.schemas.names import Group, group_of
 from cpplan.schemas.plan import StepPlan
+from cpplan.sim.allocator import BlockAllocator
+from cpplan.sim.model import prefill_history, request_keys_on, run_step
+from cpplan.sim.oracle import max_abs_error, oracle_step
 
 
 REPLAY_TIMEOUT_S = 120.0  # a rank thread stuck this long fails the replay
@@ -46,7 +46,7 @@ class ThreadWorld:
 
 class ThreadComm:
     """Collectives between rank threads. In the supported topologies a group of more than one
-    rank is the whole world (DESIGN 2), so both groups map onto the one ThreadWorld."""
+    rank is the whole world (docs/design.md §2.2), so both groups map onto the one ThreadWorld."""
 
     def __init__(self, world: ThreadWorld, rank: int, pcp_size: int, dcp_size: int) -> None:
         self.world, self.rank = world, rank

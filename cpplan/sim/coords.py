@@ -1,4 +1,4 @@
-"""Model inputs generated from coordinates (seed, layer, request, position): DESIGN 7.
+"""Model inputs generated from coordinates (seed, layer, request, position): docs/design.md §7.2.
 
 Every rank, the single-device oracle and a replay regenerate any token's q, KV and indexer
 inputs without communication, on any device: the generator is integer arithmetic (a hash kept

@@ -1,18 +1,15 @@
-"""A deterministic mini serving loop: scheduler and a per-rank block allocator (no torch).
+"""A deterministic mini serving loop's scheduler (no torch).
 
 The scheduler admits prompts, chunk-prefills long ones under a token budget, decodes, finishes
 and preempts (recompute), and emits each step's global ``StepInput``. Every decision uses global
-facts only, so every rank runs its own copy and emits the same steps. The allocator is the
-engine's side: each rank keeps its own local blocks for its DCP shard of every request.
+facts only, so every rank runs its own copy and emits the same steps. Each rank's blocks are the
+engine's side: :mod:`cpplan.sim.allocator`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
-from cpplan.schemas.sharding import shard_count
 from cpplan.schemas.step import StepInput
 
 
@@ -50,8 +47,8 @@ def preset_requests(pcp_size: int, max_model_len: int, num_long: int = 2) -> lis
 class MiniScheduler:
     """Admission in arrival order; per step: decodes first (1 token each), then prefills under
     ``token_budget``, at most ``max_prefill_chunk`` tokens per request (long prompts are
-    chunk-prefilled side by side); preempts the most recently admitted request when the KV budget (sum of
-    extents) would overflow."""
+    chunk-prefilled side by side); preempts the most recently admitted request when the KV
+    budget (sum of extents) would overflow."""
 
     def __init__(self, requests: list[Request], *, token_budget: int, max_running: int,
                  kv_token_budget: int, max_prefill_chunk: int = 48) -> None:
@@ -120,34 +117,3 @@ class MiniScheduler:
         self.finished += done
         self._scheduled = []
         return done
-
-
-class BlockAllocator:
-    """One rank's paged blocks: request id -> local block ids (block 0 is the dummy)."""
-
-    def __init__(self, num_blocks: int, block_size: int, dcp_size: int, dcp_rank: int,
-                 interleave_size: int) -> None:
-        self.num_blocks = num_blocks
-        self.free = list(range(num_blocks - 1, 0, -1))
-        self.block_size, self.w, self.rank, self.inter = block_size, dcp_size, dcp_rank, \
-            interleave_size
-        self.blocks: dict[str, list[int]] = {}
-
-    def ensure(self, req_id: str, extent: int) -> None:
-        held = int(shard_count(np.int64(extent), self.w, self.inter, self.rank))
-        need = -(-held // self.block_size)
-        mine = self.blocks.setdefault(req_id, [])
-        while len(mine) < need:
-            if not self.free:
-                raise MemoryError(f"rank {self.rank}: out of KV blocks")
-            mine.append(self.free.pop())
-
-    def release(self, req_id: str) -> None:
-        self.free.extend(reversed(self.blocks.pop(req_id, [])))
-
-    def table(self, req_ids, width: int) -> np.ndarray:
-        out = np.zeros((len(req_ids), width), dtype=np.int32)
-        for i, rid in enumerate(req_ids):
-            mine = self.blocks.get(rid, [])
-            out[i, : len(mine)] = mine
-        return out
