@@ -23,6 +23,7 @@ import torch.distributed as dist
 from cpplan.api import Groups, LayerCache, StepExecutor, record_plan
 from cpplan.api import compile as compile_plan
 from cpplan.schemas.config import ParallelConfig
+from cpplan.schemas.files import write_atomic
 from cpplan.schemas.errors import CpplanError, StepInputError
 from cpplan.schemas.step import StepInput
 from cpplan.sim.allocator import BlockAllocator
@@ -200,8 +201,8 @@ class _RankSim:
         meta = {"seed": self.opts.seed, "preset": "small", "layers": self.config.num_layers,
                 "pcp": self.opts.pcp, "dcp": self.opts.dcp, "interleave": self.opts.interleave,
                 "kv_cache_dtype": self.opts.kv_cache_dtype}
-        with open(os.path.join(self.opts.record, "replay.json"), "w") as f:
-            json.dump(meta, f, indent=1)
+        write_atomic(os.path.join(self.opts.record, "replay.json"),
+                     json.dumps(meta, indent=1).encode())
 
     def summary(self) -> dict:
         """Sum counts / max the error over every rank (control group)."""
