@@ -23,6 +23,7 @@ from cpplan.schemas.errors import (
     ConfigError,
     CpplanError,
     PlanFormatError,
+    PeerFailedError,
     PlanMismatchError,
     RankLostError,
     SchemaVersionError,
