@@ -8,8 +8,9 @@ fp8 travel as uint8 (gloo has no float8 type).
 
 Transport is a :class:`Comm`: :class:`DistComm` over torch.distributed groups, or the replay
 harness's thread transport (all ranks as threads of one process). A :class:`StepChannel` binds a
-transport to one step's ledger and to the plan-verification gate that every named collective
-passes first.
+transport to one step's ledger, to the plan-verification gate that every named collective
+passes first, and to the step's fault watch (runtime/faults.py): a transport error becomes a
+:class:`PeerFailedError` or :class:`RankLostError` that names the rank.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from cpplan.schemas import names
-from cpplan.schemas.errors import CollectiveLedgerError
+from cpplan.schemas.errors import CollectiveLedgerError, CpplanError
 from cpplan.schemas.names import TOPK_CANDIDATE_DTYPE, Group
 from cpplan.schemas.plan import StepPlan
 
@@ -30,12 +31,15 @@ _ACT_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float1
 
 # ------------------------------------------------------------------------- transport
 class Comm(Protocol):
-    """Transport for the named collectives: nothing but data movement on a group."""
+    """Transport for the named collectives: nothing but data movement on a group. ``watch``
+    (a :class:`~cpplan.runtime.faults.StepWatch` or None) may end a blocking wait early when a
+    peer announces a failure."""
 
-    def all_gather(self, group: Group, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def all_gather(self, group: Group, out: torch.Tensor, inp: torch.Tensor,
+                   watch=None) -> None:
         """out ``[size * n, ...]`` <- every rank's inp ``[n, ...]``, rank-major."""
 
-    def all_reduce_sum(self, group: Group, tensor: torch.Tensor) -> None:
+    def all_reduce_sum(self, group: Group, tensor: torch.Tensor, watch=None) -> None:
         """tensor <- sum over the group's ranks, in place."""
 
     def size(self, group: Group) -> int:
@@ -54,25 +58,37 @@ def _resolve_all_gather() -> Callable:
 _ALL_GATHER = _resolve_all_gather()
 
 
-def all_gather_tensor(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
+def all_gather_tensor(out: torch.Tensor, inp: torch.Tensor, group=None, async_op=False):
     """Version-proof flat all-gather into ``out`` (``[size * n, ...]``, rank-major)."""
-    _ALL_GATHER(out, inp, group=group)
+    return _ALL_GATHER(out, inp, group=group, async_op=async_op)
 
 
 class DistComm:
-    """torch.distributed transport over a :class:`~cpplan.runtime.groups.Groups`' data groups."""
+    """torch.distributed transport over a :class:`~cpplan.runtime.groups.Groups`' data groups.
+    On the CPU (gloo, where the host blocks in every collective) a watched collective is issued
+    async and awaited through ``watch.wait``, which reads the fault board between short timed
+    waits; on CUDA collectives are queued on the stream and never waited on here."""
 
     def __init__(self, groups) -> None:
         self.groups = groups
+        self.host_blocking = groups.device.type == "cpu"
 
     def size(self, group: Group) -> int:
         return self.groups.size(group)
 
-    def all_gather(self, group: Group, out: torch.Tensor, inp: torch.Tensor) -> None:
-        all_gather_tensor(out, inp, group=self.groups.group(group))
+    def all_gather(self, group: Group, out: torch.Tensor, inp: torch.Tensor,
+                   watch=None) -> None:
+        watched = watch is not None and self.host_blocking
+        work = all_gather_tensor(out, inp, group=self.groups.group(group), async_op=watched)
+        if watched:
+            watch.wait(work)
 
-    def all_reduce_sum(self, group: Group, tensor: torch.Tensor) -> None:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.groups.group(group))
+    def all_reduce_sum(self, group: Group, tensor: torch.Tensor, watch=None) -> None:
+        watched = watch is not None and self.host_blocking
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.groups.group(group),
+                               async_op=watched)
+        if watched:
+            watch.wait(work)
 
 
 # ------------------------------------------------------------------------- ledger
@@ -131,13 +147,14 @@ class StepChannel:
     ``pending_check`` is the cross-rank digest exchange started at bind (or None). Every named
     collective first calls :meth:`await_plan_verified`, which waits for that exchange the first
     time and is free afterwards: no data collective of a step runs before every rank is known to
-    hold the same plan (docs/design.md §5).
+    hold the same plan (docs/design.md §5). ``watch`` (or None) is the step's fault watch.
     """
 
-    def __init__(self, comm: Comm, pending_check=None) -> None:
+    def __init__(self, comm: Comm, pending_check=None, watch=None) -> None:
         self.comm = comm
         self.ledger = Ledger()
         self.pending_check = pending_check
+        self.watch = watch
 
     def await_plan_verified(self) -> None:
         pending, self.pending_check = self.pending_check, None
@@ -149,8 +166,20 @@ class StepChannel:
 
     def _gather(self, kind: names.CollectiveKind, dtype: str, out, inp, chunk=None) -> None:
         self.await_plan_verified()
-        self.ledger.record(kind.label(chunk), kind.op.value, kind.group.value, dtype, inp.shape)
-        self.comm.all_gather(kind.group, out, inp)
+        label = kind.label(chunk)
+        self.ledger.record(label, kind.op.value, kind.group.value, dtype, inp.shape)
+        self.issue(label, self.comm.all_gather, kind.group, out, inp)
+
+    def issue(self, label: str, op, *args) -> None:
+        """Run one transport call; a transport failure is named (peer failed / rank lost)."""
+        try:
+            op(*args, watch=self.watch)
+        except CpplanError:
+            raise
+        except RuntimeError as exc:  # gloo/NCCL: a peer gone, timed out, or aborted
+            if self.watch is None:
+                raise
+            raise self.watch.transport_error(label, exc) from None
 
 
 # ------------------------------------------------------------------------- named collectives
@@ -190,7 +219,7 @@ def topk_candidates(ch: StepChannel, scores: torch.Tensor,
     ch.await_plan_verified()
     kind = names.TOPK_CANDIDATES
     ch.ledger.record(kind.name, kind.op.value, kind.group.value, TOPK_CANDIDATE_DTYPE, (nd, topk))
-    ch.comm.all_gather(Group.DCP, out, packed)
+    ch.issue(kind.name, ch.comm.all_gather, Group.DCP, out, packed)
     out = out.view(size, nd, topk * 12)
     all_scores = out[..., : 4 * topk].contiguous().view(torch.float32)
     all_ids = out[..., 4 * topk :].contiguous().view(torch.int64)
@@ -215,7 +244,7 @@ def decode_out(ch: StepChannel, scaled_out: torch.Tensor) -> None:
     kind = names.DECODE_OUT
     ch.ledger.record(kind.name, kind.op.value, kind.group.value, act_name(scaled_out.dtype),
                      scaled_out.shape)
-    ch.comm.all_reduce_sum(Group.DCP, scaled_out)
+    ch.issue(kind.name, ch.comm.all_reduce_sum, Group.DCP, scaled_out)
 
 
 def restore(ch: StepChannel, out: torch.Tensor, inp: torch.Tensor) -> None:

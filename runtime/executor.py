@@ -9,10 +9,15 @@ function of :mod:`cpplan.runtime.collectives`. Kernels come from the dispatch ta
 indexer entry points get their key width (``max_keys``) from the plan's tables, since reading it
 from the device would be a host sync. Step code never reads a tensor's value on the
 host (no ``.item()``, ``.cpu()``, ``.tolist()``, ``synchronize``): tests/runtime checks this.
+
+A rank that raises inside a step announces its error on the control plane before re-raising,
+so its peers stop with a PeerFailedError naming it instead of waiting out the data timeout
+(runtime/faults.py; at bind through the digest check's status byte).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -21,12 +26,13 @@ import torch
 
 from cpplan.runtime import collectives as coll
 from cpplan.runtime.arena import ArenaRing, arena_words
+from cpplan.runtime.faults import FaultBoard, StepWatch, Watchdog
 from cpplan.runtime.kernels import get_kernels
 from cpplan.runtime.tables import StepMeta, StepTables, build_tables, check_block_tables
 from cpplan.runtime.tables import warmup as warmup_tables
 from cpplan.schemas.codec import config_fingerprint
 from cpplan.schemas.config import ParallelConfig
-from cpplan.schemas.errors import CapacityError, ConfigError, CpplanError
+from cpplan.schemas.errors import CapacityError, ConfigError, PlanMismatchError, RankLostError
 from cpplan.schemas.plan import StepPlan
 
 DUMMY_SLOT = 0  # slot 0 (block 0) of every cache is reserved: padded and skipped rows use it
@@ -75,9 +81,12 @@ class StepExecutor:
                  device, check=None, kernels=None, max_tokens: int = 8192,
                  max_requests: int = 1024, max_blocks_per_request: int | None = None,
                  max_kv_tokens: int | None = None, arena_depth: int = 2,
-                 debug: bool = True) -> None:
+                 debug: bool = True, faults: FaultBoard | None = None,
+                 data_timeout_s: float = 0.0) -> None:
         self.config, self.pcp_rank, self.dcp_rank = config, pcp_rank, dcp_rank
         self.comm, self.check, self.debug = comm, check, debug
+        self.faults, self.data_timeout_s = faults, data_timeout_s
+        self.watchdog: Watchdog | None = None
         self.device = torch.device(device)
         self.kernels = kernels or get_kernels(str(self.device.type))
         self.max_tokens = max_tokens
@@ -96,9 +105,14 @@ class StepExecutor:
                     verify_every: int = 1, **kwargs) -> "StepExecutor":
         from cpplan.runtime.verify import DigestCheck
 
-        return cls(config, pcp_rank=groups.pcp_rank, dcp_rank=groups.dcp_rank,
-                   comm=coll.DistComm(groups), device=groups.device,
-                   check=DigestCheck(groups, verify, verify_every), **kwargs)
+        board = FaultBoard(groups)
+        ex = cls(config, pcp_rank=groups.pcp_rank, dcp_rank=groups.dcp_rank,
+                 comm=coll.DistComm(groups), device=groups.device,
+                 check=DigestCheck(groups, verify, verify_every, board), faults=board,
+                 data_timeout_s=groups.timeout_s, **kwargs)
+        if groups.device.type == "cuda" and board.store is not None:
+            ex.watchdog = Watchdog(board, groups)  # the host never blocks in an NCCL call
+        return ex
 
     # ------------------------------------------------------------------ bind
     def bind(self, plan: StepPlan, block_tables: np.ndarray,
@@ -108,18 +122,39 @@ class StepExecutor:
         the device. ``block_tables`` ``[N, max_blocks]`` int: this rank's local blocks of each of
         the plan's requests (block 0 is reserved); ``num_blocks`` (optional) the cache's block
         count, to refuse out-of-range blocks. Bad tables or a plan compiled for another config
-        raise before anything is sent or written."""
-        pending = self.check.start(plan) if self.check is not None else None
+        raise before anything is sent or written; the peers then raise PeerFailedError at the
+        digest check (or, with the check off for this step, in their first collective)."""
+        seq = self.faults.next_step() if self.faults is not None else 0
+        watch = StepWatch(self.faults, seq, plan.step_id, self.data_timeout_s)
         try:
             bt = self._check_bind(plan, block_tables, num_blocks)
-        except CpplanError:
+        except Exception as exc:
+            self._announce(watch, exc)
+            pending = self.check.start(plan, failed=True) if self.check is not None else None
             if pending is not None:  # a plan that differs across ranks is named first
                 pending.wait()
             raise
-        host = build_tables(plan, self.pcp_rank, self.dcp_rank, bt, DUMMY_SLOT)
-        views = self.arena.pack(host.params, plan.step_id)
-        tables = StepTables.expand(views, host.meta, host.layout)
-        return BoundStep(plan, host.meta, tables, coll.StepChannel(self.comm, pending))
+        pending = self.check.start(plan) if self.check is not None else None
+        with self._announcing(watch):
+            host = build_tables(plan, self.pcp_rank, self.dcp_rank, bt, DUMMY_SLOT)
+            views = self.arena.pack(host.params, plan.step_id)
+            tables = StepTables.expand(views, host.meta, host.layout)
+        if self.watchdog is not None:
+            self.watchdog.watch(watch)
+        return BoundStep(plan, host.meta, tables, coll.StepChannel(self.comm, pending, watch))
+
+    def _announce(self, watch: StepWatch, exc: BaseException) -> None:
+        """Tell the peers this rank failed (unless the failure came from them)."""
+        if self.faults is not None and not isinstance(exc, (PlanMismatchError, RankLostError)):
+            self.faults.announce(watch.seq, exc)
+
+    @contextlib.contextmanager
+    def _announcing(self, watch: StepWatch):
+        try:
+            yield
+        except Exception as exc:
+            self._announce(watch, exc)
+            raise
 
     def _check_bind(self, plan: StepPlan, block_tables, num_blocks: int | None) -> np.ndarray:
         if config_fingerprint(plan.config) != self._fingerprint:
@@ -135,6 +170,10 @@ class StepExecutor:
                index_k_new: torch.Tensor) -> None:
         """Write the step's new tokens into this rank's caches. kv_new ``[T, 576]`` float and
         index_k_new ``[T, 128]`` float: this rank's tokens in its token order (pads ignored)."""
+        with self._announcing(bound.channel.watch):
+            self._insert(bound, cache, kv_new, index_k_new)
+
+    def _insert(self, bound: BoundStep, cache: LayerCache, kv_new, index_k_new) -> None:
         m, t, ch = bound.meta, bound.tables, bound.channel
         kv_rows = self.pack_kv(kv_new)
         k_rows = self.kernels.quantize_indexer_k(index_k_new)
@@ -156,6 +195,10 @@ class StepExecutor:
                index_q: torch.Tensor, index_w: torch.Tensor) -> torch.Tensor:
         """Sparse MLA for this rank's tokens: q ``[T, H, 576]``, index_q ``[T, Hi, 128]``,
         index_w ``[T, Hi]`` -> out ``[T, H, 512]`` (q's dtype; zero for padded tokens)."""
+        with self._announcing(bound.channel.watch):
+            return self._attend(bound, cache, q, index_q, index_w)
+
+    def _attend(self, bound: BoundStep, cache: LayerCache, q, index_q, index_w) -> torch.Tensor:
         m = bound.meta
         out = q.new_zeros(q.shape[0], q.shape[1], self.config.v_head_dim)
         if self.config.dcp_size == 1:
@@ -225,20 +268,25 @@ class StepExecutor:
     def restore(self, bound: BoundStep, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's rows ``[T, hidden]`` -> every query token in global order
         ``[sum q, hidden]`` (all-gathered over PCP when P > 1)."""
-        if bound.meta.restore:
-            full = hidden.new_empty((self.config.pcp_size * hidden.shape[0], hidden.shape[1]))
-            coll.restore(bound.channel, full, hidden.contiguous())
-        else:
-            bound.channel.await_plan_verified()
-            full = hidden
-        return full.index_select(0, bound.tables.restore_index)
+        with self._announcing(bound.channel.watch):
+            if bound.meta.restore:
+                full = hidden.new_empty((self.config.pcp_size * hidden.shape[0],
+                                         hidden.shape[1]))
+                coll.restore(bound.channel, full, hidden.contiguous())
+            else:
+                bound.channel.await_plan_verified()
+                full = hidden
+            return full.index_select(0, bound.tables.restore_index)
 
     def finish(self, bound: BoundStep) -> coll.Ledger:
         """Close the step: the digest check is awaited even if no collective ran; in debug mode
         the ledger must equal the plan's list (CollectiveLedgerError otherwise)."""
-        bound.channel.await_plan_verified()
-        if self.debug:
-            coll.check_ledger(bound.plan, bound.ledger, self.rank_id)
+        if self.watchdog is not None:
+            self.watchdog.watch(None)
+        with self._announcing(bound.channel.watch):
+            bound.channel.await_plan_verified()
+            if self.debug:
+                coll.check_ledger(bound.plan, bound.ledger, self.rank_id)
         return bound.ledger
 
     @property

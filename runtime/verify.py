@@ -1,11 +1,14 @@
 """The digest check: every rank's plan digest compared over the gloo control group.
 
-``DigestCheck.start(plan)`` (at bind) issues an async all-gather of the 16-byte digest;
-``PendingCheck.wait()`` (just before the step's first data collective) awaits it. On a mismatch
-every rank exchanges its encoded plan (bytes through the same gloo group, no pickle), finds the
-first differing field and raises the same :class:`PlanMismatchError`. A rank that does not take
-part fails the check on the others within ``control_timeout_s`` (:class:`RankLostError`, naming
-it through the store when one is available).
+``DigestCheck.start(plan)`` (at bind) issues an async all-gather of the 16-byte digest and a
+status byte; ``PendingCheck.wait()`` (just before the step's first data collective) awaits it.
+On a mismatch every rank exchanges its encoded plan (bytes through the same gloo group, no
+pickle), finds the first differing field and raises the same :class:`PlanMismatchError` (when
+no digest has a majority it says the ranks disagree instead of blaming some). A rank whose bind
+failed locally still takes part, with status FAILED (its error is on the store: runtime/faults.py),
+and every peer raises :class:`PeerFailedError` naming it. A rank that does not take part fails
+the check on the others within ``control_timeout_s`` (:class:`RankLostError`, naming it through
+the store when one is available).
 
 Cost (bench/step.py): one 16-byte gloo all-gather per checked step; modes ``every`` (default),
 ``sampled`` (every N-th bind of this executor, counted locally so all ranks agree) and ``off``.
@@ -14,7 +17,6 @@ Cost (bench/step.py): one 16-byte gloo all-gather per checked step; modes ``ever
 from __future__ import annotations
 
 import collections
-import time
 
 import msgspec
 import numpy as np
@@ -23,55 +25,66 @@ import torch.distributed as dist
 
 from cpplan.schemas.arrays import Array
 from cpplan.schemas.codec import decode_plan, digest, encode_plan
-from cpplan.schemas.errors import ConfigError, PlanMismatchError, RankLostError
+from cpplan.runtime.faults import FaultBoard
+from cpplan.schemas.errors import ConfigError, PlanMismatchError
 from cpplan.schemas.plan import StepPlan
 
 VERIFY_MODES = ("every", "sampled", "off")
 DIGEST_BYTES = 16
-_ALIVE_GRACE_S = 2.0  # survivors wait this long for each other's "alive" mark after a failure
+STATUS_OK, STATUS_FAILED = 0, 1  # the byte after the digest: did this rank's bind succeed
 
 
 class DigestCheck:
     """Per-executor digest verification state (one per rank)."""
 
-    def __init__(self, groups, mode: str = "every", every_n: int = 1) -> None:
+    def __init__(self, groups, mode: str = "every", every_n: int = 1,
+                 board: FaultBoard | None = None) -> None:
         if mode not in VERIFY_MODES:
             raise ConfigError(f"verify mode must be one of {VERIFY_MODES}: got {mode!r}")
         if every_n < 1:
             raise ConfigError(f"verify every_n must be >= 1: got {every_n}")
         self.groups, self.mode, self.every_n = groups, mode, every_n
+        self.board = board if board is not None else FaultBoard(groups)
         self.seq = 0  # binds seen by this rank: the same on every rank
         self.passed = 0  # checks that passed
 
-    def start(self, plan: StepPlan) -> "PendingCheck | None":
-        """Start the check of ``plan`` if this bind is due; returns the handle to wait on."""
+    def start(self, plan: StepPlan, failed: bool = False) -> "PendingCheck | None":
+        """Start the check of ``plan`` if this bind is due; returns the handle to wait on.
+        ``failed``: this rank's bind failed (its error already announced for this bind)."""
         self.seq += 1
         due = self.mode == "every" or (self.mode == "sampled" and self.seq % self.every_n == 0)
         if not due or self.groups.control is None:
             return None
-        mine = torch.frombuffer(bytearray(digest(plan)), dtype=torch.uint8)
-        outs = [torch.empty(DIGEST_BYTES, dtype=torch.uint8)
+        status = STATUS_FAILED if failed else STATUS_OK
+        mine = torch.frombuffer(bytearray(digest(plan) + bytes([status])), dtype=torch.uint8)
+        outs = [torch.empty(DIGEST_BYTES + 1, dtype=torch.uint8)
                 for _ in range(self.groups.control_size)]
         work = dist.all_gather(outs, mine, group=self.groups.control, async_op=True)
-        return PendingCheck(self, plan, outs, work, time.monotonic())
+        return PendingCheck(self, plan, outs, work, self.seq)
 
 
 class PendingCheck:
-    def __init__(self, owner: DigestCheck, plan: StepPlan, outs, work, started: float):
-        self.owner, self.plan, self.outs, self.work, self.started = owner, plan, outs, work, started
+    def __init__(self, owner: DigestCheck, plan: StepPlan, outs, work, seq: int):
+        self.owner, self.plan, self.outs, self.work, self.seq = owner, plan, outs, work, seq
 
     def wait(self) -> None:
-        """Await the exchange; raise PlanMismatchError / RankLostError (on every rank alike)."""
-        g = self.owner.groups
+        """Await the exchange; raise PlanMismatchError / PeerFailedError / RankLostError (the
+        same on every rank; a rank whose own bind failed returns, to raise its own error)."""
+        g, board, step_id = self.owner.groups, self.owner.board, self.plan.step_id
         try:
             self.work.wait()
         except RuntimeError as exc:  # gloo: timeout or a peer gone
-            raise _lost_error(g, self.owner.seq, self.plan.step_id, exc) from None
-        digests = [bytes(t.numpy().tobytes()) for t in self.outs]
-        if len(set(digests)) == 1:
+            raise board.lost_error(self.seq, step_id, "digest check", g.control_timeout_s,
+                                   exc) from None
+        rows = [t.numpy().tobytes() for t in self.outs]
+        digests = [r[:DIGEST_BYTES] for r in rows]
+        if len(set(digests)) > 1:
+            raise _mismatch_error(g, self.plan, digests, self.seq)
+        failed = [r for r, row in enumerate(rows) if row[DIGEST_BYTES] == STATUS_FAILED]
+        if not failed:
             self.owner.passed += 1
-            return
-        raise _mismatch_error(g, self.plan, digests, self.owner.seq)
+        elif g.control_rank not in failed:
+            raise board.failed_ranks(self.seq, step_id, failed)
 
 
 def divergent_ranks(digests: list[bytes]) -> tuple[list[int], bytes]:
@@ -83,6 +96,24 @@ def divergent_ranks(digests: list[bytes]) -> tuple[list[int], bytes]:
     return [r for r, d in enumerate(digests) if d != majority], majority
 
 
+def has_majority(digests: list[bytes]) -> bool:
+    """True when one digest is held by more ranks than every other (then the rest diverged)."""
+    counts = sorted(collections.Counter(digests).values(), reverse=True)
+    return len(counts) == 1 or counts[0] > counts[1]
+
+
+def digest_groups(digests: list[bytes]) -> list[list[int]]:
+    """Ranks grouped by digest, in order of each group's lowest rank."""
+    groups: dict[bytes, list[int]] = {}
+    for r, d in enumerate(digests):
+        groups.setdefault(d, []).append(r)
+    return list(groups.values())
+
+
+def _joined(parts: list[str]) -> str:
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
 def _mismatch_error(g, plan: StepPlan, digests: list[bytes], seq: int) -> PlanMismatchError:
     bad, majority = divergent_ranks(digests)
     ref_rank = digests.index(majority)
@@ -92,11 +123,17 @@ def _mismatch_error(g, plan: StepPlan, digests: list[bytes], seq: int) -> PlanMi
     if ref is not None and plans[bad[0]] is not None:
         field = first_difference(plans[bad[0]], ref) or "none (same fields, different bytes)"
     step_id = ref.step_id if ref is not None else plan.step_id
-    good = [r for r in range(len(digests)) if r not in bad]
+    if has_majority(digests):
+        good = [r for r in range(len(digests)) if r not in bad]
+        who = (f"ranks {bad} compiled a different plan than ranks {good} (digest "
+               f"{digests[bad[0]].hex()[:12]} vs {majority.hex()[:12]})")
+    else:  # no majority: nobody can tell which side is right
+        sides = digest_groups(digests)
+        who = (f"ranks {_joined([str(s) for s in sides])} disagree (no majority; digests "
+               f"{', '.join(digests[s[0]].hex()[:12] for s in sides)})")
     return PlanMismatchError(
-        f"plan mismatch at step {step_id} (check #{seq}): ranks {bad} compiled a different plan "
-        f"than ranks {good} (digest {digests[bad[0]].hex()[:12]} vs {majority.hex()[:12]}); "
-        f"first differing field on rank {bad[0]} vs rank {ref_rank}: {field}")
+        f"plan mismatch at step {step_id} (check #{seq}): {who}; first differing field on "
+        f"rank {bad[0]} vs rank {ref_rank}: {field}")
 
 
 def _exchange_plans(g, plan: StepPlan) -> list[StepPlan | None]:
@@ -145,26 +182,3 @@ def first_difference(a, b, prefix: str = "") -> str | None:
         return f"{prefix} (length {len(a)} vs {len(b)})"
     return f"{prefix} ({a!r} vs {b!r})"
 
-
-def _lost_error(g, seq: int, step_id: int, exc: BaseException) -> RankLostError:
-    """Name the ranks that did not reach check #seq, through the store if there is one."""
-    size, me = g.control_size, g.control_rank
-    missing: list[int] | None = None
-    store = g.store
-    if store is not None:
-        try:
-            store.set(f"cpplan/alive/{seq}/{me}", b"1")
-            deadline = time.monotonic() + _ALIVE_GRACE_S
-            while True:
-                missing = [r for r in range(size)
-                           if not store.check([f"cpplan/alive/{seq}/{r}"])]
-                if not missing or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-        except (RuntimeError, ValueError):
-            missing = None
-    named = f"ranks {missing}" if missing else "a rank (unknown: no store)"
-    detail = " ".join(str(exc).split())[:200]
-    return RankLostError(
-        f"{named} did not take part in the digest check of step {step_id} (check #{seq}) within "
-        f"{g.control_timeout_s:g} s: {detail}")

@@ -25,6 +25,7 @@ from cpplan.schemas.errors import (
     InputFileError,
     OutputError,
     PlanFormatError,
+    PeerFailedError,
     PlanMismatchError,
     RankLostError,
     SchemaVersionError,

@@ -58,6 +58,18 @@ class RankLostError(CpplanError, RuntimeError):
     exit_code = 4
 
 
+class PeerFailedError(RankLostError):
+    """Another rank raised during the step (bind, insert, attend...) and said so on the control
+    plane; raised on its peers, naming it (``rank``) and its one-line error (``detail``)."""
+
+    def __init__(self, message: str, rank: int = -1, detail: str = "") -> None:
+        super().__init__(message)
+        self.rank, self.detail = rank, detail
+
+    def __reduce__(self):  # keep rank and detail through pickling (the simulator's pipes)
+        return type(self), (str(self), self.rank, self.detail)
+
+
 class CollectiveLedgerError(CpplanError, RuntimeError):
     """The collectives a step issued differ from the plan's list (debug mode)."""
 

@@ -8,6 +8,10 @@ exits with its own code.
 
 Exit codes: 0 every step matches, 1 an output differs from the oracle, 2 bad input, 3 plan
 mismatch (``--inject-divergence``), 4 a rank was lost.
+
+A lost or hung rank ends the run within about twice ``--timeout``: the others name it at the
+next digest check, and the rest get ``--timeout`` more to answer. Every rank's failure is one
+line; CPPLAN_TRACEBACK=1 adds the traceback of an unexpected (non-cpplan) error.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
@@ -147,13 +152,22 @@ def _launch(opts, world: int, as_json: bool) -> int:
 
     t0 = time.monotonic()
     _header(opts, world, "spawned")
-    w = World(world, backend=opts.backend, timeout_s=max(opts.timeout_s * 4, 60.0))
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # so the world is closed on SIGTERM
     try:
-        results = w.run(rank_main, opts, timeout_s=max(600.0, opts.timeout_s * 4))
+        w = World(world, backend=opts.backend, timeout_s=max(opts.timeout_s * 4, 60.0))
+        try:
+            results = w.run(rank_main, opts, timeout_s=max(600.0, opts.timeout_s * 4),
+                            settle_s=opts.timeout_s)
+        finally:
+            w.close()
     finally:
-        w.close()
+        signal.signal(signal.SIGTERM, previous)
     elapsed = time.monotonic() - t0
     return _report(opts, results, elapsed, as_json)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _as_torchrun_rank(opts, world: int, env, as_json: bool) -> int:
@@ -222,12 +236,13 @@ def _report(opts, results, elapsed: float, as_json: bool) -> int:
     failures = []
     for r in results:
         if r.lost:
-            failures.append((r.rank, RankLostError(f"rank {r.rank} process exited or hung"),
+            failures.append((r.rank, RankLostError(f"rank {r.rank} lost: {r.lost_reason()}"),
                              None))
         elif r.error is not None:
-            sys.stderr.write(r.tb)
+            _traceback(r.tb)
             failures.append((r.rank, r.error, None))
         elif "error" in r.value:
+            _traceback(r.value.get("tb", ""))
             failures.append((r.rank, r.value["error"], r.value))
     if failures:
         return _report_failures(failures, as_json)
@@ -242,22 +257,33 @@ def _report(opts, results, elapsed: float, as_json: bool) -> int:
     return 0 if ok else 1
 
 
-def _report_failures(failures, as_json: bool, torchrun: bool = False) -> int:
-    """One line per failed rank; the exit code (3 over 4 over the rest). Under torchrun a rank
-    knows only its own failure: its JSON names the rank instead of counting failed ranks."""
-    from cpplan.schemas.errors import CpplanError
+def _traceback(tb: str) -> None:
+    if tb and os.environ.get("CPPLAN_TRACEBACK") == "1":
+        sys.stderr.write(tb)
 
-    codes = []
+
+def _report_failures(failures, as_json: bool, torchrun: bool = False) -> int:
+    """One line per failed rank; the exit code is the root cause's: a rank's own failure over
+    its peers' PeerFailedError, then 3 over 4 over the rest. Under torchrun a rank knows only
+    its own failure: its JSON names the rank instead of counting failed ranks."""
+    from cpplan.schemas.errors import CpplanError, PeerFailedError
+
+    codes, causes = [], []
     for rank, exc, rec in failures:
         where = f" at step {rec['step']} (ledger {rec['ledger']} collectives, " \
                 f"{rec['elapsed_s']:.2f} s after bind)" if rec else ""
-        sys.stderr.write(f"rank {rank}{where}: {type(exc).__name__}: {exc}\n")
-        codes.append(exc.exit_code if isinstance(exc, CpplanError) else 1)
-    code = max(codes, key=lambda c: (c == 3, c == 4, c))
+        text = " ".join(str(exc).split())
+        sys.stderr.write(f"rank {rank}{where}: {type(exc).__name__}: {text}\n")
+        code = exc.exit_code if isinstance(exc, CpplanError) else 1
+        codes.append(code)
+        if not isinstance(exc, PeerFailedError):
+            causes.append((code, rank, exc))
+    pool = [c for c, _, _ in causes] or codes
+    code = max(pool, key=lambda c: (c == 3, c == 4, c))
     if as_json:
+        first = causes[0][2] if causes else failures[0][1]
         where = {"rank": failures[0][0]} if torchrun else {"ranks_failed": len(failures)}
-        print(json.dumps({"ok": False, "exit_code": code, **where,
-                          "error": str(failures[0][1])}))
+        print(json.dumps({"ok": False, "exit_code": code, **where, "error": str(first)}))
     return code
 
 

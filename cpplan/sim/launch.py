@@ -6,6 +6,11 @@ world through a TCPStore that the parent hosts on 127.0.0.1 (so the store outliv
 :class:`RankResult` per rank. Workers run with OMP_NUM_THREADS=1 and stay up between jobs:
 spawning and importing torch is the expensive part.
 
+A job ends in bounded time: once one rank has answered (or died), the others get ``settle_s``
+more before they are declared lost (hung or stopped); ``close`` then kills them. Workers ignore
+SIGINT (the parent owns Ctrl-C and ends them), exit quietly when the parent is gone (its pipe
+closed, or the worker re-parented), and never print a traceback for a pipe the parent closed.
+
 Under torchrun (RANK, WORLD_SIZE and MASTER_ADDR set) there is no world to spawn:
 ``join_torchrun`` makes this process that one rank of torchrun's world and returns the same
 :class:`WorkerContext` a spawned rank gets, so one job function serves both.
@@ -20,7 +25,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import multiprocessing as mp
+import multiprocessing.connection
 import os
+import signal
+import threading
 import time
 import traceback
 
@@ -104,16 +112,41 @@ class RankResult:
     error: BaseException | None = None
     lost: bool = False  # the process died or did not answer in time
     tb: str = ""
+    exitcode: int | None = None  # the process's exit code when it died (negative: signal)
+    waited_s: float = 0.0  # when it did not answer: how long after the first answer
 
     @property
     def ok(self) -> bool:
         return self.error is None and not self.lost
 
+    def lost_reason(self) -> str:
+        """One line: how this rank was lost."""
+        if self.exitcode is not None:
+            how = (f"killed by signal {-self.exitcode}" if self.exitcode < 0
+                   else f"exited with code {self.exitcode}")
+            return f"process {how}"
+        if self.waited_s:
+            return (f"no answer {self.waited_s:.1f} s after the other ranks answered "
+                    f"(hung or stopped)")
+        return "process exited or hung"
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """End this worker quietly once its parent is gone (it was re-parented)."""
+    def loop() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=loop, daemon=True, name="cpplan-parent-watch").start()
+
 
 def _worker_main(rank: int, world_size: int, port: int, backend: str, timeout_s: float,
-                 conn) -> None:
+                 conn, parent_pid: int) -> None:
     import torch
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    _exit_with_parent(parent_pid)
     keep_multicast_off()
     torch.set_num_threads(1)
     if backend == "nccl":
@@ -126,28 +159,36 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, timeout_s:
     while True:
         try:
             msg = conn.recv()
-        except EOFError:
-            break
+        except (EOFError, OSError):
+            os._exit(0)  # the parent is gone: nobody to report to
         if msg is None:
             break
         fn, args = msg
         try:
-            conn.send(("ok", fn(ctx, *args), ""))
+            reply = ("ok", fn(ctx, *args), "")
         except BaseException as exc:  # noqa: BLE001 - reported to the parent, typed
-            _send_error(conn, exc, traceback.format_exc())
+            reply = ("err", exc, traceback.format_exc())
+        _send(conn, reply)
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - shutting down a possibly broken world
         pass
 
 
-def _send_error(conn, exc: BaseException, tb: str) -> None:
-    """Report a job's exception to the parent, typed when the pipe can carry it (the pipe
-    serialises before sending, so a refusal sends nothing), else as a RuntimeError."""
+def _send(conn, reply) -> None:
+    """Report a job's result to the parent; an exception the pipe cannot carry goes as a
+    RuntimeError (the pipe serialises before sending, so a refusal sends nothing). A closed
+    pipe means the parent is gone: exit quietly."""
     try:
-        conn.send(("err", exc, tb))
-    except Exception:  # noqa: BLE001 - an exception type the pipe cannot carry
-        conn.send(("err", RuntimeError(f"{type(exc).__name__}: {exc}"), tb))
+        try:
+            conn.send(reply)
+        except (BrokenPipeError, ConnectionError, EOFError):
+            raise
+        except Exception:  # noqa: BLE001 - a value the pipe cannot carry
+            status, exc, tb = reply
+            conn.send(("err", RuntimeError(f"{type(exc).__name__}: {exc}"), tb))
+    except (BrokenPipeError, ConnectionError, EOFError, OSError):
+        os._exit(0)
 
 
 class World:
@@ -167,7 +208,7 @@ class World:
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=_worker_main, daemon=True,
                                    args=(rank, world_size, self.store.port, backend, timeout_s,
-                                         child))
+                                         child, os.getpid()))
                 proc.start()
                 child.close()
                 self._conns.append(parent)
@@ -179,33 +220,52 @@ class World:
                 os.environ["OMP_NUM_THREADS"] = saved
         self.alive = [True] * world_size
 
-    def run(self, fn, *args, timeout_s: float = 600.0) -> list[RankResult]:
-        """Run ``fn(ctx, *args)`` on every rank (fn must be importable by the children)."""
+    def run(self, fn, *args, timeout_s: float = 600.0,
+            settle_s: float | None = None) -> list[RankResult]:
+        """Run ``fn(ctx, *args)`` on every rank (fn must be importable by the children).
+        ``timeout_s`` bounds the job; ``settle_s`` (optional) bounds how long the other ranks
+        may take once one rank has answered or died."""
+        results: dict[int, RankResult] = {}
         for rank, conn in enumerate(self._conns):
             if self.alive[rank]:
                 conn.send((fn, args))
+            else:
+                results[rank] = RankResult(rank, lost=True)
         deadline = time.monotonic() + timeout_s
-        results = []
-        for rank, conn in enumerate(self._conns):
-            results.append(self._collect(rank, conn, deadline))
-        return results
+        first: float | None = None
+        while len(results) < self.world_size and time.monotonic() < deadline:
+            pending = [r for r in range(self.world_size) if r not in results]
+            multiprocessing.connection.wait([self._conns[r] for r in pending], timeout=0.05)
+            for rank in pending:
+                got = self._poll(rank)
+                if got is not None:
+                    results[rank] = got
+                    if first is None and settle_s is not None:
+                        first = time.monotonic()
+                        deadline = min(deadline, first + settle_s)
+        waited = time.monotonic() - first if first is not None else 0.0
+        for rank in range(self.world_size):
+            if rank not in results:
+                self.alive[rank] = False
+                results[rank] = RankResult(rank, lost=True, waited_s=waited)
+        return [results[r] for r in range(self.world_size)]
 
-    def _collect(self, rank: int, conn, deadline: float) -> RankResult:
-        if not self.alive[rank]:
-            return RankResult(rank, lost=True)
-        while True:
-            if conn.poll(0.05):
-                try:
-                    status, payload, tb = conn.recv()
-                except (EOFError, ConnectionError):
-                    break
+    def _poll(self, rank: int) -> RankResult | None:
+        """The rank's answer if it has one, a lost result if its process died, else None."""
+        conn, proc = self._conns[rank], self._procs[rank]
+        if conn.poll(0):
+            try:
+                status, payload, tb = conn.recv()
+            except (EOFError, ConnectionError):
+                pass
+            else:
                 if status == "ok":
                     return RankResult(rank, value=payload)
                 return RankResult(rank, error=payload, tb=tb)
-            if not self._procs[rank].is_alive() or time.monotonic() > deadline:
-                break
+        if proc.is_alive():
+            return None
         self.alive[rank] = False
-        return RankResult(rank, lost=True)
+        return RankResult(rank, lost=True, exitcode=proc.exitcode)
 
     def close(self) -> None:
         if not all(self.alive):  # a broken world cannot shut down cleanly: end its ranks

@@ -55,10 +55,10 @@ class ThreadComm:
     def size(self, group: Group) -> int:
         return self.sizes[group_of(group)]
 
-    def all_gather(self, group: str, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def all_gather(self, group: str, out: torch.Tensor, inp: torch.Tensor, watch=None) -> None:
         torch.cat(self.world.exchange(self.rank, inp), dim=0, out=out)
 
-    def all_reduce_sum(self, group: str, tensor: torch.Tensor) -> None:
+    def all_reduce_sum(self, group: str, tensor: torch.Tensor, watch=None) -> None:
         parts = self.world.exchange(self.rank, tensor.clone())
         total = parts[0].clone()
         for part in parts[1:]:

@@ -5,7 +5,8 @@ Every rank runs the same deterministic scheduler, compiles each step, binds it (
 runs the reference layers through the embedding API, restores, and checks its share of the
 requests (index % world == rank) against the single-device oracle. Results are summed over the
 control group at the end. A rank can be made to diverge at one step (``Inject``) to show the
-digest check stopping every rank before any data collective.
+digest check stopping every rank before any data collective; for tests a rank can also be made
+to die, hang or stop (``kill``) or to fail locally in bind, insert or attend (``fail``).
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
+import traceback
 
 import msgspec
 import torch
@@ -32,6 +35,8 @@ from cpplan.sim.oracle import max_abs_error, oracle_step
 from cpplan.sim.scheduler import MiniScheduler, preset_requests
 
 INJECT_KINDS = ("reorder", "q+1", "drop", "config", "step-id")
+KILL_KINDS = ("exit", "hang", "stop")  # die / stay alive and silent / SIGSTOP itself
+FAIL_KINDS = ("bind", "insert", "attend")  # where a rank raises locally
 # float32 on CPU: ranks and oracle select the same keys (exact integer indexer scores) and read
 # the same dequantised rows; what differs is the summation order (einsum blocking, the LSE merge
 # over W partial softmaxes), a few float32 ulps of outputs bounded by 1: 1e-7 measured.
@@ -63,7 +68,9 @@ class SimOptions:
     progress: bool = True
     max_model_len: int = 512
     kill: Inject | None = None  # fault injection for tests: that rank exits at that step
-    # (kind "hang": it first stalls, alive with its connections open, for 2x the timeout)
+    # (kind "hang": it first stalls, alive with its connections open, for 2x the timeout;
+    # "stop": it sends itself SIGSTOP)
+    fail: Inject | None = None  # that rank raises locally at that step (kind: FAIL_KINDS)
 
 
 # The small preset (docs/design.md §7.3): real 576/512 dims and formats, few heads, topk below
@@ -112,10 +119,11 @@ def rank_main(ctx, opts: SimOptions) -> dict:
     sim = _RankSim(config, groups, opts)
     try:
         sim.run()
-    except CpplanError as exc:
-        return {"rank": ctx.rank, "error": exc, "step": sim.step,
-                "ledger": sim.ledger_len, "elapsed_s": time.monotonic() - sim.t_bind}
-    return sim.summary()
+        return sim.summary()
+    except Exception as exc:  # noqa: BLE001 - every rank reports in one typed record
+        return {"rank": ctx.rank, "error": exc, "step": sim.step, "ledger": sim.ledger_len,
+                "elapsed_s": time.monotonic() - sim.t_bind,
+                "tb": "" if isinstance(exc, CpplanError) else traceback.format_exc()}
 
 
 class _RankSim:
@@ -158,21 +166,24 @@ class _RankSim:
     def _one_step(self, step: StepInput) -> None:
         config, inj, kill = self.config, self.opts.inject, self.opts.kill
         if kill is not None and kill.step == step.step_id and kill.rank == self.rank:
-            if kill.kind == "hang":  # alive but silent: only the control timeout can tell
-                time.sleep(2 * self.opts.timeout_s)
-            os._exit(17)  # a rank lost without a word: the others must name it
+            _die(kill.kind, self.opts.timeout_s)
         if inj is not None and inj.step == step.step_id and inj.rank == self.rank:
             step, config = perturb(step, config, inj.kind)
+        fail = self.opts.fail
+        fail = fail.kind if fail and (fail.step, fail.rank) == (step.step_id, self.rank) else None
         plan = compile_plan(config, step)
         for rid, extent in zip(plan.req_ids, plan.extent()):
             self.alloc.ensure(rid, int(extent))
         tables = self.alloc.table(plan.req_ids, self.blocks_per_req)
+        if fail == "bind":  # an out-of-range block on this rank only
+            tables[0, 0] = self.alloc.num_blocks
         self.ledger_len = 0
         self.t_bind = time.monotonic()
         keys = request_keys_on(plan, self.groups.device)
         bound = self.executor.bind(plan, tables, self.alloc.num_blocks)
+        executor = _Malformed(self.executor, fail) if fail else self.executor
         try:
-            restored = run_step(self.executor, bound, self.caches, self.opts.seed, keys)
+            restored = run_step(executor, bound, self.caches, self.opts.seed, keys)
         finally:
             self.ledger_len = len(bound.ledger)
         world = self.groups.world_size
@@ -205,7 +216,8 @@ class _RankSim:
                      json.dumps(meta, indent=1).encode())
 
     def summary(self) -> dict:
-        """Sum counts / max the error over every rank (control group)."""
+        """Sum counts / max the error over every rank (control group); a rank gone by then is
+        a RankLostError, not the transport's error."""
         s = self.stats
         mine = torch.tensor([s["tokens"], s["collectives"], s["max_abs_err"], s["steps"],
                              self.executor.check.passed, s["chunks"], s["preempted"],
@@ -213,7 +225,12 @@ class _RankSim:
         g = self.groups
         parts = [torch.empty_like(mine) for _ in range(g.control_size)]
         if g.control is not None:
-            dist.all_gather(parts, mine, group=g.control)
+            try:
+                dist.all_gather(parts, mine, group=g.control)
+            except RuntimeError as exc:
+                board = self.executor.faults
+                raise board.lost_error(board.seq, self.step, "final summary",
+                                       g.control_timeout_s, exc) from None
         else:
             parts = [mine]
         allr = torch.stack(parts)
@@ -221,3 +238,33 @@ class _RankSim:
                 "max_abs_err": float(allr[:, 2].max()), "collectives": int(allr[:, 1].sum()),
                 "digest_checks": int(allr[0, 4]), "gather_chunks": int(allr[0, 5]),
                 "preempted": int(allr[0, 6]), "finished": int(allr[0, 7])}
+
+
+def _die(kind: str, timeout_s: float) -> None:
+    """Fault injection: this rank is lost without a word (the others must name it)."""
+    if kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if kind == "hang":  # alive but silent: only the control timeout can tell
+        time.sleep(2 * timeout_s)
+    os._exit(17)
+
+
+class _Malformed:
+    """Fault injection: the rank's executor with one entry point fed a malformed tensor, so
+    the step raises locally there (what a bug in an engine's own code looks like)."""
+
+    def __init__(self, executor: StepExecutor, where: str) -> None:
+        self.executor, self.where = executor, where
+
+    def __getattr__(self, name: str):
+        return getattr(self.executor, name)
+
+    def insert(self, bound, cache, kv_new, index_k_new) -> None:
+        if self.where == "insert":
+            kv_new = kv_new[:, :100]
+        self.executor.insert(bound, cache, kv_new, index_k_new)
+
+    def attend(self, bound, cache, q, index_q, index_w):
+        if self.where == "attend":
+            q = q[:, :, :100]
+        return self.executor.attend(bound, cache, q, index_q, index_w)

@@ -35,7 +35,7 @@ def test_simulate_json_record_replay_inspect(tmp_path):
 def test_simulate_divergence_exits_3_naming_the_rank():
     proc = cpplan("simulate", "--steps", 4, "--inject-divergence", "2:1:q+1", "--json")
     assert proc.returncode == 3, proc.stderr
-    assert "ranks [1]" in proc.stderr and "at step 2" in proc.stderr
+    assert "ranks [0] and [1] disagree" in proc.stderr and "at step 2" in proc.stderr
     assert "(ledger 0 collectives" in proc.stderr  # stopped before any data collective
     assert _last_json(proc.stdout)["ok"] is False
 

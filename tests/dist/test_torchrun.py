@@ -57,9 +57,9 @@ def test_simulate_torchrun_divergence_exits_3_on_every_rank():
     proc = torchrun(2, "-m", "cpplan", "simulate", "--steps", 3, "--json",
                     "--inject-divergence", "1:1:reorder", monitor_s=2)
     assert proc.returncode != 0
-    for rank in (0, 1):  # each rank names the divergent rank, before any data collective
+    for rank in (0, 1):  # each rank says the two ranks disagree, before any data collective
         assert re.search(rf"rank {rank} at step 1 \(ledger 0 collectives.*PlanMismatchError.*"
-                         r"ranks \[1\]", proc.stderr), proc.stderr
+                         r"ranks \[0\] and \[1\] disagree", proc.stderr), proc.stderr
     assert sorted(rank_exit_codes(proc.stderr)) == [3, 3], proc.stderr
     out = last_json(proc.stdout)
     assert out["ok"] is False and out["exit_code"] == 3 and out["rank"] == 0

@@ -30,6 +30,7 @@ SIM = pathlib.Path(cpplan.sim.__file__).resolve().parent
 # modules whose code runs inside a step (bind excepted: host numpy by design); the harness's
 # model and input generator run inside the simulated step too
 STEP_MODULES = (RUNTIME / "executor.py", RUNTIME / "collectives.py", RUNTIME / "arena.py",
+                RUNTIME / "faults.py",
                 SIM / "model.py", SIM / "coords.py")
 FORBIDDEN = {"item", "cpu", "tolist", "synchronize"}
 NAMED_WAIT = "wait_arena_free"

@@ -1,0 +1,123 @@
+"""Failures on one rank, seen from the others (spawned gloo worlds, two ranks on the CPU).
+
+- A rank that raises locally (bind, insert, attend) announces it on the control plane: its peer
+  stops with PeerFailedError naming the rank and its error, within the control timeout (it
+  would otherwise block in its next collective until the 120 s data timeout).
+- ``cpplan simulate`` ends in bounded time when a rank dies or is stopped, with one line per
+  rank and no traceback; interrupting or killing the parent leaves no worker traceback.
+
+Short timeouts keep the module under a minute.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cpplan.cli import simulate_cmd
+from cpplan.runtime.faults import one_line
+from cpplan.schemas.errors import PeerFailedError, RankLostError, StepInputError
+from cpplan.sim.launch import World
+from cpplan.sim.simulate import Inject, SimOptions, rank_main
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 5.0  # the control timeout of every case here; the data timeout stays at 120 s
+
+
+@pytest.mark.parametrize("where,verify", [("bind", "every"), ("bind", "off"),
+                                          ("insert", "every"), ("attend", "every")])
+def test_local_failure_stops_the_peer_naming_the_rank(where, verify):
+    opts = SimOptions(pcp=2, dcp=2, steps=3, layers=1, progress=False, timeout_s=TIMEOUT,
+                      verify=verify, fail=Inject(step=2, rank=1, kind=where))
+    with World(2, timeout_s=60) as world:
+        t0 = time.monotonic()
+        peer, failed = (r.value for r in world.run(rank_main, opts, timeout_s=120))
+        took = time.monotonic() - t0
+    own = failed["error"]
+    if where == "bind":
+        assert isinstance(own, StepInputError) and "block_tables[0][0]" in str(own)
+    else:  # the malformed tensor fails inside the executor (kernel shape check or einsum)
+        assert "576" in str(own) and failed["step"] == 2
+    err = peer["error"]
+    assert isinstance(err, PeerFailedError), err
+    assert err.rank == 1 and err.detail == one_line(own)
+    assert "rank 1 failed in step 2" in str(err) and one_line(own) in str(err)
+    assert peer["step"] == 2 and peer["elapsed_s"] < TIMEOUT  # not the 120 s data timeout
+    if where == "bind" and verify == "every":
+        assert peer["ledger"] == 0  # stopped at the digest check, before any data collective
+    assert took < 60
+
+
+def _simulate(opts, capfd) -> tuple[int, float, list[str]]:
+    t0 = time.monotonic()
+    code = simulate_cmd._launch(opts, 2, as_json=False)
+    took = time.monotonic() - t0
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    return code, took, [ln for ln in err.splitlines() if ln.startswith("rank ")]
+
+
+@pytest.mark.parametrize("kind", ["stop", "exit"])
+def test_lost_rank_ends_simulate_in_bounded_time(kind, capfd):
+    """stop: the rank SIGSTOPs itself (alive, silent); exit: its process dies. Before, a stopped
+    rank kept `cpplan simulate` running for ~10 minutes."""
+    opts = SimOptions(pcp=2, dcp=2, steps=4, layers=1, progress=False, timeout_s=TIMEOUT,
+                      kill=Inject(step=1, rank=1, kind=kind))
+    code, took, lines = _simulate(opts, capfd)
+    assert code == RankLostError.exit_code
+    assert len(lines) == 2, lines  # one line per rank
+    assert lines[0].startswith("rank 0 at step 1") and "RankLostError: ranks [1]" in lines[0]
+    want = "no answer" if kind == "stop" else "exited with code 17"
+    assert lines[1].startswith("rank 1: RankLostError: rank 1 lost") and want in lines[1]
+    # spawn + one step + the control timeout + the naming grace + the settle time for the rest
+    assert took < 2 * TIMEOUT + 15, took
+
+
+def test_simulate_names_the_failed_rank_and_exits_with_its_code(capfd):
+    opts = SimOptions(pcp=2, dcp=2, steps=3, layers=1, progress=False, timeout_s=TIMEOUT,
+                      fail=Inject(step=1, rank=0, kind="bind"))
+    code, _, lines = _simulate(opts, capfd)
+    assert code == StepInputError.exit_code  # the root cause's code, not the peer's 4
+    assert "StepInputError" in lines[0] and "PeerFailedError: rank 0 failed" in lines[1]
+
+
+def _start(*args) -> tuple[subprocess.Popen, list[str], threading.Event]:
+    """`cpplan simulate` in the background; stderr lines collected until EOF (every writer,
+    workers included, has closed it)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "cpplan", "simulate", *args], cwd=ROOT,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    lines, eof = [], threading.Event()
+
+    def read() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+        eof.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + 60
+    while not any("step   1/" in ln for ln in lines) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert any("step   1/" in ln for ln in lines), "".join(lines)
+    return proc, lines, eof
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_stopping_the_parent_leaves_no_worker_traceback(how):
+    proc, lines, eof = _start("--steps", "200", "--layers", "1")
+    proc.send_signal(getattr(signal, how))
+    assert eof.wait(20), "workers still hold stderr 20 s after the parent was stopped"
+    proc.wait(10)
+    proc.stderr.close()
+    text = "".join(lines)
+    assert "Traceback" not in text and "BrokenPipe" not in text, text
+    if how == "SIGTERM":
+        assert proc.returncode == 130 and "cpplan simulate: interrupted" in text
