@@ -177,7 +177,8 @@ def test_gluon_decode_matches_reference(H):
                 plan = _plan(q, buf, idx, "fp8_ds_mla", family=family, num_splits=splits)
                 out, lse = sparse_mla_attention(q, buf, idx, 576**-0.5, "fp8_ds_mla", plan=plan)
                 _check_attention(out, lse, want_o, want_l, q.dtype)
-        assert _plan(q, buf, idx, "fp8_ds_mla").family == gluon_launch(H)[0]  # the default here
+        if T * topk < 4 * N:  # else dequantise-once comes first and the bf16 kernel runs
+            assert _plan(q, buf, idx, "fp8_ds_mla").family == gluon_launch(H)[0]
 
 
 @pytest.mark.parametrize("env", ENVS)
