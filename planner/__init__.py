@@ -1,6 +1,6 @@
 """cpplan.planner: compile a scheduler step into a StepPlan (pure CPU; numpy + numba, no torch).
 
-``compile(config, step)`` is the planner (DESIGN.md section 3); ``warmup()`` JIT-compiles its
+``compile(config, step)`` is the planner (docs/design.md §3); ``warmup()`` JIT-compiles its
 kernels at start-up; ``estimate_cost(plan)`` derives a per-rank cost estimate on demand.
 """
 

@@ -3,7 +3,7 @@
 numpy call overhead (about 1 us a call) dominates at a few hundred requests, and the greedy
 gather-chunk cut is a sequential scan, so the whole derivation runs in one jitted function
 (:func:`plan_kernel`) that returns plain arrays; ``planner.compile`` only wraps them. All inputs
-are global facts (DESIGN 3): nothing here depends on the rank that runs it.
+are global facts (docs/design.md §3): nothing here depends on the rank that runs it.
 
 ``cache=True`` keeps the machine code in ``planner/__pycache__``; :func:`warmup` compiles (or
 loads) every signature the planner uses, so a serving loop pays the JIT cost at start-up.
@@ -19,7 +19,7 @@ from cpplan.schemas.plan import MODE_DECODE, MODE_REPLICATED, MODE_SPLIT
 
 @njit(cache=True)
 def _request_table(c, q, pre, p_size, w_size, inter, mode, chunk, shard, local):
-    """Per request i (DESIGN 3.1, 3.2, 3.4), written into the [N] / [N, W] outputs:
+    """Per request i (docs/design.md §3.1, §3.2, §3.4), written into the [N] / [N, W] outputs:
     ``mode[i]`` (MODE_*), ``chunk[i]`` (cs = ceil(q/S) for split, q otherwise), ``local[i, r]``
     (KV tokens of the extent on DCP rank r; the extent when W == 1) and ``shard[i]`` = local[i, 0]
     (shard_rows). Returns (prefill requests, rows R, decode tokens nd)."""
@@ -56,7 +56,7 @@ def _request_table(c, q, pre, p_size, w_size, inter, mode, chunk, shard, local):
 
 @njit(cache=True)
 def _fill_rows(q, mode, chunk, p_size, row_req, off, length, kv_write):
-    """Published rows (DESIGN 3.3): decodes first, then prefills, both by request index; a split
+    """Published rows (docs/design.md §3.3): decodes first, then prefills, both by request index; a split
     request's two rows hold chunks p and S-1-p on rank p. Writes ``row_req`` [R] and, per rank,
     ``off`` / ``length`` [P, R] (query offset, tokens) and ``kv_write`` [P, R]. Returns the
     number of decode rows."""
@@ -108,7 +108,7 @@ def _token_starts(length, start, num_tokens):
 
 @njit(cache=True)
 def _cut_chunks(c, q, mode, shard, w_size, budget, n_pre):
-    """Greedy gather chunks over the prefill requests in request order (DESIGN 3.5): a request
+    """Greedy gather chunks over the prefill requests in request order (docs/design.md §3.5): a request
     joins the current chunk while ``W * PT`` stays within ``budget``. Returns ``creq`` / ``cpad``
     [n_pre] int32 (request, pad = shard_rows(E)), ``bounds`` [n_chunks + 1] (chunk k holds
     creq[bounds[k]:bounds[k+1]]) and the flat prefix sums ``pcu`` / ``gcu`` [n_pre + n_chunks]

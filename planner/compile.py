@@ -1,4 +1,4 @@
-"""``compile(config, step) -> StepPlan``: one scheduler step compiled for every rank (DESIGN 3).
+"""``compile(config, step) -> StepPlan``: one scheduler step compiled for every rank (docs/design.md §3).
 
 A pure function of ``(ParallelConfig, StepInput)``: no rank, clock, hash seed, set/dict order or
 float enters it, so every rank builds the same plan and the same digest. The per-request and
@@ -27,7 +27,7 @@ TOPK_CANDIDATE_BYTES = 4 + 8
 
 
 def compile(config: ParallelConfig, step: StepInput) -> StepPlan:  # noqa: A001 (the API name)
-    """The StepPlan of ``step`` under ``config`` (every field per DESIGN 3 and schemas/plan.py).
+    """The StepPlan of ``step`` under ``config`` (every field per docs/design.md §3 and schemas/plan.py).
 
     Raises StepInputError for a step the config cannot run (bad counts, duplicate req_id, an
     extent above max_model_len, more tokens than int32 holds) or an argument of the wrong type
@@ -87,7 +87,7 @@ def _column(column: Array, dtype) -> np.ndarray:
 
 
 def padded_size(max_tokens: int, graph_sizes: tuple[int, ...]) -> tuple[int, int]:
-    """(T, cudagraph_size) per DESIGN 3.7: the smallest configured graph size holding the
+    """(T, cudagraph_size) per docs/design.md §3.7: the smallest configured graph size holding the
     largest rank's token count, else eager (EAGER) at that count."""
     k = bisect_left(graph_sizes, max_tokens)
     if k < len(graph_sizes):
@@ -119,7 +119,7 @@ def _gather_chunks(creq, cpad, bounds: list[int], pcu, gcu) -> tuple[GatherChunk
 
 def collectives(config: ParallelConfig, padded: int, nd_tokens: int, has_prefill: bool,
                 chunk_rows: list[int]) -> tuple[Collective, ...]:
-    """The step's collectives in issue order, each present exactly when its DESIGN 3.8 condition
+    """The step's collectives in issue order, each present exactly when its docs/design.md §3.8 condition
     holds. ``padded`` is T, ``nd_tokens`` the decode tokens (nd), ``chunk_rows`` PT per chunk."""
     p_size, w_size = config.pcp_size, config.dcp_size
     kv, ik = config.kv_bytes_per_token, INDEXER_K_BYTES_PER_TOKEN

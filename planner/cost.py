@@ -51,7 +51,7 @@ def _tri_capped(n: np.ndarray, cap: int) -> np.ndarray:
 
 
 def _local_lens(n: np.ndarray, w_size: int, inter: int) -> np.ndarray:
-    """int64 [W, len(n)]: KV tokens of an extent n on each DCP rank (DESIGN 3.4)."""
+    """int64 [W, len(n)]: KV tokens of an extent n on each DCP rank (docs/design.md §3.4)."""
     ranks = np.arange(w_size, dtype=np.int64)[:, None]
     return np.broadcast_to(shard_count(n[None, :], w_size, inter, ranks), (w_size, len(n)))
 

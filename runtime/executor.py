@@ -1,4 +1,4 @@
-"""StepExecutor: one rank's runtime for compiled plans (DESIGN 3.4-3.8, 5).
+"""StepExecutor: one rank's runtime for compiled plans (docs/design.md §3.4-3.8, §5).
 
 Per step: ``bind`` (tables into the arena ring, one H2D copy, the digest check started), then per
 layer ``insert`` (KV and indexer-K insert) and ``attend`` (indexer top-k and sparse MLA: gathered
@@ -257,7 +257,7 @@ class StepExecutor:
                                             plan=plan)[0]
 
     def _merge_decode(self, bound, o_part, lse_part):
-        """Exact LSE merge over DCP (DESIGN 3.6): all-gather lse, scale, all-reduce."""
+        """Exact LSE merge over DCP (docs/design.md §3.6): all-gather lse, scale, all-reduce."""
         lse_all = coll.decode_lse(bound.channel, lse_part)
         weight = lse_merge_weight(lse_all, self.dcp_rank)
         scaled = (o_part.float() * weight[..., None]).to(o_part.dtype).contiguous()

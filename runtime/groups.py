@@ -5,7 +5,7 @@ control traffic (the digest check), the rank's coordinates and the timeouts. Bui
 initialised world (``Groups.build``), from torchrun's environment (``Groups.from_env``), or
 adopt the groups an engine already has (``Groups.adopt``).
 
-Rank layout (DESIGN 2): the world has max(P, W) ranks; with W == P the DCP group is the PCP
+Rank layout (docs/design.md §2.2): the world has max(P, W) ranks; with W == P the DCP group is the PCP
 group; a size-1 group is ``None`` (no collective is planned on it).
 """
 

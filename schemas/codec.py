@@ -1,4 +1,4 @@
-"""The one module that encodes and decodes cpplan data (STYLE rule 7).
+"""The one module that encodes and decodes cpplan data (docs/design.md §6.7).
 
 File format (msgpack), for plans, steps and configs alike::
 
@@ -58,7 +58,7 @@ class _RequestFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 
 class _StepFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A step as a file holds it (DESIGN.md section 2)."""
+    """A step as a file holds it (docs/design.md §2.3)."""
 
     step_id: _Count
     requests: list[_RequestFile]

@@ -1,4 +1,4 @@
-"""StepPlan: one scheduler step compiled for every rank (DESIGN.md section 3).
+"""StepPlan: one scheduler step compiled for every rank (docs/design.md §3).
 
 A plan is a frozen, keyword-only msgspec Struct holding integers, strings and arrays only (no
 floats), so its canonical msgpack bytes and digest are the same in every process. Tables are
@@ -24,7 +24,7 @@ EAGER = 0  # cudagraph_size of a step that runs eager
 
 
 class Collective(msgspec.Struct, frozen=True, kw_only=True):
-    """One collective the step issues, per rank, in issue order (DESIGN 3.8).
+    """One collective the step issues, per rank, in issue order (docs/design.md §3.8).
 
     ``shape`` is the per-rank input; ``bytes`` = prod(shape) * itemsize (summed over the dtypes
     of a packed entry such as ``topk_candidates``: ``float32+int64``). ``per_layer`` entries are
@@ -41,7 +41,7 @@ class Collective(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class GatherChunk(msgspec.Struct, frozen=True, kw_only=True):
-    """A run of prefill requests whose DCP-gathered KV fits the workspace (DESIGN 3.5).
+    """A run of prefill requests whose DCP-gathered KV fits the workspace (docs/design.md §3.5).
 
     Per region (request) j of the chunk: ``requests[j]`` the request index, ``pad[j]`` =
     shard_rows(E) rows every DCP rank contributes; ``padded_local_cu`` [n+1] and ``global_cu``
@@ -75,7 +75,7 @@ class GatherChunk(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything every rank does in one step. Names follow DESIGN.md section 2.
+    """Everything every rank does in one step. Names follow docs/design.md §2.1.
 
     Requests (input order), each ``[N]``: ``num_computed_tokens``, ``num_scheduled_tokens``
     (int32), ``is_prefilling`` and ``mode`` (uint8, MODE_*), ``chunk_size`` (cs = ceil(q/S) for

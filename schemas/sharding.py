@@ -1,4 +1,4 @@
-"""DCP sharding of a request's KV (DESIGN 3.4), in one place for planner, plans and runtime.
+"""DCP sharding of a request's KV (docs/design.md §3.4), in one place for planner, plans and runtime.
 
 KV token ``t`` lives on DCP rank ``owner(t) = (t // I) % W`` at local index
 ``local(t) = (t // (W * I)) * I + t % I``. numpy (any int array or scalar); the torch kernels

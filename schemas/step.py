@@ -2,7 +2,7 @@
 
 In memory the requests are columns (cheap to build from an engine's arrays, cheap for the
 planner to read). In a file (JSON or msgpack) a step is a list of request objects, the form of
-DESIGN.md section 2; ``cpplan.schemas.codec`` converts between the two.
+docs/design.md §2.3; ``cpplan.schemas.codec`` converts between the two.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Hypothesis: the derandomized "ci" profile (deadline=None: numba JIT and CI load make wall-time
 deadlines flaky) is loaded by default; ``HYPOTHESIS_PROFILE=dev`` explores fresh random examples.
-The planner's kernels are JIT-compiled once per session (DESIGN 7, Hypothesis with numba).
+The planner's kernels are JIT-compiled once per session (docs/design.md §7.7, Hypothesis with numba).
 """
 
 import os

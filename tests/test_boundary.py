@@ -1,4 +1,4 @@
-"""The boundary is physical: planner and schemas import with torch unimportable (STYLE rule 1)."""
+"""The boundary is physical: planner and schemas import with torch unimportable (docs/design.md §6.1)."""
 
 import subprocess
 import sys

@@ -139,7 +139,7 @@ def test_inspect_json_keys_and_golden(name):
 
 
 def test_inspect_indices_is_the_deinterleave(tmp_path):
-    """The worked example of DESIGN 3.5: extents [164, 3], P = W = 2, I = 1."""
+    """The worked example of docs/design.md §3.5: extents [164, 3], P = W = 2, I = 1."""
     step = StepInput.build(0, ["x", "y"], [0, 0], [164, 3], [True, True])
     path = tmp_path / "s.json"
     path.write_bytes(encode_step_json(step))

@@ -18,7 +18,7 @@ import pytest
 import torch
 from cpplan.runtime.kernels.flashmla import attention as fm
 from cpplan.runtime.kernels import reference as ref
-from cpplan.runtime.kernels.dispatch import OP_NAMES, REFERENCE, KernelBackendError
+from cpplan.runtime.kernels.dispatch import OP_NAMES, KernelBackendError
 
 BF16, F16 = torch.bfloat16, torch.float16
 K = 2048
@@ -36,7 +36,8 @@ K = 2048
     ((64, 32, K, "fp8_ds_mla", 1 << 18, BF16), "triton"),  # Gluon 89 vs adapter 134.5 us
     ((64, 64, K, "fp8_ds_mla", 1 << 18, BF16), "flashmla"),
     ((256, 16, K, "fp8_ds_mla", 1 << 18, BF16), "triton"),
-    ((1, 128, K, "fp8_ds_mla", 1 << 18, BF16), "flashmla"),
+    ((1, 128, K, "fp8_ds_mla", 1 << 18, BF16), "triton"),  # 52.4 vs 65.7 us via the adapter
+    ((2, 128, K, "fp8_ds_mla", 1 << 18, BF16), "flashmla"),
     # derived rules
     ((4096, 32, K, "bf16", 65536, BF16), "triton"),  # padding to 64 eats the gain
     ((4096, 16, K, "bf16", 65536, BF16), "triton"),

@@ -1,4 +1,4 @@
-"""Reference fp8 formats against a per-value naive quantiser written from DESIGN section 4."""
+"""Reference fp8 formats against a per-value naive quantiser written from docs/design.md §4."""
 
 import math
 import struct

@@ -105,7 +105,7 @@ def test_remap_matches_design_example_and_loop(W, I):
 
 
 def test_remap_design_worked_example():
-    # DESIGN 3.5: P = W = 2, I = 1, extents [164, 3], pad [82, 2], PT 84, pcu [0, 82]
+    # docs/design.md §3.5: P = W = 2, I = 1, extents [164, 3], pad [82, 2], PT 84, pcu [0, 82]
     r0 = ref.remap_to_gathered(torch.arange(6)[None], torch.tensor([0]), 84, 2, 1)
     assert r0.tolist() == [[0, 84, 1, 85, 2, 86]]
     r1 = ref.remap_to_gathered(torch.arange(3)[None], torch.tensor([82]), 84, 2, 1)

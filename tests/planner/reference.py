@@ -1,4 +1,4 @@
-"""A deliberately naive planner, written from DESIGN.md section 3 alone: the tests' oracle and
+"""A deliberately naive planner, written from docs/design.md §3 alone: the tests' oracle and
 the benchmark's baseline.
 
 It does what each rank of the old engine did: iterate ranks, iterate requests, build that rank's
@@ -26,7 +26,7 @@ def chunk_bounds(q: int, k: int, cs: int) -> tuple[int, int]:
 
 
 def request_mode(p_size: int, w_size: int, q: int, prefilling: bool) -> tuple[int, int]:
-    """(mode, chunk size) of one request (DESIGN 3.1): a P > 1, W > 1 prefill is replicated when
+    """(mode, chunk size) of one request (docs/design.md §3.1): a P > 1, W > 1 prefill is replicated when
     fewer than S of its chunks are non-empty."""
     if not prefilling:
         return MODE_DECODE, q
@@ -45,7 +45,7 @@ def request_mode(p_size: int, w_size: int, q: int, prefilling: bool) -> tuple[in
 
 
 def local_len(extent: int, rank: int, w_size: int, inter: int) -> int:
-    """KV tokens of an extent on DCP rank ``rank`` (DESIGN 3.4); the extent when W == 1."""
+    """KV tokens of an extent on DCP rank ``rank`` (docs/design.md §3.4); the extent when W == 1."""
     if w_size == 1:
         return extent
     base = (extent // inter // w_size) * inter
@@ -72,7 +72,7 @@ def rank_rows(p: int, p_size: int, reqs: list[tuple[int, int, bool]], modes) -> 
 
 
 def cut_chunks(config: ParallelConfig, reqs, modes) -> list[dict]:
-    """Greedy gather chunks over prefill requests (DESIGN 3.5); none when W == 1."""
+    """Greedy gather chunks over prefill requests (docs/design.md §3.5); none when W == 1."""
     w, inter = config.dcp_size, config.interleave_size
     if w == 1:
         return []
@@ -105,7 +105,7 @@ def cut_chunks(config: ParallelConfig, reqs, modes) -> list[dict]:
 
 def reference_collectives(config: ParallelConfig, t_pad: int, nd: int, has_prefill: bool,
                           chunks: list[dict]) -> list[tuple]:
-    """DESIGN 3.8's table, row by row: (name, op, group, dtype, shape, bytes, per_layer)."""
+    """docs/design.md §3.8's table, row by row: (name, op, group, dtype, shape, bytes, per_layer)."""
     p, w = config.pcp_size, config.dcp_size
     kv, act = KV_BYTES[config.kv_cache_dtype], config.activation_dtype
     h, out = config.num_heads, []

@@ -1,4 +1,4 @@
-"""The facts DESIGN.md section 3 states, one example test each (plus the reference's verdict)."""
+"""The facts docs/design.md §3 states, one example test each (plus the reference's verdict)."""
 
 from __future__ import annotations
 

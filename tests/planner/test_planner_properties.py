@@ -1,7 +1,7 @@
 """Hypothesis properties of compiled plans.
 
 Plan level (2,000 examples, 0..300 requests, contexts up to 200k, every supported topology):
-the plan equals the naive reference field by field, and the structural invariants of DESIGN 3
+the plan equals the naive reference field by field, and the structural invariants of docs/design.md §3
 hold. Token level (300 examples, up to 32 requests of up to 8k tokens): the deinterleave and
 the restore index are checked against a brute-force simulation of the ranks' buffers.
 """

@@ -1,4 +1,4 @@
-"""Golden payload bytes: the canonical encoding of a few plans is pinned (STYLE rule 6).
+"""Golden payload bytes: the canonical encoding of a few plans is pinned (docs/design.md §6.6).
 
 The cpplan version lives only in the envelope, so these files compare plan payloads (what the
 digest covers). The pinned plans come from the raw generator (random tables with no planning

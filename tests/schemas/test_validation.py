@@ -6,7 +6,7 @@ from cpplan.schemas import ConfigError, ParallelConfig, StepInput, StepInputErro
 
 
 def naive_shard_rows(extent, w, i):
-    """Count the tokens owned by DCP rank 0, token by token (DESIGN 3.4)."""
+    """Count the tokens owned by DCP rank 0, token by token (docs/design.md §3.4)."""
     return sum(1 for t in range(extent) if (t // i) % w == 0)
 
 

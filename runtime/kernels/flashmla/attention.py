@@ -40,7 +40,7 @@ decode fp8 B128 H128       180 us            393 us            flashmla  measure
 decode fp8 B256 H64        227 us            395 us            flashmla  measured (issue 12)
 decode fp8 B64 H32         80 us (pad 64)    89 us (Gluon)     triton    measured (2026-11-30)
 decode fp8 B256 H16        226 us (pad 64)   221 us (Gluon)    triton    measured (issue 12)
-decode fp8 B1 H128         26.8 us           135 us            flashmla  measured (issue 12)
+decode fp8 B1 H128         65.7 us (adapter)  52.4 us           triton    measured (2026-11-30)
 fp8, T*topk < 4N, pages    the decode kernel: decode rows      per H     derived (see below)
 fp8, otherwise             dequantise once + prefill rows      per H, T  derived (see below)
 fp8, that and T*topk < N   dequantising dominates              triton    derived
@@ -60,7 +60,6 @@ number of decode tokens: an attention plan made once per step should call ``deco
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 
 import torch
@@ -74,6 +73,9 @@ HEAD_SIZES = (64, 128)  # "h_q == 64 || h_q == 128"
 # decode B64 H32 padded to 64: adapter 134.5 / raw 78.6 us vs Triton's Gluon 89.1; B64 H16
 # 134.8 vs 106.2 (bench/attention.py, H200, 2026-11-30): the Gluon few-head decode keeps H < 64
 MIN_HEADS_DECODE = 64
+# one decode token, H 128: adapter 65.7 us (kernel 21.9) vs Triton 52.4 (bench/attention.py,
+# 2026-11-30): the adapter's launches outweigh the kernel's gain
+MIN_DECODE_TOKENS = 2
 MIN_HEADS_PREFILL = 64  # prefill H64: 2.31 vs 4.85 ms; below, padding eats the gain (derived)
 # the prefill grid is T x H/64 with no split over the top-k: bf16-cache decode B64 H128 (128
 # programs) 107.6 vs Triton 188.9 us, B1 H128 121.8 vs 65.5 (bench/attention.py, 2026-11-30)
@@ -156,7 +158,8 @@ def choose(num_tokens: int, num_heads: int, topk: int, kv_format: str, num_kv_ro
     if num_tokens < 1 or topk < 1:
         return "triton"
     if kv_format == "fp8_ds_mla" and fp8_kernel(num_tokens, topk, num_kv_rows) == "decode":
-        ok = supported(num_heads, kv_format, q_dtype, num_kv_rows, True) and num_heads >= MIN_HEADS_DECODE
+        ok = (supported(num_heads, kv_format, q_dtype, num_kv_rows, True)
+              and num_heads >= MIN_HEADS_DECODE and num_tokens >= MIN_DECODE_TOKENS)
         return "flashmla" if ok else "triton"
     if not supported(num_heads, kv_format, q_dtype, num_kv_rows, False) or num_heads < MIN_HEADS_PREFILL:
         return "triton"

@@ -10,7 +10,7 @@ schedule is written out:
 - each 64-key block is dequantised once from shared memory (fp8 value x power-of-two scale ->
   bf16, exact) into one bf16 tile, which both products then read from shared memory;
 - keys go on the M side of the products (``S^T = K Q^T``: [64 keys, HP heads]; ``O^T = V^T P^T``:
-  [512, HP]), heads on the narrow N side, so 16 heads cost 16 columns, not 64 rows (KERNELS.md).
+  [512, HP]), heads on the narrow N side, so 16 heads cost 16 columns, not 64 rows.
 
 Two variants hide the gather latency differently: "ring" keeps ``NS - 1`` blocks in flight in a
 ring of raw rows (213 KB of shared memory, one CTA per SM; the default for 17-32 heads) and
