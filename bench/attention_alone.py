@@ -43,7 +43,8 @@ def record_calls(r) -> list[tuple]:
 def raw_flashmla(args, kwargs):
     """A zero-argument call of FlashMLA's kernel alone on pre-converted inputs (None if the
     plan is not FlashMLA's)."""
-    q, kv, idx, sm_scale, fmt = args
+    q, kv, idx, sm_scale = args[:4]
+    fmt = args[4] if len(args) > 4 else kwargs.get("kv_format", "bf16")
     plan = kwargs["plan"]
     if plan.backend != "flashmla":
         return None

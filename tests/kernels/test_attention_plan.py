@@ -60,13 +60,14 @@ TABLE = [
     ((CPU, 2, 128, 64, B16, 80, FP16, False), ("triton-heads", 1, "none", 64, 64, 8, 3)),
 ]
 
-# Changed on purpose (not measured yet): one query token may split down to one key block per
-# split (the pre-plan code kept two, i.e. 16 splits at topk 2048, and left most SMs idle).
+# Changed on purpose, from H200 measurements (bench/kernels.py --only plans, 2026-11-30): one
+# query token splits down to one key block per split (the pre-plan code kept two: 16 splits at
+# topk 2048, most SMs idle) and takes 16 heads per program (fp8 44.2 us vs 78.9 at 64 heads).
 TABLE_T1 = [
-    ((H200, 1, 128, 2048, FP8, 1 << 18, BF16, False), ("triton-heads", 32, "in_kernel", 64, 64, 8, 2)),
-    ((H200, 1, 128, 2048, B16, 1 << 18, BF16, False), ("triton-heads", 32, "none", 64, 64, 8, 3)),
+    ((H200, 1, 128, 2048, FP8, 1 << 18, BF16, False), ("triton-heads", 32, "in_kernel", 16, 64, 4, 2)),
+    ((H200, 1, 128, 2048, B16, 1 << 18, BF16, False), ("triton-heads", 32, "none", 16, 64, 4, 2)),
     ((A100, 1, 16, 2048, FP8, 1 << 18, BF16, False), ("triton-heads-scaled", 32, "in_kernel", 16, 64, 4, 2)),
-    ((H200, 1, 64, 256, B16, 1024, BF16, False), ("triton-heads", 4, "none", 64, 64, 8, 3)),
+    ((H200, 1, 64, 256, B16, 1024, BF16, False), ("triton-heads", 4, "none", 16, 64, 4, 2)),
 ]
 
 

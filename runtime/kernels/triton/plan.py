@@ -79,13 +79,21 @@ def split_policy(programs: int, topk: int, block_k: int, sm_count: int, min_bloc
     return splits
 
 
-def heads_splits(num_tokens: int, num_heads: int, topk: int, block_k: int, spec) -> int:
+# One query token of 64+ heads (bf16 q): 16 heads per program, 4 warps, 2 stages, 32 splits of
+# one 64-key block: fp8 rows 44.2 us vs 138.2 with 64 heads per program at the same splits (and
+# 78.9 for the 64-head default), bf16 rows 40.1 vs 59.3 (bench/kernels.py --only plans, H200,
+# 2026-11-30). Two tokens keep 64 heads per program (38.7 us vs 55.5 with 16).
+SINGLE_TOKEN_BLOCK_H = 16
+
+
+def heads_splits(num_tokens: int, num_heads: int, topk: int, block_k: int, spec,
+                 block_h: int | None = None) -> int:
     """Splits of the heads kernels. One query token (T = 1) may go down to one key block per
     split (programs = head blocks only: with two blocks per split a 128-head decode filled 32 of
-    132 SMs); other T keep two. Not measured yet on a GPU. CPU (the interpreter): 1, or 2 at T 1."""
+    132 SMs); other T keep two. CPU (the interpreter): 1, or 2 at T 1."""
     if spec.kind != "cuda":
         return 1 if num_tokens > 1 else max(1, min(2, _cdiv(topk, block_k)))
-    programs = num_tokens * _cdiv(num_heads, heads_block(num_heads))
+    programs = num_tokens * _cdiv(num_heads, block_h or heads_block(num_heads))
     return split_policy(programs, topk, block_k, spec.sm_count, 1 if num_tokens == 1 else 2)
 
 
@@ -168,10 +176,14 @@ def plan_attention(*, num_tokens: int, num_heads: int, topk: int, kv_format: str
         if family == "triton-heads-scaled" and not fp8_in_kernel:
             raise AttentionPlanError("family 'triton-heads-scaled': needs fp8_ds_mla rows read in the "
                                      f"kernel, got kv_format {kv_format!r} with fp8_rows {rows_mode!r}")
+        block_h = heads_block(num_heads)
+        if (family is None and spec.kind == "cuda" and num_tokens == 1 and block_h > SINGLE_TOKEN_BLOCK_H
+                and q_dtype.itemsize == 2):
+            block_h, warps, stages = SINGLE_TOKEN_BLOCK_H, 4, 2  # one token: heads over programs
         plan = AttentionPlan(backend="triton", family=family or auto_family, fp8_rows=rows_mode,
-                             block_h=heads_block(num_heads), block_k=block_k, num_warps=warps,
-                             num_stages=stages,
-                             num_splits=heads_splits(num_tokens, num_heads, topk, block_k, spec))
+                             block_h=block_h, block_k=block_k, num_warps=warps, num_stages=stages,
+                             num_splits=heads_splits(num_tokens, num_heads, topk, block_k, spec,
+                                                     block_h))
     splits = plan.num_splits if num_splits is None else num_splits
     if not (isinstance(splits, int) and splits >= 1):
         raise AttentionPlanError(f"num_splits {splits!r}, expected an int >= 1")
