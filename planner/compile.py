@@ -27,17 +27,13 @@ TOPK_CANDIDATE_BYTES = 4 + 8
 
 
 def compile(config: ParallelConfig, step: StepInput) -> StepPlan:  # noqa: A001 (the API name)
-    """The StepPlan of ``step`` under ``config`` (every field per docs/design.md §3 and schemas/plan.py).
+    """The StepPlan of ``step`` under ``config`` (every field: docs/design.md §3, schemas/plan.py).
 
     Raises StepInputError for a step the config cannot run (bad counts, duplicate req_id, an
     extent above max_model_len, more tokens than int32 holds) or an argument of the wrong type
     (ConfigError for the config).
     """
-    if not isinstance(config, ParallelConfig):
-        raise ConfigError(f"compile: config must be a ParallelConfig: got {type(config).__name__}")
-    if not isinstance(step, StepInput):
-        raise StepInputError(f"compile: step must be a StepInput: got {type(step).__name__}")
-    step.validate(config)
+    _check_arguments(config, step)
     c = _column(step.num_computed_tokens, np.int64)
     q = _column(step.num_scheduled_tokens, np.int64)
     pre = _column(step.is_prefilling, np.uint8)
@@ -78,6 +74,14 @@ def compile(config: ParallelConfig, step: StepInput) -> StepPlan:  # noqa: A001 
         collectives=collectives(config, padded, nd_tokens, n_rows > nd_rows,
                                 [ch.padded_local_total for ch in chunks]),
     )
+
+
+def _check_arguments(config, step) -> None:
+    if not isinstance(config, ParallelConfig):
+        raise ConfigError(f"compile: config must be a ParallelConfig: got {type(config).__name__}")
+    if not isinstance(step, StepInput):
+        raise StepInputError(f"compile: step must be a StepInput: got {type(step).__name__}")
+    step.validate(config)
 
 
 def _column(column: Array, dtype) -> np.ndarray:

@@ -327,6 +327,8 @@ def _region_kernel(creq, pcu, sizes, local_lens, dcp_rank, num_requests):
     return regions, chunk_of, pcu_of
 
 
+# Over 50 lines on purpose: one jitted pass writes every section's segments in order (numba
+# inlines nothing across Python calls cheaply; splitting it costs a call per row).
 @njit(cache=True)
 def _segment_kernel(start, lens, off, write, row_req, computed, scheduled, mode, wins, pcu_of,
                     chunk_of, regions, width, t_pad, gather_base, num_chunks):

@@ -53,6 +53,12 @@ def diff_reports(a: dict, b: dict) -> list[str]:
     out += _compare_dicts("step", a, b, skip=("digest", "config", "requests", "ranks",
                                               "gather_chunks", "collectives", "cost",
                                               "workspace"))
+    for section in (_collectives_diff, _requests_diff, _ranks_diff, _chunks_diff):
+        out += _cap(section(a, b))
+    return out
+
+
+def _collectives_diff(a: dict, b: dict) -> list[str]:
     col_a, col_b = _by_key(a["collectives"], "name"), _by_key(b["collectives"], "name")
     section = []
     for name in list(col_a) + [n for n in col_b if n not in col_a]:
@@ -67,7 +73,10 @@ def diff_reports(a: dict, b: dict) -> list[str]:
     if [c["name"] for c in a["collectives"] if c["name"] in col_b] != \
             [c["name"] for c in b["collectives"] if c["name"] in col_a]:
         section.append("collectives: issue order changed")
-    out += _cap(section)
+    return section
+
+
+def _requests_diff(a: dict, b: dict) -> list[str]:
     req_a, req_b = _by_key(a["requests"], "req_id"), _by_key(b["requests"], "req_id")
     section = []
     for rid in [r["req_id"] for r in a["requests"]] + [r["req_id"] for r in b["requests"]
@@ -78,7 +87,10 @@ def diff_reports(a: dict, b: dict) -> list[str]:
             section.append(f"request {rid!r}: added (mode {req_b[rid]['mode']})")
         else:
             section += _compare_dicts(f"request {rid!r}", req_a[rid], req_b[rid])
-    out += _cap(sorted(section, key=lambda line: ": mode " not in line))  # mode changes first
+    return sorted(section, key=lambda line: ": mode " not in line)  # mode changes first
+
+
+def _ranks_diff(a: dict, b: dict) -> list[str]:
     section = []
     for ra, rb in zip(a["ranks"], b["ranks"]):
         section += _compare_dicts(f"rank {ra['rank']}", ra, rb, skip=("rows",))
@@ -90,7 +102,10 @@ def diff_reports(a: dict, b: dict) -> list[str]:
             else:
                 section += _compare_dicts(f"rank {ra['rank']} row {j}", ra["rows"][j],
                                           rb["rows"][j])
-    out += _cap(section)
+    return section
+
+
+def _chunks_diff(a: dict, b: dict) -> list[str]:
     section = []
     for k in range(max(len(a["gather_chunks"]), len(b["gather_chunks"]))):
         ca = a["gather_chunks"][k] if k < len(a["gather_chunks"]) else None
@@ -99,8 +114,7 @@ def diff_reports(a: dict, b: dict) -> list[str]:
             section.append(f"gather chunk {k}: {'added' if ca is None else 'removed'}")
         else:
             section += _compare_dicts(f"gather chunk {k}", ca, cb)
-    out += _cap(section)
-    return out
+    return section
 
 
 def _cap(lines: list[str]) -> list[str]:

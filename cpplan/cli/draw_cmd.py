@@ -82,32 +82,10 @@ def render_png(plan: StepPlan, dpi: int = 120) -> bytes:
 
     cfg = plan.config
     p_size, t_pad = cfg.pcp_size, max(plan.padded_num_tokens, 1)
-    req = plan.row_request.np()
-    modes = plan.mode.np()
-    lens, starts = plan.row_num_tokens.np(), plan.row_token_start.np()
-    offs = plan.row_query_offset.np()
-    cmap = plt.get_cmap("tab20")
     check_drawable(plan, dpi)
     fig, ax = plt.subplots(figsize=(FIG_WIDTH, 1.2 + 1.1 * p_size))
     for p in range(p_size):
-        y = p_size - 1 - p
-        for j in range(len(req)):
-            if lens[p, j] == 0:
-                continue
-            hatch, edge = MODE_STYLE[int(modes[req[j]])]
-            ax.add_patch(Rectangle((starts[p, j], y), lens[p, j], LANE_HEIGHT,
-                                   facecolor=cmap(int(req[j]) % 20), edgecolor=edge,
-                                   hatch=hatch, linewidth=0.6))
-            if lens[p, j] > 0.08 * t_pad:  # room for the label (numbers only: no user text)
-                ax.text(starts[p, j] + lens[p, j] / 2, y + LANE_HEIGHT / 2,
-                        f"r{req[j]} q{offs[p, j]}:{offs[p, j] + lens[p, j]}",
-                        ha="center", va="center", fontsize=7)
-        real = plan.num_tokens[p]
-        if real < plan.padded_num_tokens:
-            ax.add_patch(Rectangle((real, y), plan.padded_num_tokens - real, LANE_HEIGHT,
-                                   facecolor="#dddddd", edgecolor="grey", hatch="xx",
-                                   linewidth=0.6))
-        _draw_chunks(ax, plan, p, y)
+        _draw_lane(ax, plan, p, plt.get_cmap("tab20"), Rectangle)
     ax.set_xlim(0, t_pad * 1.01)
     ax.set_ylim(-0.6, p_size)
     ax.set_yticks([p_size - 1 - p + LANE_HEIGHT / 2 for p in range(p_size)])
@@ -131,6 +109,32 @@ def render_png(plan: StepPlan, dpi: int = 120) -> bytes:
     finally:
         plt.close(fig)
     return buffer.getvalue()
+
+
+def _draw_lane(ax, plan: StepPlan, p: int, cmap, Rectangle) -> None:
+    """PCP rank p's rows (coloured by request, hatched by mode), its padding and its chunks."""
+    p_size, t_pad = plan.config.pcp_size, max(plan.padded_num_tokens, 1)
+    req, modes = plan.row_request.np(), plan.mode.np()
+    lens, starts = plan.row_num_tokens.np(), plan.row_token_start.np()
+    offs = plan.row_query_offset.np()
+    y = p_size - 1 - p
+    for j in range(len(req)):
+        if lens[p, j] == 0:
+            continue
+        hatch, edge = MODE_STYLE[int(modes[req[j]])]
+        ax.add_patch(Rectangle((starts[p, j], y), lens[p, j], LANE_HEIGHT,
+                               facecolor=cmap(int(req[j]) % 20), edgecolor=edge,
+                               hatch=hatch, linewidth=0.6))
+        if lens[p, j] > 0.08 * t_pad:  # room for the label (numbers only: no user text)
+            ax.text(starts[p, j] + lens[p, j] / 2, y + LANE_HEIGHT / 2,
+                    f"r{req[j]} q{offs[p, j]}:{offs[p, j] + lens[p, j]}",
+                    ha="center", va="center", fontsize=7)
+    real = plan.num_tokens[p]
+    if real < plan.padded_num_tokens:
+        ax.add_patch(Rectangle((real, y), plan.padded_num_tokens - real, LANE_HEIGHT,
+                               facecolor="#dddddd", edgecolor="grey", hatch="xx",
+                               linewidth=0.6))
+    _draw_chunks(ax, plan, p, y)
 
 
 def _draw_chunks(ax, plan: StepPlan, p: int, y: float) -> None:

@@ -51,6 +51,8 @@ def _prefill_rows(c, pcu, PT, W: tl.constexpr, I: tl.constexpr):
     return (g % W) * PT + pcu + (g // W) * I + c % I
 
 
+# Over 50 lines on purpose: one program's loop over key tiles (three key sources, causal stop,
+# fused epilogue) is the kernel; its pieces are the helpers above.
 @triton.jit(do_not_specialize=["B", "PT"])
 def logits_kernel(q_ptr, w_ptr, k_ptr, out_ptr, rows_ptr, len_ptr, pcu_ptr, bt_ptr,
                   stride_qt, stride_qh, stride_wt, stride_ot, stride_rt, stride_bt,
