@@ -42,3 +42,27 @@ def _planner_warmup():
     from cpplan.planner import warmup
 
     warmup()
+
+
+@pytest.fixture
+def full_disk(monkeypatch):
+    """Every file written through ``os.fdopen`` fails with ENOSPC (a full disk), as the atomic
+    writer sees it; closing still works."""
+    import errno
+
+    real = os.fdopen
+
+    class FullDisk:
+        def __init__(self, fd, mode):
+            self.handle = real(fd, mode)
+
+        def __enter__(self):
+            return self
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+    monkeypatch.setattr(os, "fdopen", FullDisk)

@@ -116,25 +116,7 @@ def test_outputs_never_replace_links_devices_or_folders(step_file, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.msgpack", "step.json", "x.png"]
 
 
-def test_draw_writes_atomically_on_a_full_disk(step_file, tmp_path, monkeypatch):
-    import errno
-
-    real = os.fdopen
-
-    class FullDisk:
-        def __init__(self, fd, mode):
-            self.handle = real(fd, mode)
-
-        def __enter__(self):
-            return self
-
-        def write(self, data):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-        def __exit__(self, *exc):
-            self.handle.close()
-
-    monkeypatch.setattr(os, "fdopen", FullDisk)
+def test_draw_writes_atomically_on_a_full_disk(step_file, tmp_path, full_disk):
     one_line_error(run_cli("draw", step_file, "-o", tmp_path / "d.png"),
                    "d.png: No space left on device")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step.json"]

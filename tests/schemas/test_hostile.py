@@ -253,23 +253,7 @@ def test_write_atomic_replaces_only_regular_files(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "out.bin"]
 
 
-def test_write_atomic_full_disk_names_target_and_leaves_nothing(tmp_path, monkeypatch):
-    real = os.fdopen
-
-    class FullDisk:
-        def __init__(self, fd, mode):
-            self.handle = real(fd, mode)
-
-        def __enter__(self):
-            return self
-
-        def write(self, data):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-        def __exit__(self, *exc):
-            self.handle.close()
-
-    monkeypatch.setattr(os, "fdopen", FullDisk)
+def test_write_atomic_full_disk_names_target_and_leaves_nothing(tmp_path, full_disk):
     with pytest.raises(OutputError, match=r"cannot write .*out\.bin: No space left on device"):
         write_atomic(tmp_path / "out.bin", b"data")
     assert list(tmp_path.iterdir()) == []
