@@ -58,9 +58,14 @@ class IndexerTiles:
     decode_block_k: int = 64
     decode_warps: int = 4
     decode_stages: int = 3
-    select_block: int = 1024  # keys per select step
+    select_block: int = 4096  # keys per select step (< 2**16)
     select_warps: int = 8
-    radix_bits: int = 11  # histogram bins 2**radix_bits; ceil(32 / bits) passes
+    select_sample: int = 2048  # keys sampled per row for the threshold (power of two)
+    select_margin: float = 5.0  # sample ranks past the expected one, in standard deviations
+    select_cap: int = 4096  # candidates kept (and sorted) per row; rounded up to a power of two
+    select_attempts: int = 3  # gathering passes before the radix fallback; 0: radix only
+    select_programs_per_sm: int = 4  # persistent select programs per SM
+    radix_bits: int = 11  # fallback histogram bins 2**radix_bits; ceil(32 / bits) passes
     programs_per_sm: int = 2  # decode logits and long-row select fill this many programs per SM
 
 
@@ -91,26 +96,37 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
     """Exact top-k of each row of int32 keys ``[R, L]`` (row r: its first lens[r] columns)."""
     R, L = keys.shape
     kp = triton.next_power_of_2(topk)
-    blk, bits, warps = tiles.select_block, tiles.radix_bits, tiles.select_warps
-    segs = max(1, min(triton.cdiv(tiles.programs_per_sm * _num_sms(keys.device), R), L // (4 * kp)))
-    common = {"RANK": rank, "W": W, "I": I, "DECODE_IDS": decode_ids, "KP": kp, "BLOCK": blk,
-              "BITS": bits, "num_warps": warps}
-    scratch = torch.empty(R, kp, dtype=torch.int64, device=keys.device)
-    if segs == 1:
-        jit.select_kernel[(1, R)](keys, lens, scratch, top_s, top_i, keys.stride(0),
-                                  scratch.stride(0), top_s.stride(0), L, L, topk, HAS_LEN=True,
-                                  COMPOSITE_IN=False, FINAL=True, **common)
-        return
-    seg_len = triton.cdiv(triton.cdiv(L, segs), blk) * blk
+    sms = _num_sms(keys.device)
+    segs = max(1, min(triton.cdiv(tiles.programs_per_sm * sms, R), L // (4 * kp)))
+    seg_len = triton.cdiv(triton.cdiv(L, segs), tiles.select_block) * tiles.select_block
     segs = triton.cdiv(L, seg_len)
+    common = {"RANK": rank, "W": W, "I": I, "DECODE_IDS": decode_ids, "KP": kp,
+              "CAP": triton.next_power_of_2(max(tiles.select_cap, kp)),
+              "S": triton.next_power_of_2(max(tiles.select_sample, 16)),
+              "ATTEMPTS": tiles.select_attempts if tiles.select_sample else 0,
+              "BLOCK": min(tiles.select_block, 1 << 15), "BITS": tiles.radix_bits,
+              "num_warps": tiles.select_warps}
+    if segs == 1:
+        _select_launch(keys, lens, keys, top_s, top_i, L, L, 1, topk, tiles, sms, True, False,
+                       common)
+        return
     cand = torch.empty(R, segs * kp, dtype=torch.int64, device=keys.device)
-    jit.select_kernel[(segs, R)](keys, lens, cand, top_s, top_i, keys.stride(0), cand.stride(0),
-                                 top_s.stride(0), L, seg_len, topk, HAS_LEN=True,
-                                 COMPOSITE_IN=False, FINAL=False, **common)
+    _select_launch(keys, lens, cand, top_s, top_i, L, seg_len, segs, topk, tiles, sms, True, False,
+                   common, final=False)
     n = segs * kp
-    jit.select_kernel[(1, R)](cand, lens, scratch, top_s, top_i, cand.stride(0), scratch.stride(0),
-                              top_s.stride(0), n, n, topk, HAS_LEN=False, COMPOSITE_IN=True,
-                              FINAL=True, **common)
+    _select_launch(cand, lens, cand, top_s, top_i, n, n, 1, topk, tiles, sms, False, True, common)
+
+
+def _select_launch(src, lens, dst, top_s, top_i, n, seg_len, segs, topk, tiles, sms, has_len,
+                   composite, common, *, final=True):
+    items = src.shape[0] * segs
+    progs = max(1, min(items, tiles.select_programs_per_sm * sms))
+    buf = torch.empty(progs, common["CAP"] + common["KP"], dtype=torch.int64, device=src.device)
+    jit.select_kernel[(progs,)](src, lens, buf, dst, top_s, top_i, src.stride(0), dst.stride(0),
+                                top_s.stride(0), n, seg_len, segs, items, topk,
+                                common["RANK"], float(tiles.select_margin), HAS_LEN=has_len,
+                                COMPOSITE_IN=composite, FINAL=final,
+                                **{k: v for k, v in common.items() if k != "RANK"})
 
 
 def score_keys(scores: torch.Tensor) -> torch.Tensor:
