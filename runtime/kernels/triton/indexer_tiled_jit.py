@@ -7,10 +7,11 @@ Two kernels:
   ``K [BK, 128] @ Q^T [128, BQ * HP]`` (keys on the M side, queries x heads on the N side), then
   ReLU, the head weights, the sum over each query's HP heads and the per-key scale, giving
   ``[BK, BQ]`` scores. Writes float32 scores or order-preserving int32 keys.
-- ``select_kernel``: exact top-k of one (row, segment) by radix select over the int32 keys
-  (histogram passes of BITS bits find the exact threshold and how many keys equal to it to take,
-  lowest position first), a compaction pass, then a sort of the <= KP selected composites
-  ``key << 32 | (2**32 - 1 - c)`` (score descending, position ascending).
+- ``select_kernel``: exact top-k of (row, segment) items, persistent programs: a sorted strided
+  sample gives a threshold, one pass gathers the composites ``key << 32 | (2**32 - 1 - c)`` of the
+  keys above it and of the first K equal to it (retried with a corrected threshold when the
+  counts miss), the radix select (histogram passes of BITS bits) is the in-kernel fallback, and
+  a sort of the CAP candidates orders them (score descending, position ascending).
 
 Ordered key of a float32 score: its bits if >= 0, else bits ^ 0x7FFFFFFF; signed int32 order of
 the keys is the float order. INT32_MIN (the key of no float we produce) marks "no key".
@@ -266,7 +267,7 @@ def _bracket_select(src, gt_buf, eq_buf, lo, hi, K, MARGIN, COMPOSITE_IN: tl.con
         key, _ = _load_keys(src, pos, hi, COMPOSITE_IN)
         smp = tl.sort(key, 0, descending=True)
         m = (K * 1.0) * S / (n * 1.0)  # the sample rank of the K-th key, expected
-        idx = tl.minimum((m + MARGIN * tl.sqrt(m)).to(tl.int32) + 1, S - 1)
+        idx = tl.minimum(tl.maximum(m + MARGIN * tl.sqrt(m), -1.0).to(tl.int32) + 1, S - 1)
         thr = tl.maximum(tl.max(tl.where(si == idx, smp, -2147483648), 0), -2147483647)
     ok = tl.zeros((), tl.int32)
     n_gt = tl.zeros((), tl.int32)
