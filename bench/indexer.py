@@ -7,8 +7,10 @@ Prefill cases: the last T tokens of an N-token context (query i has keys 0 .. N 
 64 heads x 128 dims, topk 2048, one rank. Decode cases: B requests of one context each, paged
 cache (block 64, shuffled block table). Inputs are integer-valued, so scores are exact and ties
 abound; each case checks new == old (ids and scores, order included). Logits FLOPs: 2 * 64 * 128
-per (query, key). Medians of ``triton.testing.do_bench``. ``--sweep`` times tile variants of the
-first prefill case and of the decode cases (logits and select separately where it helps).
+per (query, key). Medians of ``triton.testing.do_bench``. Each prefill case also times its parts:
+logits, the select, and the radix-only select (the previous one). ``--sweep`` times tile variants
+of the first prefill case (logits tiles, then each select tunable around the defaults) and of the
+decode cases.
 """
 
 from __future__ import annotations
@@ -112,7 +114,13 @@ def prefill_parts(args, tiles, ceil, flops, label):
     def select():
         it._select(keys, key_len, TOPK, top_s, top_i, tiles)
 
-    for part, fn, fl in (("logits", logits, flops), ("select", select, None)):
+    def radix():  # the previous select (the fallback path alone), for comparison
+        it._select(keys, key_len, TOPK, top_s, top_i, dataclasses.replace(tiles, select_attempts=0))
+
+    parts = [("logits", logits, flops), ("select", select, None)]
+    if label == "parts":
+        parts.append(("select radix only", radix, None))
+    for part, fn, fl in parts:
         try:
             row(f"  {label} {part}", bench(fn), fl, ceil)
         except FAILS as e:
@@ -150,14 +158,23 @@ def sweep(ceil):
                     t = dataclasses.replace(base, block_q=bq, block_k=bk, logits_warps=warps,
                                             logits_stages=stages)
                     prefill_parts(args, t, ceil, flops, f"bq {bq} bk {bk} w {warps} s {stages}")
-    for bits in (8, 11):
-        for blk in (1024, 2048, 4096):
-            for warps in (4, 8, 16):
-                t = dataclasses.replace(base, radix_bits=bits, select_block=blk, select_warps=warps)
-                prefill_parts(args, t, ceil, None, f"select bits {bits} block {blk} w {warps}")
+    sweep_select(args, base, ceil)
     del args
     for B, ctx in ((64, 4096), (8, 131072), (1, 131072)):
         sweep_decode(B, ctx, ceil)
+
+
+SELECT_SWEEP = {"select_sample": (512, 1024, 2048, 4096), "select_margin": (3.0, 4.0, 5.0, 6.0),
+                "select_cap": (4096, 8192), "select_block": (2048, 4096, 8192),
+                "select_warps": (4, 8, 16), "select_programs_per_sm": (1, 2, 4)}
+
+
+def sweep_select(args, base, ceil):
+    """One tunable at a time around the defaults (the select alone, first prefill case)."""
+    for name, values in SELECT_SWEEP.items():
+        for v in values:
+            t = dataclasses.replace(base, **{name: v})
+            prefill_parts(args, t, ceil, None, f"select {name} {v}")
 
 
 def sweep_decode(B, ctx, ceil):

@@ -1,4 +1,4 @@
-"""The tiled indexer (logits as a tiled product, radix-select top-k) against the torch reference.
+"""The tiled indexer (logits as a tiled product, sampled-threshold top-k) against the torch reference.
 
 Inputs are integer-valued (q, weights, fp8 keys with power-of-two scales), so every score is
 exact in float32 and float64 and ties abound: results must equal the reference bit for bit,
@@ -28,8 +28,10 @@ def _it():
 
 def _tiles(env, **kw):
     it = _it()
-    if env == "interp":  # small tiles: several key blocks and select steps per row
-        kw = {"block_k": 32, "decode_block_k": 32, "select_block": 64, **kw}
+    if env == "interp":  # small tiles: several key blocks and select steps per row; rows
+        # longer than the candidate cap, so the sampled threshold is exercised
+        kw = {"block_k": 32, "decode_block_k": 32, "select_block": 64, "select_cap": 64,
+              "select_sample": 64, **kw}
     return it.IndexerTiles(**kw)
 
 
@@ -132,10 +134,22 @@ def _select_scores(kind, R, L, g):
     return torch.randn(R, L, generator=g) * torch.logspace(-30, 30, L)[None, :]
 
 
+# sampled threshold (one program per row / one persistent program / segments + merge), retries
+# (a threshold sampled too high), the in-kernel radix fallback (attempts exhausted), radix only
+SELECT_VARIANTS = {
+    "sampled": {"programs_per_sm": 0},
+    "persistent": {"programs_per_sm": 0, "select_programs_per_sm": 0},
+    "segments": {"programs_per_sm": 8, "radix_bits": 8},
+    "retry": {"programs_per_sm": 0, "select_margin": -6.0, "select_sample": 128},
+    "fallback": {"programs_per_sm": 8, "select_margin": -9.0, "select_attempts": 1},
+    "radix": {"programs_per_sm": 0, "select_attempts": 0, "radix_bits": 8},
+}
+
+
 @pytest.mark.parametrize("env", ENVS)
 @pytest.mark.parametrize("kind", ["ties", "equal", "signs", "spread"])
-@pytest.mark.parametrize("sms,bits", [(0, 11), (8, 8)])
-def test_select(env, kind, sms, bits):
+@pytest.mark.parametrize("variant", list(SELECT_VARIANTS))
+def test_select(env, kind, variant):
     it = _it()
     R, L, topk = (5, 700, 40) if env == "interp" else (64, 40000, 2048)
     g = torch.Generator().manual_seed(11)
@@ -147,7 +161,7 @@ def test_select(env, kind, sms, bits):
     want = ref.topk_reference_order(scores.double(), ids, topk)
     dev = _dev(env)
     got = it.select_topk(scores.to(dev), lens.to(dev), topk,
-                         tiles=_tiles(env, programs_per_sm=sms, radix_bits=bits))
+                         tiles=_tiles(env, **SELECT_VARIANTS[variant]))
     _check(got, want)
 
 

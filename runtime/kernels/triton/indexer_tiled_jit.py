@@ -7,10 +7,11 @@ Two kernels:
   ``K [BK, 128] @ Q^T [128, BQ * HP]`` (keys on the M side, queries x heads on the N side), then
   ReLU, the head weights, the sum over each query's HP heads and the per-key scale, giving
   ``[BK, BQ]`` scores. Writes float32 scores or order-preserving int32 keys.
-- ``select_kernel``: exact top-k of one (row, segment) by radix select over the int32 keys
-  (histogram passes of BITS bits find the exact threshold and how many keys equal to it to take,
-  lowest position first), a compaction pass, then a sort of the <= KP selected composites
-  ``key << 32 | (2**32 - 1 - c)`` (score descending, position ascending).
+- ``select_kernel``: exact top-k of (row, segment) items, persistent programs: a sorted strided
+  sample gives a threshold, one pass gathers the composites ``key << 32 | (2**32 - 1 - c)`` of the
+  keys above it and of the first K equal to it (retried with a corrected threshold when the
+  counts miss), the radix select (histogram passes of BITS bits) is the in-kernel fallback, and
+  a sort of the CAP candidates orders them (score descending, position ascending).
 
 Ordered key of a float32 score: its bits if >= 0, else bits ^ 0x7FFFFFFF; signed int32 order of
 the keys is the float order. INT32_MIN (the key of no float we produce) marks "no key".
@@ -221,41 +222,130 @@ def _compact(keys_ptr, dst_ptr, lo, hi, thr, k_eq, COMPOSITE_IN: tl.constexpr,
 
 
 @triton.jit
-def select_kernel(keys_ptr, len_ptr, dst_ptr, s_ptr, i_ptr,
-                  stride_kr, stride_dr, stride_or, N, SEG_LEN, K, RANK,
-                  W: tl.constexpr, I: tl.constexpr, HAS_LEN: tl.constexpr, COMPOSITE_IN: tl.constexpr,
-                  FINAL: tl.constexpr, DECODE_IDS: tl.constexpr, KP: tl.constexpr,
-                  BLOCK: tl.constexpr, BITS: tl.constexpr):
-    """Top-K of keys[row, seg*SEG_LEN : ...] (row length len[row], or N without len_ptr).
+def _bracket_pass(src, gt_buf, eq_buf, lo, hi, thr, K, CAP: tl.constexpr,
+                  COMPOSITE_IN: tl.constexpr, BLOCK: tl.constexpr):
+    """One scan: composites of keys > thr to gt_buf (first CAP), of the first K keys == thr (in
+    scan order, i.e. the lowest positions) to eq_buf. Returns (#>, #==, #valid keys)."""
+    n_gt = tl.zeros((), tl.int32)
+    n_eq = tl.zeros((), tl.int32)
+    n_valid = hi - lo
+    if COMPOSITE_IN:
+        n_valid = tl.zeros((), tl.int32)
+    for c0 in range(lo, hi, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        key, v = _load_keys(src, c, hi, COMPOSITE_IN)
+        gt = key > thr  # thr > NO_KEY_BITS: pads and "no key" never count
+        eq = key == thr
+        packed = gt.to(tl.int32) | (eq.to(tl.int32) << 16)  # one scan for both (BLOCK < 2**16)
+        ex = tl.cumsum(packed, 0) - packed
+        sg = n_gt + (ex & 65535)
+        se = n_eq + (ex >> 16)
+        tl.store(gt_buf + sg, v, mask=gt & (sg < CAP))
+        tl.store(eq_buf + se, v, mask=eq & (se < K))
+        tot = tl.sum(packed, 0)
+        n_gt += tot & 65535
+        n_eq += tot >> 16
+        if COMPOSITE_IN:
+            n_valid += tl.sum((key != -2147483648).to(tl.int32), 0)
+    return n_gt, n_eq, n_valid
 
-    Not FINAL: the KP sorted composites go to dst[row, seg*KP : (seg+1)*KP] (pads NO_COMPOSITE).
-    FINAL (one segment): dst[row] is scratch; scores / ids (NO_KEY pads) go to s / i.
+
+@triton.jit
+def _bracket_select(src, gt_buf, eq_buf, lo, hi, K, MARGIN, COMPOSITE_IN: tl.constexpr,
+                    CAP: tl.constexpr, S: tl.constexpr, ATTEMPTS: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """Sampled threshold + one gathering pass (retried with a corrected threshold).
+
+    Returns (ok, n_gt, e): when ok, gt_buf[:n_gt] and eq_buf[:e] hold a superset of the top K
+    composites (at most CAP + K of them).
     """
-    seg = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64)
-    n = N
-    if HAS_LEN:
-        n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
-    lo = seg * SEG_LEN
-    hi = tl.minimum(n, lo + SEG_LEN)
-    src = keys_ptr + row * stride_kr
-    dst = dst_ptr + row * stride_dr + seg * KP
-    thr, k_eq = _radix_threshold(src, lo, hi, K, COMPOSITE_IN, BLOCK, BITS)
-    taken = _compact(src, dst, lo, hi, thr, k_eq, COMPOSITE_IN, BLOCK)
-    tl.debug_barrier()  # the compaction's global writes, read back by other threads below
-    slot = tl.arange(0, KP)
-    v = tl.load(dst + slot, mask=slot < taken, other=-9223372036854775808)
-    v = tl.sort(v, 0, descending=True)
+    n = hi - lo
+    si = tl.arange(0, S)
+    thr = tl.zeros((), tl.int32) - 2147483647  # below every real key: take them all
+    idx = tl.zeros((), tl.int32) - 1
+    smp = tl.zeros((S,), tl.int32)
+    if n > CAP:
+        pos = lo + ((si.to(tl.int64) * n) // S).to(tl.int32)
+        key, _ = _load_keys(src, pos, hi, COMPOSITE_IN)
+        smp = tl.sort(key, 0, descending=True)
+        m = (K * 1.0) * S / (n * 1.0)  # the sample rank of the K-th key, expected
+        idx = tl.minimum(tl.maximum(m + MARGIN * tl.sqrt(m), -1.0).to(tl.int32) + 1, S - 1)
+        thr = tl.maximum(tl.max(tl.where(si == idx, smp, -2147483648), 0), -2147483647)
+    ok = tl.zeros((), tl.int32)
+    n_gt = tl.zeros((), tl.int32)
+    n_eq = tl.zeros((), tl.int32)
+    for _a in tl.static_range(ATTEMPTS):
+        if ok == 0:
+            n_gt, n_eq, n_valid = _bracket_pass(src, gt_buf, eq_buf, lo, hi, thr, K, CAP,
+                                                COMPOSITE_IN, BLOCK)
+            over = n_gt > CAP
+            ok = (~over & (n_gt + n_eq >= tl.minimum(K, n_valid))).to(tl.int32)
+            # retry at the sample rank where the observed density puts (K + CAP) / 2 keys
+            dens = tl.maximum(tl.where(over, n_gt, n_gt + n_eq), 1)
+            new = ((idx + 1).to(tl.int64) * ((K + CAP) // 2) // dens).to(tl.int32) - 1
+            new = tl.where(over, tl.minimum(new, idx - 1), tl.maximum(new, idx + 1))
+            idx = tl.minimum(tl.maximum(new, 0), S - 1)
+            thr = tl.maximum(tl.max(tl.where(si == idx, smp, -2147483648), 0), -2147483647)
+    e = tl.where(n_gt < K, tl.minimum(K - n_gt, n_eq), 0)
+    return ok, n_gt, e
+
+
+@triton.jit
+def _emit(v, row, slot, total, dst, s_ptr, i_ptr, stride_or, K, RANK, W: tl.constexpr,
+          I: tl.constexpr, FINAL: tl.constexpr, DECODE_IDS: tl.constexpr, KP: tl.constexpr):
+    """Writes the sorted composites v (the first ``total`` live): scores / ids, or KP composites."""
+    live = slot < total
     if FINAL:
         key = (v >> 32).to(tl.int32)
         bits = tl.where(key < 0, key ^ 0x7FFFFFFF, key)
         c = 4294967295 - (v & 4294967295)
         if DECODE_IDS:
             c = (c // I) * (W * I) + RANK * I + c % I
-        live = slot < taken
         tl.store(s_ptr + row * stride_or + slot,
                  tl.where(live, bits.to(tl.float32, bitcast=True), float("-inf")), mask=slot < K)
         tl.store(i_ptr + row * stride_or + slot, tl.where(live, c, -1).to(tl.int32), mask=slot < K)
     else:
-        tl.debug_barrier()  # every thread has read its slots before any is overwritten
-        tl.store(dst + slot, v)
+        tl.store(dst + slot, tl.where(live, v, -9223372036854775808), mask=slot < KP)
+
+
+@triton.jit
+def select_kernel(keys_ptr, len_ptr, buf_ptr, dst_ptr, s_ptr, i_ptr,
+                  stride_kr, stride_dr, stride_or, N, SEG_LEN, SEGS, ITEMS, K, RANK, MARGIN,
+                  W: tl.constexpr, I: tl.constexpr, HAS_LEN: tl.constexpr, COMPOSITE_IN: tl.constexpr,
+                  FINAL: tl.constexpr, DECODE_IDS: tl.constexpr, KP: tl.constexpr,
+                  CAP: tl.constexpr, S: tl.constexpr, ATTEMPTS: tl.constexpr,
+                  BLOCK: tl.constexpr, BITS: tl.constexpr):
+    """Top-K of keys[row, seg*SEG_LEN : ...] (row length len[row], or N without len_ptr) for the
+    items (row, seg) = divmod(item, SEGS) of this persistent program.
+
+    Not FINAL: the KP sorted composites go to dst[row, seg*KP : (seg+1)*KP] (pads NO_COMPOSITE).
+    FINAL (one segment): scores / ids (NO_KEY pads) go to s / i. buf: this program's scratch,
+    CAP + KP composites.
+    """
+    pid = tl.program_id(0)
+    gt_buf = buf_ptr + pid.to(tl.int64) * (CAP + KP)
+    eq_buf = gt_buf + CAP
+    slot = tl.arange(0, CAP)
+    for item in range(pid, ITEMS, tl.num_programs(0)):
+        row = (item // SEGS).to(tl.int64)
+        seg = item % SEGS
+        n = N
+        if HAS_LEN:
+            n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
+        lo = seg * SEG_LEN
+        hi = tl.maximum(tl.minimum(n, lo + SEG_LEN), lo)
+        src = keys_ptr + row * stride_kr
+        ok, n_gt, e = _bracket_select(src, gt_buf, eq_buf, lo, hi, K, MARGIN, COMPOSITE_IN, CAP,
+                                      S, ATTEMPTS, BLOCK)
+        if ok == 0:  # the sample missed (adversarial rows) or ATTEMPTS == 0: exact radix select
+            thr, k_eq = _radix_threshold(src, lo, hi, K, COMPOSITE_IN, BLOCK, BITS)
+            n_gt = _compact(src, gt_buf, lo, hi, thr, k_eq, COMPOSITE_IN, BLOCK)
+            e = tl.zeros((), tl.int32)
+        tl.debug_barrier()  # the gathering's global writes, read back by other threads below
+        v = tl.load(gt_buf + slot, mask=slot < n_gt, other=-9223372036854775808)
+        eq = (slot >= n_gt) & (slot < n_gt + e)
+        v = tl.where(eq, tl.load(eq_buf + (slot - n_gt), mask=eq, other=0), v)
+        v = tl.sort(v, 0, descending=True)
+        _emit(v, row, slot, tl.minimum(K, n_gt + e), dst_ptr + row * stride_dr + seg * KP, s_ptr,
+              i_ptr, stride_or, K, RANK, W, I, FINAL, DECODE_IDS, KP)
+        tl.debug_barrier()  # every thread has read the scratch before the next item rewrites it
