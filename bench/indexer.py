@@ -20,7 +20,7 @@ import dataclasses
 import json
 
 import torch
-from cpplan.runtime.kernels import get_kernels
+from cpplan.runtime.kernels.triton import indexer as old_indexer
 from cpplan.runtime.kernels.triton import indexer_tiled as it
 from cpplan.runtime.kernels import reference as ref
 from triton.compiler.errors import CompilationError
@@ -200,7 +200,8 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="tile variants (long)")
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args()
-    kernels = get_kernels("cuda", "triton")
+    # "old": the per-(query, key block) kernel, the Triton set's indexer until 2026-11-30
+    kernels = old_indexer
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     ceil = ceiling()
     parts = a.only.split(",")
