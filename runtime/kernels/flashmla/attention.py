@@ -261,7 +261,7 @@ def _check(q, kv, indices, kv_format) -> None:
 
 def sparse_mla_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                          kv_format: str = "bf16", *, fp8_kernel_choice: str = "auto"):
-    """FlashMLA ``sparse_mla_attention`` (always FlashMLA; ``flashmla_kernel_set`` decides when).
+    """FlashMLA ``sparse_mla_attention`` (always FlashMLA; the package's ``plan_attention`` decides when).
     Contract: ``reference.sparse_mla_attention``; kv ``[N, 576]`` bf16 or ``[N, 656]`` uint8
     (a paged ``[blocks, 64, 656]`` cache is flattened). fp8_kernel_choice: "auto"
     (``fp8_kernel``), "decode" or "prefill" (benchmarks and tests)."""

@@ -1,6 +1,6 @@
 """Tiled Triton indexer: logits as a matrix product over blocks of queries and keys, then an
 exact top-k from a sampled threshold (no sort of every key). Same entry points, arguments and results as
-``triton_indexer`` (contracts: ``reference_indexer``); bodies in ``indexer_tiled_jit``.
+``indexer`` (contracts: ``reference/indexer.py``); bodies in ``indexer_tiled_jit``.
 
 Logits (docs/design.md §3.6). One program owns BQ consecutive queries and a range of keys; per
 block of BK keys it computes ``K [BK, 128] @ Q^T [128, BQ * HP]`` (HP = heads padded to a power
@@ -199,7 +199,7 @@ def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_loc
                          dcp_size: int, interleave: int, topk: int, *, max_keys: int | None = None,
                          logits_budget_bytes: int = LOGITS_BUDGET_BYTES,
                          tiles: IndexerTiles | None = None):
-    """Tiled ``indexer_topk_prefill`` (contract in ``reference_indexer``); scores float32.
+    """Tiled ``indexer_topk_prefill`` (contract in ``reference/indexer.py``); scores float32.
 
     max_keys: the widest key_len (from the plan; default ``max(key_len)``, which syncs).
     Queries run in chunks whose int32 keys fit ``logits_budget_bytes``.
