@@ -1,6 +1,6 @@
 """FlashMLA against cpplan's Triton/Gluon ``sparse_mla_attention`` on one GPU, same inputs.
 
-    python bench/attention.py [--json out.json] [--only decode,H16,...] [--quick]
+    python bench/attention.py [--json out.json] [--only decode,H16,...] [--quick] [--graph]
 
 Cases: the measurements behind ``choose`` (the table in runtime/kernels/flashmla.py), then the
 ones marked "to settle" for its derived rules (prefill at H 32/16, fp8 prefill dequantised once,
@@ -11,7 +11,9 @@ empty rows included) and the raw kernel call on pre-converted inputs, Triton (``
 (2 * T * H * topk * (576 + 512), unpadded H), ``choose()``, and the largest differences of out
 and of finite lse between the two. Medians of ``triton.testing.do_bench``.
 Inputs as bench/kernels.py: prefill tokens share 64 random index rows (neighbours share keys),
-decode queries each read their own rows. flash_mla must import (``pip install --no-deps
+decode queries each read their own rows. ``--graph`` adds, for T <= 256, both
+backends timed by ``triton.testing.do_bench_cudagraph`` (the call captured in a CUDA graph and
+replayed: launch overheads gone, as in a graph-replayed decode step). flash_mla must import (``pip install --no-deps
 sgl-flash-mla`` or the unpacked wheel on PYTHONPATH); if it does not, FlashMLA columns are skipped.
 """
 
@@ -81,8 +83,8 @@ def raw_call(fm, flash_mla, q, kv, idx, fmt, kernel):
     return lambda: flash_mla.flash_mla_sparse_fwd(qp, rows, ip, SM, d_v=512, use_legacy=True)
 
 
-def run_case(case, ks, fm, flash_mla, rep_ms):
-    from triton.testing import do_bench
+def run_case(case, ks, fm, flash_mla, rep_ms, graph=False):
+    from triton.testing import do_bench, do_bench_cudagraph
 
     name, T, H, topk, N, fmt, distinct, kernel, measured = case
     bench = lambda fn: do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") * 1e3
@@ -103,6 +105,12 @@ def run_case(case, ks, fm, flash_mla, rep_ms):
         fin = torch.isfinite(t_lse)
         r["max_abs_diff_lse"] = (f_lse[fin] - t_lse[fin]).abs().max().item() if fin.any() else 0.0
         r["same_empty_rows"] = bool(torch.equal(torch.isfinite(f_lse), fin))
+    if graph and T <= 256:
+        in_graph = lambda fn: do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e3
+        r["triton_graph_us"] = in_graph(lambda: ks.sparse_mla_attention(q, kv, idx, SM, fmt))
+        if flash_mla is not None:
+            r["flashmla_graph_us"] = in_graph(
+                lambda: fm.sparse_mla_attention(q, kv, idx, SM, fmt, fp8_kernel_choice=kernel))
     return r
 
 
@@ -112,7 +120,8 @@ def fmt_row(r):
     meas = f"{m[0]:g} / {m[1]:g}" if m else "-"
     return (f"| {r['case']} | {f('flashmla_us', '.1f')} | {f('raw_us', '.1f')} | {f('triton_us', '.1f')} | "
             f"{f('ratio', '.2f')} | {f('tflops', '.0f')} | {r.get('choose', '-')} | "
-            f"{f('max_abs_diff_out', '.2e')} | {meas} | {r.get('error', '')} |")
+            f"{f('max_abs_diff_out', '.2e')} | {meas} | {f('flashmla_graph_us', '.1f')} | "
+            f"{f('triton_graph_us', '.1f')} | {r.get('error', '')} |")
 
 
 def main(argv=None) -> int:
@@ -120,6 +129,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--only", default="", help="comma-separated substrings of case names")
     ap.add_argument("--quick", action="store_true", help="shorter timing runs")
+    ap.add_argument("--graph", action="store_true", help="also time T <= 256 in a CUDA graph")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/attention.py needs a CUDA GPU (none visible)", file=sys.stderr)
@@ -137,13 +147,14 @@ def main(argv=None) -> int:
     wanted = [s for s in a.only.split(",") if s]
     rows = []
     print("| case | FlashMLA us | raw kernel us | Triton us | Triton/FlashMLA | TFLOP/s | choose() | "
-          "max abs diff out | issue 12 us (FlashMLA / Triton) | note |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "max abs diff out | issue 12 us (FlashMLA / Triton) | FlashMLA graph us | Triton graph us "
+          "| note |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for case in CASES:
         if wanted and not any(w in case[0] for w in wanted):
             continue
         try:
-            r = run_case(case, ks, fm, flash_mla, rep_ms=60 if a.quick else 300)
+            r = run_case(case, ks, fm, flash_mla, rep_ms=60 if a.quick else 300, graph=a.graph)
         # one failing case (OOM, a kernel refusing a shape) is a row of the table, not the end
         except Exception as e:  # noqa: BLE001
             r = {"case": case[0], "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"}

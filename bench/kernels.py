@@ -213,10 +213,20 @@ def bench_plans(quick):
         row(f"plan default T{T} H{H} {fmt}", ms, fl, by, note=p.describe())
         if T > 2 or not p.family.startswith("triton"):
             continue
-        for splits, block_h in ((8, None), (16, None), (32, None), (32, 32), (32, 16)):
-            alt = attn_plan(q, kv, idx, fmt, num_splits=splits)
-            if block_h:  # smaller head blocks take the few-head launch numbers
-                alt = dataclasses.replace(alt, block_h=block_h, num_warps=4, num_stages=2)
+        # (splits, block_h, block_k, num_warps, num_stages, family); None = the plan's own
+        alternatives = [(8, None, None, None, None, None), (16, None, None, None, None, None),
+                        (32, None, None, None, None, None), (32, 32, None, 4, 2, None),
+                        (32, 16, None, 4, 2, None)]
+        if T == 1:  # the single-token decode goal (issue 12): smaller key blocks, more splits
+            alternatives += [(64, 16, 32, 4, 2, None), (64, 16, 32, 2, 2, None),
+                             (32, 16, 64, 4, 3, None), (64, 32, 32, 4, 2, None)]
+            if fmt == "fp8_ds_mla":
+                alternatives += [(32, 16, 64, 4, 2, "triton-heads-scaled"),
+                                 (64, 16, 32, 4, 2, "triton-heads-scaled")]
+        for splits, block_h, block_k, warps, stages, family in alternatives:
+            alt = attn_plan(q, kv, idx, fmt, num_splits=splits, family=family)
+            launch = dict(block_h=block_h, block_k=block_k, num_warps=warps, num_stages=stages)
+            alt = dataclasses.replace(alt, **{k: v for k, v in launch.items() if v is not None})
             ms = bench(lambda: ta.sparse_mla_attention(q, kv, idx, sm, fmt, plan=alt))
             row(f"plan alternative T{T} H{H} {fmt}", ms, fl, by, note=alt.describe())
 

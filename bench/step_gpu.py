@@ -3,6 +3,7 @@
     python bench/step_gpu.py [--json]                     # one GPU: P = W = 1, full model dims
     torchrun --standalone --nproc-per-node 4 bench/step_gpu.py --pcp 4 --dcp 4   # NCCL, 4 GPUs
     python bench/step_gpu.py --prompt 0 --context 65536:131072   # decode-only, long context
+    python bench/step_gpu.py --prompt 0 --graphs          # decode-only: eager vs CUDA-graph replay
     python bench/step_gpu.py --tiny                       # CPU smoke run at toy sizes
     torchrun --standalone --nproc-per-node 2 bench/step_gpu.py --tiny --pcp 2 --dcp 2   # gloo
 
@@ -29,6 +30,12 @@ sparse MLA), merge (``topk_candidates`` + re-selection, ``decode_lse``, ``decode
 Events do not synchronise, so the instrumented step runs as the plain one does; both totals are
 printed. On the CPU the marks are ``perf_counter`` readings (gloo collectives are synchronous).
 
+With ``--graphs`` the config gets CUDA-graph sizes (powers of two up to 512), so a decode-only
+step is graph-replayable (docs/design.md §5.6): the plain step is timed both eagerly and through
+``runtime.graphs.StepGraphs`` (the per-layer ``insert`` + ``attend`` replayed; its inputs copied
+into the graph's buffers every step, as an engine without static buffers would), same plan, same
+run. The phase table is the eager step's (a replay has no per-op marks).
+
 The verify cost next to it: the plan digest on the host (encode + xxh3-128), and with more
 than one rank the digest exchange over the gloo control group, awaited, measured alone after a
 barrier (in a step it starts at bind and is awaited before the first collective).
@@ -51,6 +58,7 @@ import torch.distributed as dist
 
 from cpplan.api import Groups, LayerCache, ParallelConfig, StepExecutor, StepInput, compile
 from cpplan.runtime import collectives as coll
+from cpplan.runtime.graphs import StepGraphs
 from cpplan.runtime.kernels import get_kernels
 from cpplan.runtime.verify import DigestCheck
 from cpplan.schemas.codec import digest
@@ -74,6 +82,7 @@ FULL = dict(num_heads=128, topk=2048, index_num_heads=64, hidden_size=7168,
 TINY = dict(num_heads=8, topk=64, index_num_heads=4, hidden_size=512,
             activation_dtype="float32", prompt=256, decodes=8, context=(64, 192), layers=2)
 ACT = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 # ----------------------------------------------------------------------------- clocks
@@ -158,7 +167,8 @@ def instrumented(ex: StepExecutor, log: PhaseLog):
 def build_config(args, dims: dict, world_pcp: int, world_dcp: int) -> ParallelConfig:
     extent = max(args.prompt, dims["context"][1] + 1)
     mml = -(-extent // 1024) * 1024
-    return ParallelConfig(pcp_size=world_pcp, dcp_size=world_dcp, interleave_size=args.interleave,
+    graphs = GRAPH_SIZES if args.graphs else ()
+    return ParallelConfig(cudagraph_token_sizes=graphs, pcp_size=world_pcp, dcp_size=world_dcp, interleave_size=args.interleave,
                           kv_cache_dtype="fp8_ds_mla", num_layers=args.layers,
                           num_heads=dims["num_heads"], topk=dims["topk"],
                           index_num_heads=dims["index_num_heads"],
@@ -191,6 +201,7 @@ class Rank:
     caches: list
     x: dict
     attention: dict = dataclasses.field(default_factory=dict)  # pass -> plan of the last step
+    graphs: StepGraphs | None = None  # --graphs: replays graph-replayable steps
 
 
 def setup_rank(args, dims: dict, groups: Groups) -> Rank:
@@ -219,7 +230,25 @@ def setup_rank(args, dims: dict, groups: Groups) -> Rank:
          "index_q": rnd(t, cfg.index_num_heads, cfg.index_head_dim, dtype=act),
          "index_w": rnd(t, cfg.index_num_heads).abs(),
          "hidden": torch.zeros(t, cfg.hidden_size, dtype=act, device=dev)}
-    return Rank(groups, cfg, plan, ex, tables, caches, x)
+    rank = Rank(groups, cfg, plan, ex, tables, caches, x)
+    if args.graphs:
+        rank.graphs = StepGraphs(ex, lambda bound, *xs: layers_body(rank, bound, *xs))
+    return rank
+
+
+def layers_body(r: Rank, bound, kv, index_k, q, index_q, index_w, log=None):
+    """Every layer's insert + attend (the graphs' body); returns the last layer's output."""
+    out = None
+    for layer, cache in enumerate(r.caches):
+        if log is not None:
+            log.layer = layer
+        r.ex.insert(bound, cache, kv, index_k)
+        if log is not None:
+            log.point("insert")
+        out = r.ex.attend(bound, cache, q, index_q, index_w)
+        if log is not None:
+            log.point("other")
+    return out
 
 
 def _random_cache(cfg, num_blocks: int, dev, kernels, gen, chunk: int = 1 << 16) -> LayerCache:
@@ -233,20 +262,20 @@ def _random_cache(cfg, num_blocks: int, dev, kernels, gen, chunk: int = 1 << 16)
     return cache
 
 
-def run_step(r: Rank, log) -> float:
-    """One step exactly as an engine runs it (embedding API); ``log`` marks phase ends.
+def run_step(r: Rank, log, graphs: StepGraphs | None = None) -> float:
+    """One step exactly as an engine runs it (embedding API); ``log`` marks phase ends;
+    ``graphs``: the per-layer work goes through it (replayed when the step has a graph key).
     Returns the host time of ``bind`` in ms."""
     ex, x = r.ex, r.x
     t0 = time.perf_counter()
     bound = ex.bind(r.plan, r.tables)
     bind_host_ms = (time.perf_counter() - t0) * 1e3
     log.point("bind")
-    for layer, cache in enumerate(r.caches):
-        log.layer = layer
-        ex.insert(bound, cache, x["kv"], x["index_k"])
-        log.point("insert")
-        ex.attend(bound, cache, x["q"], x["index_q"], x["index_w"])
-        log.point("other")
+    inputs = (x["kv"], x["index_k"], x["q"], x["index_q"], x["index_w"])
+    if graphs is not None:
+        graphs.run(bound, *inputs)
+    else:
+        layers_body(r, bound, *inputs, log=log)
     log.layer = None
     ex.restore(bound, x["hidden"])
     ex.finish(bound)
@@ -262,7 +291,7 @@ def _barrier(r: Rank, clock: Clock) -> None:
         dist.barrier(group=r.groups.control)
 
 
-def time_steps(r: Rank, repeat: int) -> dict:
+def time_steps(r: Rank, repeat: int, graphs: StepGraphs | None = None) -> dict:
     """Plain steps: device-event time bind..finish and host wall time (medians, ms)."""
     clock = Clock(r.groups.device)
     gpu, wall, bind_host = [], [], []
@@ -270,7 +299,7 @@ def time_steps(r: Rank, repeat: int) -> dict:
         _barrier(r, clock)
         t0 = time.perf_counter()
         a = clock.mark()
-        bind_host.append(run_step(r, _NoLog()))
+        bind_host.append(run_step(r, _NoLog(), graphs))
         b = clock.mark()
         clock.sync()
         wall.append((time.perf_counter() - t0) * 1e3)
@@ -325,6 +354,12 @@ def measure(r: Rank, repeat: int) -> dict:
     if r.groups.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     steps = time_steps(r, repeat)
+    if r.graphs is not None:
+        run_step(r, _NoLog(), r.graphs)  # the key's first step: eager, then captured
+        clock.sync()
+        graph = time_steps(r, repeat, r.graphs)
+        steps.update({f"graph_{k}": v for k, v in graph.items()})
+        steps["graph_captured"] = r.graphs.captured != {}
     per_layer, step_level = time_phases(r, repeat)
     res = {**steps, **verify_costs(r, repeat), "per_layer_ms": per_layer,
            "bind_ms": step_level["bind"], "restore_ms": step_level["restore"],
@@ -376,6 +411,8 @@ def parse_args(argv=None):
     ap.add_argument("--repeat", type=int, default=3, help="timed steps per measurement")
     ap.add_argument("--kernels", choices=("reference", "triton", "flashmla"),
                     help="kernel backend (default: the device's, Triton on CUDA)")
+    ap.add_argument("--graphs", action="store_true",
+                    help="CUDA-graph sizes in the config; time the step eager and replayed")
     ap.add_argument("--tiny", action="store_true", help="toy sizes (runs on a CPU)")
     ap.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     args = ap.parse_args(argv)
@@ -436,6 +473,11 @@ def report(args, r: Rank, res: dict, stream) -> dict:
         w(f"| {k} | " + " | ".join(f"{v:.2f}" for v in row) + f" | {row.sum():.2f} |\n")
     mean = per.mean(axis=0)
     w("| mean | " + " | ".join(f"{v:.2f}" for v in mean) + f" | {mean.sum():.2f} |\n\n")
+    if "graph_step_ms" in res:
+        how = "replayed" if res["graph_captured"] else "not replayed: no graph key, or no CUDA"
+        w(f"step through StepGraphs ({how}, device events bind..finish): "
+          f"{res['graph_step_ms']:.2f} ms; host wall {res['graph_step_wall_ms']:.2f} ms; "
+          f"eager / graph {res['step_ms'] / res['graph_step_ms']:.2f}x\n")
     exch = res["exchange_ms"]
     w(f"step (plain, device events bind..finish): {res['step_ms']:.2f} ms; host wall "
       f"{res['step_wall_ms']:.2f} ms; instrumented {res['instrumented_ms']:.2f} ms "

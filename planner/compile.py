@@ -71,8 +71,9 @@ def compile(config: ParallelConfig, step: StepInput) -> StepPlan:  # noqa: A001 
         padded_num_tokens=padded,
         cudagraph_size=graph,
         gather_chunks=chunks,
-        collectives=collectives(config, padded, nd_tokens, n_rows > nd_rows,
-                                [ch.padded_local_total for ch in chunks]),
+        collectives=collectives(config, padded, decode_rows_issued(padded, graph, nd_tokens,
+                                                                   n_rows > nd_rows),
+                                n_rows > nd_rows, [ch.padded_local_total for ch in chunks]),
     )
 
 
@@ -97,6 +98,13 @@ def padded_size(max_tokens: int, graph_sizes: tuple[int, ...]) -> tuple[int, int
     if k < len(graph_sizes):
         return graph_sizes[k], graph_sizes[k]
     return max_tokens, EAGER
+
+
+def decode_rows_issued(padded: int, graph: int, nd_tokens: int, has_prefill: bool) -> int:
+    """The decode rows the decode collectives carry (docs/design.md §3.7): T for a graph-replayable
+    step (decode-only, padded to a CUDA-graph size: a captured graph runs every padded token),
+    otherwise nd."""
+    return padded if graph != EAGER and not has_prefill and nd_tokens > 0 else nd_tokens
 
 
 def _gather_chunks(creq, cpad, bounds: list[int], pcu, gcu) -> tuple[GatherChunk, ...]:
@@ -124,7 +132,8 @@ def _gather_chunks(creq, cpad, bounds: list[int], pcu, gcu) -> tuple[GatherChunk
 def collectives(config: ParallelConfig, padded: int, nd_tokens: int, has_prefill: bool,
                 chunk_rows: list[int]) -> tuple[Collective, ...]:
     """The step's collectives in issue order, each present exactly when its docs/design.md §3.8 condition
-    holds. ``padded`` is T, ``nd_tokens`` the decode tokens (nd), ``chunk_rows`` PT per chunk."""
+    holds. ``padded`` is T, ``nd_tokens`` the decode rows the decode collectives carry
+    (:func:`decode_rows_issued`), ``chunk_rows`` PT per chunk."""
     p_size, w_size = config.pcp_size, config.dcp_size
     kv, ik = config.kv_bytes_per_token, INDEXER_K_BYTES_PER_TOKEN
     act, act_size = config.activation_dtype, ACTIVATION_ITEMSIZE[config.activation_dtype]

@@ -28,11 +28,17 @@ from cpplan.runtime import collectives as coll
 from cpplan.runtime.arena import ArenaRing, arena_words
 from cpplan.runtime.faults import FaultBoard, StepWatch, Watchdog
 from cpplan.runtime.kernels import get_kernels
-from cpplan.runtime.tables import StepMeta, StepTables, build_tables, check_block_tables
+from cpplan.runtime.tables import Layout, StepMeta, StepTables, build_tables, check_block_tables
 from cpplan.runtime.tables import warmup as warmup_tables
 from cpplan.schemas.codec import config_fingerprint
 from cpplan.schemas.config import ParallelConfig
-from cpplan.schemas.errors import CapacityError, ConfigError, PlanMismatchError, RankLostError
+from cpplan.schemas.errors import (
+    CapacityError,
+    ConfigError,
+    PlanMismatchError,
+    RankLostError,
+    UsageError,
+)
 from cpplan.schemas.plan import StepPlan
 
 DUMMY_SLOT = 0  # slot 0 (block 0) of every cache is reserved: padded and skipped rows use it
@@ -57,16 +63,30 @@ class LayerCache:
 
 @dataclasses.dataclass
 class BoundStep:
-    """A plan bound on one rank: typed device tables (views into an arena), the host meta, and
-    the step's collective channel (ledger + the digest check in flight)."""
+    """A plan bound on one rank: the arena's views of its table segments, the host meta and
+    layout, and the step's collective channel (ledger + the digest check in flight). The typed
+    device tables are expanded from the views at first use (:attr:`tables`), so a step that a
+    captured graph replays (runtime/graphs.py) never expands them eagerly."""
 
     plan: StepPlan
     meta: StepMeta
-    tables: StepTables
+    layout: Layout
+    views: dict  # name -> device view into the arena (alive for arena_depth binds)
     channel: coll.StepChannel
     # attention pass ("local" / "decode" / "chunk[c]") -> the kernel plan every layer runs;
     # chosen at the pass's first call from host shapes (the cache's rows are first seen there)
     attention: dict = dataclasses.field(default_factory=dict)
+    _tables: StepTables | None = None
+
+    @property
+    def tables(self) -> StepTables:
+        if self._tables is None:
+            self._tables = StepTables.expand(self.views, self.meta, self.layout)
+        return self._tables
+
+    def use_tables(self, tables: StepTables) -> None:
+        """Point the step at tables expanded elsewhere (a graph's static copy)."""
+        self._tables = tables
 
     @property
     def ledger(self) -> coll.Ledger:
@@ -94,7 +114,7 @@ class StepExecutor:
             max_blocks_per_request = -(-config.shard_rows(config.max_model_len)
                                        // config.block_size)
         words = arena_words(max_tokens, max_requests, max_blocks_per_request, config.pcp_size,
-                            config.dcp_size)
+                            config.dcp_size, config.cudagraph_token_sizes)
         self.arena = ArenaRing(words, self.device, arena_depth)
         warmup_tables()  # bind's host kernels, compiled (or loaded) now rather than at step 1
         self.sm_scale = 1.0 / math.sqrt(config.qk_head_dim)
@@ -117,10 +137,10 @@ class StepExecutor:
     # ------------------------------------------------------------------ bind
     def bind(self, plan: StepPlan, block_tables: np.ndarray,
              num_blocks: int | None = None) -> BoundStep:
-        """Start the digest check, build the rank's table segments (host, O(rows + requests)),
-        pack them into the next arena (one H2D copy) and expand them into the step's tables on
-        the device. ``block_tables`` ``[N, max_blocks]`` int: this rank's local blocks of each of
-        the plan's requests (block 0 is reserved); ``num_blocks`` (optional) the cache's block
+        """Start the digest check, build the rank's table segments (host, O(rows + requests))
+        and pack them into the next arena (one H2D copy); the step's tables are expanded on the
+        device at first use (:attr:`BoundStep.tables`). ``block_tables`` ``[N, max_blocks]``
+        int: this rank's local blocks of each of the plan's requests (block 0 is reserved); ``num_blocks`` (optional) the cache's block
         count, to refuse out-of-range blocks. Bad tables or a plan compiled for another config
         raise before anything is sent or written; the peers then raise PeerFailedError at the
         digest check (or, with the check off for this step, in their first collective)."""
@@ -138,10 +158,10 @@ class StepExecutor:
         with self._announcing(watch):
             host = build_tables(plan, self.pcp_rank, self.dcp_rank, bt, DUMMY_SLOT)
             views = self.arena.pack(host.params, plan.step_id)
-            tables = StepTables.expand(views, host.meta, host.layout)
         if self.watchdog is not None:
             self.watchdog.watch(watch)
-        return BoundStep(plan, host.meta, tables, coll.StepChannel(self.comm, pending, watch))
+        return BoundStep(plan, host.meta, host.layout, views,
+                         coll.StepChannel(self.comm, pending, watch))
 
     def _announce(self, watch: StepWatch, exc: BaseException) -> None:
         """Tell the peers this rank failed (unless the failure came from them)."""
@@ -268,6 +288,9 @@ class StepExecutor:
     def restore(self, bound: BoundStep, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's rows ``[T, hidden]`` -> every query token in global order
         ``[sum q, hidden]`` (all-gathered over PCP when P > 1)."""
+        if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise UsageError(f"step {bound.plan.step_id}: restore inside a CUDA-graph capture; "
+                             "expected after StepGraphs.run (its row count changes per step)")
         with self._announcing(bound.channel.watch):
             if bound.meta.restore:
                 full = hidden.new_empty((self.config.pcp_size * hidden.shape[0],
@@ -276,7 +299,9 @@ class StepExecutor:
             else:
                 bound.channel.await_plan_verified()
                 full = hidden
-            return full.index_select(0, bound.tables.restore_index)
+            # a graph key's restore index is padded to P * T: its first sum q rows count
+            index = bound.tables.restore_index[: bound.meta.num_global_tokens]
+            return full.index_select(0, index)
 
     def finish(self, bound: BoundStep) -> coll.Ledger:
         """Close the step: the digest check is awaited even if no collective ran; in debug mode

@@ -51,6 +51,9 @@ class StepMeta:
     decode_merge: bool  # the plan lists topk_candidates / decode_lse / decode_out
     restore: bool  # the plan lists restore
     num_global_tokens: int  # sum q
+    # graph-replayable plans (StepPlan.graph_replayable): (T, key blocks), the key of the
+    # captured graph that may run this step; None for a step that runs eagerly only
+    graph_key: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,9 +67,10 @@ class Layout:
     interleave_size: int
     block_size: int
     dummy_slot: int
+    restore_len: int  # rows of restore_index: sum q, or P * T for a graph key (static)
 
     def total(self, meta: StepMeta) -> int:
-        return meta.padded + self.insert_len + sum(meta.chunk_rows) + meta.num_global_tokens
+        return meta.padded + self.insert_len + sum(meta.chunk_rows) + self.restore_len
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +118,7 @@ class StepTables:
     insert_pre: torch.Tensor  # [T - nd] or [P * (T - nd)] after kv_insert: prefill slots
     block_tables: torch.Tensor  # [N, max_blocks] this rank's local blocks per request
     restore_index: torch.Tensor  # [sum q] rows of the P * T restored buffer, global order
+    #                              (graph key: [P * T], rows past sum q are 0)
     gather: tuple[GatherChunkTables, ...]  # per gather chunk (empty when W == 1)
 
     @classmethod
@@ -244,6 +249,11 @@ def build_tables(plan: StepPlan, pcp_rank: int, dcp_rank: int, block_tables: np.
     (:func:`check_block_tables`). O(P * rows + requests), in one jitted call."""
     cfg = plan.config
     t_pad, nd, p_size = plan.padded_num_tokens, plan.num_decode_tokens, cfg.pcp_size
+    graph_key = graph_key_of(plan)
+    num_requests = plan.num_requests
+    if graph_key is not None:  # every padded token is a decode (docs/design.md §3.7)
+        nd = num_requests = t_pad
+        block_tables = _graph_block_tables(block_tables, t_pad, graph_key[1])
     names = {c.name for c in plan.collectives}
     kv_insert = "kv_insert" in names
     # token windows (rank, first token, end, first u, region_pcu on): this rank's decodes and
@@ -269,17 +279,63 @@ def build_tables(plan: StepPlan, pcp_rank: int, dcp_rank: int, block_tables: np.
                               f"an exclusive prefix sum of row_num_tokens)")
     dec_width = int(shard_count(int(facts[0]), cfg.dcp_size, cfg.interleave_size, dcp_rank))
     n_real = int(facts[2])
+    local_range = (0, n_real, max(int(facts[1]), 1))
+    restore_len = int(facts[4])
+    if graph_key is not None:  # static shapes: one capture serves every step of this key
+        dec_width = graph_key[1] * cfg.block_size
+        local_range, restore_len = (0, t_pad, dec_width), p_size * t_pad
+        ends, par = _pad_segments(ends, par, graph_segments(t_pad, p_size))
     meta = StepMeta(num_tokens=n_real, padded=t_pad, num_decode_tokens=nd,
-                    decode_width=max(dec_width, 1), local_range=(0, n_real, max(int(facts[1]), 1)),
+                    decode_width=max(dec_width, 1), local_range=local_range,
                     chunk_ranges=tuple(map(tuple, ranges.tolist())), chunk_rows=ch.rows,
                     kv_insert=kv_insert, decode_merge="decode_out" in names,
-                    restore="restore" in names, num_global_tokens=int(facts[4]))
-    layout = Layout(num_requests=plan.num_requests, insert_len=insert_len,
+                    restore="restore" in names, num_global_tokens=int(facts[4]),
+                    graph_key=graph_key)
+    layout = Layout(num_requests=num_requests, insert_len=insert_len,
                     dcp_size=cfg.dcp_size, dcp_rank=dcp_rank,
                     interleave_size=cfg.interleave_size, block_size=cfg.block_size,
-                    dummy_slot=dummy_slot)
+                    dummy_slot=dummy_slot, restore_len=restore_len)
     params = {"seg_ends": ends, "seg_params": par, "block_tables": block_tables.reshape(-1)}
     return RankTables(params=params, meta=meta, layout=layout)
+
+
+def graph_key_of(plan: StepPlan) -> tuple[int, int] | None:
+    """(T, key blocks) of a graph-replayable plan, else None. Key blocks: the next power of
+    two of the blocks the longest decode holds on any DCP rank, so that steps of one padded
+    size share a handful of captures; the decode pass reads ``blocks * block_size`` keys and
+    block tables of that width (identical on every rank: it depends on the plan only)."""
+    if not plan.graph_replayable:
+        return None
+    longest = int(plan.dcp_local_lens.np().max()) if plan.num_requests else 0
+    blocks = max(1, -(-longest // plan.config.block_size))
+    return plan.padded_num_tokens, 1 << (blocks - 1).bit_length()
+
+
+def graph_segments(t_pad: int, p_size: int) -> int:
+    """Segments of a graph-replayable step, padded (static): 3 token windows of at most
+    2 * T + 1 segments (a decode-only step has at most T rows), one restore segment per row
+    (decodes come from PCP rank 0 only), and a terminal zero segment (restore rows past sum q)."""
+    return 3 * (2 * t_pad + 1) + t_pad + 1
+
+
+def _pad_segments(ends: np.ndarray, par: np.ndarray, total: int):
+    """Segments padded to ``total`` with empty zero segments (their ends past every u)."""
+    if ends.size >= total:
+        raise PlanFormatError(f"a graph-replayable step has {ends.size} segments, expected "
+                              f"fewer than {total}")
+    ends_p = np.full(total, 1 << 62, np.int64)
+    par_p = np.zeros((NUM_PARAMS, total), np.int64)
+    ends_p[: ends.size], par_p[:, : ends.size] = ends, par
+    return ends_p, par_p
+
+
+def _graph_block_tables(block_tables: np.ndarray, t_pad: int, blocks: int) -> np.ndarray:
+    """``[N, w]`` -> ``[T, blocks]``: a static shape per graph key; the columns past the
+    request's blocks and the rows past N are 0 (never read: they hold no key)."""
+    out = np.zeros((t_pad, blocks), np.int64)
+    n, w = block_tables.shape[0], min(block_tables.shape[1], blocks)
+    out[:n, :w] = block_tables[:, :w]
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -70,6 +70,13 @@ class PeerFailedError(RankLostError):
         return type(self), (str(self), self.rank, self.detail)
 
 
+class UsageError(CpplanError, RuntimeError):
+    """A runtime call made where it cannot run correctly (e.g. ``restore`` inside a CUDA-graph
+    capture, where its per-step row count would be frozen)."""
+
+    exit_code = 2
+
+
 class CollectiveLedgerError(CpplanError, RuntimeError):
     """The collectives a step issued differ from the plan's list (debug mode)."""
 

@@ -125,6 +125,14 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
     def num_rows(self) -> int:
         return self.row_request.shape[0]
 
+    @property
+    def graph_replayable(self) -> bool:
+        """A decode-only step padded to a CUDA-graph size (docs/design.md §3.7): the runtime
+        runs all T tokens through the decode pass (padded ones have no key), the decode
+        collectives carry T rows, and a captured graph may replay it."""
+        return (self.cudagraph_size != EAGER and self.num_decode_tokens > 0
+                and self.num_decode_rows == self.num_rows)
+
     def extent(self) -> np.ndarray:
         """int64 [N]: c + q."""
         return self.num_computed_tokens.np().astype(np.int64) + self.num_scheduled_tokens.np()

@@ -26,9 +26,28 @@ def request_keys_on(plan: StepPlan, device) -> torch.Tensor:
 
 
 def run_step(executor: StepExecutor, bound: BoundStep, caches: list[LayerCache],
-             seed: int, request_keys: torch.Tensor) -> torch.Tensor:
+             seed: int, request_keys: torch.Tensor, graphs=None) -> torch.Tensor:
     """Every layer of one bound step; returns the restored ``[sum q, L * H * 512]`` rows.
-    ``request_keys`` ``[N]`` int64 on the executor's device (:func:`request_keys_on`)."""
+    ``request_keys`` ``[N]`` int64 on the executor's device (:func:`request_keys_on`);
+    ``graphs``: a :class:`~cpplan.runtime.graphs.StepGraphs` over :func:`step_layers` with the
+    same caches and seed (graph-replayable steps are then replayed), or None (eager)."""
+    if graphs is None:
+        hidden = step_layers(executor, bound, caches, seed, request_keys)
+    else:  # a graph's inputs have static shapes: the keys padded to T (N <= T there)
+        if bound.meta.graph_key is not None:
+            padded = request_keys.new_zeros(bound.meta.padded)
+            padded[: request_keys.shape[0]] = request_keys
+            request_keys = padded
+        hidden = graphs.run(bound, request_keys)
+    restored = executor.restore(bound, hidden)
+    executor.finish(bound)
+    return restored
+
+
+def step_layers(executor: StepExecutor, bound: BoundStep, caches: list[LayerCache],
+                seed: int, request_keys: torch.Tensor) -> torch.Tensor:
+    """The per-layer work of one step (a graph's body): every layer's inputs from coordinates,
+    insert and attend; returns the rank's ``[T, L * H * 512]`` rows."""
     cfg, t = executor.config, bound.tables
     keys = request_keys.index_select(0, t.token_req)
     pos = t.token_pos
@@ -41,9 +60,7 @@ def run_step(executor: StepExecutor, bound: BoundStep, caches: list[LayerCache],
         executor.insert(bound, cache, x["kv"], x["index_k"])
         out = executor.attend(bound, cache, x["q"].to(act), x["index_q"], x["index_w"])
         hidden[:, layer * width: (layer + 1) * width] = out.reshape(out.shape[0], width)
-    restored = executor.restore(bound, hidden)
-    executor.finish(bound)
-    return restored
+    return hidden
 
 
 def prefill_history(executor: StepExecutor, plan: StepPlan, caches: list[LayerCache],

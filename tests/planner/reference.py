@@ -178,8 +178,10 @@ def reference_plan(config: ParallelConfig, step: StepInput) -> dict:
         "padded_num_tokens": t_pad,
         "cudagraph_size": graph,
         "gather_chunks": chunks,
-        "collectives": reference_collectives(config, t_pad, nd, len(decode_rows) < len(reqs),
-                                             chunks),
+        # a decode-only step padded to a graph size runs every padded token as a decode
+        "collectives": reference_collectives(
+            config, t_pad, t_pad if graph != EAGER and nd > 0 and len(decode_rows) == len(reqs)
+            else nd, len(decode_rows) < len(reqs), chunks),
     }
 
 

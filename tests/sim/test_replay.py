@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from cpplan.planner.compile import compile as compile_plan
-from cpplan.schemas import StepInput
+from cpplan.runtime.tables import graph_key_of
+from cpplan.schemas import ParallelConfig, StepInput
 from cpplan.sim import replay as rp
 from cpplan.sim.replay import replay_plan
 from cpplan.sim.simulate import TOLERANCE, SimOptions, preset_config
@@ -40,3 +42,26 @@ def test_replay_detects_a_wrong_layer():
         assert rp.replay_plan(plan, seed=0).max_abs_err > 100 * TOLERANCE
     finally:
         rp.oracle_step = real
+
+
+def _decode_step():
+    """Decodes only (one of two tokens): padded to a graph size, the step is graph-replayable."""
+    return StepInput.build(6, ["a", "b", "c", "d", "e"], [100, 7, 160, 300, 5],
+                           [1, 1, 1, 2, 1], [False] * 5)
+
+
+@pytest.mark.parametrize("pwi", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 4), (3, 3, 2)])
+@pytest.mark.parametrize("kv", ["fp8_ds_mla", "bf16"])
+def test_replay_of_a_graph_replayable_step_matches_oracle(pwi, kv):
+    """Every padded token goes through the decode pass (static shapes, the graph's key
+    width); padded tokens read no key and the real ones still match the oracle."""
+    fields = msgspec.structs.asdict(_config(*pwi, kv=kv))
+    cfg = ParallelConfig(**{**fields, "cudagraph_token_sizes": (4, 8, 16)})
+    plan = compile_plan(cfg, _decode_step())
+    assert plan.graph_replayable and plan.padded_num_tokens == 8
+    # the longest decode holds 302 keys: 5 blocks of 64 on one rank, 3 (151) on W = 2,
+    # 2 (101) on W = 3; rounded up to a power of two
+    assert graph_key_of(plan) == (8, {1: 8, 2: 4, 3: 2}[pwi[1]])
+    result = replay_plan(plan, seed=3)
+    assert result.max_abs_err <= TOLERANCE
+    assert result.tokens == 6
