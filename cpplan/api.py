@@ -17,6 +17,11 @@ Per scheduler step (every rank, same global StepInput)::
     executor.finish(bound)                     # digest awaited; ledger == plan in debug mode
     record_plan(plan, "runs/a")                # optional: for cpplan inspect / replay
 
+Decode steps under CUDA graphs (docs/design.md §5.6): configure ``cudagraph_token_sizes``, wrap
+the per-layer loop above in ``graphs = StepGraphs(executor, body)`` with ``body(bound, *inputs)``
+calling ``insert`` / ``attend``, and call ``out = graphs.run(bound, *inputs)`` between ``bind`` and
+``restore``: decode-only steps are then replayed from a graph captured at their key's first step.
+
 A divergent rank raises PlanMismatchError on every rank before the first data collective; a
 rank missing from the check raises RankLostError (named) within the control timeout.
 """
@@ -27,6 +32,7 @@ import os
 
 from cpplan.planner.compile import compile  # noqa: A004 - the planner's public name
 from cpplan.runtime.executor import BoundStep, LayerCache, StepExecutor
+from cpplan.runtime.graphs import StepGraphs
 from cpplan.runtime.groups import Groups
 from cpplan.schemas.codec import encode_plan
 from cpplan.schemas.config import ParallelConfig
@@ -43,5 +49,5 @@ def record_plan(plan: StepPlan, directory: str) -> str:
     return path
 
 
-__all__ = ["BoundStep", "Groups", "LayerCache", "ParallelConfig", "StepExecutor", "StepInput",
-           "StepPlan", "compile", "record_plan"]
+__all__ = ["BoundStep", "Groups", "LayerCache", "ParallelConfig", "StepExecutor", "StepGraphs",
+           "StepInput", "StepPlan", "compile", "record_plan"]

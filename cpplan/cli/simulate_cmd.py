@@ -45,6 +45,9 @@ def register(sub) -> None:
     p.add_argument("--seed", type=bounded_int(0, 2**63 - 1), default=0)
     p.add_argument("--layers", type=bounded_int(0, 1024), default=2)
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    p.add_argument("--graphs", action="store_true",
+                   help="CUDA-graph sizes 1..128 in the config: decode-only steps are padded "
+                        "to them and, on CUDA, replayed from captured graphs")
     p.add_argument("--verify", choices=("every", "sampled", "off"), default="every")
     p.add_argument("--verify-every", type=bounded_int(0, 10**6), default=4, metavar="N",
                    help="with --verify sampled: check every N-th step (default 4)")
@@ -114,7 +117,7 @@ def _options(args):
                       kv_cache_dtype=args.kv_cache_dtype, steps=args.steps, seed=args.seed,
                       layers=args.layers, backend=args.backend, verify=args.verify,
                       verify_every=args.verify_every, record=args.record, inject=inject,
-                      timeout_s=args.timeout)
+                      timeout_s=args.timeout, graphs=args.graphs)
 
 
 def run(args) -> int:
@@ -294,6 +297,7 @@ def _table(s: dict, stream) -> None:
                                                     f"{s['preempted']} / {s['finished']}"),
             ("collectives (all ranks)", s["collectives"]), ("digest checks passed",
                                                             s["digest_checks"]),
+            ("graph-replayable / replayed", f"{s['graph_steps']} / {s['replayed']}"),
             ("max |out - oracle|", f"{s['max_abs_err']:.2e} (tol {s['tolerance']:.0e})"),
             ("result", "OK" if s["ok"] else "MISMATCH"), ("wall time", f"{s['seconds']} s")]
     try:
@@ -310,4 +314,4 @@ def _table(s: dict, stream) -> None:
         Console(file=stream).print(table)
         return
     for k, v in rows:
-        stream.write(f"{k:>26}  {v}\n")
+        stream.write(f"{k:>28}  {v}\n")

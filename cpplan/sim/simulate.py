@@ -23,14 +23,14 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from cpplan.api import Groups, LayerCache, StepExecutor, record_plan
+from cpplan.api import Groups, LayerCache, StepExecutor, StepGraphs, record_plan
 from cpplan.api import compile as compile_plan
 from cpplan.schemas.config import ParallelConfig
 from cpplan.schemas.files import write_atomic
 from cpplan.schemas.errors import CpplanError, StepInputError
 from cpplan.schemas.step import StepInput
 from cpplan.sim.allocator import BlockAllocator
-from cpplan.sim.model import request_keys_on, run_step
+from cpplan.sim.model import request_keys_on, run_step, step_layers
 from cpplan.sim.oracle import max_abs_error, oracle_step
 from cpplan.sim.scheduler import MiniScheduler, preset_requests
 
@@ -71,6 +71,7 @@ class SimOptions:
     # (kind "hang": it first stalls, alive with its connections open, for 2x the timeout;
     # "stop": it sends itself SIGSTOP)
     fail: Inject | None = None  # that rank raises locally at that step (kind: FAIL_KINDS)
+    graphs: bool = False  # CUDA-graph sizes GRAPH_SIZES; on CUDA, StepGraphs replays
 
 
 # The small preset (docs/design.md §7.3): real 576/512 dims and formats, few heads, topk below
@@ -78,13 +79,15 @@ class SimOptions:
 PRESET = dict(block_size=64, num_heads=8, topk=64, index_num_heads=4, index_head_dim=128,
               activation_dtype="float32")
 TOKEN_BUDGET, MAX_RUNNING, KV_TOKEN_BUDGET = 128, 10, 1100
+GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # --graphs: up to the token budget
 
 
 def preset_config(opts: SimOptions) -> ParallelConfig:
     return ParallelConfig(pcp_size=opts.pcp, dcp_size=opts.dcp, interleave_size=opts.interleave,
                           kv_cache_dtype=opts.kv_cache_dtype, num_layers=opts.layers,
                           hidden_size=opts.layers * PRESET["num_heads"] * 512,
-                          max_model_len=opts.max_model_len, **PRESET)
+                          max_model_len=opts.max_model_len,
+                          cudagraph_token_sizes=GRAPH_SIZES if opts.graphs else (), **PRESET)
 
 
 def perturb(step: StepInput, config: ParallelConfig, kind: str):
@@ -143,11 +146,16 @@ class _RankSim:
         self.sched = MiniScheduler(preset_requests(config.pcp_size, mml, num_long=4),
                                    token_budget=TOKEN_BUDGET, max_running=MAX_RUNNING,
                                    kv_token_budget=KV_TOKEN_BUDGET)
+        self.graphs = StepGraphs(self.executor, self._layers) if opts.graphs else None
         self.step = -1
         self.ledger_len = 0
         self.t_bind = time.monotonic()
         self.stats = dict(steps=0, tokens=0, collectives=0, max_abs_err=0.0, chunks=0,
-                          preempted=0, finished=0)
+                          preempted=0, finished=0, graph_steps=0)
+
+    def _layers(self, bound, request_keys):
+        """StepGraphs' body: the model's per-layer work on this rank's caches."""
+        return step_layers(self.executor, bound, self.caches, self.opts.seed, request_keys)
 
     def run(self) -> None:
         for step_id in range(self.opts.steps):
@@ -183,7 +191,8 @@ class _RankSim:
         bound = self.executor.bind(plan, tables, self.alloc.num_blocks)
         executor = _Malformed(self.executor, fail) if fail else self.executor
         try:
-            restored = run_step(executor, bound, self.caches, self.opts.seed, keys)
+            restored = run_step(executor, bound, self.caches, self.opts.seed, keys,
+                                graphs=None if fail else self.graphs)
         finally:
             self.ledger_len = len(bound.ledger)
         world = self.groups.world_size
@@ -196,6 +205,7 @@ class _RankSim:
         s["collectives"] += len(bound.ledger)
         s["max_abs_err"] = max(s["max_abs_err"], err)
         s["chunks"] += len(plan.gather_chunks)
+        s["graph_steps"] += int(plan.graph_replayable)
         if self.rank == 0:
             self._record(plan)
             if self.opts.progress:
@@ -219,9 +229,10 @@ class _RankSim:
         """Sum counts / max the error over every rank (control group); a rank gone by then is
         a RankLostError, not the transport's error."""
         s = self.stats
+        replayed = sum(c.replays for c in self.graphs.captured.values()) if self.graphs else 0
         mine = torch.tensor([s["tokens"], s["collectives"], s["max_abs_err"], s["steps"],
                              self.executor.check.passed, s["chunks"], s["preempted"],
-                             s["finished"]], dtype=torch.float64)
+                             s["finished"], s["graph_steps"], replayed], dtype=torch.float64)
         g = self.groups
         parts = [torch.empty_like(mine) for _ in range(g.control_size)]
         if g.control is not None:
@@ -237,7 +248,8 @@ class _RankSim:
         return {"rank": self.rank, "steps": int(allr[0, 3]), "tokens": int(allr[0, 0]),
                 "max_abs_err": float(allr[:, 2].max()), "collectives": int(allr[:, 1].sum()),
                 "digest_checks": int(allr[0, 4]), "gather_chunks": int(allr[0, 5]),
-                "preempted": int(allr[0, 6]), "finished": int(allr[0, 7])}
+                "preempted": int(allr[0, 6]), "finished": int(allr[0, 7]),
+                "graph_steps": int(allr[0, 8]), "replayed": int(allr[0, 9])}
 
 
 def _die(kind: str, timeout_s: float) -> None:

@@ -67,3 +67,19 @@ def test_simulate_and_replay_help_have_examples():
     for command in ("simulate", "replay"):
         proc = cpplan(command, "--help")
         assert proc.returncode == 0 and "example" in proc.stdout.lower()
+
+
+def test_simulate_with_graph_sizes_pads_decode_steps_and_matches_the_oracle(tmp_path):
+    """--graphs: decode-only steps become graph-replayable (every padded token a decode, T-row
+    decode collectives); on the CPU they run eagerly with the graph's static shapes, and a
+    recorded one replays against the oracle."""
+    runs = tmp_path / "runs"
+    proc = cpplan("simulate", "--graphs", "--json", "--record", runs)
+    assert proc.returncode == 0, proc.stderr
+    summary = _last_json(proc.stdout)
+    assert summary["ok"] is True and summary["max_abs_err"] <= summary["tolerance"]
+    assert summary["graph_steps"] >= 1 and summary["replayed"] == 0  # no CUDA here
+    last = runs / f"step-{summary['steps'] - 1}.msgpack"
+    report = json.loads(cpplan("inspect", last, "--json").stdout)
+    assert report["cudagraph_size"] > 0
+    assert cpplan("replay", last).returncode == 0

@@ -28,8 +28,8 @@ WIDTH = 16  # blocks per request in the block tables (1024 keys)
 
 
 def _config(kv: str) -> ParallelConfig:
-    fields = msgspec.structs.asdict(preset_config(SimOptions(kv_cache_dtype=kv, layers=2,
-                                                             max_model_len=1024)))
+    fields = msgspec.structs.asdict(preset_config(SimOptions(
+        pcp=1, dcp=1, kv_cache_dtype=kv, layers=2, max_model_len=1024)))
     return ParallelConfig(**{**fields, "cudagraph_token_sizes": (8, 16)})
 
 
@@ -60,7 +60,7 @@ class _Rig:
         self.alloc = BlockAllocator(self.num_blocks, cfg.block_size, 1, 0, 1)
         self.caches = [LayerCache.empty(cfg, self.num_blocks, "cuda")
                        for _ in range(cfg.num_layers)]
-        body = functools.partial(_body, caches=self.caches, seed=self.seed)
+        body = functools.partial(_body, self.ex, caches=self.caches, seed=self.seed)
         self.graphs = StepGraphs(self.ex, body, enabled=graphs)
 
     def prepare(self, plan):
