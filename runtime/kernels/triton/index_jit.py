@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["pcu_ptr", "PT"])
 def remap_kernel(ids_ptr, pcu_ptr, out_ptr, K, stride_i, stride_o, PT, W, I, BLOCK: tl.constexpr):
     j = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -18,7 +18,7 @@ def remap_kernel(ids_ptr, pcu_ptr, out_ptr, K, stride_i, stride_o, PT, W, I, BLO
     tl.store(out_ptr + j.to(tl.int64) * stride_o + offs, tl.where(t >= 0, rows, -1).to(tl.int32), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bt_ptr", "stride_b"])
 def filter_kernel(ids_ptr, bt_ptr, out_ptr, K, stride_i, stride_b, stride_o, B, W, rank, I,
             BLOCK: tl.constexpr):
     j = tl.program_id(0)

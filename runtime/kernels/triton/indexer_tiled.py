@@ -158,6 +158,12 @@ def select_topk(scores, lens, topk: int, *, tiles: IndexerTiles | None = None):
     return top_s, top_i
 
 
+def _keys_buffer(rows: int, L: int, device) -> torch.Tensor:
+    """int32 keys ``[rows, L]`` whose row stride is L rounded up to 16: the kernels specialise
+    on that stride, so one compile serves every L (bench/jit_variants.py)."""
+    return torch.empty(rows, -(-L // 16) * 16, dtype=torch.int32, device=device)[:, :L]
+
+
 def _outputs(T, topk, device):
     top_s = torch.full((T, topk), float("-inf"), dtype=torch.float32, device=device)
     top_i = torch.full((T, topk), NO_KEY, dtype=torch.int32, device=device)
@@ -213,7 +219,7 @@ def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_loc
         return top_s, top_i
     key_len, region_pcu = key_len.contiguous(), region_pcu.contiguous()
     step = max(1, logits_budget_bytes // (4 * L))
-    keys = torch.empty(min(step, T), L, dtype=torch.int32, device=q.device)
+    keys = _keys_buffer(min(step, T), L, q.device)
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         _logits(q[t0:t1], weights[t0:t1], k_gathered, keys[: t1 - t0], 1, True, L,
@@ -242,7 +248,7 @@ def indexer_topk_decode(q, weights, k_cache_flat, local_len, block_table, block_
     if k_cache_flat.dim() == 3:
         k_cache_flat = k_cache_flat.view(-1, INDEXER_K_BYTES)
     local_len, block_table = local_len.contiguous(), block_table.contiguous()
-    keys = torch.empty(T, L, dtype=torch.int32, device=q.device)
+    keys = _keys_buffer(T, L, q.device)
     bk = tiles.decode_block_k
     splits = max(1, min(triton.cdiv(L, bk), triton.cdiv(tiles.programs_per_sm * _num_sms(q.device), T)))
     _logits(q, weights, k_cache_flat, keys, 2, True, L, bq=1, bk=bk,

@@ -54,7 +54,11 @@ def _prefill_rows(c, pcu, PT, W: tl.constexpr, I: tl.constexpr):
 
 # Over 50 lines on purpose: one program's loop over key tiles (three key sources, causal stop,
 # fused epilogue) is the kernel; its pieces are the helpers above.
-@triton.jit(do_not_specialize=["B", "PT"])
+# Step-varying ints and index pointers are not specialised (bench/jit_variants.py: each new
+# "== 1" / "multiple of 16" / 16-byte-alignment class is a compile of seconds on the GPU);
+# the output row stride stays specialised and is made a multiple of 16 by the launchers.
+@triton.jit(do_not_specialize=["rows_ptr", "len_ptr", "pcu_ptr", "bt_ptr", "stride_rt",
+                               "stride_bt", "T", "L", "PT", "B", "KEYS_PER_SPLIT"])
 def logits_kernel(q_ptr, w_ptr, k_ptr, out_ptr, rows_ptr, len_ptr, pcu_ptr, bt_ptr,
                   stride_qt, stride_qh, stride_wt, stride_ot, stride_rt, stride_bt,
                   T, HI, L, PT, B, KEYS_PER_SPLIT,
@@ -308,7 +312,7 @@ def _emit(v, row, slot, total, dst, s_ptr, i_ptr, stride_or, K, RANK, W: tl.cons
         tl.store(dst + slot, tl.where(live, v, -9223372036854775808), mask=slot < KP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["len_ptr", "N", "SEG_LEN", "SEGS", "ITEMS", "K", "RANK"])
 def select_kernel(keys_ptr, len_ptr, buf_ptr, dst_ptr, s_ptr, i_ptr,
                   stride_kr, stride_dr, stride_or, N, SEG_LEN, SEGS, ITEMS, K, RANK, MARGIN,
                   W: tl.constexpr, I: tl.constexpr, HAS_LEN: tl.constexpr, COMPOSITE_IN: tl.constexpr,

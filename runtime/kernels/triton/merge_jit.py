@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "TH"])
 def lse_merge_kernel(out_parts, lse_parts, out_ptr, lse_ptr, R, TH,
                stride_or, stride_lr, BLOCK_R: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                DV: tl.constexpr):

@@ -65,7 +65,7 @@ def pack_fp8(x_ptr, slots_ptr, cache_ptr, stride_x, stride_c,
             tl.store(rope_ptr + tl.arange(0, 64), rb.to(tl.int16))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def unpack_fp8_ds_mla(packed_ptr, out_ptr, n, stride_p, stride_o, BLOCK_R: tl.constexpr):
     """Rows ``[BLOCK_R, 656]`` uint8 -> ``[BLOCK_R, 576]`` out dtype: fp8 value x its group's
     power-of-two scale (exact in float32), RoPE bf16 as stored."""
