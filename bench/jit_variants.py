@@ -1,6 +1,6 @@
 """How many Triton kernel variants a run of steps compiles, counted on the CPU.
 
-    python bench/jit_variants.py [--steps 24] [--pcp 2 --dcp 2] [--graphs] [--no-fix]
+    python bench/jit_variants.py [--steps 24] [--pcp 2 --dcp 2] [--graphs] [--no-fix] [--warmup]
 
 Triton compiles one binary per *specialisation* of a kernel: its constexpr values, the launch
 options, each tensor's dtype and 16-byte alignment, and each int argument's class (== 1, a
@@ -33,6 +33,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from cpplan.api import compile as compile_plan  # noqa: E402
 from cpplan.runtime.executor import LayerCache, StepExecutor  # noqa: E402
+from cpplan.warmup import warmup  # noqa: E402
 from cpplan.runtime.kernels import attention_plan  # noqa: E402
 from cpplan.runtime.kernels.triton import TRITON  # noqa: E402
 from cpplan.runtime.kernels.triton import indexer_tiled, plan as tplan  # noqa: E402
@@ -108,11 +109,12 @@ class Recorder:
         return {name: sorted(keys.values()) for name, keys in self.keys.items()}
 
 
-def count(plans: list, respect_do_not_specialize: bool = True) -> Recorder:
-    """The specialisations rank 0 needs for ``plans`` (ranks differ only in a constant)."""
+def count(plans: list, respect_do_not_specialize: bool = True, warm: bool = False) -> Recorder:
+    """The specialisations rank 0 needs for ``plans`` (ranks differ only in a constant);
+    ``warm``: ``cpplan.warmup.warmup`` first (its launches count as step -1)."""
     rec = Recorder(respect_do_not_specialize)
     with rec.installed():
-        run_rank(plans, 0, rec)
+        run_rank(plans, 0, rec, warm)
     return rec
 
 
@@ -149,7 +151,7 @@ class ShapesOnly:
         pass
 
 
-def run_rank(plans: list, rank: int, rec: Recorder) -> None:
+def run_rank(plans: list, rank: int, rec: Recorder, warm: bool = False) -> None:
     """Every plan through rank ``rank``'s executor (Triton set, launches intercepted)."""
     cfg = plans[0].config
     pcp_rank, dcp_rank = (rank if cfg.pcp_size > 1 else 0), (rank if cfg.dcp_size > 1 else 0)
@@ -161,6 +163,9 @@ def run_rank(plans: list, rank: int, rec: Recorder) -> None:
                            cfg.interleave_size)
     caches = [LayerCache.empty(cfg, alloc.num_blocks, "cpu") for _ in range(cfg.num_layers)]
     act = torch.float32
+    if warm:
+        rec.step = -1
+        warmup(ex)
     for plan in plans:
         rec.step = plan.step_id
         for rid, extent in zip(plan.req_ids, plan.extent()):
@@ -181,11 +186,13 @@ def main(argv=None) -> int:
     ap.add_argument("--pcp", type=int, default=2)
     ap.add_argument("--dcp", type=int, default=2)
     ap.add_argument("--graphs", action="store_true", help="the config's CUDA-graph sizes on")
+    ap.add_argument("--kv-cache-dtype", choices=("fp8_ds_mla", "bf16"), default="fp8_ds_mla")
     ap.add_argument("--no-fix", action="store_true", help="specialise every int argument")
+    ap.add_argument("--warmup", action="store_true", help="cpplan.warmup.warmup first (step -1)")
     a = ap.parse_args(argv)
-    opts = SimOptions(pcp=a.pcp, dcp=a.dcp, graphs=a.graphs)
+    opts = SimOptions(pcp=a.pcp, dcp=a.dcp, graphs=a.graphs, kv_cache_dtype=a.kv_cache_dtype)
     plans = record_steps(opts, a.steps)
-    rec = count(plans, respect_do_not_specialize=not a.no_fix)
+    rec = count(plans, respect_do_not_specialize=not a.no_fix, warm=a.warmup)
     print(f"# {len(plans)} steps of the simulate preset, P={a.pcp} W={a.dcp}"
           f"{' graphs' if a.graphs else ''}; do_not_specialize "
           f"{'ignored (--no-fix)' if a.no_fix else 'respected'}")
@@ -195,8 +202,10 @@ def main(argv=None) -> int:
     for name, firsts in sorted(rec.first_steps().items()):
         total += len(firsts)
         print(f"| {name} | {rec.launches[name]} | {len(firsts)} | {firsts} |")
-    late = sum(1 for name in rec.keys for s in rec.keys[name].values() if s > 0)
-    print(f"| total | {sum(rec.launches.values())} | {total} | {late} after step 0 |")
+    firsts = [s for steps in rec.first_steps().values() for s in steps]
+    print(f"| total | {sum(rec.launches.values())} | {total} | "
+          f"{sum(s >= 0 for s in firsts)} by the steps, {sum(s > 0 for s in firsts)} after "
+          "step 0 |")
     return 0
 
 

@@ -17,6 +17,9 @@ Per scheduler step (every rank, same global StepInput)::
     executor.finish(bound)                     # digest awaited; ledger == plan in debug mode
     record_plan(plan, "runs/a")                # optional: for cpplan inspect / replay
 
+Before the first step, ``warmup(executor)`` (on every rank at once) runs a few synthetic steps on
+scratch caches so that every kernel variant is compiled before serving.
+
 Decode steps under CUDA graphs (docs/design.md §5.6): configure ``cudagraph_token_sizes``, wrap
 the per-layer loop above in ``graphs = StepGraphs(executor, body)`` with ``body(bound, *inputs)``
 calling ``insert`` / ``attend``, and call ``out = graphs.run(bound, *inputs)`` between ``bind`` and
@@ -33,6 +36,7 @@ import os
 from cpplan.planner.compile import compile  # noqa: A004 - the planner's public name
 from cpplan.runtime.executor import BoundStep, LayerCache, StepExecutor
 from cpplan.runtime.graphs import StepGraphs
+from cpplan.warmup import warmup
 from cpplan.runtime.groups import Groups
 from cpplan.schemas.codec import encode_plan
 from cpplan.schemas.config import ParallelConfig
@@ -50,4 +54,4 @@ def record_plan(plan: StepPlan, directory: str) -> str:
 
 
 __all__ = ["BoundStep", "Groups", "LayerCache", "ParallelConfig", "StepExecutor", "StepGraphs",
-           "StepInput", "StepPlan", "compile", "record_plan"]
+           "StepInput", "StepPlan", "compile", "record_plan", "warmup"]

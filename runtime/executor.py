@@ -109,7 +109,7 @@ class StepExecutor:
         self.watchdog: Watchdog | None = None
         self.device = torch.device(device)
         self.kernels = kernels or get_kernels(str(self.device.type))
-        self.max_tokens = max_tokens
+        self.max_tokens, self.max_requests = max_tokens, max_requests
         if max_blocks_per_request is None:
             max_blocks_per_request = -(-config.shard_rows(config.max_model_len)
                                        // config.block_size)

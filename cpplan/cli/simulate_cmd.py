@@ -48,6 +48,8 @@ def register(sub) -> None:
     p.add_argument("--graphs", action="store_true",
                    help="CUDA-graph sizes 1..128 in the config: decode-only steps are padded "
                         "to them and, on CUDA, replayed from captured graphs")
+    p.add_argument("--warmup", action="store_true",
+                   help="compile every kernel variant before the first step (cpplan.warmup)")
     p.add_argument("--verify", choices=("every", "sampled", "off"), default="every")
     p.add_argument("--verify-every", type=bounded_int(0, 10**6), default=4, metavar="N",
                    help="with --verify sampled: check every N-th step (default 4)")
@@ -117,7 +119,7 @@ def _options(args):
                       kv_cache_dtype=args.kv_cache_dtype, steps=args.steps, seed=args.seed,
                       layers=args.layers, backend=args.backend, verify=args.verify,
                       verify_every=args.verify_every, record=args.record, inject=inject,
-                      timeout_s=args.timeout, graphs=args.graphs)
+                      timeout_s=args.timeout, graphs=args.graphs, warmup=args.warmup)
 
 
 def run(args) -> int:

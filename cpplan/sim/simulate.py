@@ -33,6 +33,7 @@ from cpplan.sim.allocator import BlockAllocator
 from cpplan.sim.model import request_keys_on, run_step, step_layers
 from cpplan.sim.oracle import max_abs_error, oracle_step
 from cpplan.sim.scheduler import MiniScheduler, preset_requests
+from cpplan.warmup import warmup
 
 INJECT_KINDS = ("reorder", "q+1", "drop", "config", "step-id")
 KILL_KINDS = ("exit", "hang", "stop")  # die / stay alive and silent / SIGSTOP itself
@@ -72,6 +73,7 @@ class SimOptions:
     # "stop": it sends itself SIGSTOP)
     fail: Inject | None = None  # that rank raises locally at that step (kind: FAIL_KINDS)
     graphs: bool = False  # CUDA-graph sizes GRAPH_SIZES; on CUDA, StepGraphs replays
+    warmup: bool = False  # cpplan.warmup.warmup before the first step (every kernel compiled)
 
 
 # The small preset (docs/design.md §7.3): real 576/512 dims and formats, few heads, topk below
@@ -147,6 +149,8 @@ class _RankSim:
                                    token_budget=TOKEN_BUDGET, max_running=MAX_RUNNING,
                                    kv_token_budget=KV_TOKEN_BUDGET)
         self.graphs = StepGraphs(self.executor, self._layers) if opts.graphs else None
+        if opts.warmup:  # collective, like a step: every rank does it here
+            warmup(self.executor)
         self.step = -1
         self.ledger_len = 0
         self.t_bind = time.monotonic()

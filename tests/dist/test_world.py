@@ -66,6 +66,15 @@ def test_steps_match_oracle_and_plan(worlds, world_size, pwi, kv):
         assert s["gather_chunks"] >= STEPS
 
 
+def test_warmup_runs_on_every_rank_before_the_steps(worlds):
+    """cpplan.warmup's synthetic steps are collective steps like any other (digest-checked,
+    ledger-checked) on scratch caches: the real steps after them still match the oracle."""
+    opts = SimOptions(pcp=2, dcp=2, steps=4, layers=1, progress=False, timeout_s=20, warmup=True)
+    s = _ok_values(worlds(2).run(rank_main, opts, timeout_s=240))[0]
+    assert s["steps"] == 4 and s["max_abs_err"] <= TOLERANCE
+    assert s["digest_checks"] == 4 + 4  # the four warm-up steps, then the four real ones
+
+
 @pytest.mark.parametrize("kind", INJECT_KINDS)
 def test_divergence_stops_every_rank_before_any_collective(worlds, kind):
     opts = SimOptions(pcp=2, dcp=2, steps=3, layers=1, progress=False, timeout_s=20,

@@ -44,3 +44,14 @@ def test_the_count_sees_step_varying_specialisations(jv):
     plans = jv.record_steps(SimOptions(pcp=2, dcp=2), 24)
     firsts = jv.count(plans, respect_do_not_specialize=False).first_steps()
     assert sum(1 for steps in firsts.values() for s in steps if s > 1) >= 10
+
+
+@pytest.mark.parametrize("pw", [(2, 2), (1, 2), (2, 1), (1, 1)])
+@pytest.mark.parametrize("kv", ["fp8_ds_mla", "bf16"])
+def test_after_warmup_no_step_needs_a_new_specialisation(jv, pw, kv):
+    """cpplan.warmup's synthetic steps compile every variant the simulate preset's 40 steps
+    (decode-only steps padded to graph sizes included) need: nothing is left for the steps."""
+    opts = SimOptions(pcp=pw[0], dcp=pw[1], kv_cache_dtype=kv, graphs=True)
+    firsts = jv.count(jv.record_steps(opts, 40), warm=True).first_steps()
+    by_steps = {name: steps for name, steps in firsts.items() if max(steps) >= 0}
+    assert firsts and not by_steps, by_steps
