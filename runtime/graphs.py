@@ -18,6 +18,12 @@ them). ``run(bound, *inputs)``:
    graph is replayed; the result is the graph's static outputs (overwritten by the next replay of
    that graph: copy what must outlive it).
 
+A graph holds the addresses of everything its body touched at capture: the caches and any other
+tensor the body closes over must stay the same objects for the graphs' lifetime (reallocate
+them, and make a new ``StepGraphs``). Inputs are matched by shape and dtype; a new shape is a
+new capture. Each key's graph keeps its own memory pool slice; keys are few (T sizes times
+powers of two of key blocks).
+
 The guarantees of an eager step hold: the digest check completes before the graph (and so
 before the first collective) runs; the collectives the capture recorded are appended to the
 step's ledger, so ``finish`` still compares the ledger with this step's plan; ``restore`` runs
