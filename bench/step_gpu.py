@@ -4,6 +4,7 @@
     torchrun --standalone --nproc-per-node 4 bench/step_gpu.py --pcp 4 --dcp 4   # NCCL, 4 GPUs
     python bench/step_gpu.py --prompt 0 --context 65536:131072   # decode-only, long context
     python bench/step_gpu.py --prompt 0 --graphs          # decode-only: eager vs CUDA-graph replay
+    torchrun --standalone --nproc-per-node 2 bench/step_gpu.py --pcp 2 --dcp 2 --prompt 0 --merge kernel
     python bench/step_gpu.py --tiny                       # CPU smoke run at toy sizes
     torchrun --standalone --nproc-per-node 2 bench/step_gpu.py --tiny --pcp 2 --dcp 2   # gloo
 
@@ -69,7 +70,7 @@ from cpplan.sim.launch import join_torchrun, leave_torchrun, torchrun_env
 PHASES = ("insert", "gather", "indexer", "attention", "merge", "other")
 KERNEL_PHASE = {"quantize_fp8_ds_mla": "insert", "quantize_indexer_k": "insert",
                 "indexer_topk_prefill": "indexer", "indexer_topk_decode": "indexer",
-                "topk_reference_order": "merge",
+                "topk_reference_order": "merge", "merge_topk_candidates": "merge",
                 "filter_local_slots": "attention", "remap_to_gathered": "attention",
                 "sparse_mla_attention": "attention"}
 COLLECTIVE_PHASE = {"kv_insert": "insert", "indexer_k_insert": "insert",
@@ -215,6 +216,10 @@ def setup_rank(args, dims: dict, groups: Groups) -> Rank:
     num_blocks = 1 + sum(len(b) for b in alloc.blocks.values())
     tables = alloc.table(plan.req_ids, per_req)
     kernels = get_kernels(dev.type, args.kernels)
+    if args.merge == "kernel":  # the Triton merge of sorted candidate lists (not yet default)
+        from cpplan.runtime.kernels.triton import merge
+
+        kernels = dataclasses.replace(kernels, merge_topk_candidates=merge.merge_topk_candidates)
     ex = StepExecutor.from_groups(cfg, groups, verify="every", kernels=kernels,
                                   max_tokens=plan.padded_num_tokens,
                                   max_requests=plan.num_requests)
@@ -411,6 +416,9 @@ def parse_args(argv=None):
     ap.add_argument("--repeat", type=int, default=3, help="timed steps per measurement")
     ap.add_argument("--kernels", choices=("reference", "triton", "flashmla"),
                     help="kernel backend (default: the device's, Triton on CUDA)")
+    ap.add_argument("--merge", choices=("sort", "kernel"), default="sort",
+                    help="the W > 1 decode top-k merge: the kernel set's (two sorts) or the "
+                         "Triton merge of the sorted lists")
     ap.add_argument("--graphs", action="store_true",
                     help="CUDA-graph sizes in the config; time the step eager and replayed")
     ap.add_argument("--tiny", action="store_true", help="toy sizes (runs on a CPU)")

@@ -245,7 +245,7 @@ class StepExecutor:
                                             self.dcp_rank, inter, cfg.topk, max_keys=width)
         if bound.meta.decode_merge:
             all_s, all_i = coll.topk_candidates(bound.channel, scores, top)
-            top = k.topk_reference_order(all_s, all_i, cfg.topk)[1]
+            top = k.merge_topk_candidates(all_s, all_i, cfg.topk, w_size)
         kv_slots = k.filter_local_slots(top, bt, bs, w_size, self.dcp_rank, inter)
         kv = self._kv_view(cache.kv)
         plan = self._attention_plan(bound, "local" if cfg.dcp_size == 1 else "decode", q, lo, hi,

@@ -51,6 +51,7 @@ class KernelSet:
     deinterleave_index_select: Callable
     indexer_scores: Callable
     topk_reference_order: Callable
+    merge_topk_candidates: Callable
     indexer_topk: Callable
     indexer_topk_prefill: Callable
     indexer_topk_decode: Callable

@@ -9,6 +9,7 @@ dtype's rounding of P and of dequantised rows), 1e-5 for fp32; lse absolute 1e-3
 
 import dataclasses
 import os
+import threading
 
 import pytest
 import torch
@@ -365,3 +366,78 @@ def test_dispatch_table():
     from cpplan.runtime.kernels.triton import TRITON
 
     assert all(callable(getattr(TRITON, op)) for op in OP_NAMES)
+
+
+def _sorted_candidate_lists(rows, lists, topk, valid, seed, tie_scores=False, device="cpu"):
+    """``lists`` candidate lists per row, each the reference order of its own keys (disjoint
+    ids across lists, as DCP shards are), NO_KEY pads last: what the decode indexers return."""
+    g = torch.Generator().manual_seed(seed)
+    scores, ids = [], []
+    for _ in range(lists):
+        s = (torch.randint(0, 4, (rows, topk), generator=g).float() if tie_scores
+             else torch.randn(rows, topk, generator=g))
+        i = torch.randperm(rows * topk * lists, generator=g)[: rows * topk].view(rows, topk)
+        i = torch.where(torch.arange(topk)[None, :] < valid, i, ref.NO_KEY)
+        s_sorted, i_sorted = ref.topk_reference_order(s, i, topk)
+        scores.append(s_sorted)
+        ids.append(i_sorted.long())
+    # disjoint ids across lists: list r's ids are shifted into their own range
+    ids = [torch.where(x >= 0, x + r * rows * topk * lists, x) for r, x in enumerate(ids)]
+    return torch.cat(scores, dim=1).to(device), torch.cat(ids, dim=1).to(device)
+
+
+@pytest.mark.parametrize("env", ENVS)
+@pytest.mark.parametrize("lists", [1, 2, 3, 4])
+@pytest.mark.parametrize("valid", [64, 40, 0])
+@pytest.mark.parametrize("ties", [False, True])
+def test_merge_topk_candidates_equals_the_reference_sort(env, lists, valid, ties):
+    """The merge of sorted lists (no sort) picks the same ids in the same order as the two
+    stable sorts, with ties across lists broken by id, short lists and empty rows."""
+    from cpplan.runtime.kernels.triton import merge as tmerge
+
+    scores, ids = _sorted_candidate_lists(5, lists, 64, valid, seed=lists + valid,
+                                          tie_scores=ties, device=_dev(env))
+    want = ref.topk_reference_order(scores, ids, 64)[1]
+    got = tmerge.merge_topk_candidates(scores, ids, 64, lists)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_merge_topk_candidates_all_equal_scores_keeps_id_order(env):
+    from cpplan.runtime.kernels.triton import merge as tmerge
+
+    scores, ids = _sorted_candidate_lists(3, 2, 32, 32, seed=9, device=_dev(env))
+    scores = torch.zeros_like(scores)
+    ids_sorted = [ref.topk_reference_order(scores[:, r * 32:(r + 1) * 32],
+                                           ids[:, r * 32:(r + 1) * 32], 32)[1].long()
+                  for r in range(2)]
+    ids = torch.cat(ids_sorted, dim=1)
+    want = ref.topk_reference_order(scores, ids, 32)[1]
+    assert torch.equal(tmerge.merge_topk_candidates(scores, ids, 32, 2), want)
+
+
+@pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("pwi", [(1, 2, 1), (2, 2, 4), (3, 3, 2)])
+def test_merge_topk_candidates_in_a_replayed_step_matches_the_oracle(pwi):
+    """End to end: the decode indexer's local lists are in the order the merge needs, so a
+    W > 1 step with the Triton merge in place of the sort still equals the oracle."""
+    from cpplan.planner.compile import compile as compile_plan
+    from cpplan.runtime.kernels import REFERENCE
+    from cpplan.runtime.kernels.triton import merge as tmerge
+    from cpplan.schemas import StepInput
+    from cpplan.sim.replay import replay_plan
+    from cpplan.sim.simulate import TOLERANCE, SimOptions, preset_config
+
+    p, w, i = pwi
+    cfg = preset_config(SimOptions(pcp=p, dcp=w, interleave=i, layers=1))
+    step = StepInput.build(2, ["a", "b", "c", "d"], [300, 70, 0, 129], [1, 1, 24, 2],
+                           [False, False, True, False])
+    lock = threading.Lock()  # replay's ranks are threads; the interpreter is not thread-safe
+
+    def merge(*args):
+        with lock:
+            return tmerge.merge_topk_candidates(*args)
+
+    kernels = dataclasses.replace(REFERENCE, merge_topk_candidates=merge)
+    result = replay_plan(compile_plan(cfg, step), seed=4, kernels=kernels)
+    assert result.max_abs_err <= TOLERANCE

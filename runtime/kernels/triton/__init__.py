@@ -9,8 +9,9 @@ package ``import triton`` is the Triton compiler (absolute imports), never this 
 
 Ops kept on the reference (listed in ``TRITON.backend_of``): dequantisation helpers (tests and
 oracles only), ``deinterleave_index_select`` (it *is* the plain torch copy, kept for
-comparison) and ``topk_reference_order`` (the cross-rank candidate merge: two stable sorts of
-``[nd, W * topk]``, torch's sort is the fast path there).
+comparison), ``topk_reference_order`` and ``merge_topk_candidates`` (the cross-rank candidate
+merge: two stable sorts of ``[nd, W * topk]``; ``merge.merge_topk_candidates`` merges the sorted
+lists without sorting, waiting for a GPU measurement before it becomes the default).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ..dispatch import KernelSet
 from . import attention, index, indexer, indexer_tiled, merge, pack, plan
 
 _REF_OPS = ("dequantize_fp8_ds_mla", "dequantize_indexer_k", "deinterleave_index_select",
-            "topk_reference_order")
+            "topk_reference_order", "merge_topk_candidates")
 
 TRITON = KernelSet(
     name="triton",
@@ -38,6 +39,9 @@ TRITON = KernelSet(
     deinterleave_index_select=ref.deinterleave_index_select,
     indexer_scores=indexer.indexer_scores,
     topk_reference_order=ref.topk_reference_order,
+    # merge.merge_topk_candidates (a merge of the sorted lists, no sort) is tested against this
+    # on the CPU but not yet timed on a GPU: bench/step_gpu.py --merge kernel compares the two
+    merge_topk_candidates=ref.merge_topk_candidates,
     indexer_topk=indexer.indexer_topk,
     # the tiled indexer: T 4096 over N 32768 12.2 ms vs 16.6, 64 decodes of 4k 243 us vs 624,
     # 8 of 128k 424 vs 779, same selection and order (bench/indexer.py --quick, H200, 2026-11-30)

@@ -1,4 +1,6 @@
-"""Triton LSE merge of partial attention results (docs/design.md §Decode rows: LSE merge and top-k merge); contract: ``reference.lse_merge``.
+"""Triton merges (docs/design.md §3.6): the LSE merge of partial attention results (contract:
+``reference.lse_merge``) and the cross-rank decode top-k merge of sorted candidate lists
+(``reference.merge_topk_candidates``).
 
 One program per (token, block of heads): reads the R partial lse values and R x 512 outputs once,
 writes the merged output and lse. A row whose parts are all -inf ends as (0, -inf), never NaN.
@@ -9,7 +11,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from .merge_jit import lse_merge_kernel
+from ..reference.formats import NO_KEY
+from .merge_jit import lse_merge_kernel, merge_candidates_kernel
 
 
 def lse_merge_into(out_parts, lse_parts, out, lse) -> None:
@@ -32,3 +35,26 @@ def lse_merge(out_parts, lse_parts):
     lse = torch.empty(T, H, dtype=torch.float32, device=out_parts.device)
     lse_merge_into(out_parts, lse_parts, out, lse)
     return out, lse
+
+
+def merge_topk_candidates(scores: torch.Tensor, key_ids: torch.Tensor, topk: int,
+                          num_lists: int) -> torch.Tensor:
+    """Triton ``merge_topk_candidates`` (contract: ``reference.merge_topk_candidates``): a merge
+    of the ``num_lists`` sorted candidate lists of each row, by rank (one binary search per
+    candidate and list), instead of sorting ``[T, num_lists * topk]``. Relies on each list being
+    in the reference order with NO_KEY pads last, as the decode indexers return them."""
+    T = key_ids.shape[0]
+    if key_ids.shape[1] != num_lists * topk:
+        raise ValueError(f"merge_topk_candidates: {key_ids.shape[1]} columns, expected "
+                         f"num_lists * topk = {num_lists * topk}")
+    out = torch.full((T, topk), NO_KEY, dtype=torch.int32, device=key_ids.device)
+    if T == 0 or topk == 0:
+        return out
+    scores = scores.float().contiguous()
+    key_ids = key_ids.contiguous()
+    block = min(256, triton.next_power_of_2(topk))
+    grid = (T, num_lists, triton.cdiv(topk, block))
+    merge_candidates_kernel[grid](scores, key_ids, out, scores.stride(0), key_ids.stride(0),
+                                  out.stride(0), K=topk, W=num_lists, BLOCK=block,
+                                  STEPS=max(1, topk.bit_length()), num_warps=4)
+    return out

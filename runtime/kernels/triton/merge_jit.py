@@ -31,3 +31,35 @@ def lse_merge_kernel(out_parts, lse_parts, out_ptr, lse_ptr, R, TH,
     tl.store(out_ptr + rows[:, None].to(tl.int64) * DV + d[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=rmask[:, None])
     tl.store(lse_ptr + rows, lse_out, mask=rmask)
+
+
+@triton.jit(do_not_specialize=["stride_s", "stride_i", "stride_o"])
+def merge_candidates_kernel(s_ptr, i_ptr, out_ptr, stride_s, stride_i, stride_o,
+                            K: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr,
+                            STEPS: tl.constexpr):
+    """Program (row, list r, block of positions): each candidate x of list r lands at its rank
+    in the union, the number of candidates of all W lists that precede it (score descending,
+    then id ascending), found by a binary search in each sorted list (its own gives its
+    position). Ranks of distinct (score, id) pairs are distinct: no two writes collide."""
+    row = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1)
+    p = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    m = p < K
+    xs = tl.load(s_ptr + row * stride_s + r * K + p, mask=m, other=float("-inf"))
+    xi = tl.load(i_ptr + row * stride_i + r * K + p, mask=m, other=-1)
+    valid = m & (xi >= 0)
+    rank = tl.zeros((BLOCK,), tl.int32)
+    for q in tl.static_range(W):
+        lo = tl.zeros((BLOCK,), tl.int32)
+        hi = tl.full((BLOCK,), K, tl.int32)
+        for _ in tl.static_range(STEPS):  # first position of list q not preceding x
+            active = lo < hi
+            mid = (lo + hi) // 2
+            ms = tl.load(s_ptr + row * stride_s + q * K + mid, mask=active & valid,
+                         other=float("-inf"))
+            mi = tl.load(i_ptr + row * stride_i + q * K + mid, mask=active & valid, other=-1)
+            before = (mi >= 0) & ((ms > xs) | ((ms == xs) & (mi < xi)))
+            lo = tl.where(active & before, mid + 1, lo)
+            hi = tl.where(active & ~before, mid, hi)
+        rank += lo
+    tl.store(out_ptr + row * stride_o + rank, xi.to(tl.int32), mask=valid & (rank < K))
