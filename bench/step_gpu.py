@@ -216,10 +216,11 @@ def setup_rank(args, dims: dict, groups: Groups) -> Rank:
     num_blocks = 1 + sum(len(b) for b in alloc.blocks.values())
     tables = alloc.table(plan.req_ids, per_req)
     kernels = get_kernels(dev.type, args.kernels)
-    if args.merge == "kernel":  # the Triton merge of sorted candidate lists (not yet default)
+    if args.merge == "kernel":  # Triton merge of sorted lists + fused LSE scaling (not default)
         from cpplan.runtime.kernels.triton import merge
 
-        kernels = dataclasses.replace(kernels, merge_topk_candidates=merge.merge_topk_candidates)
+        kernels = dataclasses.replace(kernels, merge_topk_candidates=merge.merge_topk_candidates,
+                                      lse_scale=merge.lse_scale)
     ex = StepExecutor.from_groups(cfg, groups, verify="every", kernels=kernels,
                                   max_tokens=plan.padded_num_tokens,
                                   max_requests=plan.num_requests)
@@ -417,8 +418,8 @@ def parse_args(argv=None):
     ap.add_argument("--kernels", choices=("reference", "triton", "flashmla"),
                     help="kernel backend (default: the device's, Triton on CUDA)")
     ap.add_argument("--merge", choices=("sort", "kernel"), default="sort",
-                    help="the W > 1 decode top-k merge: the kernel set's (two sorts) or the "
-                         "Triton merge of the sorted lists")
+                    help="the W > 1 decode merge: the kernel set's (two sorts, torch LSE "
+                         "scaling) or Triton's (merge of the sorted lists, one fused scaling)")
     ap.add_argument("--graphs", action="store_true",
                     help="CUDA-graph sizes in the config; time the step eager and replayed")
     ap.add_argument("--tiny", action="store_true", help="toy sizes (runs on a CPU)")

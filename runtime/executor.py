@@ -279,8 +279,7 @@ class StepExecutor:
     def _merge_decode(self, bound, o_part, lse_part):
         """Exact LSE merge over DCP (docs/design.md §3.6): all-gather lse, scale, all-reduce."""
         lse_all = coll.decode_lse(bound.channel, lse_part)
-        weight = lse_merge_weight(lse_all, self.dcp_rank)
-        scaled = (o_part.float() * weight[..., None]).to(o_part.dtype).contiguous()
+        scaled = self.kernels.lse_scale(o_part, lse_all, self.dcp_rank)
         coll.decode_out(bound.channel, scaled)
         return scaled
 
@@ -344,13 +343,3 @@ class StepExecutor:
             bound.attention[key] = plan
         return plan
 
-
-def lse_merge_weight(lse_all: torch.Tensor, rank: int) -> torch.Tensor:
-    """``exp(lse_rank - lse)`` with ``lse = logsumexp_r lse_r`` over ``lse_all [W, nd, H]``;
-    0 where this rank (or every rank) has no key: never NaN."""
-    lse_all = lse_all.float()
-    m = lse_all.amax(dim=0)
-    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    total = m_safe + torch.log(torch.exp(lse_all - m_safe).sum(dim=0))
-    total_safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
-    return torch.exp(lse_all[rank] - total_safe)

@@ -46,6 +46,7 @@ class KernelSet:
     plan_attention: Callable
     sparse_mla_attention: Callable
     lse_merge: Callable
+    lse_scale: Callable
     remap_to_gathered: Callable
     filter_local_slots: Callable
     deinterleave_index_select: Callable

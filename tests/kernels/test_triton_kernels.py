@@ -418,9 +418,10 @@ def test_merge_topk_candidates_all_equal_scores_keeps_id_order(env):
 
 @pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1")
 @pytest.mark.parametrize("pwi", [(1, 2, 1), (2, 2, 4), (3, 3, 2)])
-def test_merge_topk_candidates_in_a_replayed_step_matches_the_oracle(pwi):
+def test_triton_decode_merge_in_a_replayed_step_matches_the_oracle(pwi):
     """End to end: the decode indexer's local lists are in the order the merge needs, so a
-    W > 1 step with the Triton merge in place of the sort still equals the oracle."""
+    W > 1 step with the Triton merge in place of the sort (and the fused LSE scaling) still
+    equals the oracle."""
     from cpplan.planner.compile import compile as compile_plan
     from cpplan.runtime.kernels import REFERENCE
     from cpplan.runtime.kernels.triton import merge as tmerge
@@ -434,10 +435,39 @@ def test_merge_topk_candidates_in_a_replayed_step_matches_the_oracle(pwi):
                            [False, False, True, False])
     lock = threading.Lock()  # replay's ranks are threads; the interpreter is not thread-safe
 
-    def merge(*args):
-        with lock:
-            return tmerge.merge_topk_candidates(*args)
+    def locked(fn):
+        def call(*args):
+            with lock:
+                return fn(*args)
+        return call
 
-    kernels = dataclasses.replace(REFERENCE, merge_topk_candidates=merge)
+    kernels = dataclasses.replace(REFERENCE,
+                                  merge_topk_candidates=locked(tmerge.merge_topk_candidates),
+                                  lse_scale=locked(tmerge.lse_scale))
     result = replay_plan(compile_plan(cfg, step), seed=4, kernels=kernels)
     assert result.max_abs_err <= TOLERANCE
+
+
+@pytest.mark.parametrize("env", ENVS)
+@pytest.mark.parametrize("w_size", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lse_scale_equals_the_reference(env, w_size, dtype):
+    """The fused merge weight x output equals the torch one: rows where this rank has no key
+    and rows where no rank has one give 0, never NaN."""
+    from cpplan.runtime.kernels.triton import merge as tmerge
+
+    g = torch.Generator().manual_seed(w_size)
+    nd, H = 5, 3
+    lse = torch.randn(w_size, nd, H, generator=g) * 4
+    lse[1, 0] = float("-inf")  # rank 1 has no key for token 0
+    lse[:, 2] = float("-inf")  # token 2 has no key anywhere
+    out = torch.randn(nd, H, 512, generator=g).to(dtype)
+    dev = _dev(env)
+    for rank in range(w_size):
+        want = ref.lse_scale(out, lse, rank)
+        got = tmerge.lse_scale(out.to(dev), lse.to(dev), rank).cpu()
+        assert got.dtype == dtype and not torch.isnan(got.float()).any()
+        assert torch.allclose(got.float(), want.float(), rtol=1e-5 if dtype == torch.float32
+                              else 1e-2, atol=1e-6)
+        assert torch.all(got[2] == 0)
+    assert torch.all(tmerge.lse_scale(out.to(dev), lse.to(dev), 1).cpu()[0] == 0)

@@ -20,7 +20,7 @@ import cpplan.sim
 from cpplan.planner.compile import compile as compile_plan
 from cpplan.runtime import collectives as coll
 from cpplan.runtime.arena import ArenaRing
-from cpplan.runtime.executor import lse_merge_weight
+from cpplan.runtime.kernels.reference import lse_merge_weight
 from cpplan.runtime.verify import divergent_ranks, first_difference
 from cpplan.schemas import CapacityError, CollectiveLedgerError, StepInput
 from cpplan.sim.simulate import SimOptions, perturb, preset_config

@@ -9,7 +9,13 @@ rows, H attention heads, Hi indexer heads, W DCP world size, I interleave, PT pa
 of a gather chunk, B block (page) size.
 """
 
-from .attention import lse_merge, plan_attention, sparse_mla_attention
+from .attention import (
+    lse_merge,
+    lse_merge_weight,
+    lse_scale,
+    plan_attention,
+    sparse_mla_attention,
+)
 from .formats import (
     D_INDEXER,
     D_QK,
@@ -45,7 +51,7 @@ __all__ = [
     "INDEXER_K_BYTES", "NO_KEY", "decode_key_slots", "deinterleave_index_select",
     "dequantize_fp8_ds_mla", "dequantize_indexer_k", "filter_local_slots", "fp8_scale_exponent",
     "indexer_scores", "indexer_topk", "indexer_topk_decode", "indexer_topk_prefill", "lse_merge",
-    "merge_topk_candidates",
+    "lse_merge_weight", "lse_scale", "merge_topk_candidates",
     "pack_fp8_ds_mla_into", "pack_indexer_k_into", "plan_attention", "prefill_key_rows",
     "quantize_fp8_ds_mla", "quantize_indexer_k", "remap_to_gathered", "sparse_mla_attention",
     "topk_reference_order",

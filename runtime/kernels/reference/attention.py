@@ -113,3 +113,23 @@ def lse_merge(out_parts: torch.Tensor, lse_parts: torch.Tensor) -> tuple[torch.T
     out = (w[..., None] * out_parts.to(cdt)).sum(dim=0)
     return out.to(out_parts.dtype), lse.float()
 
+
+
+def lse_merge_weight(lse_all: torch.Tensor, rank: int) -> torch.Tensor:
+    """``exp(lse_rank - lse)`` with ``lse = logsumexp_r lse_r`` over ``lse_all [W, nd, H]``;
+    0 where this rank (or every rank) has no key: never NaN."""
+    lse_all = lse_all.float()
+    m = lse_all.amax(dim=0)
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    total = m_safe + torch.log(torch.exp(lse_all - m_safe).sum(dim=0))
+    total_safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
+    return torch.exp(lse_all[rank] - total_safe)
+
+
+def lse_scale(out_part: torch.Tensor, lse_all: torch.Tensor, rank: int) -> torch.Tensor:
+    """This DCP rank's share of the exact decode merge (docs/design.md §3.6): ``out_part
+    [nd, H, 512]`` times :func:`lse_merge_weight` of ``lse_all [W, nd, H]``, in float32, returned
+    contiguous in ``out_part``'s dtype; summing every rank's result (``decode_out``) gives the
+    merged output."""
+    weight = lse_merge_weight(lse_all, rank)
+    return (out_part.float() * weight[..., None]).to(out_part.dtype).contiguous()

@@ -21,7 +21,7 @@ from ..dispatch import KernelSet
 from . import attention, index, indexer, indexer_tiled, merge, pack, plan
 
 _REF_OPS = ("dequantize_fp8_ds_mla", "dequantize_indexer_k", "deinterleave_index_select",
-            "topk_reference_order", "merge_topk_candidates")
+            "topk_reference_order", "merge_topk_candidates", "lse_scale")
 
 TRITON = KernelSet(
     name="triton",
@@ -34,6 +34,8 @@ TRITON = KernelSet(
     plan_attention=plan.plan_attention,
     sparse_mla_attention=attention.sparse_mla_attention,
     lse_merge=merge.lse_merge,
+    # merge.lse_scale (one fused pass) waits for a GPU timing, as merge_topk_candidates does
+    lse_scale=ref.lse_scale,
     remap_to_gathered=index.remap_to_gathered,
     filter_local_slots=index.filter_local_slots,
     deinterleave_index_select=ref.deinterleave_index_select,

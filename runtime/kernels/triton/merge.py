@@ -12,7 +12,7 @@ import torch
 import triton
 
 from ..reference.formats import NO_KEY
-from .merge_jit import lse_merge_kernel, merge_candidates_kernel
+from .merge_jit import lse_merge_kernel, lse_scale_kernel, merge_candidates_kernel
 
 
 def lse_merge_into(out_parts, lse_parts, out, lse) -> None:
@@ -57,4 +57,21 @@ def merge_topk_candidates(scores: torch.Tensor, key_ids: torch.Tensor, topk: int
     merge_candidates_kernel[grid](scores, key_ids, out, scores.stride(0), key_ids.stride(0),
                                   out.stride(0), K=topk, W=num_lists, BLOCK=block,
                                   STEPS=max(1, topk.bit_length()), num_warps=4)
+    return out
+
+
+def lse_scale(out_part: torch.Tensor, lse_all: torch.Tensor, rank: int) -> torch.Tensor:
+    """Triton ``lse_scale`` (contract: ``reference.lse_scale``): the merge weights and the scaled
+    output in one pass over ``out_part`` (no float32 copy of it)."""
+    nd, H, DV = out_part.shape
+    W = lse_all.shape[0]
+    out_part = out_part.contiguous()
+    lse_all = lse_all.float().reshape(W, nd * H).contiguous()
+    out = torch.empty_like(out_part)
+    if nd * H == 0:
+        return out
+    block_rows = 4
+    lse_scale_kernel[(triton.cdiv(nd * H, block_rows),)](
+        out_part, lse_all, out, nd * H, rank, lse_all.stride(0), W=W,
+        BLOCK_W=max(2, triton.next_power_of_2(W)), BLOCK_ROWS=block_rows, DV=DV, num_warps=4)
     return out

@@ -63,3 +63,27 @@ def merge_candidates_kernel(s_ptr, i_ptr, out_ptr, stride_s, stride_i, stride_o,
             hi = tl.where(active & ~before, mid, hi)
         rank += lo
     tl.store(out_ptr + row * stride_o + rank, xi.to(tl.int32), mask=valid & (rank < K))
+
+
+@triton.jit(do_not_specialize=["TH", "RANK"])
+def lse_scale_kernel(o_ptr, lse_ptr, out_ptr, TH, RANK, stride_lw,
+                     W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                     DV: tl.constexpr):
+    """Rows (t, h) of ``o [nd * H, DV]``: times ``exp(lse[RANK] - logsumexp_w lse[w])`` (0 where
+    this rank or every rank has no key), in one pass over o."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    rmask = rows < TH
+    w = tl.arange(0, BLOCK_W)
+    lse = tl.load(lse_ptr + w[:, None] * stride_lw + rows[None, :],
+                  mask=(w[:, None] < W) & rmask[None, :], other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(tl.exp(lse - m_safe[None, :]), 0)
+    total_safe = tl.where(s > 0.0, m_safe + tl.log(tl.where(s > 0.0, s, 1.0)), 0.0)
+    mine = tl.load(lse_ptr + RANK * stride_lw + rows, mask=rmask, other=float("-inf"))
+    weight = tl.exp(mine - total_safe)
+    d = tl.arange(0, DV)
+    offs = rows[:, None].to(tl.int64) * DV + d[None, :]
+    o = tl.load(o_ptr + offs, mask=rmask[:, None], other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, (o * weight[:, None]).to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None])
