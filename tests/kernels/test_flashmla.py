@@ -283,3 +283,49 @@ def test_kernel_set_on_gpu(B, H, want):
     _check(q, kv, idx, "fp8_ds_mla", out, lse)
 
 
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: a bound step through the FlashMLA kernel set, against the oracle (replay)
+# --------------------------------------------------------------------------------------------
+# bf16 activations round q and every output to bf16 on every path; the replay tests of
+# tests/runtime/test_gpu.py measured 2e-3 .. 6e-3 and allow 2e-2 (3x margin, far below what one
+# misplaced key does)
+REPLAY_BF16_TOLERANCE = 2e-2
+
+
+@pytest.mark.gpu
+@needs_flashmla
+@pytest.mark.parametrize("pwi", [(1, 1, 1), (2, 2, 1)])
+@pytest.mark.parametrize("kv", ["fp8_ds_mla", "bf16"])
+def test_replay_through_flashmla_matches_the_oracle(pwi, kv):
+    """64 heads (FlashMLA's smallest), bf16 q, 4 decodes and a 256-token prompt: the kernel set
+    plans FlashMLA for the decode pass (fp8) and the prefill pass, and the restored outputs
+    equal the single-device oracle."""
+    import dataclasses
+
+    import msgspec
+
+    from cpplan.planner.compile import compile as compile_plan
+    from cpplan.runtime.kernels import get_kernels
+    from cpplan.schemas import ParallelConfig, StepInput
+    from cpplan.sim.replay import replay_plan
+    from cpplan.sim.simulate import SimOptions, preset_config
+
+    p, w, i = pwi
+    base = msgspec.structs.asdict(preset_config(SimOptions(pcp=p, dcp=w, interleave=i,
+                                                           kv_cache_dtype=kv, layers=1)))
+    cfg = ParallelConfig(**{**base, "num_heads": 64, "hidden_size": 64 * 512, "topk": 128,
+                            "activation_dtype": "bfloat16"})
+    step = StepInput.build(3, ["a", "b", "c", "d", "e"], [300, 200, 257, 129, 0],
+                           [1, 1, 1, 1, 256], [False, False, False, False, True])
+    plans, inner = [], get_kernels("cuda", "flashmla")
+
+    def recording(**kwargs):
+        plans.append(inner.plan_attention(**kwargs))
+        return plans[-1]
+
+    kernels = dataclasses.replace(inner, plan_attention=recording)
+    result = replay_plan(compile_plan(cfg, step), seed=2, device="cuda", kernels=kernels)
+    assert any(pl.backend == "flashmla" for pl in plans), [pl.describe() for pl in plans]
+    assert result.max_abs_err <= REPLAY_BF16_TOLERANCE
