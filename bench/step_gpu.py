@@ -203,6 +203,7 @@ class Rank:
     x: dict
     attention: dict = dataclasses.field(default_factory=dict)  # pass -> plan of the last step
     graphs: StepGraphs | None = None  # --graphs: replays graph-replayable steps
+    merge_kernels: object = None  # --merge both: the kernel set with the Triton decode merge
 
 
 def setup_rank(args, dims: dict, groups: Groups) -> Rank:
@@ -216,11 +217,14 @@ def setup_rank(args, dims: dict, groups: Groups) -> Rank:
     num_blocks = 1 + sum(len(b) for b in alloc.blocks.values())
     tables = alloc.table(plan.req_ids, per_req)
     kernels = get_kernels(dev.type, args.kernels)
-    if args.merge == "kernel":  # Triton merge of sorted lists + fused LSE scaling (not default)
+    merge_kernels = None
+    if args.merge != "sort":  # Triton merge of sorted lists + fused LSE scaling (not default)
         from cpplan.runtime.kernels.triton import merge
 
-        kernels = dataclasses.replace(kernels, merge_topk_candidates=merge.merge_topk_candidates,
-                                      lse_scale=merge.lse_scale)
+        merge_kernels = dataclasses.replace(
+            kernels, merge_topk_candidates=merge.merge_topk_candidates, lse_scale=merge.lse_scale)
+        if args.merge == "kernel":
+            kernels = merge_kernels
     ex = StepExecutor.from_groups(cfg, groups, verify="every", kernels=kernels,
                                   max_tokens=plan.padded_num_tokens,
                                   max_requests=plan.num_requests)
@@ -237,6 +241,8 @@ def setup_rank(args, dims: dict, groups: Groups) -> Rank:
          "index_w": rnd(t, cfg.index_num_heads).abs(),
          "hidden": torch.zeros(t, cfg.hidden_size, dtype=act, device=dev)}
     rank = Rank(groups, cfg, plan, ex, tables, caches, x)
+    if args.merge == "both":
+        rank.merge_kernels = merge_kernels
     if args.graphs:
         rank.graphs = StepGraphs(ex, lambda bound, *xs: layers_body(rank, bound, *xs))
     return rank
@@ -332,6 +338,26 @@ def time_phases(r: Rank, repeat: int) -> tuple[np.ndarray, dict]:
     return np.median(np.stack(tables), axis=0), med
 
 
+def time_merge_kernels(r: Rank, repeat: int) -> dict:
+    """Plain steps (and, with --graphs, replays from fresh captures) with the Triton decode
+    merge swapped in; the kernel set is put back afterwards."""
+    clock, saved = Clock(r.groups.device), r.ex.kernels
+    r.ex.kernels = r.merge_kernels
+    try:
+        run_step(r, _NoLog())
+        clock.sync()
+        out = {f"merge_kernel_{k}": v for k, v in time_steps(r, repeat).items()}
+        if r.graphs is not None:
+            graphs = StepGraphs(r.ex, r.graphs.body)
+            run_step(r, _NoLog(), graphs)
+            clock.sync()
+            out.update({f"merge_kernel_graph_{k}": v
+                        for k, v in time_steps(r, repeat, graphs).items()})
+    finally:
+        r.ex.kernels = saved
+    return out
+
+
 def verify_costs(r: Rank, repeat: int) -> dict:
     """Host digest (encode + xxh3-128) in µs; the control-group exchange in ms (None at
     world 1: there is no one to compare with)."""
@@ -366,6 +392,8 @@ def measure(r: Rank, repeat: int) -> dict:
         graph = time_steps(r, repeat, r.graphs)
         steps.update({f"graph_{k}": v for k, v in graph.items()})
         steps["graph_captured"] = r.graphs.captured != {}
+    if r.merge_kernels is not None:  # --merge both: the same step with the Triton merge
+        steps.update(time_merge_kernels(r, repeat))
     per_layer, step_level = time_phases(r, repeat)
     res = {**steps, **verify_costs(r, repeat), "per_layer_ms": per_layer,
            "bind_ms": step_level["bind"], "restore_ms": step_level["restore"],
@@ -417,9 +445,10 @@ def parse_args(argv=None):
     ap.add_argument("--repeat", type=int, default=3, help="timed steps per measurement")
     ap.add_argument("--kernels", choices=("reference", "triton", "flashmla"),
                     help="kernel backend (default: the device's, Triton on CUDA)")
-    ap.add_argument("--merge", choices=("sort", "kernel"), default="sort",
+    ap.add_argument("--merge", choices=("sort", "kernel", "both"), default="sort",
                     help="the W > 1 decode merge: the kernel set's (two sorts, torch LSE "
-                         "scaling) or Triton's (merge of the sorted lists, one fused scaling)")
+                         "scaling), Triton's (merge of the sorted lists, one fused scaling), "
+                         "or both timed in the same run")
     ap.add_argument("--graphs", action="store_true",
                     help="CUDA-graph sizes in the config; time the step eager and replayed")
     ap.add_argument("--tiny", action="store_true", help="toy sizes (runs on a CPU)")
@@ -443,6 +472,8 @@ def make_groups(args, dims: dict):
     cuda = torch.cuda.is_available()
     if not cuda and not args.tiny:
         raise ConfigError("full model dims need a GPU: on a CPU run with --tiny")
+    if not cuda and args.merge != "sort":
+        raise ConfigError(f"--merge {args.merge} runs Triton kernels: it needs a GPU")
     if not cuda and dims["activation_dtype"] == "bfloat16":
         dims["activation_dtype"] = "float32"
     env = torchrun_env()
@@ -487,6 +518,13 @@ def report(args, r: Rank, res: dict, stream) -> dict:
         w(f"step through StepGraphs ({how}, device events bind..finish): "
           f"{res['graph_step_ms']:.2f} ms; host wall {res['graph_step_wall_ms']:.2f} ms; "
           f"eager / graph {res['step_ms'] / res['graph_step_ms']:.2f}x\n")
+    if "merge_kernel_step_ms" in res:
+        w(f"the same step with the Triton decode merge (--merge both): "
+          f"{res['merge_kernel_step_ms']:.2f} ms eager (kernel set's: {res['step_ms']:.2f})")
+        if "merge_kernel_graph_step_ms" in res:
+            w(f"; {res['merge_kernel_graph_step_ms']:.2f} ms replayed (kernel set's: "
+              f"{res['graph_step_ms']:.2f})")
+        w("\n")
     exch = res["exchange_ms"]
     w(f"step (plain, device events bind..finish): {res['step_ms']:.2f} ms; host wall "
       f"{res['step_wall_ms']:.2f} ms; instrumented {res['instrumented_ms']:.2f} ms "
