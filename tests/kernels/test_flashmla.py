@@ -298,10 +298,12 @@ REPLAY_BF16_TOLERANCE = 2e-2
 @needs_flashmla
 @pytest.mark.parametrize("pwi", [(1, 1, 1), (2, 2, 1)])
 @pytest.mark.parametrize("kv", ["fp8_ds_mla", "bf16"])
-def test_replay_through_flashmla_matches_the_oracle(pwi, kv):
-    """64 heads (FlashMLA's smallest), bf16 q, 4 decodes and a 256-token prompt: the kernel set
-    plans FlashMLA for the decode pass (fp8) and the prefill pass, and the restored outputs
-    equal the single-device oracle."""
+@pytest.mark.parametrize("graph", [False, True], ids=["eager-step", "graph-replayable"])
+def test_replay_through_flashmla_matches_the_oracle(pwi, kv, graph):
+    """64 heads (FlashMLA's smallest), bf16 q: 4 decodes and a 256-token prompt, where the kernel
+    set plans FlashMLA for the decode pass (fp8) and the prefill pass; or (graph-replayable) 6
+    decodes padded to a graph size of 8, where the padded tokens, which have no key, go through
+    FlashMLA's decode too. The restored outputs equal the single-device oracle."""
     import dataclasses
 
     import msgspec
@@ -316,9 +318,14 @@ def test_replay_through_flashmla_matches_the_oracle(pwi, kv):
     base = msgspec.structs.asdict(preset_config(SimOptions(pcp=p, dcp=w, interleave=i,
                                                            kv_cache_dtype=kv, layers=1)))
     cfg = ParallelConfig(**{**base, "num_heads": 64, "hidden_size": 64 * 512, "topk": 128,
-                            "activation_dtype": "bfloat16"})
-    step = StepInput.build(3, ["a", "b", "c", "d", "e"], [300, 200, 257, 129, 0],
-                           [1, 1, 1, 1, 256], [False, False, False, False, True])
+                            "activation_dtype": "bfloat16",
+                            "cudagraph_token_sizes": (8, 16) if graph else ()})
+    if graph:
+        step = StepInput.build(3, [f"d{i}" for i in range(6)], [300, 200, 257, 129, 140, 90],
+                               [1] * 6, [False] * 6)
+    else:
+        step = StepInput.build(3, ["a", "b", "c", "d", "e"], [300, 200, 257, 129, 0],
+                               [1, 1, 1, 1, 256], [False, False, False, False, True])
     plans, inner = [], get_kernels("cuda", "flashmla")
 
     def recording(**kwargs):
@@ -326,6 +333,8 @@ def test_replay_through_flashmla_matches_the_oracle(pwi, kv):
         return plans[-1]
 
     kernels = dataclasses.replace(inner, plan_attention=recording)
-    result = replay_plan(compile_plan(cfg, step), seed=2, device="cuda", kernels=kernels)
+    plan = compile_plan(cfg, step)
+    assert plan.graph_replayable == graph
+    result = replay_plan(plan, seed=2, device="cuda", kernels=kernels)
     assert any(pl.backend == "flashmla" for pl in plans), [pl.describe() for pl in plans]
     assert result.max_abs_err <= REPLAY_BF16_TOLERANCE
