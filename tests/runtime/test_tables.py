@@ -305,3 +305,48 @@ def test_build_tables_refuses_rows_out_of_token_order():
     bt = _block_tables(plan.num_requests, 64, 0)
     with pytest.raises(PlanFormatError, match="not in token order"):
         build_tables(bad, 0, 0, bt, DUMMY_SLOT)
+
+
+def _decode_step(seed: int, n: int) -> StepInput:
+    """Decodes only, some of several tokens (speculative decoding), contexts up to 1.5k."""
+    rng = np.random.default_rng(seed)
+    return StepInput.build(seed, [f"d{k}" for k in range(n)], rng.integers(0, 1500, n),
+                           rng.integers(1, 4, n), [False] * n)
+
+
+@pytest.mark.parametrize("p_size,w_size,inter", CASES)
+@pytest.mark.parametrize("seed,n", [(0, 1), (1, 5), (2, 11), (3, 16)])
+def test_graph_layout_is_the_token_walk_padded(p_size, w_size, inter, seed, n):
+    """A graph-replayable plan's tables (static shapes, docs/design.md §5.6) are the walk's,
+    with every padded token a decode that writes the dummy slot, block tables padded to
+    [T, key blocks] and the restore index padded to P * T."""
+    cfg = msgspec.structs.replace(_config(p_size, w_size, inter),
+                                  cudagraph_token_sizes=(16, 32, 64))
+    plan = compile_plan(cfg, _decode_step(seed, n))
+    assert plan.graph_replayable
+    t_pad = plan.padded_num_tokens
+    max_blocks = -(-cfg.shard_rows(cfg.max_model_len) // BLOCK)
+    bt = _block_tables(plan.num_requests, max_blocks, seed)
+    longest = int(plan.dcp_local_lens.np().max())
+    blocks = 1 << (max(1, -(-longest // BLOCK)) - 1).bit_length()
+    for rank in range(cfg.world_size):
+        p, w = (rank if p_size > 1 else 0), (rank if w_size > 1 else 0)
+        host = build_tables(plan, p, w, bt, DUMMY_SLOT)
+        got, (ref, _) = host.arrays, _naive(plan, p, w, bt)
+        for name in ("token_req", "token_pos", "key_len", "local_len"):
+            np.testing.assert_array_equal(got[name], ref[name], err_msg=f"{name} rank {rank}")
+        walk = np.concatenate([ref["insert_dec"], ref["insert_pre"]])
+        np.testing.assert_array_equal(got["insert_dec"], walk, err_msg=f"insert rank {rank}")
+        assert got["insert_pre"].size == 0
+        restore = _naive_restore(plan)
+        np.testing.assert_array_equal(got["restore_index"][: restore.size], restore)
+        assert got["restore_index"].size == p_size * t_pad
+        assert not got["restore_index"][restore.size:].any()
+        m = host.meta
+        assert m.graph_key == (t_pad, blocks)
+        assert m.num_decode_tokens == t_pad and m.decode_width == blocks * BLOCK
+        assert m.local_range == (0, t_pad, blocks * BLOCK)
+        padded_bt = got["block_tables"].reshape(t_pad, blocks)
+        width = min(blocks, max_blocks)
+        np.testing.assert_array_equal(padded_bt[: plan.num_requests, :width], bt[:, :width])
+        assert not padded_bt[plan.num_requests:].any()
