@@ -50,6 +50,16 @@ def _layouts(W, HP):
                                       instr_shape=[16, HP // (W // 4), 16]))
 
 
+def _jit_unspecialised(*names):
+    """``gluon.jit`` with ``names`` left unspecialised (the lse split stride is T * H: a new
+    "multiple of 16" class, hence a compile, whenever T changes class; bench/jit_variants.py);
+    plain ``gluon.jit`` where this Triton's gluon.jit takes no ``do_not_specialize``."""
+    try:
+        return gluon.jit(do_not_specialize=list(names))
+    except TypeError:
+        return gluon.jit
+
+
 @gluon.jit
 def _alloc_q_and_p(HP: gl.constexpr, BK: gl.constexpr):
     """Shared memory for q (4 latent groups + RoPE: the B operand of S^T = K Q^T) and P^T."""
@@ -208,7 +218,7 @@ def _epilogue(out_ptr, lse_ptr, split, t, stride_os, stride_ot, stride_oh, strid
 
 # Over 50 lines on purpose: one program's software pipeline (issue, wait, dequantise, two
 # products, softmax) reads as one schedule; its stages are already helpers above.
-@gluon.jit
+@_jit_unspecialised("stride_ls")
 def gluon_decode_fwd_ring(
     q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
     stride_qt, stride_qh, stride_kv, stride_it,
@@ -294,7 +304,7 @@ def _dequantise_in_place(raw, scales, tile, CONV: gl.constexpr, SC: gl.constexpr
 
 
 # Over 50 lines on purpose: the in-place variant's schedule, kept whole like the ring kernel.
-@gluon.jit
+@_jit_unspecialised("stride_ls")
 def gluon_decode_fwd_small(
     q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
     stride_qt, stride_qh, stride_kv, stride_it,
