@@ -358,6 +358,32 @@ def time_merge_kernels(r: Rank, repeat: int) -> dict:
     return out
 
 
+def bind_parts(r: Rank, repeat: int) -> dict:
+    """Host time of each part of ``bind`` alone (medians over max(50, repeat) calls, us): the
+    block-table check, the host tables, the arena pack (wait, copy into pinned memory, the H2D
+    copy's launch and its event) and the digest (the exchange is timed in verify_costs)."""
+    from cpplan.runtime.executor import DUMMY_SLOT
+    from cpplan.runtime.tables import build_tables
+
+    ex, plan, n = r.ex, r.plan, max(50, repeat)
+    bt = ex._check_bind(plan, r.tables, None)
+    host = build_tables(plan, ex.pcp_rank, ex.dcp_rank, bt, DUMMY_SLOT)
+    parts = {"check": lambda: ex._check_bind(plan, r.tables, None),
+             "tables": lambda: build_tables(plan, ex.pcp_rank, ex.dcp_rank, bt, DUMMY_SLOT),
+             "pack": lambda: ex.arena.pack(host.params, plan.step_id),
+             "digest": lambda: digest(plan)}
+    out = {}
+    for name, fn in parts.items():
+        t = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            t.append((time.perf_counter() - t0) * 1e6)
+        out[f"bind_{name}_us"] = statistics.median(t)
+    Clock(r.groups.device).sync()
+    return out
+
+
 def verify_costs(r: Rank, repeat: int) -> dict:
     """Host digest (encode + xxh3-128) in µs; the control-group exchange in ms (None at
     world 1: there is no one to compare with)."""
@@ -395,7 +421,7 @@ def measure(r: Rank, repeat: int) -> dict:
     if r.merge_kernels is not None:  # --merge both: the same step with the Triton merge
         steps.update(time_merge_kernels(r, repeat))
     per_layer, step_level = time_phases(r, repeat)
-    res = {**steps, **verify_costs(r, repeat), "per_layer_ms": per_layer,
+    res = {**steps, **verify_costs(r, repeat), **bind_parts(r, repeat), "per_layer_ms": per_layer,
            "bind_ms": step_level["bind"], "restore_ms": step_level["restore"],
            "instrumented_ms": float(per_layer.sum()) + sum(step_level.values())}
     if r.groups.device.type == "cuda":
@@ -531,7 +557,9 @@ def report(args, r: Rank, res: dict, stream) -> dict:
       f"(bind {res['bind_ms']:.2f}, restore+finish {res['restore_ms']:.2f})\n")
     w(f"verify: digest on host {res['digest_us']:.1f} us; exchange "
       + (f"{exch:.3f} ms" if exch is not None else "none (world 1)")
-      + f"; bind on host {res['bind_host_ms']:.3f} ms\n")
+      + f"; bind on host {res['bind_host_ms']:.3f} ms (alone, us: check "
+      f"{res['bind_check_us']:.0f}, tables {res['bind_tables_us']:.0f}, pack + H2D "
+      f"{res['bind_pack_us']:.0f}, digest {res['bind_digest_us']:.0f})\n")
     if "peak_gib" in res:
         w(f"peak device memory {res['peak_gib']:.1f} GiB\n")
     for name, plan in r.attention.items():
