@@ -15,19 +15,21 @@ them). ``run(bound, *inputs)``:
    lazy state are set up), then a graph of the same body is captured over static copies of the
    arena words and inputs; the step's result is the eager one;
 3. later steps: the step's arena words and inputs are copied into the static buffers and the
-   graph is replayed; the result is the graph's static outputs (overwritten by the next replay of
-   that graph: copy what must outlive it).
+   graph is replayed; the result is the graph's static outputs, valid until the next ``run`` of
+   this ``StepGraphs`` (copy what must outlive it).
 
 A graph holds the addresses of everything its body touched at capture: the caches and any other
 tensor the body closes over must stay the same objects for the graphs' lifetime (reallocate
 them, and make a new ``StepGraphs``). Inputs are matched by shape and dtype; a new shape is a
-new capture. Each key's graph keeps its own memory pool slice; keys are few (T sizes times
-powers of two of key blocks).
+new capture. All graphs share one memory pool (keys are T sizes times powers of two of key
+blocks: a private pool each would hold tens of MB per key): a graph's temporaries may reuse what
+another graph's outputs occupy, so outputs, and the tables ``restore`` reads, are only valid
+until the next replay of any graph. Each replay rewrites its own tables first.
 
 The guarantees of an eager step hold: the digest check completes before the graph (and so
 before the first collective) runs; the collectives the capture recorded are appended to the
 step's ledger, so ``finish`` still compares the ledger with this step's plan; ``restore`` runs
-after ``run`` (it reads the graph's static restore index, valid until the next replay). Every
+after ``run`` and before the next one (it reads the graph's static restore index). Every
 rank captures and replays the same keys in the same order, since keys depend on the plan only.
 """
 
