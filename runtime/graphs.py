@@ -41,7 +41,7 @@ from typing import Callable
 import torch
 
 from cpplan.runtime import collectives as coll
-from cpplan.runtime.tables import StepTables
+from cpplan.runtime.tables import StepTables, _iota
 
 
 @dataclasses.dataclass
@@ -98,6 +98,9 @@ class StepGraphs:
         words = span.clone()
         views = {name: words[off: off + bound.views[name].numel()] for name, off in offsets.items()}
         static_inputs = tuple(x.clone() for x in inputs)
+        # the shared arange the expansion reads must not grow inside a capture: memory taken from
+        # the shared pool there could later be a temporary of another graph
+        _iota(bound.layout.total(bound.meta), self.ex.device)
         channel = coll.StepChannel(self.ex.comm, None, bound.channel.watch)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
