@@ -27,9 +27,11 @@ _ACT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.f
 
 def warmup_steps(config: ParallelConfig, max_tokens: int, max_requests: int) -> list[StepInput]:
     """The synthetic global steps (see the module docstring), sized to fit ``max_tokens`` per
-    rank (and the largest graph size within it), ``max_requests`` and ``max_model_len``: one decode; several decodes (the largest graph size that fits,
-    else 8); one long prompt (about 4 x topk tokens per rank: dequantise-once attention); one
-    decode with a short prompt (rows read in the kernel)."""
+    rank (and the largest graph size within it), ``max_requests`` and ``max_model_len``: one
+    decode; several decodes (the largest graph size that fits, else 8); one long prompt (about
+    4 x topk tokens per rank: dequantise-once attention); one decode with a short prompt (rows
+    read in the kernel). Steps of two or more requests are left out when ``max_requests`` is 1
+    (no step of that executor has them)."""
     p_size, mml = config.pcp_size, config.max_model_len
     ctx = max(1, min(mml - 1, 2 * config.topk))
     fits = [g for g in config.cudagraph_token_sizes if g <= max_tokens]
@@ -38,12 +40,9 @@ def warmup_steps(config: ParallelConfig, max_tokens: int, max_requests: int) -> 
     many = max(2, min(fits[-1] if fits else 8, max_tokens, max_requests))
     long = max(2 * p_size, min(mml, p_size * max_tokens // 2, 4 * config.topk * p_size))
     short = min(mml, 2 * p_size * config.dcp_size)
-    steps = [
-        ([ctx], [1], [False]),
-        ([ctx] * many, [1] * many, [False] * many),
-        ([0], [long], [True]),
-        ([ctx, 0], [1, short], [False, True]),
-    ]
+    steps = [([ctx], [1], [False]), ([0], [long], [True])]
+    if max_requests >= 2:
+        steps += [([ctx] * many, [1] * many, [False] * many), ([ctx, 0], [1, short], [False, True])]
     out = []
     for i, (c, q, pre) in enumerate(steps):
         ids = [f"cpplan-warmup-{i}-{j}" for j in range(len(c))]

@@ -167,3 +167,24 @@ def test_static_check_catches_a_sync(tmp_path):
     src.write_text("def f(t):\n    return t.sum().item()\n"
                    "def wait_arena_free(e):\n    e.synchronize()\n")
     assert _forbidden_calls(src) == ["x.py:2 .item() in f"]
+
+
+# ------------------------------------------------------------------ warm-up
+@pytest.mark.parametrize("max_tokens,max_requests,graphs", [
+    (8192, 1024, ()), (64, 16, (8, 16, 32, 64, 128)), (16, 1, (4, 8)), (300, 4, (256, 512))])
+def test_warmup_steps_fit_the_executor(max_tokens, max_requests, graphs):
+    """The synthetic steps compile for the config and fit the executor's capacities (tokens per
+    rank after padding, requests), whatever the graph sizes; one-request executors get only
+    one-request steps."""
+    from cpplan.planner.compile import compile as compile_plan
+    from cpplan.schemas import ParallelConfig
+    from cpplan.warmup import warmup_steps
+
+    cfg = ParallelConfig(pcp_size=2, dcp_size=2, num_heads=8, topk=64, index_num_heads=4,
+                         max_model_len=1024, block_size=64, activation_dtype="float32",
+                         num_layers=1, hidden_size=8 * 512, cudagraph_token_sizes=graphs)
+    steps = warmup_steps(cfg, max_tokens, max_requests)
+    assert len(steps) == (4 if max_requests >= 2 else 2)
+    for step in steps:
+        plan = compile_plan(cfg, step)
+        assert plan.padded_num_tokens <= max_tokens and plan.num_requests <= max_requests
