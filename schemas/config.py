@@ -7,6 +7,7 @@ integer belongs, or a dtype name outside the enums, is a ConfigError, not a late
 
 from __future__ import annotations
 
+import operator
 from typing import Literal
 
 import msgspec
@@ -29,6 +30,8 @@ _POSITIVE_FIELDS = (
     "qk_head_dim", "v_head_dim", "topk", "index_num_heads", "index_head_dim", "hidden_size",
     "max_model_len",
 )
+_POSITIVE_VALUES = operator.attrgetter(*_POSITIVE_FIELDS)
+_JUST_INT = {int}
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -58,8 +61,13 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     gather_workspace_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for name in _POSITIVE_FIELDS:
-            self._check_int(name, 1)
+        sizes = _POSITIVE_VALUES(self)
+        # fast path (every decoded plan carries a config): all exact ints within range; any
+        # other value goes through the per-field checks, which coerce or name the field
+        if not (set(map(type, sizes)) == _JUST_INT and min(sizes) >= 1
+                and max(sizes) <= MAX_SUPPORTED_TOKENS):
+            for name in _POSITIVE_FIELDS:
+                self._check_int(name, 1)
         self._check_int("gather_workspace_tokens", 0)
         for name in ("pcp_size", "dcp_size"):
             if getattr(self, name) > MAX_PARALLEL_SIZE:
@@ -118,6 +126,11 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     def _check_graph_sizes(self) -> None:
         sizes = self.cudagraph_token_sizes
+        if type(sizes) is tuple and (not sizes or (
+                set(map(type, sizes)) == _JUST_INT and sizes[0] >= 1
+                and sizes[-1] <= MAX_SUPPORTED_TOKENS
+                and all(a < b for a, b in zip(sizes, sizes[1:])))):
+            return  # already a strictly increasing tuple of ints in range
         if isinstance(sizes, (list, np.ndarray)):
             sizes = tuple(sizes)
         if not isinstance(sizes, tuple):

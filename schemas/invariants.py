@@ -21,6 +21,7 @@ strings would cost as much as the rest of decoding).
 from __future__ import annotations
 
 import math
+import operator
 import re
 from bisect import bisect_left
 
@@ -38,6 +39,10 @@ _REQUEST_ARRAYS = (("num_computed_tokens", "<i4"), ("num_scheduled_tokens", "<i4
                    ("dcp_shard_rows", "<i4"))
 _RANK_ROW_ARRAYS = (("row_query_offset", "<i4"), ("row_num_tokens", "<i4"),
                     ("row_token_start", "<i4"), ("row_kv_write", "|u1"))
+_SHAPED_ARRAYS = operator.attrgetter(*[name for name, _ in _REQUEST_ARRAYS], "dcp_local_lens",
+                                     "row_request", *[name for name, _ in _RANK_ROW_ARRAYS])
+_SHAPED_DTYPES = tuple(d for _, d in _REQUEST_ARRAYS) + ("<i4", "<i4") \
+    + tuple(d for _, d in _RANK_ROW_ARRAYS)
 _COLLECTIVE_NAME = re.compile(
     r"(kv_insert|indexer_k_insert|topk_candidates|decode_lse|decode_out|restore"
     r"|(indexer_k|kv)_gather\[(0|[1-9][0-9]{0,8})\])")
@@ -80,6 +85,11 @@ def _check_scalars(plan: StepPlan) -> None:
 def _check_shapes(plan: StepPlan) -> None:
     n, p_size, w_size = len(plan.req_ids), plan.config.pcp_size, plan.config.dcp_size
     r = plan.row_request.shape[0] if len(plan.row_request.shape) == 1 else -1
+    arrays = _SHAPED_ARRAYS(plan)
+    if tuple(a.dtype for a in arrays) == _SHAPED_DTYPES and tuple(a.shape for a in arrays) \
+            == ((n,),) * len(_REQUEST_ARRAYS) + ((n, w_size), (r,)) \
+            + ((p_size, r),) * len(_RANK_ROW_ARRAYS):
+        return  # the common case, in two comparisons; otherwise name the first mismatch
     expected = [(name, dtype, (n,)) for name, dtype in _REQUEST_ARRAYS]
     expected += [("dcp_local_lens", "<i4", (n, w_size)), ("row_request", "<i4", (max(r, 0),))]
     expected += [(name, dtype, (p_size, max(r, 0))) for name, dtype in _RANK_ROW_ARRAYS]
@@ -139,15 +149,22 @@ def _check_tables(plan: StepPlan) -> None:
     if cfg.dcp_size == 1 and chunks:
         _fail(f"gather_chunks must be empty with dcp_size 1: got {len(chunks)}")
     _check_chunk_shapes(chunks)
-
-    def cat(name: str, dtype: str) -> np.ndarray:
-        if not chunks:
-            return _EMPTY[dtype]
-        return np.frombuffer(b"".join([getattr(ch, name).data for ch in chunks]),
-                             _DTYPES[dtype])
-
-    def ints(values: list) -> np.ndarray:
-        return np.array(values, np.int64) if values else _NO_INTS
+    if chunks:  # the chunks' arrays concatenated, and their sizes and totals
+        req, pad, pcu, gcu, sizes, pts, totals = [], [], [], [], [], [], []
+        for ch in chunks:
+            req.append(ch.requests.data)
+            pad.append(ch.pad.data)
+            pcu.append(ch.padded_local_cu.data)
+            gcu.append(ch.global_cu.data)
+            sizes.append(ch.requests.shape[0])
+            pts.append(ch.padded_local_total)
+            totals.append(ch.total)
+        c_req, c_pad = np.frombuffer(b"".join(req), "<i4"), np.frombuffer(b"".join(pad), "<i4")
+        c_pcu, c_gcu = np.frombuffer(b"".join(pcu), "<i8"), np.frombuffer(b"".join(gcu), "<i8")
+        c_sizes, c_pts, c_totals = (np.array(v, np.int64) for v in (sizes, pts, totals))
+    else:
+        c_req, c_pad, c_pcu, c_gcu = _EMPTY["<i4"], _EMPTY["<i4"], _EMPTY["<i8"], _EMPTY["<i8"]
+        c_sizes = c_pts = c_totals = _NO_INTS
 
     n, r = len(plan.req_ids), plan.row_request.shape[0]
     rule, at, got = K.check_tables(
@@ -158,9 +175,7 @@ def _check_tables(plan: StepPlan) -> None:
         _flat(plan.row_kv_write), np.array(plan.num_tokens, np.int64), plan.num_decode_rows,
         plan.num_decode_tokens, cfg.pcp_size, cfg.dcp_size, cfg.interleave_size,
         cfg.max_model_len, cfg.gather_workspace_tokens,
-        ints([ch.requests.shape[0] for ch in chunks]), cat("requests", "<i4"),
-        cat("pad", "<i4"), cat("padded_local_cu", "<i8"), cat("global_cu", "<i8"),
-        ints([ch.padded_local_total for ch in chunks]), ints([ch.total for ch in chunks]))
+        c_sizes, c_req, c_pad, c_pcu, c_gcu, c_pts, c_totals)
     if rule == K.OK:
         return
     name, words = KERNEL_RULES[rule]
@@ -173,15 +188,14 @@ def _check_tables(plan: StepPlan) -> None:
     _fail(f"{name}[{where}] {words}: got {got}")
 
 
-_CHUNK_DTYPES = ("<i4", "<i4", "<i8", "<i8")
-
-
 def _check_chunk_shapes(chunks) -> None:
     for k, ch in enumerate(chunks):
-        arrays = (ch.requests, ch.pad, ch.padded_local_cu, ch.global_cu)
-        m = ch.requests.shape[0] if len(ch.requests.shape) == 1 else 0
-        if m < 1 or tuple(a.dtype for a in arrays) != _CHUNK_DTYPES \
-                or tuple(a.shape for a in arrays) != ((m,), (m,), (m + 1,), (m + 1,)):
+        req, pad, pcu, gcu = ch.requests, ch.pad, ch.padded_local_cu, ch.global_cu
+        m = req.shape[0] if len(req.shape) == 1 else 0
+        if m < 1 or req.dtype != "<i4" or pad.dtype != "<i4" or pcu.dtype != "<i8" \
+                or gcu.dtype != "<i8" or pad.shape != req.shape or pcu.shape != (m + 1,) \
+                or gcu.shape != (m + 1,):
+            arrays = (req, pad, pcu, gcu)
             _fail(f"gather chunk {k} must hold n >= 1 requests as <i4 requests [n], <i4 pad "
                   f"[n], <i8 padded_local_cu [n+1], <i8 global_cu [n+1]: got "
                   + ", ".join(f"{a.dtype} {list(a.shape)}" for a in arrays))
@@ -201,6 +215,7 @@ def _check_padding(plan: StepPlan) -> None:
 
 
 _KNOWN_KEYS: set = set()  # (name, op, group, dtype) already found valid
+_VALID_COLLECTIVES: set = set()  # whole Collective structs already found valid (they repeat)
 
 
 def _check_collectives(plan: StepPlan) -> None:
@@ -208,6 +223,8 @@ def _check_collectives(plan: StepPlan) -> None:
     if len(plan.collectives) > limit:
         _fail(f"a step issues at most {limit} collectives: got {len(plan.collectives)}")
     for c in plan.collectives:
+        if c in _VALID_COLLECTIVES:
+            continue
         key = (c.name, c.op, c.group, c.dtype)
         if key not in _KNOWN_KEYS:
             if not _COLLECTIVE_NAME.fullmatch(c.name) or c.op not in ("all_gather", "all_reduce") \
@@ -224,3 +241,5 @@ def _check_collectives(plan: StepPlan) -> None:
         if c.bytes != size:
             _fail(f"collective {c.name!r}: bytes must be prod(shape) * itemsize = {size}: got "
                   f"{c.bytes}")
+        if len(_VALID_COLLECTIVES) < 4096:
+            _VALID_COLLECTIVES.add(c)
