@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cpplan.api import ParallelConfig, StepExecutor, StepInput, compile
 from cpplan.runtime.executor import DUMMY_SLOT
 from cpplan.runtime.groups import Groups
-from cpplan.runtime.tables import build_tables
+from cpplan.runtime.segments import build_tables
 from cpplan.runtime.verify import DigestCheck
 from cpplan.sim.launch import World
 

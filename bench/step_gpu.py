@@ -363,7 +363,7 @@ def bind_parts(r: Rank, repeat: int) -> dict:
     block-table check, the host tables, the arena pack (wait, copy into pinned memory, the H2D
     copy's launch and its event) and the digest (the exchange is timed in verify_costs)."""
     from cpplan.runtime.executor import DUMMY_SLOT
-    from cpplan.runtime.tables import build_tables
+    from cpplan.runtime.segments import build_tables
 
     ex, plan, n = r.ex, r.plan, max(50, repeat)
     bt = ex._check_bind(plan, r.tables, None)

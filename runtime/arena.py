@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cpplan.runtime.tables import graph_segments
+from cpplan.runtime.segments import graph_segments
 from cpplan.schemas.errors import CapacityError
 
 
@@ -69,12 +69,12 @@ class ArenaRing:
 
 def arena_words(max_tokens: int, max_requests: int, max_blocks_per_request: int,
                 pcp_size: int, dcp_size: int, graph_sizes: tuple[int, ...] = ()) -> int:
-    """An upper bound of the int64 words one bind needs (see ``tables.build_tables``): segment
+    """An upper bound of the int64 words one bind needs (see ``segments.build_tables``): segment
     ends and 7 parameters per segment, and the block tables, for ``max_requests`` per step.
     Rows R <= 2 * requests (a split request has two); segments: per token window (3 without
     kv_insert, P + 3 with) 2R + 1, one per gather region (<= requests), one per restored
     (rank, row) (<= P * R). A graph-replayable step of size G <= ``max_tokens`` packs a static
-    layout instead (``tables.graph_segments`` segments, ``[G, 2^k]`` block tables with
+    layout instead (``segments.graph_segments`` segments, ``[G, 2^k]`` block tables with
     ``2^k < 2 * max_blocks_per_request``)."""
     rows = 2 * max_requests
     windows = pcp_size + 3 if pcp_size > 1 else 3

@@ -28,8 +28,9 @@ from cpplan.runtime import collectives as coll
 from cpplan.runtime.arena import ArenaRing, arena_words
 from cpplan.runtime.faults import FaultBoard, StepWatch, Watchdog
 from cpplan.runtime.kernels import get_kernels
-from cpplan.runtime.tables import Layout, StepMeta, StepTables, build_tables, check_block_tables
-from cpplan.runtime.tables import warmup as warmup_tables
+from cpplan.runtime.segments import build_tables, check_block_tables
+from cpplan.runtime.segments import warmup as warmup_tables
+from cpplan.runtime.tables import Layout, StepMeta, StepTables
 from cpplan.schemas.codec import config_fingerprint
 from cpplan.schemas.config import ParallelConfig
 from cpplan.schemas.errors import (

@@ -3,7 +3,7 @@
 A graph-replayable plan (``StepPlan.graph_replayable``: decode-only, padded to a CUDA-graph
 size) binds to static shapes: every padded token is a decode, the decode pass reads
 ``blocks * block_size`` keys and block tables of ``blocks`` columns, and its table segments fill a
-fixed layout (``StepMeta.graph_key`` = (T, blocks); runtime/tables.py). One captured graph
+fixed layout (``StepMeta.graph_key`` = (T, blocks); runtime/segments.py). One captured graph
 therefore serves every step of its key: only the arena's words and the engine's inputs change.
 
 :class:`StepGraphs` wraps the engine's per-step body, ``body(bound, *inputs) -> outputs``, which

@@ -2,7 +2,7 @@
 
 The reference below walks every token of every row with the sharding rule written out
 (owner = (t // I) % W, local = (t // (W I)) I + t % I, counted by brute force), independently of
-``schemas/sharding.py`` and ``runtime/tables.py``; the plan's row arrays are its only input from
+``schemas/sharding.py``, ``runtime/segments.py`` and ``runtime/tables.py``; the plan's row arrays are its only input from
 the code under test (the planner is checked against its own reference in tests/planner).
 """
 
@@ -17,7 +17,7 @@ import torch.utils._python_dispatch
 from cpplan.planner import compile as compile_plan
 from cpplan.runtime.arena import arena_words
 from cpplan.runtime.executor import DUMMY_SLOT, StepExecutor
-from cpplan.runtime.tables import build_tables, check_block_tables
+from cpplan.runtime.segments import build_tables, check_block_tables
 from cpplan.schemas import CapacityError, ConfigError, ParallelConfig, StepInput, StepInputError
 from cpplan.schemas.arrays import Array
 from cpplan.schemas.errors import PlanFormatError

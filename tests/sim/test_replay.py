@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from cpplan.planner.compile import compile as compile_plan
-from cpplan.runtime.tables import graph_key_of
+from cpplan.runtime.segments import graph_key_of
 from cpplan.schemas import ParallelConfig, StepInput
 from cpplan.sim import replay as rp
 from cpplan.sim.replay import replay_plan
