@@ -13,7 +13,8 @@ them). ``run(bound, *inputs)``:
 1. not graph-replayable (or not on CUDA): ``body(bound, *inputs)``, eagerly;
 2. first step of its key: the body runs eagerly (the kernels compile, NCCL communicators and
    lazy state are set up), then a graph of the same body is captured over static copies of the
-   arena words and inputs; the step's result is the eager one;
+   arena words and inputs; the step's result is the eager one (torch synchronises the device
+   around a capture: once per key, never on a replay);
 3. later steps: the step's arena words and inputs are copied into the static buffers and the
    graph is replayed; the result is the graph's static outputs, valid until the next ``run`` of
    this ``StepGraphs`` (copy what must outlive it).
