@@ -95,8 +95,12 @@ def _softmax_step(q_lat, q_rope, lat, rope, valid, m_i, l_i, acc, qk_scale_log2,
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["pcu_ptr", "stride_ls", "stride_lt", "keys_per_split",
-                               "padded_local_total"])
+# Arguments that change with the step (T * H strides, split sizes, table slices): left
+# unspecialised, so a new step shape is not a new compile (bench/jit_variants.py)
+STEP_VARYING = ["pcu_ptr", "stride_ls", "stride_lt", "keys_per_split", "padded_local_total"]
+
+
+@triton.jit(do_not_specialize=STEP_VARYING)
 def sparse_mla_fwd(
     q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, pcu_ptr,
     stride_qt, stride_qh, stride_kv, stride_it,
@@ -153,8 +157,7 @@ def _store_group(o_ptr, acc, inv_l, g: tl.constexpr, hmask):
 
 # Over 50 lines on purpose: the four fp8 groups of a key block are unrolled by hand (Triton
 # has no per-group loop over a tile's columns); a helper per group would only move the lines.
-@triton.jit(do_not_specialize=["pcu_ptr", "stride_ls", "stride_lt", "keys_per_split",
-                               "padded_local_total"])
+@triton.jit(do_not_specialize=STEP_VARYING)
 def sparse_mla_fwd_scaled(
     q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, pcu_ptr,
     stride_qt, stride_qh, stride_kv, stride_it,
