@@ -82,7 +82,6 @@ FULL = dict(num_heads=128, topk=2048, index_num_heads=64, hidden_size=7168,
             layers=4)
 TINY = dict(num_heads=8, topk=64, index_num_heads=4, hidden_size=512,
             activation_dtype="float32", prompt=256, decodes=8, context=(64, 192), layers=2)
-ACT = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
@@ -230,7 +229,7 @@ def setup_rank(args, dims: dict, groups: Groups) -> Rank:
                                   max_requests=plan.num_requests)
     gen = torch.Generator(device=dev).manual_seed(1000 + groups.rank)
     caches = [_random_cache(cfg, num_blocks, dev, kernels, gen) for _ in range(cfg.num_layers)]
-    act, t = ACT[cfg.activation_dtype], plan.padded_num_tokens
+    act, t = coll.ACT_DTYPES[cfg.activation_dtype], plan.padded_num_tokens
 
     def rnd(*shape, dtype=torch.float32):
         return torch.randn(*shape, generator=gen, device=dev, dtype=dtype)

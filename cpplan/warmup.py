@@ -18,11 +18,11 @@ import numpy as np
 import torch
 
 from cpplan.planner.compile import compile as compile_plan
+from cpplan.runtime.collectives import ACT_DTYPES
 from cpplan.runtime.executor import LayerCache, StepExecutor
 from cpplan.schemas.config import ParallelConfig
 from cpplan.schemas.step import StepInput
 
-_ACT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def warmup_steps(config: ParallelConfig, max_tokens: int, max_requests: int) -> list[StepInput]:
@@ -61,7 +61,7 @@ def warmup(executor: StepExecutor, *, seed: int = 0) -> int:
         tables, num_blocks = _scratch_tables(plan, executor.dcp_rank)
         cache = LayerCache.empty(cfg, num_blocks, executor.device)
         bound = executor.bind(plan, tables, num_blocks)
-        t, act = plan.padded_num_tokens, _ACT[cfg.activation_dtype]
+        t, act = plan.padded_num_tokens, ACT_DTYPES[cfg.activation_dtype]
 
         def rnd(*shape, dtype=torch.float32):
             return torch.randn(*shape, generator=gen, device=executor.device).to(dtype)

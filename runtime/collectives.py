@@ -26,7 +26,9 @@ from cpplan.schemas.errors import CollectiveLedgerError, CpplanError
 from cpplan.schemas.names import TOPK_CANDIDATE_DTYPE, Group
 from cpplan.schemas.plan import StepPlan
 
-_ACT_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# activation_dtype name -> torch dtype (and back for the ledger's dtype names)
+ACT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ACT_NAMES = {dtype: name for name, dtype in ACT_DTYPES.items()}
 
 
 # ------------------------------------------------------------------------- transport

@@ -28,8 +28,7 @@ from cpplan.runtime import collectives as coll
 from cpplan.runtime.arena import ArenaRing, arena_words
 from cpplan.runtime.faults import FaultBoard, StepWatch, Watchdog
 from cpplan.runtime.kernels import get_kernels
-from cpplan.runtime.segments import build_tables, check_block_tables
-from cpplan.runtime.segments import warmup as warmup_tables
+from cpplan.runtime.segments import build_tables, check_block_tables, compile_host_kernels
 from cpplan.runtime.tables import Layout, StepMeta, StepTables
 from cpplan.schemas.codec import config_fingerprint
 from cpplan.schemas.config import ParallelConfig
@@ -117,7 +116,7 @@ class StepExecutor:
         words = arena_words(max_tokens, max_requests, max_blocks_per_request, config.pcp_size,
                             config.dcp_size, config.cudagraph_token_sizes)
         self.arena = ArenaRing(words, self.device, arena_depth)
-        warmup_tables()  # bind's host kernels, compiled (or loaded) now rather than at step 1
+        compile_host_kernels()  # bind's host kernels, compiled (or loaded) now rather than at step 1
         self.sm_scale = 1.0 / math.sqrt(config.qk_head_dim)
         self._fingerprint = config_fingerprint(config)
 
@@ -141,8 +140,8 @@ class StepExecutor:
         """Start the digest check, build the rank's table segments (host, O(rows + requests))
         and pack them into the next arena (one H2D copy); the step's tables are expanded on the
         device at first use (:attr:`BoundStep.tables`). ``block_tables`` ``[N, max_blocks]``
-        int: this rank's local blocks of each of the plan's requests (block 0 is reserved); ``num_blocks`` (optional) the cache's block
-        count, to refuse out-of-range blocks. Bad tables or a plan compiled for another config
+        int: this rank's local blocks of each of the plan's requests (block 0 is reserved);
+        ``num_blocks`` (optional) the cache's block count, to refuse out-of-range blocks. Bad tables or a plan compiled for another config
         raise before anything is sent or written; the peers then raise PeerFailedError at the
         digest check (or, with the check off for this step, in their first collective)."""
         seq = self.faults.next_step() if self.faults is not None else 0

@@ -42,6 +42,7 @@ from typing import Callable
 import torch
 
 from cpplan.runtime import collectives as coll
+from cpplan.runtime.executor import BoundStep
 from cpplan.runtime.tables import StepTables, _iota
 
 
@@ -93,8 +94,6 @@ class StepGraphs:
         return cap.outputs
 
     def _capture(self, bound, inputs) -> CapturedStep:
-        from cpplan.runtime.executor import BoundStep
-
         span, offsets = _words(bound.views)
         words = span.clone()
         views = {name: words[off: off + bound.views[name].numel()] for name, off in offsets.items()}

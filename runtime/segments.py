@@ -308,7 +308,7 @@ def _restore_segments(start, lens, off, row_req, scheduled, mode, t_pad, ends, p
         k += 1
 
 
-def warmup() -> None:
+def compile_host_kernels() -> None:
     """Compile (or load from ``__pycache__``) the host kernels for the array types plans carry
     (read-only int32 / uint8 views), so that the first bind pays no JIT cost."""
     def ro(dtype, *shape):

@@ -11,12 +11,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from cpplan.runtime.collectives import ACT_DTYPES
 from cpplan.runtime.executor import BoundStep, LayerCache, StepExecutor
 from cpplan.schemas.plan import StepPlan
 from cpplan.schemas.sharding import local_index, owner
 from cpplan.sim import coords
 
-ACT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def request_keys_on(plan: StepPlan, device) -> torch.Tensor:
