@@ -127,6 +127,29 @@ def prefill_parts(args, tiles, ceil, flops, label):
             print(f"  {label} {part}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
 
 
+def decode_parts(args, tiles, ceil, flops):
+    """Times the tiled decode logits alone and the select alone (the whole batch)."""
+    q, w, k, local_len, bt, block, W, rank, I, topk = args
+    ctx = int(local_len.max())
+    keys = it._keys_buffer(q.shape[0], ctx, q.device)
+    top_s, top_i = it._outputs(q.shape[0], topk, q.device)
+    kflat = k.view(-1, k.shape[-1])
+    splits = max(1, min(-(-ctx // tiles.decode_block_k),
+                        -(-tiles.programs_per_sm * it._num_sms(q.device) // q.shape[0])))
+
+    def logits():
+        it._logits(q, w, kflat, keys, 2, True, ctx, bq=1, bk=tiles.decode_block_k,
+                   warps=tiles.decode_warps, stages=tiles.decode_stages, splits=splits,
+                   lens=local_len, bt=bt, W=W, I=I, B=block)
+
+    def select():
+        it._select(keys, local_len, topk, top_s, top_i, tiles, decode_ids=True, W=W, I=I,
+                   rank=rank)
+
+    for part, fn, fl in (("logits", logits, flops), ("select", select, None)):
+        row(f"  parts {part}", bench(fn), fl, ceil)
+
+
 def run_prefill(cases, ceil, kernels):
     ok = True
     for T, N in cases:
@@ -144,6 +167,7 @@ def run_decode(cases, ceil, kernels):
         args, flops = decode_inputs(B, ctx)
         ok &= case(f"decode B {B} ctx {ctx}", kernels.indexer_topk_decode, it.indexer_topk_decode,
                    args, ctx, flops, ceil)
+        decode_parts(args, it.IndexerTiles(), ceil, flops)
         del args
     return ok
 
