@@ -20,6 +20,8 @@ import dataclasses
 import json
 
 import torch
+import triton
+import triton.language as tl
 from cpplan.runtime.kernels.triton import indexer as old_indexer
 from cpplan.runtime.kernels.triton import indexer_tiled as it
 from cpplan.runtime.kernels import reference as ref
@@ -28,6 +30,7 @@ from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench
 
 HI, TOPK, BLOCK = 64, 2048, 64
+RANK_SEGS = (2, 4, 8, 16)  # IndexerTiles.sort_segments variants timed beside the default
 PREFILL = [(4096, 32768), (2048, 65536), (8192, 8192)]
 DECODE = [(b, ctx) for ctx in (4096, 131072) for b in (1, 8, 64)]
 ROWS: list[dict] = []
@@ -120,6 +123,10 @@ def prefill_parts(args, tiles, ceil, flops, label):
     parts = [("logits", logits, flops), ("select", select, None)]
     if label == "parts":
         parts.append(("select radix only", radix, None))
+        for segs in RANK_SEGS:
+            t = dataclasses.replace(tiles, sort_segments=segs)
+            parts.append((f"select ranked {segs} segments", lambda t=t: it._select(
+                keys, key_len, TOPK, top_s, top_i, t), None))
     for part, fn, fl in parts:
         try:
             row(f"  {label} {part}", bench(fn), fl, ceil)
@@ -148,15 +155,93 @@ def decode_parts(args, tiles, ceil, flops):
 
     for part, fn, fl in (("logits", logits, flops), ("select", select, None)):
         row(f"  parts {part}", bench(fn), fl, ceil)
+    want = it.indexer_topk_decode(*args, max_keys=ctx)
+    for segs in RANK_SEGS:
+        t = dataclasses.replace(tiles, sort_segments=segs)
+        got = it.indexer_topk_decode(*args, max_keys=ctx, tiles=t)
+        row(f"  parts select ranked {segs} segments", bench(lambda t=t: it._select(
+            keys, local_len, topk, top_s, top_i, t, decode_ids=True, W=W, I=I, rank=rank)),
+            note=f"whole decode == default: {same(got, want)}")
 
 
-def run_prefill(cases, ceil, kernels):
+@triton.jit
+def _sort_rows(x_ptr, out_ptr, SEGS: tl.constexpr, N: tl.constexpr):
+    """Sorts one row of SEGS * N values as SEGS independent segments of N (descending)."""
+    row = tl.program_id(0).to(tl.int64) * SEGS * N
+    off = tl.arange(0, SEGS)[:, None] * N + tl.arange(0, N)[None, :]
+    v = tl.load(x_ptr + row + off)
+    tl.store(out_ptr + row + off, tl.sort(v, 1, descending=True))
+
+
+def sort_costs():
+    """tl.sort of 4096 values per program as 1 x 4096, 2 x 2048, 8 x 512 and 32 x 128 segments,
+    int64 and int32, 4096 programs (the select's candidate sort)."""
+    for dtype in (torch.int64, torch.int32):
+        x = torch.randint(-2**30, 2**30, (4096, 4096), device="cuda").to(dtype)
+        out = torch.empty_like(x)
+        for segs in (1, 2, 8, 32):
+            for warps in (8, 16):
+                fn = lambda segs=segs, warps=warps: _sort_rows[(4096,)](  # noqa: E731
+                    x, out, SEGS=segs, N=4096 // segs, num_warps=warps)
+                try:
+                    row(f"sort 4096 rows {str(dtype)[6:]} {segs} x {4096 // segs} w {warps}",
+                        bench(fn))
+                except FAILS as e:
+                    print(f"sort {segs} w {warps}: failed ({type(e).__name__})", flush=True)
+
+
+PLANAR_TILES = [(bq, bk, w, s) for bq in (2, 4) for bk in (64, 128) for w in (4, 8)
+                for s in (2, 3, 4)]
+
+
+def planar_logits(args, ceil, flops, sweep_tiles=False):
+    """The fp8 planar logits (fp8-quantised query, keys split into planes) against the byte-row
+    logits on the same quantised inputs: int32 keys must be equal; then the plane split alone and
+    each tile choice."""
+    q, w, k, key_len, pcu, N = args[:6]
+    T = q.shape[0]
+    q8, w8 = ref.quantize_indexer_q(q, w)
+    qb = q8.to(torch.bfloat16)
+    tiles = it.IndexerTiles()
+    want = torch.empty(T, N, dtype=torch.int32, device="cuda")
+    got = torch.empty_like(want)
+    it._logits(qb, w8, k, want, 1, True, N, bq=tiles.block_q, bk=tiles.block_k,
+               warps=tiles.logits_warps, stages=tiles.logits_stages, lens=key_len, pcu=pcu,
+               PT=N, W=1, I=1)
+    valid = torch.arange(N, device="cuda")[None, :] < key_len[:, None]
+    row("  quantise q (torch)", bench(lambda: ref.quantize_indexer_q(q, w)))
+    row("  split planes (torch)", bench(lambda: it.split_planes(k)))
+    kp, ks = it.split_planes(k)
+    row("  byte-row logits, bf16 (fp8 values)", bench(lambda: it._logits(
+        qb, w8, k, want, 1, True, N, bq=tiles.block_q, bk=tiles.block_k,
+        warps=tiles.logits_warps, stages=tiles.logits_stages, lens=key_len, pcu=pcu, PT=N,
+        W=1, I=1)), flops, ceil)
+    ok = True
+    for bq, bk, warps, stages in (PLANAR_TILES if sweep_tiles else [(4, 128, 8, 3), (2, 128, 8, 3)]):
+        def fn(bq=bq, bk=bk, warps=warps, stages=stages):
+            it._logits_planar(q8, w8, kp, ks, got, N, key_len, pcu, N, 1, 1, bq=bq, bk=bk,
+                              warps=warps, stages=stages)
+        try:
+            got.fill_(0)
+            fn()
+            eq = torch.equal(torch.where(valid, got, 0), torch.where(valid, want, 0))
+            ok &= eq
+            row(f"  planar fp8 logits bq {bq} bk {bk} w {warps} s {stages}", bench(fn), flops,
+                ceil, f"== byte-row: {eq}")
+        except FAILS as e:
+            print(f"  planar bq {bq} bk {bk} w {warps} s {stages}: failed ({type(e).__name__}: "
+                  f"{str(e)[:80]})", flush=True)
+    return ok
+
+
+def run_prefill(cases, ceil, kernels, planar_sweep=False):
     ok = True
     for T, N in cases:
         args, flops = prefill_inputs(T, N)
         ok &= case(f"prefill T {T} N {N}", kernels.indexer_topk_prefill, it.indexer_topk_prefill,
                    args, N, flops, ceil)
         prefill_parts(args, it.IndexerTiles(), ceil, flops, "parts")
+        ok &= planar_logits(args, ceil, flops, planar_sweep)
         del args
     return ok
 
@@ -204,9 +289,9 @@ def sweep_select(args, base, ceil):
 def sweep_decode(B, ctx, ceil):
     args, flops = decode_inputs(B, ctx)
     base = it.IndexerTiles()
-    for bk in (32, 64, 128):
+    for bk in (64, 128):
         for warps in (4, 8):
-            for pps in (1, 2, 4, 8):
+            for pps in (2, 4, 8, 16):
                 t = dataclasses.replace(base, decode_block_k=bk, decode_warps=warps,
                                         programs_per_sm=pps)
                 name = f"decode B {B} ctx {ctx} bk {bk} w {warps} pps {pps}"
@@ -222,6 +307,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="first prefill and two decode cases")
     ap.add_argument("--only", default="prefill,decode")
     ap.add_argument("--sweep", action="store_true", help="tile variants (long)")
+    ap.add_argument("--planar-sweep", action="store_true", help="planar fp8 logits tiles")
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args()
     # "old": the per-(query, key block) kernel, the Triton set's indexer until 2026-11-30
@@ -231,7 +317,12 @@ def main():
     parts = a.only.split(",")
     ok = True
     if "prefill" in parts:
-        ok &= run_prefill(PREFILL[:1] if a.quick else PREFILL, ceil, kernels)
+        ok &= run_prefill(PREFILL[:1] if a.quick else PREFILL, ceil, kernels, a.planar_sweep)
+    if "decode-sweep" in parts:
+        for B, ctx in ((64, 4096), (8, 131072), (64, 131072)):
+            sweep_decode(B, ctx, ceil)
+    if "sort" in parts:
+        sort_costs()
     if "decode" in parts:
         ok &= run_decode([(64, 4096), (8, 131072)] if a.quick else DECODE, ceil, kernels)
     if a.sweep:

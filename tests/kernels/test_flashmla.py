@@ -301,9 +301,9 @@ REPLAY_BF16_TOLERANCE = 2e-2
 @pytest.mark.parametrize("graph", [False, True], ids=["eager-step", "graph-replayable"])
 def test_replay_through_flashmla_matches_the_oracle(pwi, kv, graph):
     """64 heads (FlashMLA's smallest), bf16 q: 4 decodes and a 256-token prompt, where the kernel
-    set plans FlashMLA for the decode pass (fp8) and the prefill pass; or (graph-replayable) 6
-    decodes padded to a graph size of 8, where the padded tokens, which have no key, go through
-    FlashMLA's decode too. The restored outputs equal the single-device oracle."""
+    set plans FlashMLA for the decode pass (fp8) and the prefill pass; or (graph-replayable) 130
+    decodes padded to a graph size of 136, where the padded tokens, which have no key, go through
+    FlashMLA too (130 rows: the bf16-row decode goes to FlashMLA from 128 rows of 64 heads). The restored outputs equal the single-device oracle."""
     import dataclasses
 
     import msgspec
@@ -319,10 +319,10 @@ def test_replay_through_flashmla_matches_the_oracle(pwi, kv, graph):
                                                            kv_cache_dtype=kv, layers=1)))
     cfg = ParallelConfig(**{**base, "num_heads": 64, "hidden_size": 64 * 512, "topk": 128,
                             "activation_dtype": "bfloat16",
-                            "cudagraph_token_sizes": (8, 16) if graph else ()})
-    if graph:
-        step = StepInput.build(3, [f"d{i}" for i in range(6)], [300, 200, 257, 129, 140, 90],
-                               [1] * 6, [False] * 6)
+                            "cudagraph_token_sizes": (8, 136) if graph else ()})
+    if graph:  # 130 decodes: enough rows that the bf16-row decode is planned on FlashMLA too
+        ctx = [90 + (37 * r) % 211 for r in range(130)]
+        step = StepInput.build(3, [f"d{i}" for i in range(130)], ctx, [1] * 130, [False] * 130)
     else:
         step = StepInput.build(3, ["a", "b", "c", "d", "e"], [300, 200, 257, 129, 0],
                                [1, 1, 1, 1, 256], [False, False, False, False, True])

@@ -135,8 +135,11 @@ def _select_scores(kind, R, L, g):
 
 
 # sampled threshold (one program per row / one persistent program / segments + merge), retries
-# (a threshold sampled too high), the in-kernel radix fallback (attempts exhausted), radix only
+# (a threshold sampled too high), the in-kernel radix fallback (attempts exhausted), radix only;
+# candidates ordered by sorted segments + ranks instead of one sort (alone, with segments + merge)
 SELECT_VARIANTS = {
+    "ranked": {"programs_per_sm": 0, "sort_segments": 4},
+    "ranked-segments": {"programs_per_sm": 8, "sort_segments": 2, "radix_bits": 8},
     "sampled": {"programs_per_sm": 0},
     "persistent": {"programs_per_sm": 0, "select_programs_per_sm": 0},
     "segments": {"programs_per_sm": 8, "radix_bits": 8},

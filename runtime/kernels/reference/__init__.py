@@ -33,6 +33,7 @@ from .formats import (
     pack_indexer_k_into,
     quantize_fp8_ds_mla,
     quantize_indexer_k,
+    quantize_indexer_q,
 )
 from .index import deinterleave_index_select, filter_local_slots, remap_to_gathered
 from .indexer import (
@@ -53,6 +54,6 @@ __all__ = [
     "indexer_scores", "indexer_topk", "indexer_topk_decode", "indexer_topk_prefill", "lse_merge",
     "lse_merge_weight", "lse_scale", "merge_topk_candidates",
     "pack_fp8_ds_mla_into", "pack_indexer_k_into", "plan_attention", "prefill_key_rows",
-    "quantize_fp8_ds_mla", "quantize_indexer_k", "remap_to_gathered", "sparse_mla_attention",
+    "quantize_fp8_ds_mla", "quantize_indexer_k", "quantize_indexer_q", "remap_to_gathered", "sparse_mla_attention",
     "topk_reference_order",
 ]

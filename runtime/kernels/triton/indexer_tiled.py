@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import indexer_planar_jit as pjit
 from . import indexer_tiled_jit as jit
 from ..reference.formats import INDEXER_K_BYTES, NO_KEY
 
@@ -80,6 +81,7 @@ class IndexerTiles:
     select_programs_per_sm: int = 4  # persistent select programs per SM
     radix_bits: int = 11  # fallback histogram bins 2**radix_bits; ceil(32 / bits) passes
     programs_per_sm: int = 2  # decode logits and long-row select fill this many programs per SM
+    sort_segments: int = 1  # candidates ordered by one sort (1) or by sorted segments + ranks
 
 
 def _num_sms(device) -> int:
@@ -105,6 +107,27 @@ def _logits(q, weights, k, out, mode, out_keys, L, *, bq, bk, warps, stages, spl
         num_stages=stages)
 
 
+def split_planes(k_packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed indexer keys ``[R, 132]`` uint8 -> (fp8 values ``[R, 128]`` float8_e4m3fn, scales
+    ``[R]`` float32): the planar layout of the fp8 logits kernel (two copies, 264 B per key)."""
+    vals = k_packed[:, :128].contiguous().view(torch.float8_e4m3fn)
+    return vals, k_packed[:, 128:].contiguous().view(torch.float32).reshape(-1)
+
+
+def _logits_planar(q, weights, kp, ks, out, L, lens, pcu, PT, W, I, *, bq, bk, warps, stages,
+                   dot=None):
+    """Prefill int32 keys ``out [T, L]`` from the planes; q float8_e4m3fn (fp8 products) or,
+    with ``dot`` fp16 / fp32 (the interpreter), any float q holding fp8 values."""
+    T, HI, _ = q.shape
+    dot = dot or (tl.float8e4nv if q.dtype == torch.float8_e4m3fn else _DOT[q.dtype])
+    grid = (1, triton.cdiv(T, bq))
+    pjit.logits_planar_kernel[grid](
+        q, weights, kp, ks, out, lens, pcu, q.stride(0), q.stride(1), weights.stride(0),
+        out.stride(0), T, HI, L, PT, triton.cdiv(L, bk) * bk, W=W, I=I, BQ=bq,
+        HP=max(16, triton.next_power_of_2(HI)), BK=bk, DOT_DTYPE=dot,
+        PRECISION="ieee" if dot == tl.float32 else "tf32", num_warps=warps, num_stages=stages)
+
+
 def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1, rank=0):
     """Exact top-k of each row of int32 keys ``[R, L]`` (row r: its first lens[r] columns)."""
     R, L = keys.shape
@@ -119,11 +142,14 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
               "ATTEMPTS": tiles.select_attempts if tiles.select_sample else 0,
               "BLOCK": min(tiles.select_block, 1 << 15), "BITS": tiles.radix_bits,
               "num_warps": tiles.select_warps}
+    cap = common["CAP"]
+    segs_sort = min(triton.next_power_of_2(max(tiles.sort_segments, 1)), cap // 16)
+    common.update(SORT_SEGS=segs_sort, LOG_SEG=(cap // segs_sort).bit_length() - 1)
     if segs == 1:
         _select_launch(keys, lens, keys, top_s, top_i, L, L, 1, topk, tiles, sms, True, False,
                        common)
         return
-    cand = torch.empty(R, segs * kp, dtype=torch.int64, device=keys.device)
+    cand = torch.full((R, segs * kp), jit.NO_COMPOSITE, dtype=torch.int64, device=keys.device)
     _select_launch(keys, lens, cand, top_s, top_i, L, seg_len, segs, topk, tiles, sms, True, False,
                    common, final=False)
     n = segs * kp

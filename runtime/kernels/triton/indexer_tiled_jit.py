@@ -295,9 +295,36 @@ def _bracket_select(src, gt_buf, eq_buf, lo, hi, K, MARGIN, COMPOSITE_IN: tl.con
 
 
 @triton.jit
+def _segment_ranks(buf, v, CAP: tl.constexpr, SEGS: tl.constexpr, LOG_SEG: tl.constexpr):
+    """The sorted order of the CAP composites v (unique but for NO_COMPOSITE pads) without one
+    sort of CAP: SEGS segments are sorted (descending) into buf, then each element's rank is its
+    index in its segment plus, per other segment, the count of greater elements there (a binary
+    search of LOG_SEG + 1 probes). Returns (values [SEGS, SEG], ranks [SEGS, SEG]); the live
+    elements' ranks are 0 .. live - 1, each once."""
+    SEG: tl.constexpr = CAP // SEGS
+    sid = tl.arange(0, SEGS)[:, None]
+    v = tl.sort(tl.reshape(v, (SEGS, SEG)), 1, descending=True)
+    tl.store(buf + sid * SEG + tl.arange(0, SEG)[None, :], v)
+    tl.debug_barrier()  # the sorted segments, read back by other threads below
+    rank = tl.arange(0, SEG)[None, :] + tl.zeros((SEGS, SEG), tl.int32)
+    for t in tl.static_range(SEGS):
+        seg_t = buf + t * SEG
+        cnt = tl.zeros((SEGS, SEG), tl.int32)
+        for b in tl.static_range(LOG_SEG):
+            step: tl.constexpr = SEG >> (b + 1)
+            cnt += tl.where(tl.load(seg_t + cnt + step - 1) > v, step, 0)
+        cnt += (tl.load(seg_t + cnt) > v).to(tl.int32)  # greater elements: a prefix of seg t
+        rank += tl.where(sid == t, 0, cnt)
+    return v, rank
+
+
+@triton.jit
 def _emit(v, row, slot, total, dst, s_ptr, i_ptr, stride_or, K, RANK, W: tl.constexpr,
-          I: tl.constexpr, FINAL: tl.constexpr, DECODE_IDS: tl.constexpr, KP: tl.constexpr):
-    """Writes the sorted composites v (the first ``total`` live): scores / ids, or KP composites."""
+          I: tl.constexpr, FINAL: tl.constexpr, DECODE_IDS: tl.constexpr, KP: tl.constexpr,
+          LIVE_ONLY: tl.constexpr):
+    """Writes the sorted composites v (the first ``total`` live): scores / ids, or KP composites,
+    at ``slot``. LIVE_ONLY (slots are ranks, the pads may share one): only live entries are
+    written, the destination holds its pads already."""
     live = slot < total
     if FINAL:
         key = (v >> 32).to(tl.int32)
@@ -305,11 +332,13 @@ def _emit(v, row, slot, total, dst, s_ptr, i_ptr, stride_or, K, RANK, W: tl.cons
         c = 4294967295 - (v & 4294967295)
         if DECODE_IDS:
             c = (c // I) * (W * I) + RANK * I + c % I
+        m = live if LIVE_ONLY else slot < K
         tl.store(s_ptr + row * stride_or + slot,
-                 tl.where(live, bits.to(tl.float32, bitcast=True), float("-inf")), mask=slot < K)
-        tl.store(i_ptr + row * stride_or + slot, tl.where(live, c, -1).to(tl.int32), mask=slot < K)
+                 tl.where(live, bits.to(tl.float32, bitcast=True), float("-inf")), mask=m)
+        tl.store(i_ptr + row * stride_or + slot, tl.where(live, c, -1).to(tl.int32), mask=m)
     else:
-        tl.store(dst + slot, tl.where(live, v, -9223372036854775808), mask=slot < KP)
+        m = live if LIVE_ONLY else slot < KP
+        tl.store(dst + slot, tl.where(live, v, -9223372036854775808), mask=m)
 
 
 @triton.jit(do_not_specialize=["len_ptr", "N", "SEG_LEN", "SEGS", "ITEMS", "K", "RANK"])
@@ -318,7 +347,8 @@ def select_kernel(keys_ptr, len_ptr, buf_ptr, dst_ptr, s_ptr, i_ptr,
                   W: tl.constexpr, I: tl.constexpr, HAS_LEN: tl.constexpr, COMPOSITE_IN: tl.constexpr,
                   FINAL: tl.constexpr, DECODE_IDS: tl.constexpr, KP: tl.constexpr,
                   CAP: tl.constexpr, S: tl.constexpr, ATTEMPTS: tl.constexpr,
-                  BLOCK: tl.constexpr, BITS: tl.constexpr):
+                  BLOCK: tl.constexpr, BITS: tl.constexpr, SORT_SEGS: tl.constexpr,
+                  LOG_SEG: tl.constexpr):
     """Top-K of keys[row, seg*SEG_LEN : ...] (row length len[row], or N without len_ptr) for the
     items (row, seg) = divmod(item, SEGS) of this persistent program.
 
@@ -349,7 +379,14 @@ def select_kernel(keys_ptr, len_ptr, buf_ptr, dst_ptr, s_ptr, i_ptr,
         v = tl.load(gt_buf + slot, mask=slot < n_gt, other=-9223372036854775808)
         eq = (slot >= n_gt) & (slot < n_gt + e)
         v = tl.where(eq, tl.load(eq_buf + (slot - n_gt), mask=eq, other=0), v)
-        v = tl.sort(v, 0, descending=True)
-        _emit(v, row, slot, tl.minimum(K, n_gt + e), dst_ptr + row * stride_dr + seg * KP, s_ptr,
-              i_ptr, stride_or, K, RANK, W, I, FINAL, DECODE_IDS, KP)
+        total = tl.minimum(K, n_gt + e)
+        if SORT_SEGS == 1:
+            v = tl.sort(v, 0, descending=True)
+            _emit(v, row, slot, total, dst_ptr + row * stride_dr + seg * KP, s_ptr, i_ptr,
+                  stride_or, K, RANK, W, I, FINAL, DECODE_IDS, KP, False)
+        else:
+            tl.debug_barrier()  # every thread has read the scratch before it is rewritten
+            v, rank = _segment_ranks(gt_buf, v, CAP, SORT_SEGS, LOG_SEG)
+            _emit(v, row, rank, total, dst_ptr + row * stride_dr + seg * KP, s_ptr, i_ptr,
+                  stride_or, K, RANK, W, I, FINAL, DECODE_IDS, KP, True)
         tl.debug_barrier()  # every thread has read the scratch before the next item rewrites it
