@@ -119,6 +119,32 @@ def test_decode(env, W, rank, I, sms):
                                         bt.cpu(), B, W, rank, I, topk))
 
 
+@pytest.mark.parametrize("env", ENVS)
+def test_query_is_quantised_like_the_reference(env):
+    """q integers in [-40, 40]: fp8 (4 significant bits) rounds the larger ones, so an indexer
+    that skipped ``quantize_indexer_q`` would disagree; every score stays exact (all values are
+    small integers times powers of two), so prefill and decode must equal the reference."""
+    it = _it()
+    dev = _dev(env)
+    T, Hi, PT, topk, B = (6, 4, 160, 20, 16) if env == "interp" else (128, 64, 4096, 2048, 64)
+    q, w, k = _inputs(env, T, Hi, PT, 9)
+    q = torch.randint(-40, 41, q.shape, generator=torch.Generator().manual_seed(9)).to(q)
+    q8, w8 = ref.quantize_indexer_q(q.cpu(), w.cpu())
+    assert not torch.equal(q8.double() * (w8 / w.cpu()).double()[..., None], q.cpu().double())
+    key_len = torch.arange(PT - T + 1, PT + 1, device=dev)
+    pcu = torch.zeros(T, dtype=torch.int64, device=dev)
+    tiles = _tiles(env)
+    _check(it.indexer_topk_prefill(q, w, k, key_len, pcu, PT, 1, 1, topk, max_keys=PT, tiles=tiles),
+           ref.indexer_topk_prefill(q.cpu(), w.cpu(), k.cpu(), key_len.cpu(), pcu.cpu(), PT, 1, 1,
+                                    topk, max_keys=PT))
+    bt = torch.randperm(PT // B, generator=torch.Generator().manual_seed(1)).int()
+    bt = bt[None, :].repeat(T, 1).to(dev)
+    local_len = torch.full((T,), PT - 3, device=dev)
+    _check(it.indexer_topk_decode(q, w, k, local_len, bt, B, 1, 0, 1, topk, tiles=tiles),
+           ref.indexer_topk_decode(q.cpu(), w.cpu(), k.cpu(), local_len.cpu(), bt.cpu(), B, 1, 0,
+                                   1, topk))
+
+
 def _select_scores(kind, R, L, g):
     if kind == "ties":  # few distinct values: the threshold lands inside a run of equal scores
         return torch.randint(-3, 4, (R, L), generator=g).float()

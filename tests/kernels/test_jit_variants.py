@@ -20,9 +20,9 @@ _PATH = Path(__file__).resolve().parents[2] / "bench" / "jit_variants.py"
 def jv():
     from triton.runtime.interpreter import InterpretedFunction
 
-    from cpplan.runtime.kernels.triton import indexer_tiled_jit
+    from cpplan.runtime.kernels.triton import indexer_logits_jit
 
-    if not isinstance(indexer_tiled_jit.logits_kernel, InterpretedFunction):
+    if not isinstance(indexer_logits_jit.logits_kernel, InterpretedFunction):
         pytest.skip("counts launches through the Triton interpreter (TRITON_INTERPRET=1, no CUDA)")
     spec = importlib.util.spec_from_file_location("jit_variants", _PATH)
     mod = importlib.util.module_from_spec(spec)

@@ -85,6 +85,30 @@ def test_indexer_k_bytes_and_roundtrip():
     assert torch.equal(deq, want)
 
 
+def test_indexer_q_quantisation_matches_naive():
+    """One power-of-two scale per (token, head) from the head's amax, values rounded to e4m3,
+    the scale folded into the head weight (so ReLU(q8 . k) * w8 = ReLU(q . k) * w up to the
+    rounding of q)."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(3, 5, 128, generator=g) * torch.logspace(-4, 4, 5)[None, :, None]
+    q[0, 0] = 0.0
+    q[1, 1, :3] = 448.0
+    w = torch.randn(3, 5, generator=g)
+    q8, w8 = ref.quantize_indexer_q(q, w)
+    assert q8.dtype == torch.float8_e4m3fn and w8.dtype == torch.float32
+    for t in range(3):
+        for h in range(5):
+            s = _naive_scale(float(q[t, h].abs().max()))
+            want = bytes(_fp8(float(v) / s) for v in q[t, h])
+            assert bytes(q8[t, h].view(torch.uint8).tolist()) == want
+            assert float(w8[t, h]) == float(np.float32(float(w[t, h]) * s))
+    # dequantised, each value is within half an e4m3 step: 2**-4 relative, or 2**-10 * scale
+    # where e4m3 is subnormal
+    scale = (w8.double() / w.double())[..., None]
+    err = (q8.double() * scale - q.double()).abs()
+    assert (err <= torch.maximum(q.double().abs() * 2**-4, scale * 2**-10)).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_quantize_input_dtypes_agree(dtype):
     x = _rows(4, 3).to(torch.bfloat16)  # representable in every dtype

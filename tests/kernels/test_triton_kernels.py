@@ -270,6 +270,14 @@ def test_pack_bit_identical(env):
         assert torch.equal(cache, want)
     k = torch.randn(n, 128, generator=g).to(dev)
     assert torch.equal(tp.quantize_indexer_k(k), ref.quantize_indexer_k(k))
+    # the indexer query: one scale per (token, head), folded into the weights
+    for dtype, heads in ((torch.float32, 64), (torch.bfloat16, 6)):
+        q = (torch.randn(n // 4, heads, 128, generator=g)
+             * torch.logspace(-3, 3, n // 4)[:, None, None]).to(dtype).to(dev)
+        q[0, 0] = 0.0
+        w = torch.randn(n // 4, heads, generator=g).to(dev)
+        (a8, aw), (b8, bw) = tp.quantize_indexer_q(q, w), ref.quantize_indexer_q(q, w)
+        assert torch.equal(a8.view(torch.uint8), b8.view(torch.uint8)) and torch.equal(aw, bw)
 
 
 @pytest.mark.parametrize("env", ENVS)

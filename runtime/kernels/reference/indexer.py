@@ -1,7 +1,9 @@
 """Plain torch reference of the sparse-attention indexer (docs/design.md §Decode rows: LSE merge and top-k merge; §Indexer keys and scores).
 
-score(query j, key) = sum_h w[j, h] * ReLU(q[j, h] . k_dequant), then the top-k keys in the
-**reference order**: score descending, then global token id ascending. The key set of a query is
+score(query j, key) = sum_h w8[j, h] * ReLU(q8[j, h] . k_dequant), with ``(q8, w8) =
+quantize_indexer_q(q, w)`` (the query in fp8 with one power-of-two scale per head, the scale
+folded into the head weight, as the model's own indexer does: docs/design.md §3.6), then the
+top-k keys in the **reference order**: score descending, then global token id ascending. The key set of a query is
 given as a rectangle of key rows (rows of a packed K buffer) plus their global token ids, with
 NO_KEY (-1) where a query has fewer keys than the rectangle is wide. Two helpers build that
 rectangle for the two cases the runtime has:
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats import NO_KEY, dequantize_indexer_k
+from .formats import NO_KEY, dequantize_indexer_k, quantize_indexer_q
 from .index import remap_to_gathered
 
 _SCORE_BUDGET = 1 << 22  # gathered [t, L, 128] elements per chunk in indexer_scores
@@ -33,12 +35,13 @@ def indexer_scores(
 ) -> torch.Tensor:
     """Indexer logits for a rectangle of keys.
 
-    q: ``[T, Hi, 128]`` float; weights: ``[T, Hi]`` float; k_packed: ``[N, 132]`` uint8 packed
+    q: ``[T, Hi, 128]`` float (quantised here); weights: ``[T, Hi]`` float; k_packed: ``[N, 132]`` uint8 packed
     indexer keys (128 fp8 + fp32 scale); key_rows: ``[T, L]`` int, rows of k_packed, NO_KEY = none.
     Returns ``[T, L]`` scores: float64 on CPU (exact for the oracle: docs/design.md §Exact top-k needs exact scores), float32 on CUDA;
     -inf where key_rows is NO_KEY.
     """
     cdt = torch.float64 if q.device.type == "cpu" else torch.float32
+    q, weights = quantize_indexer_q(q, weights)
     T, L = key_rows.shape
     out = torch.empty(T, L, dtype=cdt, device=q.device)
     step = max(1, _SCORE_BUDGET // max(L * q.shape[-1], 1))

@@ -1,5 +1,8 @@
 """Triton indexer: scores sum_h w_h * ReLU(q_h . k) over packed fp8 keys, then the top-k in the
 reference order (score descending, token id ascending; docs/design.md §Decode rows: LSE merge and top-k merge).
+q is first quantised to fp8 with the weights absorbing its scales (``quantize_indexer_q``,
+docs/design.md §3.6), as in every indexer backend. The per-(query, key block) kernel of the first
+Triton set, kept as the benchmarks' "old" indexer; the set's indexer is ``indexer_tiled``.
 
 One program per (query, block of BLOCK_L keys): a [Hi, 128] x [128, BLOCK_L] product on the
 fp8 keys upcast exactly to the operand dtype, the per-key scale applied after the product (a
@@ -26,6 +29,7 @@ import triton.language as tl
 from ..reference.formats import INDEXER_K_BYTES, NO_KEY
 from ..reference.indexer import topk_reference_order
 from .indexer_jit import indexer_kernel
+from .pack import quantize_indexer_q
 
 MODE_ROWS, MODE_PREFILL, MODE_DECODE = 0, 1, 2
 LOGITS_BUDGET_BYTES = 1 << 28
@@ -35,6 +39,8 @@ _DOT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: t
 
 def _launch(q, weights, k, out, mode, composite, L, rows=None, lens=None, pcu=None, bt=None,
             PT=0, W=1, I=1, B=1, rank=0):
+    # the fp8 indexer query (reference.quantize_indexer_q), its values in q's dtype
+    q, weights = quantize_indexer_q(q, weights, dtype=q.dtype)
     T, HI, _ = q.shape
     dummy = out
     rows_, lens_, pcu_, bt_ = (x if x is not None else dummy for x in (rows, lens, pcu, bt))

@@ -1,26 +1,33 @@
 """Tiled Triton indexer: logits as a matrix product over blocks of queries and keys, then an
 exact top-k from a sampled threshold (no sort of every key). Same entry points, arguments and results as
-``indexer`` (contracts: ``reference/indexer.py``); bodies in ``indexer_tiled_jit``.
+``indexer`` (contracts: ``reference/indexer.py``); bodies in ``indexer_logits_jit`` and
+``indexer_select_jit``.
 
-Logits (docs/design.md §3.6). One program owns BQ consecutive queries and a range of keys; per
-block of BK keys it computes ``K [BK, 128] @ Q^T [128, BQ * HP]`` (HP = heads padded to a power
-of two, 64 for the model). Keys sit on the M side, so the fp8 -> bf16 converted key tile is the A
-operand (registers) and the queries x heads tile, loaded once per program, the B operand (shared
-memory); each key tile is read once for BQ queries. The epilogue (ReLU, head weights, the sum
-over each query's heads, the per-key power-of-two scale) reduces along N, which in the MMA
-accumulator layout is mostly within a thread plus a quad shuffle: no shared-memory round trip.
-Tile choice (defaults, sweepable): BK 128 x BQ 2 (N 128) with 8 warps: a 128 x 128 fp32
-accumulator is 64 registers per thread and the converted A tile 32 more, the B tile (32 KiB) and
-3 stages of fp8 keys (16 KiB each) fit shared memory. An offline sm_90 compile (Triton 3.9) still
-reports 255 registers and 176 B of stack: the byte gather of 132-byte rows (not 16-byte aligned,
-so no TMA and at most 4-byte vectors) carries a pointer per 4 keys' bytes. BQ 4 (N 256) halves
-the key traffic per FLOP but spills more (1.7 KB stack there); BK 64 x BQ 2 at 4 warps spills
-16 B. These are the first things to sweep (``bench/indexer.py --sweep``). Queries of a block that
-belong to different requests (a different region_pcu; rare) fall back to one key tile per query.
-Causal bounds: a program stops at its block's largest key_len; keys past a query's own bound are
-not written. Decode queries each own their keys (BQ 1, N = 64): memory-bound, so the keys of a
-request are split over programs (about ``programs_per_sm`` x SMs programs in all, one launch for
-the whole batch).
+The query is quantised first (``pack.quantize_indexer_q``: fp8 with one power-of-two scale per
+head, folded into the weights; docs/design.md §4.3), as in every backend.
+
+Prefill logits (``indexer_logits_jit.logits_planar_kernel``). The gathered keys are split into
+two planes (fp8 values ``[R, 128]`` with 128-byte aligned rows, float32 scales ``[R]``:
+``split_planes``, 18 us for 32k keys), and per block of BK keys a program owning BQ consecutive queries computes
+``K [BK, 128] @ Q^T [128, BQ * HP]`` with fp8 operands (HP = heads padded to a power of two, 64
+for the model), each key tile read once for BQ queries. H200, T 4096 x N 32768
+(``bench/indexer.py --planar-sweep``): 2.50 ms, 825 TFLOP/s of logits (BQ 2, BK 128, 4 warps,
+3 stages; 2.59-2.60 at BK 64), where the byte-row kernel below takes 8.90 ms on the same
+quantised inputs; the int32 keys are equal.
+
+Decode and explicit-row logits (``indexer_logits_jit.logits_kernel``) read the packed 132-byte
+rows of the paged cache (not 16-byte aligned: at most 4-byte vectors) and convert the key tile
+fp8 -> bf16 as the A operand (registers); the queries x heads tile, loaded once per program, is
+the B operand (shared memory). Decode queries each own their keys (BQ 1, N = 64): memory-bound,
+so the keys of a request are split over programs (about ``programs_per_sm`` x SMs programs in
+all, one launch for the whole batch), BK 128 (``bench/indexer.py --only decode-sweep``, whole
+decode indexer: 64 x 4k 139-147 us against 154-228 at BK 64; 8 x 128k 370-383 against 429-464).
+
+Both epilogues (ReLU, head weights, the sum over each query's heads, the per-key power-of-two
+scale) reduce along N, which in the MMA accumulator layout is mostly within a thread plus a quad
+shuffle. Causal bounds: a program stops at its block's largest key_len; keys past a query's own
+bound are not written. Queries of a block that belong to different requests (a different
+region_pcu; rare) fall back to one key tile per query.
 
 Top-k. Scores are written as order-preserving int32 keys (a row cannot hold both signed zeros:
 -0.0 needs every weight of the row negative, and then no score is +0.0). Persistent programs
@@ -34,7 +41,12 @@ min(K, valid keys) were >= thr or more than CAP were > thr, the pass is retried 
 that the observed density puts at (K + CAP) / 2 keys (``select_attempts`` passes in all), then
 the radix select (``ceil(32 / radix_bits)`` ``tl.histogram`` passes: exact threshold, lowest
 positions among equals) runs for that item only, in the same kernel (no host sync); (4) a sort of
-the CAP composites (score descending, id ascending) and the first K are written. Bytes per row:
+the CAP composites (score descending, id ascending) and the first K are written; or, with
+``sort_segments`` > 1, the CAP composites are sorted as that many segments and each element's
+rank is its index plus, per other segment, the count of greater elements there (a binary search):
+the composites are unique, so the ranks are the sorted order (tl.sort of 4096 int64 per program
+for 4096 rows: 2.42 ms as one sort, 1.06 ms as 8 x 512, 0.31 ms as 32 x 128;
+``bench/indexer.py --only sort``). Bytes per row:
 the sample (S sectors of 32 B) plus one read of the row's 4-byte keys plus <= CAP + K composite
 writes and reads. H200, T4096 x N32768 (randn or integer scores, exact): 3.9 ms with S 2048 and 8
 warps, 3.5 ms with S 1024 (16 warps: -5%); radix only (``select_attempts=0``) 16.1 ms. The sorts
@@ -53,8 +65,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import indexer_planar_jit as pjit
-from . import indexer_tiled_jit as jit
+from . import indexer_logits_jit as ljit
+from . import indexer_select_jit as sjit
+from . import pack
 from ..reference.formats import INDEXER_K_BYTES, NO_KEY
 
 LOGITS_BUDGET_BYTES = 1 << 29  # int32 keys of a prefill chunk: 4096 queries x 32k keys
@@ -67,9 +80,9 @@ class IndexerTiles:
 
     block_q: int = 2  # prefill queries per logits program (N = block_q * padded heads)
     block_k: int = 128  # prefill keys per product (M)
-    logits_warps: int = 8
+    logits_warps: int = 4
     logits_stages: int = 3
-    decode_block_k: int = 64
+    decode_block_k: int = 128
     decode_warps: int = 4
     decode_stages: int = 3
     select_block: int = 4096  # keys per select step (< 2**16)
@@ -97,7 +110,7 @@ def _logits(q, weights, k, out, mode, out_keys, L, *, bq, bk, warps, stages, spl
     rows_, lens_, pcu_, bt_ = (x if x is not None else dummy for x in (rows, lens, pcu, bt))
     per_split = triton.cdiv(triton.cdiv(L, splits), bk) * bk
     grid = (triton.cdiv(L, per_split), triton.cdiv(T, bq))
-    jit.logits_kernel[grid](
+    ljit.logits_kernel[grid](
         q, weights, k, out, rows_, lens_, pcu_, bt_,
         q.stride(0), q.stride(1), weights.stride(0), out.stride(0),
         rows.stride(0) if rows is not None else 0, bt.stride(0) if bt is not None else 0,
@@ -120,8 +133,10 @@ def _logits_planar(q, weights, kp, ks, out, L, lens, pcu, PT, W, I, *, bq, bk, w
     with ``dot`` fp16 / fp32 (the interpreter), any float q holding fp8 values."""
     T, HI, _ = q.shape
     dot = dot or (tl.float8e4nv if q.dtype == torch.float8_e4m3fn else _DOT[q.dtype])
+    if q.numel() == 0:
+        return
     grid = (1, triton.cdiv(T, bq))
-    pjit.logits_planar_kernel[grid](
+    ljit.logits_planar_kernel[grid](
         q, weights, kp, ks, out, lens, pcu, q.stride(0), q.stride(1), weights.stride(0),
         out.stride(0), T, HI, L, PT, triton.cdiv(L, bk) * bk, W=W, I=I, BQ=bq,
         HP=max(16, triton.next_power_of_2(HI)), BK=bk, DOT_DTYPE=dot,
@@ -149,7 +164,7 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
         _select_launch(keys, lens, keys, top_s, top_i, L, L, 1, topk, tiles, sms, True, False,
                        common)
         return
-    cand = torch.full((R, segs * kp), jit.NO_COMPOSITE, dtype=torch.int64, device=keys.device)
+    cand = torch.full((R, segs * kp), sjit.NO_COMPOSITE, dtype=torch.int64, device=keys.device)
     _select_launch(keys, lens, cand, top_s, top_i, L, seg_len, segs, topk, tiles, sms, True, False,
                    common, final=False)
     n = segs * kp
@@ -161,7 +176,7 @@ def _select_launch(src, lens, dst, top_s, top_i, n, seg_len, segs, topk, tiles, 
     items = src.shape[0] * segs
     progs = max(1, min(items, tiles.select_programs_per_sm * sms))
     buf = torch.empty(progs, common["CAP"] + common["KP"], dtype=torch.int64, device=src.device)
-    jit.select_kernel[(progs,)](src, lens, buf, dst, top_s, top_i, src.stride(0), dst.stride(0),
+    sjit.select_kernel[(progs,)](src, lens, buf, dst, top_s, top_i, src.stride(0), dst.stride(0),
                                 top_s.stride(0), n, seg_len, segs, items, topk,
                                 common["RANK"], float(tiles.select_margin), HAS_LEN=has_len,
                                 COMPOSITE_IN=composite, FINAL=final,
@@ -196,15 +211,18 @@ def _outputs(T, topk, device):
     return top_s, top_i
 
 
-def _contig(q, weights):
-    return (q if q.stride(-1) == 1 else q.contiguous(),
-            weights if weights.stride(-1) == 1 else weights.contiguous())
+def _query(q, weights, dtype=None):
+    """The fp8 indexer query (``reference.quantize_indexer_q``; one launch): q8 as
+    float8_e4m3fn or its values in ``dtype`` (default q's), and the weights times the scales."""
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    weights = weights if weights.stride(-1) == 1 else weights.contiguous()
+    return pack.quantize_indexer_q(q, weights, dtype=dtype or q.dtype)
 
 
 def indexer_scores(q, weights, k_packed, key_rows, *, tiles: IndexerTiles | None = None):
     """Tiled ``indexer_scores``: float32 scores ``[T, L]``, -inf where key_rows is NO_KEY."""
     tiles = tiles or IndexerTiles()
-    q, weights = _contig(q, weights)
+    q, weights = _query(q, weights)
     T, L = key_rows.shape
     out = torch.empty(T, L, dtype=torch.float32, device=q.device)
     if T and L:
@@ -237,21 +255,26 @@ def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_loc
     Queries run in chunks whose int32 keys fit ``logits_budget_bytes``.
     """
     tiles = tiles or IndexerTiles()
-    q, weights = _contig(q, weights)
     L = int(key_len.max()) if max_keys is None else max_keys
     T = q.shape[0]
     top_s, top_i = _outputs(T, topk, q.device)
     if T == 0 or L == 0 or topk == 0:
         return top_s, top_i
+    # fp8 products on the GPU; the interpreter multiplies the same fp8 values in q's dtype
+    gpu = q.is_cuda
+    q8, w8 = _query(q, weights, torch.float8_e4m3fn if gpu else None)
+    kp, ks = split_planes(k_gathered)
+    if not gpu:
+        kp = kp.view(torch.uint8)  # the interpreter takes no fp8 tensor: bytes, cast in-kernel
     key_len, region_pcu = key_len.contiguous(), region_pcu.contiguous()
     step = max(1, logits_budget_bytes // (4 * L))
     keys = _keys_buffer(min(step, T), L, q.device)
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
-        _logits(q[t0:t1], weights[t0:t1], k_gathered, keys[: t1 - t0], 1, True, L,
-                bq=tiles.block_q, bk=tiles.block_k, warps=tiles.logits_warps,
-                stages=tiles.logits_stages, lens=key_len[t0:t1], pcu=region_pcu[t0:t1],
-                PT=padded_local_total, W=dcp_size, I=interleave)
+        _logits_planar(q8[t0:t1], w8[t0:t1], kp, ks, keys[: t1 - t0], L, key_len[t0:t1],
+                       region_pcu[t0:t1], padded_local_total, dcp_size, interleave,
+                       bq=tiles.block_q, bk=tiles.block_k, warps=tiles.logits_warps,
+                       stages=tiles.logits_stages)
         _select(keys[: t1 - t0], key_len[t0:t1], topk, top_s[t0:t1], top_i[t0:t1], tiles)
     return top_s, top_i
 
@@ -265,7 +288,7 @@ def indexer_topk_decode(q, weights, k_cache_flat, local_len, block_table, block_
     programs) and one or two select launches; no host work per request.
     """
     tiles = tiles or IndexerTiles()
-    q, weights = _contig(q, weights)
+    q, weights = _query(q, weights)
     L = int(local_len.max()) if max_keys is None else max_keys
     T = q.shape[0]
     top_s, top_i = _outputs(T, topk, q.device)

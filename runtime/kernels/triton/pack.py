@@ -13,7 +13,7 @@ import torch
 import triton
 
 from ..reference.formats import D_QK, FP8_DS_MLA_BYTES, INDEXER_K_BYTES
-from .pack_jit import pack_fp8, unpack_fp8_ds_mla
+from .pack_jit import pack_fp8, quantize_q_fp8, unpack_fp8_ds_mla
 
 
 def _pack(cache_flat, slots, x, groups: int, has_rope: bool) -> None:
@@ -51,6 +51,23 @@ def quantize_indexer_k(k):
     out = torch.empty(k.shape[0], INDEXER_K_BYTES, dtype=torch.uint8, device=k.device)
     pack_indexer_k_into(out, torch.arange(k.shape[0], device=k.device), k)
     return out
+
+
+def quantize_indexer_q(q, weights, dtype=torch.float8_e4m3fn):
+    """Triton ``quantize_indexer_q``: ``q [T, Hi, 128]`` float, ``weights [T, Hi]`` ->
+    ``(q8 [T, Hi, 128], weights * scale [T, Hi] float32)``, one launch. q8 holds the fp8 values
+    as float8_e4m3fn, or in ``dtype`` (bf16, fp16, fp32 hold them exactly)."""
+    T, HI, D = q.shape
+    assert D == 128 and q.stride(-1) == 1, f"q {tuple(q.shape)}, expected [T, Hi, 128] with unit last stride"
+    fp8 = dtype == torch.float8_e4m3fn
+    q8 = torch.empty(T, HI, D, dtype=torch.uint8 if fp8 else dtype, device=q.device)
+    w8 = torch.empty(T, HI, dtype=torch.float32, device=q.device)
+    if T and HI:
+        hp = triton.next_power_of_2(HI)
+        bt = max(1, 64 // hp)
+        quantize_q_fp8[(triton.cdiv(T, bt),)](q, weights, q8, w8, T, q.stride(0), q.stride(1),
+                                              weights.stride(0), HI, BT=bt, HP=hp, num_warps=8)
+    return (q8.view(torch.float8_e4m3fn) if fp8 else q8), w8
 
 
 def dequantize_fp8_ds_mla(packed, dtype=torch.float32):

@@ -35,6 +35,50 @@ def _to_e4m3_bits(y):
 
 
 @triton.jit
+def _group_exponent(amax):
+    """``reference.fp8_scale_exponent`` from the float32 bits: ceil(log2(max(amax, 2**-126)
+    / 448)) as int32."""
+    bits = tl.maximum(amax, 1.1754943508222875e-38).to(tl.int32, bitcast=True)
+    return ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+
+
+@triton.jit
+def _scale_by_pow2(x, ne):
+    """x * 2**ne, exact, in two power-of-two steps (no factor outside the normal range)."""
+    a = ne // 2
+    return x * _pow2(a) * _pow2(ne - a)
+
+
+@triton.jit
+def _scale_bits(e):
+    """float32 bits of 2**e (subnormal below 2**-126)."""
+    return tl.where(e >= -126, (e + 127) << 23, 1 << tl.maximum(e + 149, 0))
+
+
+@triton.jit(do_not_specialize=["T"])
+def quantize_q_fp8(q_ptr, w_ptr, q8_ptr, w8_ptr, T, stride_qt, stride_qh, stride_wt, HI,
+                   BT: tl.constexpr, HP: tl.constexpr):
+    """BT tokens' indexer queries ``[HI, 128]`` -> fp8 e4m3 values (one power-of-two scale per
+    head), as bytes or in q8's wider dtype, and the weights times the scale
+    (``reference.quantize_indexer_q``, bit for bit)."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    h = tl.arange(0, HP)
+    m = (t < T)[:, None] & (h < HI)[None, :]
+    tq = t.to(tl.int64)[:, None, None] * stride_qt + h[None, :, None] * stride_qh
+    d = tl.arange(0, 128)[None, None, :]
+    x = tl.load(q_ptr + tq + d, mask=m[:, :, None], other=0.0).to(tl.float32)
+    e = _group_exponent(tl.max(tl.abs(x), 2))  # [BT, HP]
+    f8 = _to_e4m3_bits(_scale_by_pow2(x, -e[:, :, None]))
+    q8 = t.to(tl.int64)[:, None, None] * (HI * 128) + h[None, :, None] * 128
+    if q8_ptr.dtype.element_ty != tl.uint8:  # the fp8 values in a wider dtype (exact)
+        f8 = f8.to(tl.float8e4nv, bitcast=True).to(q8_ptr.dtype.element_ty)
+    tl.store(q8_ptr + q8 + d, f8, mask=m[:, :, None])
+    w = tl.load(w_ptr + t.to(tl.int64)[:, None] * stride_wt + h[None, :], mask=m, other=0.0)
+    scale = _scale_bits(e).to(tl.float32, bitcast=True)
+    tl.store(w8_ptr + t.to(tl.int64)[:, None] * HI + h[None, :], w.to(tl.float32) * scale, mask=m)
+
+
+@triton.jit
 def pack_fp8(x_ptr, slots_ptr, cache_ptr, stride_x, stride_c,
               GROUPS: tl.constexpr, HAS_ROPE: tl.constexpr):
     i = tl.program_id(0)
@@ -42,20 +86,13 @@ def pack_fp8(x_ptr, slots_ptr, cache_ptr, stride_x, stride_c,
     if slot >= 0:
         x = tl.load(x_ptr + i.to(tl.int64) * stride_x + tl.arange(0, GROUPS * 128)).to(tl.float32)
         xg = tl.reshape(x, (GROUPS, 128))
-        amax = tl.max(tl.abs(xg), 1)
-        amax = tl.maximum(amax, 1.1754943508222875e-38)  # 2**-126
-        bits = amax.to(tl.int32, bitcast=True)
-        e = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-        ne = -e
-        a = ne // 2
-        b = ne - a
-        y = xg * _pow2(a)[:, None] * _pow2(b)[:, None]
-        f8 = _to_e4m3_bits(y)
+        e = _group_exponent(tl.max(tl.abs(xg), 1))
+        f8 = _to_e4m3_bits(_scale_by_pow2(xg, -e[:, None]))
         row = cache_ptr + slot * stride_c
         tl.store(row + tl.arange(0, GROUPS * 128), tl.reshape(f8, (GROUPS * 128,)))
         # scale 2**e as float32 bits; subnormal below 2**-126
-        sbits = tl.where(e >= -126, (e + 127) << 23, 1 << tl.maximum(e + 149, 0))
-        tl.store((row + GROUPS * 128).to(tl.pointer_type(tl.int32)) + tl.arange(0, GROUPS), sbits)
+        tl.store((row + GROUPS * 128).to(tl.pointer_type(tl.int32)) + tl.arange(0, GROUPS),
+                 _scale_bits(e))
         if HAS_ROPE:
             r = tl.load(x_ptr + i.to(tl.int64) * stride_x + GROUPS * 128 + tl.arange(0, 64))
             # bf16 RNE from the bits (the interpreter's float32 -> bf16 cast truncates)

@@ -1,0 +1,207 @@
+"""Jitted logits of the tiled indexer (launchers, tile reasoning: ``indexer_tiled.py``).
+
+Two kernels, one program per (key split, block of BQ queries), each looping over key blocks of
+BK keys up to the block's largest causal bound; per key block one matrix product
+``K [BK, 128] @ Q^T [128, BQ * HP]`` (keys on the M side, queries x heads on the N side), then
+ReLU, the head weights, the sum over each query's HP heads and the per-key scale, giving
+``[BK, BQ]`` scores:
+
+- ``logits_kernel``: keys as packed 132-byte rows (explicit rows, prefill rows through the
+  remap, decode slots through the block table), converted fp8 -> DOT_DTYPE; float32 scores or
+  order-preserving int32 keys.
+- ``logits_planar_kernel``: prefill keys as two planes, fp8 values ``[R, 128]`` (128-byte
+  aligned rows: eight 16-byte loads each) and float32 scales ``[R]``; fp8 operands on the GPU
+  (DOT_DTYPE float8e4nv, the query being the fp8-quantised indexer query, docs/design.md §4.3),
+  fp16 / fp32 in the interpreter (fp8 values are exact there); int32 keys.
+
+Ordered key of a float32 score: its bits if >= 0, else bits ^ 0x7FFFFFFF; signed int32 order of
+the keys is the float order.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _score_tile(k_ptr, rows, kvalid, qT, w, BQ: tl.constexpr, HP: tl.constexpr,
+                DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """Scores [BK, BQ] of key rows ``rows [BK]`` (kvalid: rows to read) against qT [128, BQ*HP]."""
+    kb = k_ptr + rows.to(tl.int64) * 132
+    raw = tl.load(kb[:, None] + tl.arange(0, 128)[None, :], mask=kvalid[:, None], other=0)
+    k8 = raw.to(tl.float8e4nv, bitcast=True)
+    if DOT_DTYPE == tl.float32:
+        k = k8.to(tl.float32)
+    else:
+        k = k8.to(DOT_DTYPE)  # exact: e4m3 values are representable in fp16 and bf16
+    scale = tl.load((kb + 128).to(tl.pointer_type(tl.float32)), mask=kvalid, other=0.0)
+    acc = tl.dot(k, qT, input_precision=PRECISION)  # [BK, BQ * HP] fp32
+    s = tl.maximum(acc, 0.0) * w[None, :]
+    BK: tl.constexpr = rows.shape[0]
+    s = tl.sum(tl.reshape(s, (BK, BQ, HP)), 2)
+    # the scale is a positive power of two: scaling after ReLU and the head sum is exact
+    return s * scale[:, None]
+
+
+@triton.jit
+def _prefill_rows(c, pcu, PT, W: tl.constexpr, I: tl.constexpr):
+    g = c // I
+    return (g % W) * PT + pcu + (g // W) * I + c % I
+
+
+# Over 50 lines on purpose: one program's loop over key tiles (three key sources, causal stop,
+# fused epilogue) is the kernel; its pieces are the helpers above.
+# Step-varying ints and index pointers are not specialised (bench/jit_variants.py: each new
+# "== 1" / "multiple of 16" / 16-byte-alignment class is a compile of seconds on the GPU);
+# the output row stride stays specialised and is made a multiple of 16 by the launchers.
+@triton.jit(do_not_specialize=["rows_ptr", "len_ptr", "pcu_ptr", "bt_ptr", "stride_rt",
+                               "stride_bt", "T", "L", "PT", "B", "KEYS_PER_SPLIT"])
+def logits_kernel(q_ptr, w_ptr, k_ptr, out_ptr, rows_ptr, len_ptr, pcu_ptr, bt_ptr,
+                  stride_qt, stride_qh, stride_wt, stride_ot, stride_rt, stride_bt,
+                  T, HI, L, PT, B, KEYS_PER_SPLIT,
+                  W: tl.constexpr, I: tl.constexpr, MODE: tl.constexpr, OUT_KEYS: tl.constexpr,
+                  BQ: tl.constexpr, HP: tl.constexpr, BK: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """MODE 0 rows (BQ must be 1), 1 prefill, 2 decode (BQ must be 1)."""
+    split = tl.program_id(0)
+    j0 = tl.program_id(1) * BQ
+    r = tl.arange(0, BQ * HP)
+    jr = j0 + r // HP
+    hr = r % HP
+    cmask = (jr < T) & (hr < HI)
+    d = tl.arange(0, 128)
+    qT = tl.load(q_ptr + jr.to(tl.int64)[None, :] * stride_qt + hr[None, :] * stride_qh + d[:, None],
+                 mask=cmask[None, :], other=0.0).to(DOT_DTYPE)
+    w = tl.load(w_ptr + jr.to(tl.int64) * stride_wt + hr, mask=cmask, other=0.0).to(tl.float32)
+    jq = j0 + tl.arange(0, BQ)
+    qmask = jq < T
+    if MODE == 0:
+        n = tl.where(qmask, L, 0)
+    else:
+        n = tl.load(len_ptr + jq, mask=qmask, other=0).to(tl.int32)
+    lo = split * KEYS_PER_SPLIT
+    hi = tl.minimum(tl.max(n), lo + KEYS_PER_SPLIT)
+    if MODE == 1:
+        pcu = tl.load(pcu_ptr + jq, mask=qmask, other=0).to(tl.int64)
+        p_lo = tl.min(tl.where(n > 0, pcu, 9223372036854775807))
+        shared = tl.max(tl.where(n > 0, pcu, -1)) <= p_lo
+    optr = out_ptr + jq.to(tl.int64)[None, :] * stride_ot
+    if MODE == 0:
+        for kb in range(lo, hi, BK):
+            c = kb + tl.arange(0, BK)
+            rows = tl.load(rows_ptr + j0.to(tl.int64) * stride_rt + c, mask=c < L, other=-1)
+            kvalid = rows >= 0
+            s = _score_tile(k_ptr, tl.where(kvalid, rows, 0), kvalid, qT, w, BQ, HP, DOT_DTYPE,
+                            PRECISION)
+            _store(optr + c[:, None], s, kvalid[:, None] & qmask[None, :],
+                   (c < L)[:, None] & qmask[None, :], OUT_KEYS)
+    elif MODE == 1:
+        if shared:  # the queries of the block are one request's: one key tile serves all
+            for kb in range(lo, hi, BK):
+                c = kb + tl.arange(0, BK)
+                kvalid = c < hi
+                rows = tl.where(kvalid, _prefill_rows(c, p_lo, PT, W, I), 0)
+                s = _score_tile(k_ptr, rows, kvalid, qT, w, BQ, HP, DOT_DTYPE, PRECISION)
+                valid = c[:, None] < n[None, :]
+                _store(optr + c[:, None], s, valid, valid, OUT_KEYS)
+        else:  # a request boundary inside the block (rare): one key tile per query
+            for kb in range(lo, hi, BK):
+                c = kb + tl.arange(0, BK)
+                kvalid = c < hi
+                s = tl.zeros((BK, BQ), tl.float32)
+                for qi in tl.static_range(BQ):
+                    pq = tl.sum(tl.where(tl.arange(0, BQ) == qi, pcu, 0))
+                    rows = tl.where(kvalid, _prefill_rows(c, pq, PT, W, I), 0)
+                    sq = _score_tile(k_ptr, rows, kvalid, qT, w, BQ, HP, DOT_DTYPE, PRECISION)
+                    s = tl.where(tl.arange(0, BQ)[None, :] == qi, sq, s)
+                valid = c[:, None] < n[None, :]
+                _store(optr + c[:, None], s, valid, valid, OUT_KEYS)
+    else:
+        for kb in range(lo, hi, BK):
+            c = kb + tl.arange(0, BK)
+            kvalid = c < hi
+            blk = tl.load(bt_ptr + j0.to(tl.int64) * stride_bt + c // B, mask=kvalid, other=0)
+            rows = tl.where(kvalid, blk.to(tl.int64) * B + c % B, 0)
+            s = _score_tile(k_ptr, rows, kvalid, qT, w, BQ, HP, DOT_DTYPE, PRECISION)
+            valid = c[:, None] < n[None, :]
+            _store(optr + c[:, None], s, valid, valid, OUT_KEYS)
+
+
+@triton.jit
+def _store(ptrs, s, valid, mask, OUT_KEYS: tl.constexpr):
+    """Scores (-inf where not valid) or int32 keys (valid entries only) of a [BK, BQ] tile."""
+    if OUT_KEYS:
+        bits = s.to(tl.int32, bitcast=True)
+        tl.store(ptrs, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits), mask=valid)
+    else:
+        tl.store(ptrs, tl.where(valid, s, float("-inf")), mask=mask)
+
+
+@triton.jit
+def _planar_scores(kp_ptr, ks_ptr, rows, kvalid, qT, w, BQ: tl.constexpr, HP: tl.constexpr,
+                   DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """Scores [BK, BQ] of key rows ``rows [BK]`` of the planes against qT [128, BQ*HP]."""
+    d = tl.arange(0, 128)
+    # rows past the block's keys are clamped to row 0 by the caller: a real row, whose scores
+    # are never stored (each key's scores depend on its own row only), so no mask
+    k = tl.load(kp_ptr + rows.to(tl.int64)[:, None] * 128 + d[None, :])
+    if kp_ptr.dtype.element_ty == tl.uint8:  # the interpreter's planes: bytes
+        k = k.to(tl.float8e4nv, bitcast=True)
+    if DOT_DTYPE == tl.float8e4nv:
+        acc = tl.dot(k, qT)  # [BK, BQ * HP] fp32
+    else:
+        acc = tl.dot(k.to(DOT_DTYPE), qT.to(DOT_DTYPE), input_precision=PRECISION)
+    scale = tl.load(ks_ptr + rows, mask=kvalid, other=0.0)
+    s = tl.maximum(acc, 0.0) * w[None, :]
+    BK: tl.constexpr = rows.shape[0]
+    s = tl.sum(tl.reshape(s, (BK, BQ, HP)), 2)
+    return s * scale[:, None]  # a positive power of two: exact after ReLU and the head sum
+
+
+# Step-varying ints and index pointers are not specialised (bench/jit_variants.py).
+@triton.jit(do_not_specialize=["len_ptr", "pcu_ptr", "T", "L", "PT", "KEYS_PER_SPLIT"])
+def logits_planar_kernel(q_ptr, w_ptr, kp_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
+                         stride_qt, stride_qh, stride_wt, stride_ot, T, HI, L, PT, KEYS_PER_SPLIT,
+                         W: tl.constexpr, I: tl.constexpr, BQ: tl.constexpr, HP: tl.constexpr,
+                         BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    split = tl.program_id(0)
+    j0 = tl.program_id(1) * BQ
+    r = tl.arange(0, BQ * HP)
+    jr = j0 + r // HP
+    hr = r % HP
+    cmask = (jr < T) & (hr < HI)
+    d = tl.arange(0, 128)
+    qT = tl.load(q_ptr + jr.to(tl.int64)[None, :] * stride_qt + hr[None, :] * stride_qh + d[:, None],
+                 mask=cmask[None, :], other=0.0)
+    w = tl.load(w_ptr + jr.to(tl.int64) * stride_wt + hr, mask=cmask, other=0.0).to(tl.float32)
+    jq = j0 + tl.arange(0, BQ)
+    qmask = jq < T
+    n = tl.load(len_ptr + jq, mask=qmask, other=0).to(tl.int32)
+    pcu = tl.load(pcu_ptr + jq, mask=qmask, other=0).to(tl.int64)
+    lo = split * KEYS_PER_SPLIT
+    hi = tl.minimum(tl.max(n), lo + KEYS_PER_SPLIT)
+    p_lo = tl.min(tl.where(n > 0, pcu, 9223372036854775807))
+    shared = tl.max(tl.where(n > 0, pcu, -1)) <= p_lo
+    optr = out_ptr + jq.to(tl.int64)[None, :] * stride_ot
+    if shared:  # the queries of the block are one request's: one key tile serves all
+        for kb in range(lo, hi, BK):
+            c = kb + tl.arange(0, BK)
+            kvalid = c < hi
+            rows = tl.where(kvalid, _prefill_rows(c, p_lo, PT, W, I), 0)
+            s = _planar_scores(kp_ptr, ks_ptr, rows, kvalid, qT, w, BQ, HP, DOT_DTYPE, PRECISION)
+            valid = c[:, None] < n[None, :]
+            _store(optr + c[:, None], s, valid, valid, True)
+    else:  # a request boundary inside the block (rare): one key tile per query
+        for kb in range(lo, hi, BK):
+            c = kb + tl.arange(0, BK)
+            kvalid = c < hi
+            s = tl.zeros((BK, BQ), tl.float32)
+            for qi in tl.static_range(BQ):
+                pq = tl.sum(tl.where(tl.arange(0, BQ) == qi, pcu, 0))
+                rows = tl.where(kvalid, _prefill_rows(c, pq, PT, W, I), 0)
+                sq = _planar_scores(kp_ptr, ks_ptr, rows, kvalid, qT, w, BQ, HP, DOT_DTYPE,
+                                    PRECISION)
+                s = tl.where(tl.arange(0, BQ)[None, :] == qi, sq, s)
+            valid = c[:, None] < n[None, :]
+            _store(optr + c[:, None], s, valid, valid, True)
