@@ -1,16 +1,21 @@
 """Indexer benchmark on one GPU: the old per-(query, key block) Triton kernel against the tiled
-one (``runtime/kernels/indexer_tiled.py``) in the same run, with the bf16 matmul ceiling.
+one (``runtime/kernels/indexer_tiled.py``, the Triton set's default) in the same run, with the
+bf16 matmul ceiling.
 
-    python bench/indexer.py [--quick] [--only prefill,decode] [--sweep] [--json out.json]
+    python bench/indexer.py [--quick] [--only prefill,decode,sort,decode-sweep] [--sweep]
+                            [--planar-sweep] [--json out.json]
 
 Prefill cases: the last T tokens of an N-token context (query i has keys 0 .. N - T + i),
 64 heads x 128 dims, topk 2048, one rank. Decode cases: B requests of one context each, paged
 cache (block 64, shuffled block table). Inputs are integer-valued, so scores are exact and ties
 abound; each case checks new == old (ids and scores, order included). Logits FLOPs: 2 * 64 * 128
 per (query, key). Medians of ``triton.testing.do_bench``. Each prefill case also times its parts:
-logits, the select, and the radix-only select (the previous one). ``--sweep`` times tile variants
-of the first prefill case (logits tiles, then each select tunable around the defaults) and of the
-decode cases.
+the byte-row logits (the previous default) and the select (default, radix-only, and ordered by
+``sort_segments`` sorted segments + ranks), then the fp8 planar logits (the default) with the
+query quantisation and the plane split alone, checked equal to the byte-row logits; each decode
+case times its logits and select and the ranked selects. ``sort`` times ``tl.sort`` of 4096
+values as segments; ``decode-sweep`` the decode tiles; ``--planar-sweep`` the planar tiles;
+``--sweep`` tile variants of the first prefill case and of the decode cases.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import triton
 import triton.language as tl
 from cpplan.runtime.kernels.triton import indexer as old_indexer
 from cpplan.runtime.kernels.triton import indexer_tiled as it
+from cpplan.runtime.kernels.triton import pack
 from cpplan.runtime.kernels import reference as ref
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
@@ -120,7 +126,7 @@ def prefill_parts(args, tiles, ceil, flops, label):
     def radix():  # the previous select (the fallback path alone), for comparison
         it._select(keys, key_len, TOPK, top_s, top_i, dataclasses.replace(tiles, select_attempts=0))
 
-    parts = [("logits", logits, flops), ("select", select, None)]
+    parts = [("byte-row logits", logits, flops), ("select", select, None)]
     if label == "parts":
         parts.append(("select radix only", radix, None))
         for segs in RANK_SEGS:
@@ -209,7 +215,8 @@ def planar_logits(args, ceil, flops, sweep_tiles=False):
                warps=tiles.logits_warps, stages=tiles.logits_stages, lens=key_len, pcu=pcu,
                PT=N, W=1, I=1)
     valid = torch.arange(N, device="cuda")[None, :] < key_len[:, None]
-    row("  quantise q (torch)", bench(lambda: ref.quantize_indexer_q(q, w)))
+    row("  quantise q (torch reference)", bench(lambda: ref.quantize_indexer_q(q, w)))
+    row("  quantise q (Triton, the default)", bench(lambda: pack.quantize_indexer_q(q, w)))
     row("  split planes (torch)", bench(lambda: it.split_planes(k)))
     kp, ks = it.split_planes(k)
     row("  byte-row logits, bf16 (fp8 values)", bench(lambda: it._logits(
@@ -217,7 +224,7 @@ def planar_logits(args, ceil, flops, sweep_tiles=False):
         warps=tiles.logits_warps, stages=tiles.logits_stages, lens=key_len, pcu=pcu, PT=N,
         W=1, I=1)), flops, ceil)
     ok = True
-    for bq, bk, warps, stages in (PLANAR_TILES if sweep_tiles else [(4, 128, 8, 3), (2, 128, 8, 3)]):
+    for bq, bk, warps, stages in (PLANAR_TILES if sweep_tiles else [(2, 128, 4, 3), (2, 64, 8, 3)]):
         def fn(bq=bq, bk=bk, warps=warps, stages=stages):
             it._logits_planar(q8, w8, kp, ks, got, N, key_len, pcu, N, 1, 1, bq=bq, bk=bk,
                               warps=warps, stages=stages)
