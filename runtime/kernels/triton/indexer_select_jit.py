@@ -175,26 +175,32 @@ def _bracket_select(src, gt_buf, eq_buf, lo, hi, K, MARGIN, COMPOSITE_IN: tl.con
 
 
 @triton.jit
-def _segment_ranks(buf, v, CAP: tl.constexpr, SEGS: tl.constexpr, LOG_SEG: tl.constexpr):
-    """The sorted order of the CAP composites v (unique but for NO_COMPOSITE pads) without one
-    sort of CAP: SEGS segments are sorted (descending) into buf, then each element's rank is its
-    index in its segment plus, per other segment, the count of greater elements there (a binary
-    search of LOG_SEG + 1 probes). Returns (values [SEGS, SEG], ranks [SEGS, SEG]); the live
-    elements' ranks are 0 .. live - 1, each once."""
+def _merge_ranks(buf, v, CAP: tl.constexpr, SEGS: tl.constexpr, LOG_SEG: tl.constexpr,
+                 LOG_SEGS: tl.constexpr):
+    """The sorted order of the CAP composites v without one sort of CAP: SEGS segments are sorted
+    (descending) into buf, then LOG_SEGS rounds merge runs pairwise in place: an element's place
+    in the merged run is its index in its run plus the count of elements ahead of it in the
+    partner run (a binary search; the left run's elements go first among equals, so the NO_COMPOSITE
+    pads get distinct places too). Returns (values, their places 0 .. CAP - 1, each once)."""
     SEG: tl.constexpr = CAP // SEGS
-    sid = tl.arange(0, SEGS)[:, None]
     v = tl.sort(tl.reshape(v, (SEGS, SEG)), 1, descending=True)
-    tl.store(buf + sid * SEG + tl.arange(0, SEG)[None, :], v)
-    tl.debug_barrier()  # the sorted segments, read back by other threads below
-    rank = tl.arange(0, SEG)[None, :] + tl.zeros((SEGS, SEG), tl.int32)
-    for t in tl.static_range(SEGS):
-        seg_t = buf + t * SEG
+    pos = tl.arange(0, SEGS)[:, None] * SEG + tl.arange(0, SEG)[None, :]
+    tl.store(buf + pos, v)
+    for lvl in tl.static_range(LOG_SEGS):  # runs of SEG << lvl merge into runs twice as long
+        tl.debug_barrier()  # the runs, read back by other threads below
+        r = pos // (SEG << lvl)
+        left = (r % 2) == 0
+        partner = buf + (r ^ 1) * (SEG << lvl)
         cnt = tl.zeros((SEGS, SEG), tl.int32)
-        for b in tl.static_range(LOG_SEG):  # probe steps SEG / 2, SEG / 4, ..., 1
-            cnt += tl.where(tl.load(seg_t + cnt + (SEG >> (b + 1)) - 1) > v, SEG >> (b + 1), 0)
-        cnt += (tl.load(seg_t + cnt) > v).to(tl.int32)  # greater elements: a prefix of seg t
-        rank += tl.where(sid == t, 0, cnt)
-    return v, rank
+        for b in tl.static_range(LOG_SEG + lvl):  # probe steps run / 2, run / 4, ..., 1
+            a = tl.load(partner + cnt + ((SEG << lvl) >> (b + 1)) - 1)
+            cnt += tl.where(left, a > v, a >= v).to(tl.int32) * ((SEG << lvl) >> (b + 1))
+        a = tl.load(partner + cnt)  # elements ahead of v: a prefix of the partner run
+        cnt += tl.where(left, a > v, a >= v).to(tl.int32)
+        pos = pos + cnt - (r % 2) * (SEG << lvl)
+        tl.debug_barrier()  # every thread has read the runs before they are rewritten
+        tl.store(buf + pos, v)
+    return v, pos
 
 
 @triton.jit
@@ -227,7 +233,7 @@ def select_kernel(keys_ptr, len_ptr, buf_ptr, dst_ptr, s_ptr, i_ptr,
                   FINAL: tl.constexpr, DECODE_IDS: tl.constexpr, KP: tl.constexpr,
                   CAP: tl.constexpr, S: tl.constexpr, ATTEMPTS: tl.constexpr,
                   BLOCK: tl.constexpr, BITS: tl.constexpr, SORT_SEGS: tl.constexpr,
-                  LOG_SEG: tl.constexpr):
+                  LOG_SEG: tl.constexpr, LOG_SEGS: tl.constexpr):
     """Top-K of keys[row, seg*SEG_LEN : ...] (row length len[row], or N without len_ptr) for the
     items (row, seg) = divmod(item, SEGS) of this persistent program.
 
@@ -265,7 +271,7 @@ def select_kernel(keys_ptr, len_ptr, buf_ptr, dst_ptr, s_ptr, i_ptr,
                   stride_or, K, RANK, W, I, FINAL, DECODE_IDS, KP, False)
         else:
             tl.debug_barrier()  # every thread has read the scratch before it is rewritten
-            v, rank = _segment_ranks(gt_buf, v, CAP, SORT_SEGS, LOG_SEG)
+            v, rank = _merge_ranks(gt_buf, v, CAP, SORT_SEGS, LOG_SEG, LOG_SEGS)
             _emit(v, row, rank, total, dst_ptr + row * stride_dr + seg * KP, s_ptr, i_ptr,
                   stride_or, K, RANK, W, I, FINAL, DECODE_IDS, KP, True)
         tl.debug_barrier()  # every thread has read the scratch before the next item rewrites it

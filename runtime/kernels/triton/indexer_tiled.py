@@ -42,9 +42,9 @@ that the observed density puts at (K + CAP) / 2 keys (``select_attempts`` passes
 the radix select (``ceil(32 / radix_bits)`` ``tl.histogram`` passes: exact threshold, lowest
 positions among equals) runs for that item only, in the same kernel (no host sync); (4) a sort of
 the CAP composites (score descending, id ascending) and the first K are written; or, with
-``sort_segments`` > 1, the CAP composites are sorted as that many segments and each element's
-rank is its index plus, per other segment, the count of greater elements there (a binary search):
-the composites are unique, so the ranks are the sorted order (tl.sort of 4096 int64 per program
+``sort_segments`` > 1, the CAP composites are sorted as that many segments, then merged
+pairwise in log2(segments) rounds in the scratch, each element placed by its index plus a binary
+search in the partner run (a merge sort whose first level is ``tl.sort``) (tl.sort of 4096 int64 per program
 for 4096 rows: 2.42 ms as one sort, 1.06 ms as 8 x 512, 0.31 ms as 32 x 128;
 ``bench/indexer.py --only sort``). Bytes per row:
 the sample (S sectors of 32 B) plus one read of the row's 4-byte keys plus <= CAP + K composite
@@ -159,7 +159,8 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
               "num_warps": tiles.select_warps}
     cap = common["CAP"]
     segs_sort = min(triton.next_power_of_2(max(tiles.sort_segments, 1)), cap // 16)
-    common.update(SORT_SEGS=segs_sort, LOG_SEG=(cap // segs_sort).bit_length() - 1)
+    common.update(SORT_SEGS=segs_sort, LOG_SEG=(cap // segs_sort).bit_length() - 1,
+                  LOG_SEGS=segs_sort.bit_length() - 1)
     if segs == 1:
         _select_launch(keys, lens, keys, top_s, top_i, L, L, 1, topk, tiles, sms, True, False,
                        common)
