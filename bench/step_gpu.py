@@ -4,7 +4,7 @@
     torchrun --standalone --nproc-per-node 4 bench/step_gpu.py --pcp 4 --dcp 4   # NCCL, 4 GPUs
     python bench/step_gpu.py --prompt 0 --context 65536:131072   # decode-only, long context
     python bench/step_gpu.py --prompt 0 --graphs          # decode-only: eager vs CUDA-graph replay
-    torchrun --standalone --nproc-per-node 2 bench/step_gpu.py --pcp 2 --dcp 2 --prompt 0 --merge kernel
+    torchrun --standalone --nproc-per-node 2 bench/step_gpu.py --pcp 2 --dcp 2 --prompt 0 --merge both
     python bench/step_gpu.py --tiny                       # CPU smoke run at toy sizes
     torchrun --standalone --nproc-per-node 2 bench/step_gpu.py --tiny --pcp 2 --dcp 2   # gloo
 
@@ -202,7 +202,7 @@ class Rank:
     x: dict
     attention: dict = dataclasses.field(default_factory=dict)  # pass -> plan of the last step
     graphs: StepGraphs | None = None  # --graphs: replays graph-replayable steps
-    merge_kernels: object = None  # --merge both: the kernel set with the Triton decode merge
+    merge_kernels: object = None  # --merge both: the kernel set with the torch decode merge
 
 
 def setup_rank(args, dims: dict, groups: Groups) -> Rank:
@@ -217,12 +217,12 @@ def setup_rank(args, dims: dict, groups: Groups) -> Rank:
     tables = alloc.table(plan.req_ids, per_req)
     kernels = get_kernels(dev.type, args.kernels)
     merge_kernels = None
-    if args.merge != "sort":  # Triton merge of sorted lists + fused LSE scaling (not default)
-        from cpplan.runtime.kernels.triton import merge
+    if args.merge != "kernel":  # the torch merge (two sorts, unfused LSE scaling) to compare
+        from cpplan.runtime.kernels import reference as ref
 
         merge_kernels = dataclasses.replace(
-            kernels, merge_topk_candidates=merge.merge_topk_candidates, lse_scale=merge.lse_scale)
-        if args.merge == "kernel":
+            kernels, merge_topk_candidates=ref.merge_topk_candidates, lse_scale=ref.lse_scale)
+        if args.merge == "sort":
             kernels = merge_kernels
     ex = StepExecutor.from_groups(cfg, groups, verify="every", kernels=kernels,
                                   max_tokens=plan.padded_num_tokens,
@@ -338,7 +338,7 @@ def time_phases(r: Rank, repeat: int) -> tuple[np.ndarray, dict]:
 
 
 def time_merge_kernels(r: Rank, repeat: int) -> dict:
-    """Plain steps (and, with --graphs, replays from fresh captures) with the Triton decode
+    """Plain steps (and, with --graphs, replays from fresh captures) with the torch decode
     merge swapped in; the kernel set is put back afterwards."""
     clock, saved = Clock(r.groups.device), r.ex.kernels
     r.ex.kernels = r.merge_kernels
@@ -470,10 +470,10 @@ def parse_args(argv=None):
     ap.add_argument("--repeat", type=int, default=3, help="timed steps per measurement")
     ap.add_argument("--kernels", choices=("reference", "triton", "flashmla"),
                     help="kernel backend (default: the device's, Triton on CUDA)")
-    ap.add_argument("--merge", choices=("sort", "kernel", "both"), default="sort",
-                    help="the W > 1 decode merge: the kernel set's (two sorts, torch LSE "
-                         "scaling), Triton's (merge of the sorted lists, one fused scaling), "
-                         "or both timed in the same run")
+    ap.add_argument("--merge", choices=("sort", "kernel", "both"), default="kernel",
+                    help="the W > 1 decode merge: the kernel set's (Triton: a merge of the "
+                         "sorted lists, one fused LSE scaling), torch's (two sorts, unfused "
+                         "scaling), or both timed in the same run")
     ap.add_argument("--graphs", action="store_true",
                     help="CUDA-graph sizes in the config; time the step eager and replayed")
     ap.add_argument("--tiny", action="store_true", help="toy sizes (runs on a CPU)")
@@ -544,7 +544,7 @@ def report(args, r: Rank, res: dict, stream) -> dict:
           f"{res['graph_step_ms']:.2f} ms; host wall {res['graph_step_wall_ms']:.2f} ms; "
           f"eager / graph {res['step_ms'] / res['graph_step_ms']:.2f}x\n")
     if "merge_kernel_step_ms" in res:
-        w(f"the same step with the Triton decode merge (--merge both): "
+        w(f"the same step with the torch decode merge (--merge both): "
           f"{res['merge_kernel_step_ms']:.2f} ms eager (kernel set's: {res['step_ms']:.2f})")
         if "merge_kernel_graph_step_ms" in res:
             w(f"; {res['merge_kernel_graph_step_ms']:.2f} ms replayed (kernel set's: "

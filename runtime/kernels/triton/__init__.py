@@ -21,7 +21,7 @@ from ..dispatch import KernelSet
 from . import attention, index, indexer, indexer_tiled, merge, pack, plan
 
 _REF_OPS = ("dequantize_fp8_ds_mla", "dequantize_indexer_k", "deinterleave_index_select",
-            "topk_reference_order", "merge_topk_candidates", "lse_scale")
+            "topk_reference_order")
 
 TRITON = KernelSet(
     name="triton",
@@ -34,16 +34,17 @@ TRITON = KernelSet(
     plan_attention=plan.plan_attention,
     sparse_mla_attention=attention.sparse_mla_attention,
     lse_merge=merge.lse_merge,
-    # merge.lse_scale (one fused pass) waits for a GPU timing, as merge_topk_candidates does
-    lse_scale=ref.lse_scale,
+    # the W > 1 decode merge in Triton (a merge of the W sorted candidate lists, no sort; the
+    # LSE weights and scaling in one pass): P = W = 2 decode step (64 x 2k-6k) replayed 2.65 ms
+    # vs 3.18 with the torch path, 64k-128k 5.18 vs 6.05 (bench/step_gpu.py --merge both, two
+    # H200s, 2026-11-30)
+    lse_scale=merge.lse_scale,
     remap_to_gathered=index.remap_to_gathered,
     filter_local_slots=index.filter_local_slots,
     deinterleave_index_select=ref.deinterleave_index_select,
     indexer_scores=indexer.indexer_scores,
     topk_reference_order=ref.topk_reference_order,
-    # merge.merge_topk_candidates (a merge of the sorted lists, no sort) is tested against this
-    # on the CPU but not yet timed on a GPU: bench/step_gpu.py --merge kernel compares the two
-    merge_topk_candidates=ref.merge_topk_candidates,
+    merge_topk_candidates=merge.merge_topk_candidates,
     indexer_topk=indexer.indexer_topk,
     # the tiled indexer: T 4096 over N 32768 12.2 ms vs 16.6, 64 decodes of 4k 243 us vs 624,
     # 8 of 128k 424 vs 779, same selection and order (bench/indexer.py --quick, H200, 2026-11-30)

@@ -65,7 +65,7 @@ def merge_candidates_kernel(s_ptr, i_ptr, out_ptr, stride_s, stride_i, stride_o,
     tl.store(out_ptr + row * stride_o + rank, xi.to(tl.int32), mask=valid & (rank < K))
 
 
-@triton.jit(do_not_specialize=["TH", "RANK"])
+@triton.jit(do_not_specialize=["TH", "RANK", "stride_lw"])
 def lse_scale_kernel(o_ptr, lse_ptr, out_ptr, TH, RANK, stride_lw,
                      W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                      DV: tl.constexpr):
