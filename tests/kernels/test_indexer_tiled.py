@@ -162,9 +162,12 @@ def _select_scores(kind, R, L, g):
 
 # sampled threshold (one program per row / one persistent program / segments + merge), retries
 # (a threshold sampled too high), the in-kernel radix fallback (attempts exhausted), radix only;
-# candidates ordered by sorted segments + ranks instead of one sort (alone, with segments + merge)
+# candidates ordered by one sort instead of the default merge sort from sorted segments, and by
+# a merge sort from two segments (alone, with long rows split into segments + a second select)
 SELECT_VARIANTS = {
-    "ranked": {"programs_per_sm": 0, "sort_segments": 4},
+    "one-sort": {"programs_per_sm": 0, "sort_segments": 1},
+    "one-sort-segments": {"programs_per_sm": 8, "sort_segments": 1, "radix_bits": 8},
+    "ranked": {"programs_per_sm": 0, "sort_segments": 2},
     "ranked-segments": {"programs_per_sm": 8, "sort_segments": 2, "radix_bits": 8},
     "sampled": {"programs_per_sm": 0},
     "persistent": {"programs_per_sm": 0, "select_programs_per_sm": 0},

@@ -46,8 +46,9 @@ TRITON = KernelSet(
     topk_reference_order=ref.topk_reference_order,
     merge_topk_candidates=merge.merge_topk_candidates,
     indexer_topk=indexer.indexer_topk,
-    # the tiled indexer: T 4096 over N 32768 12.2 ms vs 16.6, 64 decodes of 4k 243 us vs 624,
-    # 8 of 128k 424 vs 779, same selection and order (bench/indexer.py --quick, H200, 2026-11-30)
+    # the tiled indexer (fp8 planar prefill logits, sampled-threshold select): T 4096 over
+    # N 32768 5.96 ms vs 16.65 for the first kernel, same selection and order (bench/indexer.py
+    # --quick, H200, 2026-11-30, third session)
     indexer_topk_prefill=indexer_tiled.indexer_topk_prefill,
     indexer_topk_decode=indexer_tiled.indexer_topk_decode,
     backend_of=tuple((op, "reference") for op in _REF_OPS),

@@ -12,8 +12,8 @@ two planes (fp8 values ``[R, 128]`` with 128-byte aligned rows, float32 scales `
 ``K [BK, 128] @ Q^T [128, BQ * HP]`` with fp8 operands (HP = heads padded to a power of two, 64
 for the model), each key tile read once for BQ queries. H200, T 4096 x N 32768
 (``bench/indexer.py --planar-sweep``): 2.50 ms, 825 TFLOP/s of logits (BQ 2, BK 128, 4 warps,
-3 stages; 2.59-2.60 at BK 64), where the byte-row kernel below takes 8.90 ms on the same
-quantised inputs; the int32 keys are equal.
+3 stages; 2.52-2.60 at BK 64), where the byte-row kernel below takes 6.23 ms (4 warps; 8.90
+at 8) on the same quantised inputs; the int32 keys are equal.
 
 Decode and explicit-row logits (``indexer_logits_jit.logits_kernel``) read the packed 132-byte
 rows of the paged cache (not 16-byte aligned: at most 4-byte vectors) and convert the key tile
@@ -42,14 +42,17 @@ that the observed density puts at (K + CAP) / 2 keys (``select_attempts`` passes
 the radix select (``ceil(32 / radix_bits)`` ``tl.histogram`` passes: exact threshold, lowest
 positions among equals) runs for that item only, in the same kernel (no host sync); (4) a sort of
 the CAP composites (score descending, id ascending) and the first K are written; or, with
-``sort_segments`` > 1, the CAP composites are sorted as that many segments, then merged
-pairwise in log2(segments) rounds in the scratch, each element placed by its index plus a binary
-search in the partner run (a merge sort whose first level is ``tl.sort``) (tl.sort of 4096 int64 per program
-for 4096 rows: 2.42 ms as one sort, 1.06 ms as 8 x 512, 0.31 ms as 32 x 128;
-``bench/indexer.py --only sort``). Bytes per row:
-the sample (S sectors of 32 B) plus one read of the row's 4-byte keys plus <= CAP + K composite
-writes and reads. H200, T4096 x N32768 (randn or integer scores, exact): 3.9 ms with S 2048 and 8
-warps, 3.5 ms with S 1024 (16 warps: -5%); radix only (``select_attempts=0``) 16.1 ms. The sorts
+``sort_segments`` > 1 (default 8), the CAP composites are sorted as that many segments, then
+merged pairwise in log2(segments) rounds in the scratch, each element placed by its index plus
+a binary search in the partner run: a merge sort whose first level is ``tl.sort`` (which, for
+4096 int64 per program and 4096 programs, costs 2.42 ms as one sort, 1.06 ms as 8 x 512,
+0.31 ms as 32 x 128: ``bench/indexer.py --only sort``). H200, the whole select of T 4096 x
+N 32768 (``bench/indexer.py --quick``): 3.40 ms with one sort, 3.01 ms from 8 segments, 3.32
+ms from 32; the 64 x 4k decode select 93.7 / 95.0 us (one sort / 8 segments): the sample sort
+and the pass over the keys are the rest. Bytes per row: the sample (S sectors of 32 B) plus one
+read of the row's 4-byte keys plus <= CAP + K composite writes and reads. H200, T4096 x N32768
+(randn or integer scores, exact, one sort): 3.9 ms with S 2048 and 8 warps, 3.5 ms with S 1024
+(16 warps: -5%); radix only (``select_attempts=0``) 16.1 ms. The sorts
 dominate, not the bytes (CAP 8192: 7.2 ms; S 4096: 5.2 ms): ``tl.sort`` of 4096 int64 costs
 about 0.1 ms per program. Long rows with few rows (decode at long context) are split into
 segments: each selects its own top-K composites, a second launch of the same kernel over the
@@ -94,7 +97,7 @@ class IndexerTiles:
     select_programs_per_sm: int = 4  # persistent select programs per SM
     radix_bits: int = 11  # fallback histogram bins 2**radix_bits; ceil(32 / bits) passes
     programs_per_sm: int = 2  # decode logits and long-row select fill this many programs per SM
-    sort_segments: int = 1  # candidates ordered by one sort (1) or by sorted segments + ranks
+    sort_segments: int = 8  # candidates ordered by one sort (1) or a merge sort from segments
 
 
 def _num_sms(device) -> int:
