@@ -4,6 +4,7 @@
     torchrun --standalone --nproc-per-node 4 bench/step_gpu.py --pcp 4 --dcp 4   # NCCL, 4 GPUs
     python bench/step_gpu.py --prompt 0 --context 65536:131072   # decode-only, long context
     python bench/step_gpu.py --prompt 0 --graphs          # decode-only: eager vs CUDA-graph replay
+    python bench/step_gpu.py --prefill-keys both          # W = 1 prefill: paged vs gathered keys
     torchrun --standalone --nproc-per-node 2 bench/step_gpu.py --pcp 2 --dcp 2 --prompt 0 --merge both
     python bench/step_gpu.py --tiny                       # CPU smoke run at toy sizes
     torchrun --standalone --nproc-per-node 2 bench/step_gpu.py --tiny --pcp 2 --dcp 2   # gloo
@@ -203,6 +204,7 @@ class Rank:
     attention: dict = dataclasses.field(default_factory=dict)  # pass -> plan of the last step
     graphs: StepGraphs | None = None  # --graphs: replays graph-replayable steps
     merge_kernels: object = None  # --merge both: the kernel set with the torch decode merge
+    prefill_both: bool = False  # --prefill-keys both: also time the gathered W == 1 prefill
 
 
 def setup_rank(args, dims: dict, groups: Groups) -> Rank:
@@ -226,7 +228,9 @@ def setup_rank(args, dims: dict, groups: Groups) -> Rank:
             kernels = merge_kernels
     ex = StepExecutor.from_groups(cfg, groups, verify="every", kernels=kernels,
                                   max_tokens=plan.padded_num_tokens,
-                                  max_requests=plan.num_requests)
+                                  max_requests=plan.num_requests,
+                                  prefill_keys="paged" if args.prefill_keys == "both"
+                                  else args.prefill_keys)
     gen = torch.Generator(device=dev).manual_seed(1000 + groups.rank)
     caches = [_random_cache(cfg, num_blocks, dev, kernels, gen) for _ in range(cfg.num_layers)]
     act, t = coll.ACT_DTYPES[cfg.activation_dtype], plan.padded_num_tokens
@@ -242,6 +246,7 @@ def setup_rank(args, dims: dict, groups: Groups) -> Rank:
     rank = Rank(groups, cfg, plan, ex, tables, caches, x)
     if args.merge == "both":
         rank.merge_kernels = merge_kernels
+    rank.prefill_both = args.prefill_keys == "both"
     if args.graphs:
         rank.graphs = StepGraphs(ex, lambda bound, *xs: layers_body(rank, bound, *xs))
     return rank
@@ -357,6 +362,23 @@ def time_merge_kernels(r: Rank, repeat: int) -> dict:
     return out
 
 
+def time_gathered_prefill(r: Rank, repeat: int) -> dict:
+    """Plain steps with ``prefill_keys="gather"`` (W == 1 prefill tokens scored over a per-step
+    copy of their requests' keys by the prefill indexer), then back to the paged path; with
+    the per-layer phase split of those steps."""
+    clock = Clock(r.groups.device)
+    r.ex.prefill_keys = "gather"
+    try:
+        run_step(r, _NoLog())
+        clock.sync()
+        out = {f"gather_{k}": v for k, v in time_steps(r, repeat).items()}
+        per_layer, _ = time_phases(r, repeat)
+        out["gather_indexer_ms"] = float(per_layer[:, PHASES.index("indexer")].mean())
+    finally:
+        r.ex.prefill_keys = "paged"
+    return out
+
+
 def bind_parts(r: Rank, repeat: int) -> dict:
     """Host time of each part of ``bind`` alone (medians over max(50, repeat) calls, us): the
     block-table check, the host tables, the arena pack (wait, copy into pinned memory, the H2D
@@ -417,8 +439,10 @@ def measure(r: Rank, repeat: int) -> dict:
         graph = time_steps(r, repeat, r.graphs)
         steps.update({f"graph_{k}": v for k, v in graph.items()})
         steps["graph_captured"] = r.graphs.captured != {}
-    if r.merge_kernels is not None:  # --merge both: the same step with the Triton merge
+    if r.merge_kernels is not None:  # --merge both: the same step with the torch merge
         steps.update(time_merge_kernels(r, repeat))
+    if r.prefill_both:  # the same step with the W == 1 prefill keys gathered
+        steps.update(time_gathered_prefill(r, repeat))
     per_layer, step_level = time_phases(r, repeat)
     res = {**steps, **verify_costs(r, repeat), **bind_parts(r, repeat), "per_layer_ms": per_layer,
            "bind_ms": step_level["bind"], "restore_ms": step_level["restore"],
@@ -474,6 +498,9 @@ def parse_args(argv=None):
                     help="the W > 1 decode merge: the kernel set's (Triton: a merge of the "
                          "sorted lists, one fused LSE scaling), torch's (two sorts, unfused "
                          "scaling), or both timed in the same run")
+    ap.add_argument("--prefill-keys", choices=("paged", "gather", "both"), default="paged",
+                    help="W == 1 prefill tokens: the decode indexer over the paged cache, the "
+                         "prefill indexer over a per-step copy of their keys, or both timed")
     ap.add_argument("--graphs", action="store_true",
                     help="CUDA-graph sizes in the config; time the step eager and replayed")
     ap.add_argument("--tiny", action="store_true", help="toy sizes (runs on a CPU)")
@@ -497,8 +524,9 @@ def make_groups(args, dims: dict):
     cuda = torch.cuda.is_available()
     if not cuda and not args.tiny:
         raise ConfigError("full model dims need a GPU: on a CPU run with --tiny")
-    if not cuda and args.merge != "sort":
-        raise ConfigError(f"--merge {args.merge} runs Triton kernels: it needs a GPU")
+    if not cuda and args.merge == "both":
+        raise ConfigError("--merge both compares the Triton merge with torch's: it needs a GPU "
+                          "(on a CPU both are the reference)")
     if not cuda and dims["activation_dtype"] == "bfloat16":
         dims["activation_dtype"] = "float32"
     env = torchrun_env()
@@ -543,6 +571,10 @@ def report(args, r: Rank, res: dict, stream) -> dict:
         w(f"step through StepGraphs ({how}, device events bind..finish): "
           f"{res['graph_step_ms']:.2f} ms; host wall {res['graph_step_wall_ms']:.2f} ms; "
           f"eager / graph {res['step_ms'] / res['graph_step_ms']:.2f}x\n")
+    if "gather_step_ms" in res:
+        w(f"the same step with the prefill keys gathered (--prefill-keys both): "
+          f"{res['gather_step_ms']:.2f} ms (paged: {res['step_ms']:.2f}); indexer "
+          f"{res['gather_indexer_ms']:.2f} ms per layer\n")
     if "merge_kernel_step_ms" in res:
         w(f"the same step with the torch decode merge (--merge both): "
           f"{res['merge_kernel_step_ms']:.2f} ms eager (kernel set's: {res['step_ms']:.2f})")

@@ -29,7 +29,7 @@ from cpplan.runtime.arena import ArenaRing, arena_words
 from cpplan.runtime.faults import FaultBoard, StepWatch, Watchdog
 from cpplan.runtime.kernels import get_kernels
 from cpplan.runtime.segments import build_tables, check_block_tables, compile_host_kernels
-from cpplan.runtime.tables import Layout, StepMeta, StepTables
+from cpplan.runtime.tables import Layout, StepMeta, StepTables, local_prefill_rows
 from cpplan.schemas.codec import config_fingerprint
 from cpplan.schemas.config import ParallelConfig
 from cpplan.schemas.errors import (
@@ -42,6 +42,12 @@ from cpplan.schemas.errors import (
 from cpplan.schemas.plan import StepPlan
 
 DUMMY_SLOT = 0  # slot 0 (block 0) of every cache is reserved: padded and skipped rows use it
+
+
+# how W == 1 prefill tokens reach their keys: "paged", the decode indexer over the paged cache
+# (one query per program); "gather", a per-step copy of their requests' keys and the prefill
+# indexer (StepExecutor.prefill_keys; bench/step_gpu.py --prefill-keys compares them)
+PREFILL_KEYS = ("paged", "gather")
 
 
 @dataclasses.dataclass
@@ -77,6 +83,15 @@ class BoundStep:
     # chosen at the pass's first call from host shapes (the cache's rows are first seen there)
     attention: dict = dataclasses.field(default_factory=dict)
     _tables: StepTables | None = None
+    _local_prefill: tuple | None = None
+
+    @property
+    def local_prefill(self) -> tuple:
+        """W == 1: (src, pcu) of the local prefill keys buffer (tables.local_prefill_rows),
+        derived once per step at first use."""
+        if self._local_prefill is None:
+            self._local_prefill = local_prefill_rows(self.tables, self.meta, self.layout)
+        return self._local_prefill
 
     @property
     def tables(self) -> StepTables:
@@ -102,7 +117,10 @@ class StepExecutor:
                  max_requests: int = 1024, max_blocks_per_request: int | None = None,
                  max_kv_tokens: int | None = None, arena_depth: int = 2,
                  debug: bool = True, faults: FaultBoard | None = None,
-                 data_timeout_s: float = 0.0) -> None:
+                 data_timeout_s: float = 0.0, prefill_keys: str = "paged") -> None:
+        if prefill_keys not in PREFILL_KEYS:
+            raise ValueError(f"prefill_keys {prefill_keys!r}: expected one of {PREFILL_KEYS}")
+        self.prefill_keys = prefill_keys
         self.config, self.pcp_rank, self.dcp_rank = config, pcp_rank, dcp_rank
         self.comm, self.check, self.debug = comm, check, debug
         self.faults, self.data_timeout_s = faults, data_timeout_s
@@ -240,9 +258,15 @@ class StepExecutor:
         k, t, cfg = self.kernels, bound.tables, self.config
         w_size, inter, bs = cfg.dcp_size, cfg.interleave_size, cfg.block_size
         bt = t.block_tables.index_select(0, t.token_req[lo:hi])
-        scores, top = k.indexer_topk_decode(index_q[lo:hi], index_w[lo:hi], cache.index_k,
-                                            t.local_len[lo:hi], bt, bs, w_size,
+        # W == 1 with prefill_keys="gather": the prefill tokens [nd, hi) score a contiguous
+        # copy of their requests' keys with the prefill indexer (a key tile per query block)
+        mid = max(lo, bound.meta.num_decode_tokens) if self._gathers_prefill(bound) else hi
+        scores, top = k.indexer_topk_decode(index_q[lo:mid], index_w[lo:mid], cache.index_k,
+                                            t.local_len[lo:mid], bt[: mid - lo], bs, w_size,
                                             self.dcp_rank, inter, cfg.topk, max_keys=width)
+        if mid < hi:
+            top = torch.cat([top, self._prefill_topk(bound, cache, index_q, index_w, mid, hi,
+                                                     width)])
         if bound.meta.decode_merge:
             all_s, all_i = coll.topk_candidates(bound.channel, scores, top)
             top = k.merge_topk_candidates(all_s, all_i, cfg.topk, w_size)
@@ -252,6 +276,20 @@ class StepExecutor:
                                     kv.shape[0])
         return k.sparse_mla_attention(q[lo:hi], kv, kv_slots, self.sm_scale,
                                       kv_format=cfg.kv_cache_dtype, plan=plan)
+
+    def _gathers_prefill(self, bound: BoundStep) -> bool:
+        return self.prefill_keys == "gather" and bound.meta.local_prefill_keys > 0
+
+    def _prefill_topk(self, bound, cache, index_q, index_w, lo: int, hi: int, width: int):
+        """W == 1 prefill tokens [lo, hi) (all past the decodes): their requests' keys copied
+        into one buffer (``bound.local_prefill``, 132 B a key), then the prefill indexer over it,
+        as for a gather chunk with W = 1; ids are token positions, as the decode path's are."""
+        src, pcu = bound.local_prefill
+        nd = bound.meta.num_decode_tokens
+        keys = cache.index_k.index_select(0, src)
+        return self.kernels.indexer_topk_prefill(
+            index_q[lo:hi], index_w[lo:hi], keys, bound.tables.key_len[lo:hi],
+            pcu[lo - nd: hi - nd], src.shape[0], 1, 1, self.config.topk, max_keys=width)[1]
 
     def _attend_chunk(self, bound, cache, q, index_q, index_w, c: int, out) -> None:
         """Prefill tokens of gather chunk c: all-gather the chunk's indexer K and KV shards

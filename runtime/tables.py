@@ -51,6 +51,9 @@ class StepMeta:
     # graph-replayable plans (StepPlan.graph_replayable): (T, key blocks), the key of the
     # captured graph that may run this step; None for a step that runs eagerly only
     graph_key: tuple[int, int] | None = None
+    # W == 1: rows of the local prefill keys buffer (local_prefill_rows), the sum of the
+    # prefilling requests' extents (a bound on what this rank's prefill tokens read); else 0
+    local_prefill_keys: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +153,30 @@ def _iota(n: int, device: torch.device) -> torch.Tensor:
         have = _IOTA[device] = torch.arange(max(n, 2 * have.numel() if have is not None else 0,
                                                 1 << 16), device=device)
     return have[:n]
+
+
+def local_prefill_rows(t: StepTables, meta: StepMeta, lay: Layout):
+    """W == 1: a contiguous home for the keys the prefill tokens read, so the prefill indexer
+    can serve a block of a request's queries from one key tile (docs/design.md §5.4). Request i
+    needs keys 0 .. need_i - 1 (its largest key_len among this rank's prefill tokens); they sit
+    at rows pcu_i + l of a buffer of ``meta.local_prefill_keys`` rows, pcu the exclusive prefix
+    sum of need. Returns (src [rows]: the cache slot of each row, the dummy slot past the last
+    region; pcu [num_tokens - nd]: each prefill token's region start). A fixed number of ops on
+    shapes the meta fixes: no host sync, nothing per request."""
+    nd, n, bs = meta.num_decode_tokens, meta.num_tokens, lay.block_size
+    req, dev = t.token_req[nd:n], t.token_req.device
+    need = torch.zeros(lay.num_requests, dtype=torch.int64, device=dev)
+    need.scatter_reduce_(0, req, t.key_len[nd:n], "amax")
+    cum = torch.cumsum(need, 0)
+    start = cum - need
+    u = _iota(meta.local_prefill_keys, dev)
+    r = torch.searchsorted(cum, u, right=True).clamp_max_(lay.num_requests - 1)
+    local = u - start[r]
+    live = u < cum[-1]
+    bt = t.block_tables
+    blk = bt.reshape(-1)[r * bt.shape[1] + torch.where(live, local // bs, 0)]
+    src = torch.where(live, blk * bs + local % bs, lay.dummy_slot)
+    return src, start[req]
 
 
 def _shard_count(length: torch.Tensor, lay: Layout) -> torch.Tensor:

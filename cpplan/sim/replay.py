@@ -75,8 +75,9 @@ class ReplayResult:
 
 
 def replay_plan(plan: StepPlan, seed: int, device: str = "cpu", kernels=None,
-                step_guard=None) -> ReplayResult:
+                step_guard=None, executor_options: dict | None = None) -> ReplayResult:
     """Run all ranks of ``plan`` as threads on ``device``; compare with the oracle.
+    ``executor_options``: extra keyword arguments of every rank's ``StepExecutor``.
     ``step_guard``: a context-manager factory (e.g. CUDA sync debug mode, which is process-wide)
     entered by the calling thread once every rank has rebuilt its caches and left while no rank
     does anything but bind + the step."""
@@ -89,7 +90,8 @@ def replay_plan(plan: StepPlan, seed: int, device: str = "cpu", kernels=None,
 
     def rank_body(rank: int) -> None:
         try:
-            results[rank] = _run_rank(plan, seed, device, world, rank, kernels, phase)
+            results[rank] = _run_rank(plan, seed, device, world, rank, kernels, phase,
+                                      executor_options or {})
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
             errors.append(exc)
             world.barrier.abort()
@@ -131,7 +133,7 @@ def check_replayable(plan: StepPlan) -> None:
 
 
 def _run_rank(plan: StepPlan, seed: int, device: str, world: ThreadWorld, rank: int, kernels,
-              phase: threading.Barrier):
+              phase: threading.Barrier, options: dict):
     cfg = plan.config
     pcp_rank = rank if cfg.pcp_size > 1 else 0
     dcp_rank = rank if cfg.dcp_size > 1 else 0
@@ -139,7 +141,7 @@ def _run_rank(plan: StepPlan, seed: int, device: str, world: ThreadWorld, rank: 
     extents = plan.extent()
     executor = StepExecutor(cfg, pcp_rank=pcp_rank, dcp_rank=dcp_rank, comm=comm, device=device,
                             kernels=kernels, max_tokens=plan.padded_num_tokens,
-                            max_requests=plan.num_requests)
+                            max_requests=plan.num_requests, **options)
     blocks_per_req = -(-cfg.shard_rows(cfg.max_model_len) // cfg.block_size)
     num_blocks = 1 + plan.num_requests * blocks_per_req
     alloc = BlockAllocator(num_blocks, cfg.block_size, cfg.dcp_size, dcp_rank,

@@ -90,9 +90,11 @@ def test_bench_step_gpu_tiny_world_1(capsys, monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
         monkeypatch.delenv(var, raising=False)
     bench = _bench_module(monkeypatch)
-    assert bench.main(["--tiny", "--repeat", "1", "--layers", "1", "--json"]) == 0
+    assert bench.main(["--tiny", "--repeat", "1", "--layers", "1", "--json",
+                       "--prefill-keys", "both"]) == 0
     out = last_json(capsys.readouterr().out)
     assert BENCH_KEYS <= set(out) and out["world"] == 1 and out["exchange_ms"] is None
+    assert out["gather_step_ms"] > 0 and out["gather_indexer_ms"] > 0  # the gathered W = 1 prefill
     assert len(out["per_layer_ms"]) == 1 and out["per_layer_ms"][0][out["phases"].index(
         "attention")] > 0
 

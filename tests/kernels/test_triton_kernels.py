@@ -456,6 +456,37 @@ def test_triton_decode_merge_in_a_replayed_step_matches_the_oracle(pwi):
     assert result.max_abs_err <= TOLERANCE
 
 
+@pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("p", [1, 2])
+def test_gathered_prefill_keys_through_the_tiled_indexer_match_the_oracle(p):
+    """W == 1, StepExecutor(prefill_keys="gather"): the prefill tokens' keys copied per step and
+    scored by the tiled Triton prefill indexer (planes, quantised query) equal the oracle."""
+    from cpplan.planner.compile import compile as compile_plan
+    from cpplan.runtime.kernels import REFERENCE
+    from cpplan.runtime.kernels.triton import indexer_tiled
+    from cpplan.schemas import StepInput
+    from cpplan.sim.replay import replay_plan
+    from cpplan.sim.simulate import TOLERANCE, SimOptions, preset_config
+
+    cfg = preset_config(SimOptions(pcp=p, dcp=1, layers=1))
+    step = StepInput.build(2, ["a", "b", "c"], [300, 0, 40], [1, 150, 33], [False, True, True])
+    lock, calls = threading.Lock(), []
+
+    # small tiles, as in test_indexer_tiled.py: the interpreter runs every program in turn
+    tiles = indexer_tiled.IndexerTiles(block_k=32, select_block=64, select_cap=64,
+                                       select_sample=64)
+
+    def prefill(*args, **kwargs):
+        with lock:
+            calls.append(1)
+            return indexer_tiled.indexer_topk_prefill(*args, **kwargs, tiles=tiles)
+
+    kernels = dataclasses.replace(REFERENCE, indexer_topk_prefill=prefill)
+    result = replay_plan(compile_plan(cfg, step), seed=4, kernels=kernels,
+                         executor_options={"prefill_keys": "gather"})
+    assert calls and result.max_abs_err <= TOLERANCE
+
+
 @pytest.mark.parametrize("env", ENVS)
 @pytest.mark.parametrize("w_size", [2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
