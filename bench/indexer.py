@@ -10,10 +10,11 @@ Prefill cases: the last T tokens of an N-token context (query i has keys 0 .. N 
 cache (block 64, shuffled block table). Inputs are integer-valued, so scores are exact and ties
 abound; each case checks new == old (ids and scores, order included). Logits FLOPs: 2 * 64 * 128
 per (query, key). Medians of ``triton.testing.do_bench``. Each prefill case also times its parts:
-the byte-row logits (the previous default) and the select (default, radix-only, and ordered by
-``sort_segments`` sorted segments + ranks), then the fp8 planar logits (the default) with the
-query quantisation and the plane split alone, checked equal to the byte-row logits; each decode
-case times its logits and select and the ranked selects. ``sort`` times ``tl.sort`` of 4096
+the planar fp8 logits and the select (default, radix-only, and ordered by other
+``sort_segments``), the query quantisation and the plane split alone, and planar tile choices
+(each checked equal to the default tiles' keys; the byte-row prefill kernel they replaced took
+6.2-8.9 ms for the first case, bench/RESULTS.md); each decode case times its logits and select
+and the other ``sort_segments``. ``sort`` times ``tl.sort`` of 4096
 values as segments; ``decode-sweep`` the decode tiles; ``--planar-sweep`` the planar tiles;
 ``--sweep`` tile variants of the first prefill case and of the decode cases.
 """
@@ -109,16 +110,18 @@ def case(name, old_fn, new_fn, args, max_keys, flops, ceil):
 
 
 def prefill_parts(args, tiles, ceil, flops, label):
-    """Times the tiled logits alone and the select alone (one chunk: the whole prefill)."""
+    """Times the tiled logits alone (the planar fp8 kernel on the quantised query and the
+    planes) and the select alone (one chunk: the whole prefill)."""
     q, w, k, key_len, pcu, N = args[:6]
     keys = torch.empty(q.shape[0], N, dtype=torch.int32, device="cuda")
     top_s, top_i = (torch.empty(q.shape[0], TOPK, device="cuda"),
                     torch.empty(q.shape[0], TOPK, dtype=torch.int32, device="cuda"))
+    q8, w8 = pack.quantize_indexer_q(q, w)
+    kp, ks = it.split_planes(k)
 
     def logits():
-        it._logits(q, w, k, keys, 1, True, N, bq=tiles.block_q, bk=tiles.block_k,
-                   warps=tiles.logits_warps, stages=tiles.logits_stages, lens=key_len, pcu=pcu,
-                   PT=N, W=1, I=1)
+        it._logits_planar(q8, w8, kp, ks, keys, N, key_len, pcu, N, 1, 1, bq=tiles.block_q,
+                          bk=tiles.block_k, warps=tiles.logits_warps, stages=tiles.logits_stages)
 
     def select():
         it._select(keys, key_len, TOPK, top_s, top_i, tiles)
@@ -126,7 +129,7 @@ def prefill_parts(args, tiles, ceil, flops, label):
     def radix():  # the previous select (the fallback path alone), for comparison
         it._select(keys, key_len, TOPK, top_s, top_i, dataclasses.replace(tiles, select_attempts=0))
 
-    parts = [("byte-row logits", logits, flops), ("select", select, None)]
+    parts = [("planar logits", logits, flops), ("select", select, None)]
     if label == "parts":
         parts.append(("select radix only", radix, None))
         for segs in RANK_SEGS:
@@ -150,10 +153,12 @@ def decode_parts(args, tiles, ceil, flops):
     splits = max(1, min(-(-ctx // tiles.decode_block_k),
                         -(-tiles.programs_per_sm * it._num_sms(q.device) // q.shape[0])))
 
+    qq, ww = pack.quantize_indexer_q(q, w, q.dtype)  # as indexer_topk_decode does
+
     def logits():
-        it._logits(q, w, kflat, keys, 2, True, ctx, bq=1, bk=tiles.decode_block_k,
+        it._logits(qq, ww, kflat, keys, 2, True, ctx, bk=tiles.decode_block_k,
                    warps=tiles.decode_warps, stages=tiles.decode_stages, splits=splits,
-                   lens=local_len, bt=bt, W=W, I=I, B=block)
+                   lens=local_len, bt=bt, B=block)
 
     def select():
         it._select(keys, local_len, topk, top_s, top_i, tiles, decode_ids=True, W=W, I=I,
@@ -201,28 +206,21 @@ PLANAR_TILES = [(bq, bk, w, s) for bq in (2, 4) for bk in (64, 128) for w in (4,
 
 
 def planar_logits(args, ceil, flops, sweep_tiles=False):
-    """The fp8 planar logits (fp8-quantised query, keys split into planes) against the byte-row
-    logits on the same quantised inputs: int32 keys must be equal; then the plane split alone and
-    each tile choice."""
+    """The query quantisation and the plane split alone, then planar fp8 logits tile choices,
+    each checked equal (int32 keys) to the default tiles' keys."""
     q, w, k, key_len, pcu, N = args[:6]
     T = q.shape[0]
-    q8, w8 = ref.quantize_indexer_q(q, w)
-    qb = q8.to(torch.bfloat16)
+    q8, w8 = pack.quantize_indexer_q(q, w)
     tiles = it.IndexerTiles()
+    kp, ks = it.split_planes(k)
     want = torch.empty(T, N, dtype=torch.int32, device="cuda")
     got = torch.empty_like(want)
-    it._logits(qb, w8, k, want, 1, True, N, bq=tiles.block_q, bk=tiles.block_k,
-               warps=tiles.logits_warps, stages=tiles.logits_stages, lens=key_len, pcu=pcu,
-               PT=N, W=1, I=1)
+    it._logits_planar(q8, w8, kp, ks, want, N, key_len, pcu, N, 1, 1, bq=tiles.block_q,
+                      bk=tiles.block_k, warps=tiles.logits_warps, stages=tiles.logits_stages)
     valid = torch.arange(N, device="cuda")[None, :] < key_len[:, None]
     row("  quantise q (torch reference)", bench(lambda: ref.quantize_indexer_q(q, w)))
     row("  quantise q (Triton, the default)", bench(lambda: pack.quantize_indexer_q(q, w)))
     row("  split planes (torch)", bench(lambda: it.split_planes(k)))
-    kp, ks = it.split_planes(k)
-    row("  byte-row logits, bf16 (fp8 values)", bench(lambda: it._logits(
-        qb, w8, k, want, 1, True, N, bq=tiles.block_q, bk=tiles.block_k,
-        warps=tiles.logits_warps, stages=tiles.logits_stages, lens=key_len, pcu=pcu, PT=N,
-        W=1, I=1)), flops, ceil)
     ok = True
     for bq, bk, warps, stages in (PLANAR_TILES if sweep_tiles else [(2, 128, 4, 3), (2, 64, 8, 3)]):
         def fn(bq=bq, bk=bk, warps=warps, stages=stages):
@@ -234,7 +232,7 @@ def planar_logits(args, ceil, flops, sweep_tiles=False):
             eq = torch.equal(torch.where(valid, got, 0), torch.where(valid, want, 0))
             ok &= eq
             row(f"  planar fp8 logits bq {bq} bk {bk} w {warps} s {stages}", bench(fn), flops,
-                ceil, f"== byte-row: {eq}")
+                ceil, f"== default tiles: {eq}")
         except FAILS as e:
             print(f"  planar bq {bq} bk {bk} w {warps} s {stages}: failed ({type(e).__name__}: "
                   f"{str(e)[:80]})", flush=True)

@@ -6,13 +6,13 @@ BK keys up to the block's largest causal bound; per key block one matrix product
 ReLU, the head weights, the sum over each query's HP heads and the per-key scale, giving
 ``[BK, BQ]`` scores:
 
-- ``logits_kernel``: keys as packed 132-byte rows (explicit rows, prefill rows through the
-  remap, decode slots through the block table), converted fp8 -> DOT_DTYPE; float32 scores or
-  order-preserving int32 keys.
+- ``logits_kernel``: keys as packed 132-byte rows (explicit rows, or decode slots through the
+  block table), converted fp8 -> DOT_DTYPE; float32 scores or order-preserving int32 keys.
 - ``logits_planar_kernel``: prefill keys as two planes, fp8 values ``[R, 128]`` (128-byte
   aligned rows: eight 16-byte loads each) and float32 scales ``[R]``; fp8 operands on the GPU
   (DOT_DTYPE float8e4nv, the query being the fp8-quantised indexer query, docs/design.md §4.3),
-  fp16 / fp32 in the interpreter (fp8 values are exact there); int32 keys.
+  fp16 / fp32 in the interpreter (fp8 values are exact there); rows through the gather chunk's
+  remap; int32 keys.
 
 Ordered key of a float32 score: its bits if >= 0, else bits ^ 0x7FFFFFFF; signed int32 order of
 the keys is the float order.
@@ -37,11 +37,16 @@ def _score_tile(k_ptr, rows, kvalid, qT, w, BQ: tl.constexpr, HP: tl.constexpr,
         k = k8.to(DOT_DTYPE)  # exact: e4m3 values are representable in fp16 and bf16
     scale = tl.load((kb + 128).to(tl.pointer_type(tl.float32)), mask=kvalid, other=0.0)
     acc = tl.dot(k, qT, input_precision=PRECISION)  # [BK, BQ * HP] fp32
+    return _epilogue(acc, w, scale, BQ, HP)
+
+
+@triton.jit
+def _epilogue(acc, w, scale, BQ: tl.constexpr, HP: tl.constexpr):
+    """[BK, BQ * HP] products -> [BK, BQ] scores: ReLU, head weights, the sum over each query's
+    heads, then the key's scale (a positive power of two: exact after ReLU and the sum)."""
     s = tl.maximum(acc, 0.0) * w[None, :]
-    BK: tl.constexpr = rows.shape[0]
-    s = tl.sum(tl.reshape(s, (BK, BQ, HP)), 2)
-    # the scale is a positive power of two: scaling after ReLU and the head sum is exact
-    return s * scale[:, None]
+    BK: tl.constexpr = acc.shape[0]
+    return tl.sum(tl.reshape(s, (BK, BQ, HP)), 2) * scale[:, None]
 
 
 @triton.jit
@@ -50,20 +55,17 @@ def _prefill_rows(c, pcu, PT, W: tl.constexpr, I: tl.constexpr):
     return (g % W) * PT + pcu + (g // W) * I + c % I
 
 
-# Over 50 lines on purpose: one program's loop over key tiles (three key sources, causal stop,
-# fused epilogue) is the kernel; its pieces are the helpers above.
 # Step-varying ints and index pointers are not specialised (bench/jit_variants.py: each new
 # "== 1" / "multiple of 16" / 16-byte-alignment class is a compile of seconds on the GPU);
 # the output row stride stays specialised and is made a multiple of 16 by the launchers.
-@triton.jit(do_not_specialize=["rows_ptr", "len_ptr", "pcu_ptr", "bt_ptr", "stride_rt",
-                               "stride_bt", "T", "L", "PT", "B", "KEYS_PER_SPLIT"])
-def logits_kernel(q_ptr, w_ptr, k_ptr, out_ptr, rows_ptr, len_ptr, pcu_ptr, bt_ptr,
+@triton.jit(do_not_specialize=["rows_ptr", "len_ptr", "bt_ptr", "stride_rt", "stride_bt", "T",
+                               "L", "B", "KEYS_PER_SPLIT"])
+def logits_kernel(q_ptr, w_ptr, k_ptr, out_ptr, rows_ptr, len_ptr, bt_ptr,
                   stride_qt, stride_qh, stride_wt, stride_ot, stride_rt, stride_bt,
-                  T, HI, L, PT, B, KEYS_PER_SPLIT,
-                  W: tl.constexpr, I: tl.constexpr, MODE: tl.constexpr, OUT_KEYS: tl.constexpr,
+                  T, HI, L, B, KEYS_PER_SPLIT, MODE: tl.constexpr, OUT_KEYS: tl.constexpr,
                   BQ: tl.constexpr, HP: tl.constexpr, BK: tl.constexpr,
                   DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """MODE 0 rows (BQ must be 1), 1 prefill, 2 decode (BQ must be 1)."""
+    """MODE 0 explicit rows, 2 decode (one query per program: BQ 1)."""
     split = tl.program_id(0)
     j0 = tl.program_id(1) * BQ
     r = tl.arange(0, BQ * HP)
@@ -82,10 +84,6 @@ def logits_kernel(q_ptr, w_ptr, k_ptr, out_ptr, rows_ptr, len_ptr, pcu_ptr, bt_p
         n = tl.load(len_ptr + jq, mask=qmask, other=0).to(tl.int32)
     lo = split * KEYS_PER_SPLIT
     hi = tl.minimum(tl.max(n), lo + KEYS_PER_SPLIT)
-    if MODE == 1:
-        pcu = tl.load(pcu_ptr + jq, mask=qmask, other=0).to(tl.int64)
-        p_lo = tl.min(tl.where(n > 0, pcu, 9223372036854775807))
-        shared = tl.max(tl.where(n > 0, pcu, -1)) <= p_lo
     optr = out_ptr + jq.to(tl.int64)[None, :] * stride_ot
     if MODE == 0:
         for kb in range(lo, hi, BK):
@@ -96,27 +94,6 @@ def logits_kernel(q_ptr, w_ptr, k_ptr, out_ptr, rows_ptr, len_ptr, pcu_ptr, bt_p
                             PRECISION)
             _store(optr + c[:, None], s, kvalid[:, None] & qmask[None, :],
                    (c < L)[:, None] & qmask[None, :], OUT_KEYS)
-    elif MODE == 1:
-        if shared:  # the queries of the block are one request's: one key tile serves all
-            for kb in range(lo, hi, BK):
-                c = kb + tl.arange(0, BK)
-                kvalid = c < hi
-                rows = tl.where(kvalid, _prefill_rows(c, p_lo, PT, W, I), 0)
-                s = _score_tile(k_ptr, rows, kvalid, qT, w, BQ, HP, DOT_DTYPE, PRECISION)
-                valid = c[:, None] < n[None, :]
-                _store(optr + c[:, None], s, valid, valid, OUT_KEYS)
-        else:  # a request boundary inside the block (rare): one key tile per query
-            for kb in range(lo, hi, BK):
-                c = kb + tl.arange(0, BK)
-                kvalid = c < hi
-                s = tl.zeros((BK, BQ), tl.float32)
-                for qi in tl.static_range(BQ):
-                    pq = tl.sum(tl.where(tl.arange(0, BQ) == qi, pcu, 0))
-                    rows = tl.where(kvalid, _prefill_rows(c, pq, PT, W, I), 0)
-                    sq = _score_tile(k_ptr, rows, kvalid, qT, w, BQ, HP, DOT_DTYPE, PRECISION)
-                    s = tl.where(tl.arange(0, BQ)[None, :] == qi, sq, s)
-                valid = c[:, None] < n[None, :]
-                _store(optr + c[:, None], s, valid, valid, OUT_KEYS)
     else:
         for kb in range(lo, hi, BK):
             c = kb + tl.arange(0, BK)
@@ -152,14 +129,11 @@ def _planar_scores(kp_ptr, ks_ptr, rows, kvalid, qT, w, BQ: tl.constexpr, HP: tl
         acc = tl.dot(k, qT)  # [BK, BQ * HP] fp32
     else:
         acc = tl.dot(k.to(DOT_DTYPE), qT.to(DOT_DTYPE), input_precision=PRECISION)
-    scale = tl.load(ks_ptr + rows, mask=kvalid, other=0.0)
-    s = tl.maximum(acc, 0.0) * w[None, :]
-    BK: tl.constexpr = rows.shape[0]
-    s = tl.sum(tl.reshape(s, (BK, BQ, HP)), 2)
-    return s * scale[:, None]  # a positive power of two: exact after ReLU and the head sum
+    return _epilogue(acc, w, tl.load(ks_ptr + rows, mask=kvalid, other=0.0), BQ, HP)
 
 
-# Step-varying ints and index pointers are not specialised (bench/jit_variants.py).
+# Over 50 lines on purpose: one program's loop over key tiles (shared or per-query tiles, causal
+# stop, fused epilogue) is the kernel. Step-varying ints and index pointers are not specialised.
 @triton.jit(do_not_specialize=["len_ptr", "pcu_ptr", "T", "L", "PT", "KEYS_PER_SPLIT"])
 def logits_planar_kernel(q_ptr, w_ptr, kp_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
                          stride_qt, stride_qh, stride_wt, stride_ot, T, HI, L, PT, KEYS_PER_SPLIT,

@@ -106,18 +106,20 @@ def _num_sms(device) -> int:
     return 4
 
 
-def _logits(q, weights, k, out, mode, out_keys, L, *, bq, bk, warps, stages, splits=1,
-            rows=None, lens=None, pcu=None, bt=None, PT=0, W=1, I=1, B=1):
+def _logits(q, weights, k, out, mode, out_keys, L, *, bk, warps, stages, splits=1, rows=None,
+            lens=None, bt=None, B=1):
+    """Byte-row logits, one query per program: MODE 0 over explicit rows (float32 scores),
+    MODE 2 over the paged cache through the block table (int32 keys)."""
     T, HI, _ = q.shape
     dummy = out
-    rows_, lens_, pcu_, bt_ = (x if x is not None else dummy for x in (rows, lens, pcu, bt))
+    rows_, lens_, bt_ = (x if x is not None else dummy for x in (rows, lens, bt))
     per_split = triton.cdiv(triton.cdiv(L, splits), bk) * bk
-    grid = (triton.cdiv(L, per_split), triton.cdiv(T, bq))
+    grid = (triton.cdiv(L, per_split), T)
     ljit.logits_kernel[grid](
-        q, weights, k, out, rows_, lens_, pcu_, bt_,
+        q, weights, k, out, rows_, lens_, bt_,
         q.stride(0), q.stride(1), weights.stride(0), out.stride(0),
         rows.stride(0) if rows is not None else 0, bt.stride(0) if bt is not None else 0,
-        T, HI, L, PT, B, per_split, W=W, I=I, MODE=mode, OUT_KEYS=out_keys, BQ=bq,
+        T, HI, L, B, per_split, MODE=mode, OUT_KEYS=out_keys, BQ=1,
         HP=max(16, triton.next_power_of_2(HI)), BK=bk, DOT_DTYPE=_DOT[q.dtype],
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps,
         num_stages=stages)
@@ -230,7 +232,7 @@ def indexer_scores(q, weights, k_packed, key_rows, *, tiles: IndexerTiles | None
     T, L = key_rows.shape
     out = torch.empty(T, L, dtype=torch.float32, device=q.device)
     if T and L:
-        _logits(q, weights, k_packed, out, 0, False, L, bq=1, bk=tiles.decode_block_k,
+        _logits(q, weights, k_packed, out, 0, False, L, bk=tiles.decode_block_k,
                 warps=tiles.decode_warps, stages=tiles.decode_stages, rows=key_rows.contiguous())
     return out
 
@@ -304,9 +306,9 @@ def indexer_topk_decode(q, weights, k_cache_flat, local_len, block_table, block_
     keys = _keys_buffer(T, L, q.device)
     bk = tiles.decode_block_k
     splits = max(1, min(triton.cdiv(L, bk), triton.cdiv(tiles.programs_per_sm * _num_sms(q.device), T)))
-    _logits(q, weights, k_cache_flat, keys, 2, True, L, bq=1, bk=bk,
-            warps=tiles.decode_warps, stages=tiles.decode_stages, splits=splits, lens=local_len,
-            bt=block_table, W=dcp_size, I=interleave, B=block_size)
+    _logits(q, weights, k_cache_flat, keys, 2, True, L, bk=bk, warps=tiles.decode_warps,
+            stages=tiles.decode_stages, splits=splits, lens=local_len, bt=block_table,
+            B=block_size)
     _select(keys, local_len, topk, top_s, top_i, tiles, decode_ids=True, W=dcp_size, I=interleave,
             rank=dcp_rank)
     return top_s, top_i
