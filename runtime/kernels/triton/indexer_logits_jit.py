@@ -50,6 +50,22 @@ def _epilogue(acc, w, scale, BQ: tl.constexpr, HP: tl.constexpr):
 
 
 @triton.jit
+def _query_tile(q_ptr, w_ptr, j0, T, HI, stride_qt, stride_qh, stride_wt, BQ: tl.constexpr,
+                HP: tl.constexpr):
+    """Queries j0 .. j0 + BQ - 1 as the B operand ``Q^T [128, BQ * HP]`` (q's dtype; padded
+    heads and queries past T are 0) and their head weights ``[BQ * HP]`` float32."""
+    r = tl.arange(0, BQ * HP)
+    jr = j0 + r // HP
+    hr = r % HP
+    cmask = (jr < T) & (hr < HI)
+    d = tl.arange(0, 128)
+    qT = tl.load(q_ptr + jr.to(tl.int64)[None, :] * stride_qt + hr[None, :] * stride_qh + d[:, None],
+                 mask=cmask[None, :], other=0.0)
+    w = tl.load(w_ptr + jr.to(tl.int64) * stride_wt + hr, mask=cmask, other=0.0).to(tl.float32)
+    return qT, w
+
+
+@triton.jit
 def _prefill_rows(c, pcu, PT, W: tl.constexpr, I: tl.constexpr):
     g = c // I
     return (g % W) * PT + pcu + (g // W) * I + c % I
@@ -68,14 +84,8 @@ def logits_kernel(q_ptr, w_ptr, k_ptr, out_ptr, rows_ptr, len_ptr, bt_ptr,
     """MODE 0 explicit rows, 2 decode (one query per program: BQ 1)."""
     split = tl.program_id(0)
     j0 = tl.program_id(1) * BQ
-    r = tl.arange(0, BQ * HP)
-    jr = j0 + r // HP
-    hr = r % HP
-    cmask = (jr < T) & (hr < HI)
-    d = tl.arange(0, 128)
-    qT = tl.load(q_ptr + jr.to(tl.int64)[None, :] * stride_qt + hr[None, :] * stride_qh + d[:, None],
-                 mask=cmask[None, :], other=0.0).to(DOT_DTYPE)
-    w = tl.load(w_ptr + jr.to(tl.int64) * stride_wt + hr, mask=cmask, other=0.0).to(tl.float32)
+    qT, w = _query_tile(q_ptr, w_ptr, j0, T, HI, stride_qt, stride_qh, stride_wt, BQ, HP)
+    qT = qT.to(DOT_DTYPE)
     jq = j0 + tl.arange(0, BQ)
     qmask = jq < T
     if MODE == 0:
@@ -141,14 +151,7 @@ def logits_planar_kernel(q_ptr, w_ptr, kp_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr
                          BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     split = tl.program_id(0)
     j0 = tl.program_id(1) * BQ
-    r = tl.arange(0, BQ * HP)
-    jr = j0 + r // HP
-    hr = r % HP
-    cmask = (jr < T) & (hr < HI)
-    d = tl.arange(0, 128)
-    qT = tl.load(q_ptr + jr.to(tl.int64)[None, :] * stride_qt + hr[None, :] * stride_qh + d[:, None],
-                 mask=cmask[None, :], other=0.0)
-    w = tl.load(w_ptr + jr.to(tl.int64) * stride_wt + hr, mask=cmask, other=0.0).to(tl.float32)
+    qT, w = _query_tile(q_ptr, w_ptr, j0, T, HI, stride_qt, stride_qh, stride_wt, BQ, HP)
     jq = j0 + tl.arange(0, BQ)
     qmask = jq < T
     n = tl.load(len_ptr + jq, mask=qmask, other=0).to(tl.int32)
