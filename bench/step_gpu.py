@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import statistics
 import sys
@@ -618,6 +619,12 @@ def main(argv=None) -> int:
             summary = report(args, r, res, sys.stderr if args.json else sys.stdout)
             if args.json:
                 print(json.dumps(summary))
+        # the executor and any captured graphs (which hold NCCL work) go before the groups do,
+        # as in cpplan simulate's workers (the two-rank bench once did not exit after its report)
+        del r
+        gc.collect()
+        if groups.device.type == "cuda":
+            torch.cuda.synchronize()
     finally:
         if joined:
             leave_torchrun()
