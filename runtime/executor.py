@@ -28,7 +28,8 @@ from cpplan.runtime import collectives as coll
 from cpplan.runtime.arena import ArenaRing, arena_words
 from cpplan.runtime.faults import FaultBoard, StepWatch, Watchdog
 from cpplan.runtime.kernels import get_kernels
-from cpplan.runtime.segments import build_tables, check_block_tables, compile_host_kernels
+from cpplan.runtime.segments import (build_tables, check_block_tables, compile_host_kernels,
+                                     local_prefill_keys)
 from cpplan.runtime.tables import Layout, StepMeta, StepTables, local_prefill_rows
 from cpplan.schemas.codec import config_fingerprint
 from cpplan.schemas.config import ParallelConfig
@@ -90,7 +91,8 @@ class BoundStep:
         """W == 1: (src, pcu) of the local prefill keys buffer (tables.local_prefill_rows),
         derived once per step at first use."""
         if self._local_prefill is None:
-            self._local_prefill = local_prefill_rows(self.tables, self.meta, self.layout)
+            self._local_prefill = local_prefill_rows(self.tables, self.meta, self.layout,
+                                                     local_prefill_keys(self.plan))
         return self._local_prefill
 
     @property
@@ -278,7 +280,10 @@ class StepExecutor:
                                       kv_format=cfg.kv_cache_dtype, plan=plan)
 
     def _gathers_prefill(self, bound: BoundStep) -> bool:
-        return self.prefill_keys == "gather" and bound.meta.local_prefill_keys > 0
+        """W == 1 prefill tokens in this step, and prefill_keys="gather"."""
+        m = bound.meta
+        return (self.prefill_keys == "gather" and self.config.dcp_size == 1
+                and m.num_tokens > m.num_decode_tokens)
 
     def _prefill_topk(self, bound, cache, index_q, index_w, lo: int, hi: int, width: int):
         """W == 1 prefill tokens [lo, hi) (all past the decodes): their requests' keys copied

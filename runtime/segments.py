@@ -121,7 +121,7 @@ def build_tables(plan: StepPlan, pcp_rank: int, dcp_rank: int, block_tables: np.
                     chunk_ranges=tuple(map(tuple, ranges.tolist())), chunk_rows=ch.rows,
                     kv_insert=kv_insert, decode_merge="decode_out" in names,
                     restore="restore" in names, num_global_tokens=int(facts[4]),
-                    graph_key=graph_key, local_prefill_keys=_local_prefill_keys(plan))
+                    graph_key=graph_key)
     layout = Layout(num_requests=num_requests, insert_len=insert_len,
                     dcp_size=cfg.dcp_size, dcp_rank=dcp_rank,
                     interleave_size=cfg.interleave_size, block_size=cfg.block_size,
@@ -130,11 +130,9 @@ def build_tables(plan: StepPlan, pcp_rank: int, dcp_rank: int, block_tables: np.
     return RankTables(params=params, meta=meta, layout=layout)
 
 
-def _local_prefill_keys(plan: StepPlan) -> int:
+def local_prefill_keys(plan: StepPlan) -> int:
     """W == 1: rows of the local prefill keys buffer (tables.local_prefill_rows): the extents of
     the prefilling requests summed, which bounds what any rank's prefill tokens read."""
-    if plan.config.dcp_size != 1:
-        return 0
     return int(plan.extent()[plan.is_prefilling.np().astype(bool)].sum())
 
 

@@ -51,9 +51,6 @@ class StepMeta:
     # graph-replayable plans (StepPlan.graph_replayable): (T, key blocks), the key of the
     # captured graph that may run this step; None for a step that runs eagerly only
     graph_key: tuple[int, int] | None = None
-    # W == 1: rows of the local prefill keys buffer (local_prefill_rows), the sum of the
-    # prefilling requests' extents (a bound on what this rank's prefill tokens read); else 0
-    local_prefill_keys: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,12 +152,12 @@ def _iota(n: int, device: torch.device) -> torch.Tensor:
     return have[:n]
 
 
-def local_prefill_rows(t: StepTables, meta: StepMeta, lay: Layout):
+def local_prefill_rows(t: StepTables, meta: StepMeta, lay: Layout, rows: int):
     """W == 1: a contiguous home for the keys the prefill tokens read, so the prefill indexer
     can serve a block of a request's queries from one key tile (docs/design.md §5.4). Request i
     needs keys 0 .. need_i - 1 (its largest key_len among this rank's prefill tokens); they sit
-    at rows pcu_i + l of a buffer of ``meta.local_prefill_keys`` rows, pcu the exclusive prefix
-    sum of need. Returns (src [rows]: the cache slot of each row, the dummy slot past the last
+    at rows pcu_i + l of a buffer of ``rows`` rows (``segments.local_prefill_keys``: a bound
+    from the plan), pcu the exclusive prefix sum of need. Returns (src [rows]: the cache slot of each row, the dummy slot past the last
     region; pcu [num_tokens - nd]: each prefill token's region start). A fixed number of ops on
     shapes the meta fixes: no host sync, nothing per request."""
     nd, n, bs = meta.num_decode_tokens, meta.num_tokens, lay.block_size
@@ -169,7 +166,7 @@ def local_prefill_rows(t: StepTables, meta: StepMeta, lay: Layout):
     need.scatter_reduce_(0, req, t.key_len[nd:n], "amax")
     cum = torch.cumsum(need, 0)
     start = cum - need
-    u = _iota(meta.local_prefill_keys, dev)
+    u = _iota(rows, dev)
     r = torch.searchsorted(cum, u, right=True).clamp_max_(lay.num_requests - 1)
     local = u - start[r]
     live = u < cum[-1]

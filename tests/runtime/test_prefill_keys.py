@@ -13,7 +13,7 @@ import torch
 from cpplan.planner.compile import compile as compile_plan
 from cpplan.runtime.executor import StepExecutor
 from cpplan.runtime.kernels import REFERENCE
-from cpplan.runtime.segments import build_tables
+from cpplan.runtime.segments import build_tables, local_prefill_keys
 from cpplan.runtime.tables import StepTables, local_prefill_rows
 from cpplan.schemas import StepInput
 from cpplan.sim.replay import replay_plan
@@ -68,7 +68,8 @@ def test_local_prefill_rows_match_a_naive_layout(p, rank):
     rt = build_tables(plan, rank, 0, bt, 0)
     views = {k: torch.from_numpy(np.asarray(v)) for k, v in rt.params.items()}
     t = StepTables.expand(views, rt.meta, rt.layout)
-    src, pcu = local_prefill_rows(t, rt.meta, rt.layout)
+    rows = local_prefill_keys(plan)
+    src, pcu = local_prefill_rows(t, rt.meta, rt.layout, rows)
     nd, n = rt.meta.num_decode_tokens, rt.meta.num_tokens
     need = {}
     for j in range(nd, n):
@@ -78,8 +79,8 @@ def test_local_prefill_rows_match_a_naive_layout(p, rank):
     for r in sorted(need):
         start[r] = len(want_src)
         want_src += [int(bt[r, pos // B]) * B + pos % B for pos in range(need[r])]
-    assert rt.meta.local_prefill_keys >= len(want_src) and need
-    want_src += [0] * (rt.meta.local_prefill_keys - len(want_src))
+    assert rows >= len(want_src) and need
+    want_src += [0] * (rows - len(want_src))
     assert src.tolist() == want_src
     assert pcu.tolist() == [start[int(t.token_req[j])] for j in range(nd, n)]
 
