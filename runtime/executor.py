@@ -121,7 +121,7 @@ class StepExecutor:
                  debug: bool = True, faults: FaultBoard | None = None,
                  data_timeout_s: float = 0.0, prefill_keys: str = "paged") -> None:
         if prefill_keys not in PREFILL_KEYS:
-            raise ValueError(f"prefill_keys {prefill_keys!r}: expected one of {PREFILL_KEYS}")
+            raise ConfigError(f"prefill_keys must be one of {PREFILL_KEYS}: got {prefill_keys!r}")
         self.prefill_keys = prefill_keys
         self.config, self.pcp_rank, self.dcp_rank = config, pcp_rank, dcp_rank
         self.comm, self.check, self.debug = comm, check, debug

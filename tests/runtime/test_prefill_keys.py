@@ -15,7 +15,7 @@ from cpplan.runtime.executor import StepExecutor
 from cpplan.runtime.kernels import REFERENCE
 from cpplan.runtime.segments import build_tables, local_prefill_keys
 from cpplan.runtime.tables import StepTables, local_prefill_rows
-from cpplan.schemas import StepInput
+from cpplan.schemas import ConfigError, StepInput
 from cpplan.sim.replay import replay_plan
 from cpplan.sim.simulate import TOLERANCE, SimOptions, preset_config
 
@@ -87,5 +87,6 @@ def test_local_prefill_rows_match_a_naive_layout(p, rank):
 
 def test_prefill_keys_option_is_checked():
     cfg = preset_config(SimOptions(pcp=1, dcp=1, layers=1))
-    with pytest.raises(ValueError, match="prefill_keys 'copy': expected one of"):
+    with pytest.raises(ConfigError, match=r"prefill_keys must be one of \('paged', 'gather'\): "
+                                          r"got 'copy'"):
         StepExecutor(cfg, pcp_rank=0, dcp_rank=0, comm=None, device="cpu", prefill_keys="copy")
