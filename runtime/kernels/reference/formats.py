@@ -89,19 +89,16 @@ def quantize_indexer_k(k: torch.Tensor) -> torch.Tensor:
 
 def quantize_indexer_q(q: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The indexer query as the model's indexer uses it: fp8 e4m3 with one power-of-two scale
-    per (token, head), the scale folded into the head weight (docs/design.md §3.6).
+    per (token, head), the scale folded into the head weight (docs/design.md §4.3).
 
     q: ``[T, Hi, 128]`` float; weights: ``[T, Hi]`` float. Returns ``(q8 [T, Hi, 128]
     float8_e4m3fn, weights * scale [T, Hi] float32)``: ``relu(q . k) * w == relu(q8 . k) * w'``
     up to the rounding of q to fp8 (scale > 0 commutes with the ReLU; powers of two are exact).
+    Each head is one group of the K cache's rule (``_quantize_groups``).
     """
     T, H, D = q.shape
-    x = q.float().reshape(T * H, D)
-    scale = _pow2(fp8_scale_exponent(x.abs().amax(dim=-1)))
-    # x / scale is exact in float32 (a power of two; every result that is not far below fp8's
-    # smallest subnormal is a normal float32), then rounds once to e4m3 (to nearest even)
-    q8 = (x / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).reshape(T, H, D)
-    return q8, weights.float() * scale.reshape(T, H)
+    fp8, scale = _quantize_groups(q.float().reshape(T * H, 1, D))
+    return fp8.view(torch.float8_e4m3fn).reshape(T, H, D), weights.float() * scale.reshape(T, H)
 
 
 def dequantize_indexer_k(packed: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,9 @@
 
 score(query j, key) = sum_h w8[j, h] * ReLU(q8[j, h] . k_dequant), with ``(q8, w8) =
 quantize_indexer_q(q, w)`` (the query in fp8 with one power-of-two scale per head, the scale
-folded into the head weight, as the model's own indexer does: docs/design.md §3.6), then the
-top-k keys in the **reference order**: score descending, then global token id ascending. The key set of a query is
-given as a rectangle of key rows (rows of a packed K buffer) plus their global token ids, with
+folded into the head weight, as the model's own indexer does: docs/design.md §4.3), then the
+top-k keys in the **reference order**: score descending, then global token id ascending. The
+key set of a query is given as a rectangle of key rows (rows of a packed K buffer) plus their global token ids, with
 NO_KEY (-1) where a query has fewer keys than the rectangle is wide. Two helpers build that
 rectangle for the two cases the runtime has:
 
@@ -35,8 +35,8 @@ def indexer_scores(
 ) -> torch.Tensor:
     """Indexer logits for a rectangle of keys.
 
-    q: ``[T, Hi, 128]`` float (quantised here); weights: ``[T, Hi]`` float; k_packed: ``[N, 132]`` uint8 packed
-    indexer keys (128 fp8 + fp32 scale); key_rows: ``[T, L]`` int, rows of k_packed, NO_KEY = none.
+    q: ``[T, Hi, 128]`` float (quantised here); weights: ``[T, Hi]`` float; k_packed:
+    ``[N, 132]`` uint8 packed indexer keys (128 fp8 + fp32 scale); key_rows: ``[T, L]`` int, rows of k_packed, NO_KEY = none.
     Returns ``[T, L]`` scores: float64 on CPU (exact for the oracle: docs/design.md §Exact top-k needs exact scores), float32 on CUDA;
     -inf where key_rows is NO_KEY.
     """

@@ -1,7 +1,7 @@
 """Triton indexer: scores sum_h w_h * ReLU(q_h . k) over packed fp8 keys, then the top-k in the
 reference order (score descending, token id ascending; docs/design.md §Decode rows: LSE merge and top-k merge).
 q is first quantised to fp8 with the weights absorbing its scales (``quantize_indexer_q``,
-docs/design.md §3.6), as in every indexer backend. The per-(query, key block) kernel of the first
+docs/design.md §4.3), as in every indexer backend. The per-(query, key block) kernel of the first
 Triton set, kept as the benchmarks' "old" indexer; the set's indexer is ``indexer_tiled``.
 
 One program per (query, block of BLOCK_L keys): a [Hi, 128] x [128, BLOCK_L] product on the
