@@ -13,9 +13,11 @@ per (query, key). Medians of ``triton.testing.do_bench``. Each prefill case also
 the planar fp8 logits and the select (default, radix-only, and ordered by other
 ``sort_segments``), the query quantisation and the plane split alone, and planar tile choices
 (each checked equal to the default tiles' keys; the byte-row prefill kernel they replaced took
-6.2-8.9 ms for the first case, bench/RESULTS.md); each decode case times its logits and select
-and the other ``sort_segments``. ``sort`` times ``tl.sort`` of 4096
-values as segments; ``decode-sweep`` the decode tiles; ``--planar-sweep`` the planar tiles;
+6.2-8.9 ms for the first case, bench/RESULTS.md); each decode case times the whole decode
+indexer, its logits and its select, eager and replayed from a CUDA graph (``do_bench_cudagraph``:
+eager decode figures are host-launch-bound), and select variants (graph; ``DECODE_SELECTS``).
+``sort`` times ``tl.sort`` of 4096 values as segments; ``decode-sweep`` the decode tiles
+(graph); ``--planar-sweep`` the planar tiles;
 ``--sweep`` tile variants of the first prefill case and of the decode cases.
 """
 
@@ -34,7 +36,7 @@ from cpplan.runtime.kernels.triton import pack
 from cpplan.runtime.kernels import reference as ref
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 HI, TOPK, BLOCK = 64, 2048, 64
 RANK_SEGS = (8, 32)  # IndexerTiles.sort_segments variants timed beside the default
@@ -143,8 +145,26 @@ def prefill_parts(args, tiles, ceil, flops, label):
             print(f"  {label} {part}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
 
 
+# select variants timed beside the default for decode (each checked equal to the default)
+DECODE_SELECTS = {
+    "one program per row": {"split_rows": 0},
+    "split runs of 1024": {"split_run": 1024},
+    "split runs of 256": {"split_run": 256},
+    "long rows: second select": {"rank_runs": 1},
+    "long rows: 32 programs per SM": {"programs_per_sm": 32},
+}
+
+
+def gbench(fn):
+    """Median of fn replayed from a CUDA graph (no host launch cost)."""
+    fn()
+    torch.cuda.synchronize()
+    return do_bench_cudagraph(fn, rep=100, return_mode="median")
+
+
 def decode_parts(args, tiles, ceil, flops):
-    """Times the tiled decode logits alone and the select alone (the whole batch)."""
+    """Times the tiled decode logits alone and the select alone (the whole batch), eager and
+    replayed from a CUDA graph (the way a decode step runs), and select variants."""
     q, w, k, local_len, bt, block, W, rank, I, topk = args
     ctx = int(local_len.max())
     keys = it._keys_buffer(q.shape[0], ctx, q.device)
@@ -160,19 +180,26 @@ def decode_parts(args, tiles, ceil, flops):
                    warps=tiles.decode_warps, stages=tiles.decode_stages, splits=splits,
                    lens=local_len, bt=bt, B=block)
 
-    def select():
-        it._select(keys, local_len, topk, top_s, top_i, tiles, decode_ids=True, W=W, I=I,
-                   rank=rank)
+    def select(t=tiles):
+        it._select(keys, local_len, topk, top_s, top_i, t, decode_ids=True, W=W, I=I, rank=rank)
 
-    for part, fn, fl in (("logits", logits, flops), ("select", select, None)):
+    def whole(t=tiles):
+        it.indexer_topk_decode(*args, max_keys=ctx, tiles=t)
+
+    for part, fn, fl in (("whole", whole, flops), ("logits", logits, flops),
+                         ("select", select, None)):
         row(f"  parts {part}", bench(fn), fl, ceil)
+        row(f"  parts {part}, graph", gbench(fn), fl, ceil)
     want = it.indexer_topk_decode(*args, max_keys=ctx)
-    for segs in RANK_SEGS:
-        t = dataclasses.replace(tiles, sort_segments=segs)
-        got = it.indexer_topk_decode(*args, max_keys=ctx, tiles=t)
-        row(f"  parts select ranked {segs} segments", bench(lambda t=t: it._select(
-            keys, local_len, topk, top_s, top_i, t, decode_ids=True, W=W, I=I, rank=rank)),
-            note=f"whole decode == default: {same(got, want)}")
+    for name, kw in DECODE_SELECTS.items():
+        t = dataclasses.replace(tiles, **kw)
+        try:
+            got = it.indexer_topk_decode(*args, max_keys=ctx, tiles=t)
+            row(f"  parts select {name}, graph", gbench(lambda t=t: select(t)),
+                note=f"whole decode == default: {same(got, want)}")
+        except FAILS as e:
+            print(f"  parts select {name}: failed ({type(e).__name__}: {str(e)[:80]})",
+                  flush=True)
 
 
 @triton.jit
@@ -301,8 +328,8 @@ def sweep_decode(B, ctx, ceil):
                                         programs_per_sm=pps)
                 name = f"decode B {B} ctx {ctx} bk {bk} w {warps} pps {pps}"
                 try:
-                    row(name, bench(lambda t=t: it.indexer_topk_decode(*args, max_keys=ctx,
-                                                                       tiles=t)), flops, ceil)
+                    row(name, gbench(lambda t=t: it.indexer_topk_decode(*args, max_keys=ctx,
+                                                                        tiles=t)), flops, ceil)
                 except FAILS as e:
                     print(f"{name}: failed ({type(e).__name__})", flush=True)
 

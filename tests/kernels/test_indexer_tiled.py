@@ -31,7 +31,7 @@ def _tiles(env, **kw):
     if env == "interp":  # small tiles: several key blocks and select steps per row; rows
         # longer than the candidate cap, so the sampled threshold is exercised
         kw = {"block_k": 32, "decode_block_k": 32, "select_block": 64, "select_cap": 64,
-              "select_sample": 64, **kw}
+              "select_sample": 64, "split_run": 64, "rank_chunk": 32, **kw}
     return it.IndexerTiles(**kw)
 
 
@@ -145,6 +145,10 @@ def test_query_is_quantised_like_the_reference(env):
                                    1, topk))
 
 
+def triton_next_pow2(n):
+    return 1 << (n - 1).bit_length()
+
+
 def _select_scores(kind, R, L, g):
     if kind == "ties":  # few distinct values: the threshold lands inside a run of equal scores
         return torch.randint(-3, 4, (R, L), generator=g).float()
@@ -160,11 +164,15 @@ def _select_scores(kind, R, L, g):
     return torch.randn(R, L, generator=g) * torch.logspace(-30, 30, L)[None, :]
 
 
-# sampled threshold (one program per row / one persistent program / segments + merge), retries
-# (a threshold sampled too high), the in-kernel radix fallback (attempts exhausted), radix only;
-# candidates ordered by one sort instead of the default merge sort from sorted segments, and by
-# a merge sort from two segments (alone, with long rows split into segments + a second select)
+# sampled threshold (one program per row / one persistent program / segments + ranks of their
+# runs / segments + a second select), retries (a threshold sampled too high), the in-kernel radix
+# fallback (attempts exhausted), radix only; candidates ordered by one sort instead of the
+# default merge sort from sorted segments, and by a merge sort from two segments (alone, with
+# long rows split into segments + a second select); the split path (rows sorted as runs of L / 8
+# or L / 2 keys by R x runs programs, placed by ranks). All but "split*" turn the split path off.
 SELECT_VARIANTS = {
+    "split": {"split_rows": 1 << 20, "split_run": 8, "split_warps": 8},
+    "split-two-runs": {"split_rows": 1 << 20, "split_run": 2},
     "one-sort": {"programs_per_sm": 0, "sort_segments": 1},
     "one-sort-segments": {"programs_per_sm": 8, "sort_segments": 1, "radix_bits": 8},
     "ranked": {"programs_per_sm": 0, "sort_segments": 2},
@@ -172,6 +180,7 @@ SELECT_VARIANTS = {
     "sampled": {"programs_per_sm": 0},
     "persistent": {"programs_per_sm": 0, "select_programs_per_sm": 0},
     "segments": {"programs_per_sm": 8, "radix_bits": 8},
+    "segments-reselect": {"programs_per_sm": 8, "radix_bits": 8, "rank_runs": 1},
     "retry": {"programs_per_sm": 0, "select_margin": -6.0, "select_sample": 128},
     "fallback": {"programs_per_sm": 8, "select_margin": -9.0, "select_attempts": 1},
     "radix": {"programs_per_sm": 0, "select_attempts": 0, "radix_bits": 8},
@@ -192,8 +201,10 @@ def test_select(env, kind, variant):
     ids = torch.where(pos < lens[:, None], pos, ref.NO_KEY)
     want = ref.topk_reference_order(scores.double(), ids, topk)
     dev = _dev(env)
-    got = it.select_topk(scores.to(dev), lens.to(dev), topk,
-                         tiles=_tiles(env, **SELECT_VARIANTS[variant]))
+    kw = {"split_rows": 0, **SELECT_VARIANTS[variant]}
+    if "split_run" in kw:  # the variant's number of runs: runs of L / split_run keys
+        kw["split_run"] = triton_next_pow2(L) // kw["split_run"]
+    got = it.select_topk(scores.to(dev), lens.to(dev), topk, tiles=_tiles(env, **kw))
     _check(got, want)
 
 

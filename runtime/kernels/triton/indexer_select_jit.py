@@ -275,3 +275,49 @@ def select_kernel(keys_ptr, len_ptr, buf_ptr, dst_ptr, s_ptr, i_ptr,
             _emit(v, row, rank, total, dst_ptr + row * stride_dr + seg * KP, s_ptr, i_ptr,
                   stride_or, K, RANK, W, I, FINAL, DECODE_IDS, KP, True)
         tl.debug_barrier()  # every thread has read the scratch before the next item rewrites it
+
+
+@triton.jit(do_not_specialize=["len_ptr", "N"])
+def sort_runs_kernel(keys_ptr, len_ptr, runs_ptr, stride_kr, stride_rr, N,
+                     HAS_LEN: tl.constexpr, SEG: tl.constexpr):
+    """Program (row, g): the composites of keys[row, g*SEG : (g+1)*SEG], sorted descending, to
+    runs[row, g*SEG : ...]; "no key" and columns past the row's length become NO_COMPOSITE."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    n = N
+    if HAS_LEN:
+        n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
+    c = g * SEG + tl.arange(0, SEG)
+    key, v = _load_keys(keys_ptr + row * stride_kr, c, n, False)
+    v = tl.sort(tl.where(key != -2147483648, v, -9223372036854775808), 0, descending=True)
+    tl.store(runs_ptr + row * stride_rr + c, v)
+
+
+@triton.jit(do_not_specialize=["NRUNS", "K", "RANK"])
+def rank_runs_kernel(runs_ptr, s_ptr, i_ptr, stride_rr, stride_or, NRUNS, K, RANK, W: tl.constexpr,
+                     I: tl.constexpr, DECODE_IDS: tl.constexpr, SEG: tl.constexpr,
+                     LOG_SEG: tl.constexpr, RUNS: tl.constexpr, CHUNK: tl.constexpr):
+    """Program (row, g, chunk): the place of each composite of run g (CHUNK of them) among the
+    row's NRUNS <= RUNS sorted runs of SEG is the count of composites ahead of it in every run (binary
+    searches; runs before g win ties, so the NO_COMPOSITE pads would get distinct places): a
+    one-round merge of all runs, whose searches run in parallel. Live composites placed before K
+    are written as scores / ids (the outputs hold their pads already)."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    base = runs_ptr + row * stride_rr
+    v = tl.load(base + g * SEG + tl.program_id(2) * CHUNK + tl.arange(0, CHUNK))
+    live = v != -9223372036854775808
+    if tl.max(live.to(tl.int32), 0) > 0:  # runs of pads only (past the row's end): nothing to do
+        place = tl.zeros((CHUNK,), tl.int32)
+        for t in tl.static_range(RUNS):  # unrolled: the searches are independent; RUNS is a
+            if t < NRUNS:  # bound, so one compile serves every run count
+                run = base + t * SEG
+                before = t < g
+                cnt = tl.zeros((CHUNK,), tl.int32)
+                for b in tl.static_range(LOG_SEG):  # probe steps SEG / 2, SEG / 4, ..., 1
+                    a = tl.load(run + cnt + ((SEG >> (b + 1)) - 1))
+                    cnt += tl.where(before, a >= v, a > v).to(tl.int32) * (SEG >> (b + 1))
+                a = tl.load(run + cnt)
+                place += cnt + tl.where(before, a >= v, a > v).to(tl.int32)
+        _emit(v, row, tl.where(live, place, K), K, runs_ptr, s_ptr, i_ptr, stride_or, K, RANK,
+              W, I, True, DECODE_IDS, 1, True)

@@ -98,6 +98,12 @@ class IndexerTiles:
     radix_bits: int = 11  # fallback histogram bins 2**radix_bits; ceil(32 / bits) passes
     programs_per_sm: int = 2  # decode logits and long-row select fill this many programs per SM
     sort_segments: int = 8  # candidates ordered by one sort (1) or a merge sort from segments
+    split_rows: int = 512  # at most this many rows of <= split_run * rank_runs keys: split path
+    split_run: int = 512  # keys per sorted run of the split path (power of two)
+    rank_runs: int = 16  # most runs merged by ranks (split path; long rows' second stage)
+    rank_chunk: int = 256  # composites placed per rank program
+    rank_warps: int = 4
+    split_warps: int = 4  # sort_runs programs
 
 
 def _num_sms(device) -> int:
@@ -152,11 +158,21 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
     """Exact top-k of each row of int32 keys ``[R, L]`` (row r: its first lens[r] columns)."""
     R, L = keys.shape
     kp = triton.next_power_of_2(topk)
+    ids = {"RANK": rank, "W": W, "I": I, "DECODE_IDS": decode_ids}
+    run = triton.next_power_of_2(tiles.split_run)
+    runs = triton.next_power_of_2(triton.cdiv(L, run))
+    if R <= tiles.split_rows and runs <= tiles.rank_runs:  # few short rows: split path
+        sorted_runs = torch.empty(R, runs * run, dtype=torch.int64, device=keys.device)
+        sjit.sort_runs_kernel[(R, runs)](keys, lens, sorted_runs, keys.stride(0),
+                                         sorted_runs.stride(0), L, HAS_LEN=True, SEG=run,
+                                         num_warps=tiles.split_warps)
+        _rank_launch(sorted_runs, top_s, top_i, topk, run, runs, tiles, ids)
+        return
     sms = _num_sms(keys.device)
     segs = max(1, min(triton.cdiv(tiles.programs_per_sm * sms, R), L // (4 * kp)))
     seg_len = triton.cdiv(triton.cdiv(L, segs), tiles.select_block) * tiles.select_block
     segs = triton.cdiv(L, seg_len)
-    common = {"RANK": rank, "W": W, "I": I, "DECODE_IDS": decode_ids, "KP": kp,
+    common = {**ids, "KP": kp,
               "CAP": triton.next_power_of_2(max(tiles.select_cap, kp)),
               "S": triton.next_power_of_2(max(tiles.select_sample, 16)),
               "ATTEMPTS": tiles.select_attempts if tiles.select_sample else 0,
@@ -170,11 +186,27 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
         _select_launch(keys, lens, keys, top_s, top_i, L, L, 1, topk, tiles, sms, True, False,
                        common)
         return
-    cand = torch.full((R, segs * kp), sjit.NO_COMPOSITE, dtype=torch.int64, device=keys.device)
+    # long rows: each segment's sorted top-K composites (a run of KP), then the row's top-K of
+    # the runs: by ranks (runs padded to a power of two) or a second select over them
+    runs = triton.next_power_of_2(segs)
+    cand = torch.full((R, runs * kp), sjit.NO_COMPOSITE, dtype=torch.int64, device=keys.device)
     _select_launch(keys, lens, cand, top_s, top_i, L, seg_len, segs, topk, tiles, sms, True, False,
                    common, final=False)
+    if runs <= tiles.rank_runs:
+        _rank_launch(cand, top_s, top_i, topk, kp, runs, tiles, ids)
+        return
     n = segs * kp
     _select_launch(cand, lens, cand, top_s, top_i, n, n, 1, topk, tiles, sms, False, True, common)
+
+
+def _rank_launch(sorted_runs, top_s, top_i, topk, run, runs, tiles, ids):
+    """Top-k of each row's ``runs`` sorted runs of ``run`` composites, placed by ranks."""
+    chunk = min(run, triton.next_power_of_2(tiles.rank_chunk))
+    grid = (sorted_runs.shape[0], runs, run // chunk)
+    sjit.rank_runs_kernel[grid](sorted_runs, top_s, top_i, sorted_runs.stride(0), top_s.stride(0),
+                                runs, topk, SEG=run, LOG_SEG=run.bit_length() - 1,
+                                RUNS=triton.next_power_of_2(tiles.rank_runs), CHUNK=chunk,
+                                num_warps=tiles.rank_warps, **ids)
 
 
 def _select_launch(src, lens, dst, top_s, top_i, n, seg_len, segs, topk, tiles, sms, has_len,
