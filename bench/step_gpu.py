@@ -499,7 +499,7 @@ def parse_args(argv=None):
                     help="the W > 1 decode merge: the kernel set's (Triton: a merge of the "
                          "sorted lists, one fused LSE scaling), torch's (two sorts, unfused "
                          "scaling), or both timed in the same run")
-    ap.add_argument("--prefill-keys", choices=("paged", "gather", "both"), default="paged",
+    ap.add_argument("--prefill-keys", choices=("paged", "gather", "both"), default="gather",
                     help="W == 1 prefill tokens: the decode indexer over the paged cache, the "
                          "prefill indexer over a per-step copy of their keys, or both timed")
     ap.add_argument("--graphs", action="store_true",

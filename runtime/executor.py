@@ -30,8 +30,7 @@ from cpplan.runtime.faults import FaultBoard, StepWatch, Watchdog
 from cpplan.runtime.kernels import get_kernels
 from cpplan.runtime.segments import (build_tables, check_block_tables, compile_host_kernels,
                                      local_prefill_keys)
-from cpplan.runtime.tables import Layout, StepMeta, StepTables, local_prefill_rows
-from cpplan.schemas.codec import config_fingerprint
+from cpplan.runtime.tables import TABLE_NAMES, Layout, StepMeta, StepTables, local_prefill_rows
 from cpplan.schemas.config import ParallelConfig
 from cpplan.schemas.errors import (
     CapacityError,
@@ -45,9 +44,10 @@ from cpplan.schemas.plan import StepPlan
 DUMMY_SLOT = 0  # slot 0 (block 0) of every cache is reserved: padded and skipped rows use it
 
 
-# how W == 1 prefill tokens reach their keys: "paged", the decode indexer over the paged cache
-# (one query per program); "gather", a per-step copy of their requests' keys and the prefill
-# indexer (StepExecutor.prefill_keys; bench/step_gpu.py --prefill-keys compares them)
+# how W == 1 prefill tokens reach their keys: "gather" (the default), a per-step copy of their
+# requests' keys and the prefill indexer; "paged", the decode indexer over the paged cache (one
+# query per program). H200, 32k prompt + 64 decodes: indexer 35.3 against 85.9 ms a layer
+# (StepExecutor.prefill_keys; bench/step_gpu.py --prefill-keys both compares them)
 PREFILL_KEYS = ("paged", "gather")
 
 
@@ -119,7 +119,7 @@ class StepExecutor:
                  max_requests: int = 1024, max_blocks_per_request: int | None = None,
                  max_kv_tokens: int | None = None, arena_depth: int = 2,
                  debug: bool = True, faults: FaultBoard | None = None,
-                 data_timeout_s: float = 0.0, prefill_keys: str = "paged") -> None:
+                 data_timeout_s: float = 0.0, prefill_keys: str = "gather") -> None:
         if prefill_keys not in PREFILL_KEYS:
             raise ConfigError(f"prefill_keys must be one of {PREFILL_KEYS}: got {prefill_keys!r}")
         self.prefill_keys = prefill_keys
@@ -138,7 +138,6 @@ class StepExecutor:
         self.arena = ArenaRing(words, self.device, arena_depth)
         compile_host_kernels()  # bind's host kernels, compiled (or loaded) now rather than at step 1
         self.sm_scale = 1.0 / math.sqrt(config.qk_head_dim)
-        self._fingerprint = config_fingerprint(config)
 
     @classmethod
     def from_groups(cls, config: ParallelConfig, groups, *, verify: str = "every",
@@ -175,9 +174,13 @@ class StepExecutor:
                 pending.wait()
             raise
         pending = self.check.start(plan) if self.check is not None else None
-        with self._announcing(watch):
-            host = build_tables(plan, self.pcp_rank, self.dcp_rank, bt, DUMMY_SLOT)
-            views = self.arena.pack(host.params, plan.step_id)
+        try:  # not _announcing: bind runs cold after a step's work, each host call counts
+            host = build_tables(plan, self.pcp_rank, self.dcp_rank, bt, DUMMY_SLOT,
+                                out=self.arena.acquire())
+            views = self.arena.commit(TABLE_NAMES, host.sizes)
+        except Exception as exc:
+            self._announce(watch, exc)
+            raise
         if self.watchdog is not None:
             self.watchdog.watch(watch)
         return BoundStep(plan, host.meta, host.layout, views,
@@ -197,7 +200,7 @@ class StepExecutor:
             raise
 
     def _check_bind(self, plan: StepPlan, block_tables, num_blocks: int | None) -> np.ndarray:
-        if config_fingerprint(plan.config) != self._fingerprint:
+        if plan.config is not self.config and plan.config != self.config:  # field by field
             raise ConfigError(f"step {plan.step_id}: the plan was compiled for another config "
                               f"than this executor's ({plan.config!r} vs {self.config!r})")
         if plan.padded_num_tokens > self.max_tokens:
