@@ -2,8 +2,8 @@
 one (``runtime/kernels/indexer_tiled.py``, the Triton set's default) in the same run, with the
 bf16 matmul ceiling.
 
-    python bench/indexer.py [--quick] [--only prefill,decode,sort,decode-sweep] [--sweep]
-                            [--planar-sweep] [--json out.json]
+    python bench/indexer.py [--quick] [--only prefill,decode,sort,decode-sweep,select-sweep]
+                            [--sweep] [--planar-sweep] [--json out.json]
 
 Prefill cases: the last T tokens of an N-token context (query i has keys 0 .. N - T + i),
 64 heads x 128 dims, topk 2048, one rank. Decode cases: B requests of one context each, paged
@@ -17,8 +17,8 @@ the planar fp8 logits and the select (default, radix-only, and ordered by other
 indexer, its logits and its select, eager and replayed from a CUDA graph (``do_bench_cudagraph``:
 eager decode figures are host-launch-bound), and select variants (graph; ``DECODE_SELECTS``).
 ``sort`` times ``tl.sort`` of 4096 values as segments; ``decode-sweep`` the decode tiles
-(graph); ``--planar-sweep`` the planar tiles;
-``--sweep`` tile variants of the first prefill case and of the decode cases.
+(graph); ``select-sweep`` the select tunables (first prefill case); ``--planar-sweep`` the
+planar tiles; ``--sweep`` tile variants of the first prefill case and of the decode cases.
 """
 
 from __future__ import annotations
@@ -212,20 +212,22 @@ def _sort_rows(x_ptr, out_ptr, SEGS: tl.constexpr, N: tl.constexpr):
 
 
 def sort_costs():
-    """tl.sort of 4096 values per program as 1 x 4096, 2 x 2048, 8 x 512 and 32 x 128 segments,
-    int64 and int32, 4096 programs (the select's candidate sort)."""
+    """tl.sort per program, 4096 programs: 4096 values as 1 x 4096, 2 x 2048, 8 x 512 and
+    32 x 128 segments (the select's candidate sort), 2048 values as 8 x 256 (what ordering only
+    the top 2048 would cost), and 1024 int32 (the threshold sample's sort); int64 and int32."""
     for dtype in (torch.int64, torch.int32):
-        x = torch.randint(-2**30, 2**30, (4096, 4096), device="cuda").to(dtype)
-        out = torch.empty_like(x)
-        for segs in (1, 2, 8, 32):
-            for warps in (8, 16):
-                fn = lambda segs=segs, warps=warps: _sort_rows[(4096,)](  # noqa: E731
-                    x, out, SEGS=segs, N=4096 // segs, num_warps=warps)
-                try:
-                    row(f"sort 4096 rows {str(dtype)[6:]} {segs} x {4096 // segs} w {warps}",
-                        bench(fn))
-                except FAILS as e:
-                    print(f"sort {segs} w {warps}: failed ({type(e).__name__})", flush=True)
+        for width, shapes in ((4096, (1, 2, 8, 32)), (2048, (8,)), (1024, (1,))):
+            x = torch.randint(-2**30, 2**30, (4096, width), device="cuda").to(dtype)
+            out = torch.empty_like(x)
+            for segs in shapes:
+                for warps in (8, 16):
+                    fn = lambda x=x, out=out, segs=segs, warps=warps, width=width: (  # noqa: E731
+                        _sort_rows[(4096,)](x, out, SEGS=segs, N=width // segs, num_warps=warps))
+                    name = f"sort 4096 rows {str(dtype)[6:]} {segs} x {width // segs} w {warps}"
+                    try:
+                        row(name, bench(fn))
+                    except FAILS as e:
+                        print(f"{name}: failed ({type(e).__name__})", flush=True)
 
 
 PLANAR_TILES = [(bq, bk, w, s) for bq in (2, 4) for bk in (64, 128) for w in (4, 8)
@@ -305,9 +307,9 @@ def sweep(ceil):
         sweep_decode(B, ctx, ceil)
 
 
-SELECT_SWEEP = {"select_sample": (512, 1024, 2048, 4096), "select_margin": (3.0, 4.0, 5.0, 6.0),
-                "select_cap": (4096, 8192), "select_block": (2048, 4096, 8192),
-                "select_warps": (4, 8, 16), "select_programs_per_sm": (1, 2, 4)}
+SELECT_SWEEP = {"select_sample": (256, 512, 2048), "select_margin": (2.0, 3.0, 4.0),
+                "select_block": (2048, 8192), "select_warps": (8, 32),
+                "select_programs_per_sm": (2, 8), "sort_segments": (4, 16)}
 
 
 def sweep_select(args, base, ceil):
@@ -355,6 +357,10 @@ def main():
             sweep_decode(B, ctx, ceil)
     if "sort" in parts:
         sort_costs()
+    if "select-sweep" in parts:  # one select tunable at a time, first prefill case
+        args, _ = prefill_inputs(*PREFILL[0])
+        sweep_select(args, it.IndexerTiles(), ceil)
+        del args
     if "decode" in parts:
         ok &= run_decode([(64, 4096), (8, 131072)] if a.quick else DECODE, ceil, kernels)
     if a.sweep:
