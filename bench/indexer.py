@@ -186,11 +186,26 @@ def decode_parts(args, tiles, ceil, flops):
     def whole(t=tiles):
         it.indexer_topk_decode(*args, max_keys=ctx, tiles=t)
 
+    q8, w8 = pack.quantize_indexer_q(q, w, torch.float8_e4m3fn)
+
+    def logits_fp8():
+        it._logits(q8, w8, kflat, keys, 2, True, ctx, bk=tiles.decode_block_k,
+                   warps=tiles.decode_warps, stages=tiles.decode_stages, splits=splits,
+                   lens=local_len, bt=bt, B=block)
+
     for part, fn, fl in (("whole", whole, flops), ("logits", logits, flops),
                          ("select", select, None)):
         row(f"  parts {part}", bench(fn), fl, ceil)
         row(f"  parts {part}, graph", gbench(fn), fl, ceil)
     want = it.indexer_topk_decode(*args, max_keys=ctx)
+    fp8 = dataclasses.replace(tiles, decode_fp8=True)
+    try:
+        eq = same(it.indexer_topk_decode(*args, max_keys=ctx, tiles=fp8), want)
+        row("  parts logits on fp8 tensor cores, graph", gbench(logits_fp8), flops, ceil)
+        row("  parts whole, decode_fp8, graph", gbench(lambda: whole(fp8)), flops, ceil,
+            f"== default: {eq}")
+    except FAILS as e:
+        print(f"  parts decode_fp8: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
     for name, kw in DECODE_SELECTS.items():
         t = dataclasses.replace(tiles, **kw)
         try:

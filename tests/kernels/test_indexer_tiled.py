@@ -103,7 +103,11 @@ def test_prefill(env, W, I, block_q, nreq, sms):
 @pytest.mark.parametrize("env", ENVS)
 @pytest.mark.parametrize("W,rank,I", [(1, 0, 1), (4, 2, 1), (2, 1, 64)])
 @pytest.mark.parametrize("sms", [0, 8])
-def test_decode(env, W, rank, I, sms):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode(env, W, rank, I, sms, fp8):
+    """fp8: logits on fp8 tensor cores (CUDA only; the interpreter has no fp8 products)."""
+    if fp8 and env == "interp":
+        pytest.skip("fp8 products need CUDA")
     it = _it()
     dev = _dev(env)
     T, Hi, B, topk, nblk = (3, 4, 16, 16, 12) if env == "interp" else (64, 64, 64, 2048, 128)
@@ -114,7 +118,7 @@ def test_decode(env, W, rank, I, sms):
     local_len[-1] = 5  # fewer keys than topk
     bt, local_len = bt.to(dev), local_len.to(dev)
     got = it.indexer_topk_decode(q, w, k, local_len, bt, B, W, rank, I, topk,
-                                 tiles=_tiles(env, programs_per_sm=sms))
+                                 tiles=_tiles(env, programs_per_sm=sms, decode_fp8=fp8))
     _check(got, ref.indexer_topk_decode(q.cpu().double(), w.cpu(), k.cpu(), local_len.cpu(),
                                         bt.cpu(), B, W, rank, I, topk))
 

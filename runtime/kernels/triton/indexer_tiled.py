@@ -97,6 +97,7 @@ class IndexerTiles:
     select_programs_per_sm: int = 4  # persistent select programs per SM
     radix_bits: int = 11  # fallback histogram bins 2**radix_bits; ceil(32 / bits) passes
     programs_per_sm: int = 2  # decode logits and long-row select fill this many programs per SM
+    decode_fp8: bool = False  # decode logits on fp8 tensor cores (CUDA; else fp8 values in bf16)
     sort_segments: int = 8  # candidates ordered by one sort (1) or a merge sort from segments
     split_rows: int = 512  # at most this many rows of <= split_run * rank_runs keys: split path
     split_run: int = 512  # keys per sorted run of the split path (power of two)
@@ -115,7 +116,8 @@ def _num_sms(device) -> int:
 def _logits(q, weights, k, out, mode, out_keys, L, *, bk, warps, stages, splits=1, rows=None,
             lens=None, bt=None, B=1):
     """Byte-row logits, one query per program: MODE 0 over explicit rows (float32 scores),
-    MODE 2 over the paged cache through the block table (int32 keys)."""
+    MODE 2 over the paged cache through the block table (int32 keys). q float8_e4m3fn: fp8
+    products; else q's dtype holding the fp8 query's values."""
     T, HI, _ = q.shape
     dummy = out
     rows_, lens_, bt_ = (x if x is not None else dummy for x in (rows, lens, bt))
@@ -126,7 +128,8 @@ def _logits(q, weights, k, out, mode, out_keys, L, *, bk, warps, stages, splits=
         q.stride(0), q.stride(1), weights.stride(0), out.stride(0),
         rows.stride(0) if rows is not None else 0, bt.stride(0) if bt is not None else 0,
         T, HI, L, B, per_split, MODE=mode, OUT_KEYS=out_keys, BQ=1,
-        HP=max(16, triton.next_power_of_2(HI)), BK=bk, DOT_DTYPE=_DOT[q.dtype],
+        HP=max(16, triton.next_power_of_2(HI)), BK=bk,
+        DOT_DTYPE=tl.float8e4nv if q.dtype == torch.float8_e4m3fn else _DOT[q.dtype],
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps,
         num_stages=stages)
 
@@ -326,7 +329,8 @@ def indexer_topk_decode(q, weights, k_cache_flat, local_len, block_table, block_
     programs) and one or two select launches; no host work per request.
     """
     tiles = tiles or IndexerTiles()
-    q, weights = _query(q, weights)
+    fp8 = tiles.decode_fp8 and q.is_cuda
+    q, weights = _query(q, weights, torch.float8_e4m3fn if fp8 else None)
     L = int(local_len.max()) if max_keys is None else max_keys
     T = q.shape[0]
     top_s, top_i = _outputs(T, topk, q.device)
