@@ -16,12 +16,15 @@ for the model), each key tile read once for BQ queries. H200, T 4096 x N 32768
 at 8) on the same quantised inputs; the int32 keys are equal.
 
 Decode and explicit-row logits (``indexer_logits_jit.logits_kernel``) read the packed 132-byte
-rows of the paged cache (not 16-byte aligned: at most 4-byte vectors) and convert the key tile
-fp8 -> bf16 as the A operand (registers); the queries x heads tile, loaded once per program, is
-the B operand (shared memory). Decode queries each own their keys (BQ 1, N = 64): memory-bound,
-so the keys of a request are split over programs (about ``programs_per_sm`` x SMs programs in
-all, one launch for the whole batch), BK 128 (``bench/indexer.py --only decode-sweep``, whole
-decode indexer: 64 x 4k 139-147 us against 154-228 at BK 64; 8 x 128k 370-383 against 429-464).
+rows of the paged cache (not 16-byte aligned: at most 4-byte vectors). The key tile is the A
+operand; the queries x heads tile, loaded once per program, the B operand. On CUDA the decode
+multiplies the fp8 key bytes by the fp8 query on fp8 tensor cores (``decode_fp8``; else the
+keys are converted to the query's dtype, which holds the fp8 query's values: the same products).
+Decode queries each own their keys (BQ 1, N = 64): memory-bound, so the keys of a request are
+split over programs (about ``programs_per_sm`` x SMs programs in all, one launch for the whole
+batch), BK 128. H200, replayed from a CUDA graph (``bench/indexer.py --quick --only decode``):
+64 x 4k logits 28.6 us fp8 against 48.8 bf16; 8 x 128k 95.1 against 133.0;
+``--only decode-sweep`` (bf16): 4 programs per SM best at 64 x 4k (72 us whole against 83 at 2).
 
 Both epilogues (ReLU, head weights, the sum over each query's heads, the per-key power-of-two
 scale) reduce along N, which in the MMA accumulator layout is mostly within a thread plus a quad
@@ -48,16 +51,25 @@ a binary search in the partner run: a merge sort whose first level is ``tl.sort`
 4096 int64 per program and 4096 programs, costs 2.42 ms as one sort, 1.06 ms as 8 x 512,
 0.31 ms as 32 x 128: ``bench/indexer.py --only sort``). H200, the whole select of T 4096 x
 N 32768 (``bench/indexer.py --quick``): 3.40 ms with one sort, 3.01 ms from 8 segments, 3.32
-ms from 32; the 64 x 4k decode select 93.7 / 95.0 us (one sort / 8 segments): the sample sort
-and the pass over the keys are the rest. Bytes per row: the sample (S sectors of 32 B) plus one
+ms from 32 (of which 1.06 ms the segment sorts, about 1 ms the merge rounds; the sample's
+sort of 1024 int32 costs 0.09 ms over 4096 rows). Bytes per row: the sample (S sectors of 32 B) plus one
 read of the row's 4-byte keys plus <= CAP + K composite writes and reads. H200, T4096 x N32768
 (randn or integer scores, exact, one sort): 3.9 ms with S 2048 and 8 warps, 3.5 ms with S 1024
 (16 warps: -5%); radix only (``select_attempts=0``) 16.1 ms. The sorts
 dominate, not the bytes (CAP 8192: 7.2 ms; S 4096: 5.2 ms): ``tl.sort`` of 4096 int64 costs
 about 0.1 ms per program. Long rows with few rows (decode at long context) are split into
-segments: each selects its own top-K composites, a second launch of the same kernel over the
-``segments x KP`` candidates (in position order, so ties stay exact) gives the row's top-K
-(H200 select alone: B64 x 4k 113 us, B8 x 128k 290 us, B1 x 128k 293 us).
+segments: each selects its own top-K composites (a sorted run of KP), then the row's top-K are
+placed by ranks over the runs (``rank_runs_kernel``, below; or, past ``rank_runs`` runs, a
+second launch of the select over the ``segments x KP`` candidates).
+
+Few short rows (decode at short context: at most ``split_rows`` rows of at most ``split_run``
+x ``rank_runs`` keys) take the split path, which spreads each row over many programs:
+``sort_runs_kernel`` sorts runs of ``split_run`` composites (R x runs programs), then
+``rank_runs_kernel`` places each composite by the count of composites ahead of it in every run
+(binary searches, independent across runs; earlier runs win ties) and writes those placed
+before K: a one-round merge. H200, replayed from a CUDA graph: the 64 x 4k select 27.9 us
+against 70.6 us with one program per row; the 8 x 128k select 119.7 us with ranks against
+176.5 us with a second select launch.
 """
 
 from __future__ import annotations
@@ -96,8 +108,8 @@ class IndexerTiles:
     select_attempts: int = 3  # gathering passes before the radix fallback; 0: radix only
     select_programs_per_sm: int = 4  # persistent select programs per SM
     radix_bits: int = 11  # fallback histogram bins 2**radix_bits; ceil(32 / bits) passes
-    programs_per_sm: int = 2  # decode logits and long-row select fill this many programs per SM
-    decode_fp8: bool = False  # decode logits on fp8 tensor cores (CUDA; else fp8 values in bf16)
+    programs_per_sm: int = 4  # decode logits and long-row select fill this many programs per SM
+    decode_fp8: bool = True  # decode logits on fp8 tensor cores (CUDA; else fp8 values in bf16)
     sort_segments: int = 8  # candidates ordered by one sort (1) or a merge sort from segments
     split_rows: int = 512  # at most this many rows of <= split_run * rank_runs keys: split path
     split_run: int = 512  # keys per sorted run of the split path (power of two)
