@@ -10,18 +10,26 @@
    T = 512) in the same world. Worlds are spawned processes on this host: on a 2-core machine
    a world of 8 is oversubscribed, so its figures are an upper bound.
 3. (``--issue15``) host bind at full model dims (128 heads, topk 2048, fp8_ds_mla,
-   max_model_len 32k) for 64 decodes of 2k-6k context, and for a 32k prompt plus those 64
-   decodes, at P = W = 1 and P = W = 2 (rank 0). Host time on a GPU is the host tables, the
-   arena pack and the launch of the device ops (about 5-10 us each there), so the device ops
-   one bind issues are counted (ATen calls that are not views); on this CPU the "device" ops
-   also run on the host, which the bind column includes.
-Writes a markdown table to stdout (bench/RESULTS_step.md holds the last run).
+   max_model_len 32k) for 64 decodes of 2k-6k context (also with CUDA-graph sizes: the static
+   layout ``bench/step_gpu.py --graphs`` binds), and for a 32k prompt plus those 64 decodes,
+   at P = W = 1 and P = W = 2 (rank 0). Parts: the block-table check, the host tables
+   (written into the arena) and the arena's copy (on CUDA the one H2D copy and its event; on
+   this CPU none). Host time on a GPU also counts the launch of device ops (about 5-10 us each
+   there), so the ATen calls that are not views are counted, for bind (on CUDA add the H2D
+   copy) and for the table expansion at first use (``BoundStep.tables``, in the first insert,
+   not in bind), as well as the Python and C calls one bind makes. Back to back, bind runs with
+   hot caches; in a step it follows the previous step's work (on the H200: 0.36 ms in
+   ``bench/step_gpu.py --prompt 0`` against 93 us for its parts alone), so it is also timed
+   after each of a small CPU step (insert + attend of another executor's 2 layers, reference
+   kernels): the "bind ms in a step" column, which moves by tens of percent between runs.
+Writes a markdown table to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -33,6 +41,7 @@ from cpplan.api import ParallelConfig, StepExecutor, StepInput, compile
 from cpplan.runtime.executor import DUMMY_SLOT
 from cpplan.runtime.groups import Groups
 from cpplan.runtime.segments import build_tables
+from cpplan.runtime.tables import TABLE_NAMES
 from cpplan.runtime.verify import DigestCheck
 from cpplan.sim.launch import World
 
@@ -98,10 +107,31 @@ class _OpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _issue15_config(w: int) -> ParallelConfig:
+def _host_calls(fn) -> int:
+    """Python and C functions ``fn()`` calls (``sys.setprofile``): each is host work that runs
+    cold in a step (its code and data out of the caches after the step's other work)."""
+    count = 0
+
+    def prof(frame, event, arg):
+        nonlocal count
+        count += event in ("call", "c_call")
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count - 1  # setprofile(None) itself
+
+
+def _issue15_config(w: int, graphs: tuple[int, ...] = ()) -> ParallelConfig:
     return ParallelConfig(pcp_size=w, dcp_size=w, kv_cache_dtype="fp8_ds_mla", num_layers=4,
+                          cudagraph_token_sizes=graphs,
                           num_heads=128, topk=2048, index_num_heads=64, hidden_size=7168,
                           activation_dtype="bfloat16", max_model_len=32768)
+
+
+GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # bench/step_gpu.py --graphs
 
 
 def _issue15_step(prompt: int, n: int = 64) -> StepInput:
@@ -112,54 +142,95 @@ def _issue15_step(prompt: int, n: int = 64) -> StepInput:
     return StepInput.build(0, ids, c, q, np.arange(len(ids)) == n)
 
 
-def _host_params(host):
-    return getattr(host, "params", None) or host.arrays
+class _OtherWork:
+    """What runs between two binds in a serving loop, in small: the per-layer work of a tiny
+    decode step of another executor (reference kernels, 2 layers), never a bind."""
+
+    def __init__(self) -> None:
+        from cpplan.api import LayerCache
+
+        cfg = ParallelConfig(num_heads=8, topk=64, index_num_heads=4, hidden_size=512,
+                             activation_dtype="float32", max_model_len=1024, num_layers=2)
+        n = 8
+        plan = compile(cfg, StepInput.build(0, [f"o{i}" for i in range(n)],
+                                            64 + 17 * np.arange(n), np.ones(n, np.int64),
+                                            np.zeros(n, bool)))
+        width = -(-cfg.max_model_len // cfg.block_size)
+        self.ex = StepExecutor(cfg, pcp_rank=0, dcp_rank=0, comm=_NoComm(), device="cpu",
+                               max_tokens=plan.padded_num_tokens, max_requests=n)
+        self.bound = self.ex.bind(plan, np.arange(n * width).reshape(n, width) + 1)
+        self.caches = [LayerCache.empty(cfg, 1 + n * width, "cpu") for _ in range(2)]
+        gen = torch.Generator().manual_seed(0)
+        t = plan.padded_num_tokens
+        self.x = (torch.randn(t, cfg.qk_head_dim, generator=gen),
+                  torch.randn(t, cfg.index_head_dim, generator=gen))
+        self.q = (torch.randn(t, cfg.num_heads, cfg.qk_head_dim, generator=gen),
+                  torch.randn(t, cfg.index_num_heads, cfg.index_head_dim, generator=gen),
+                  torch.rand(t, cfg.index_num_heads, generator=gen))
+
+    def __call__(self) -> None:
+        for cache in self.caches:
+            self.ex.insert(self.bound, cache, *self.x)
+            self.ex.attend(self.bound, cache, *self.q)
 
 
 def bench_issue15(repeat: int) -> list[tuple]:
-    """(case, P = W, T, check ms, host tables ms, arena pack ms, device ops, bind ms), rank 0."""
-    rows = []
-    for prompt in (0, 32768):
+    """(case, P = W, T, check ms, host tables ms, arena copy ms, device ops of bind and of the
+    expansion at first use, host calls, bind ms, bind ms in a step), rank 0."""
+    rows, other = [], _OtherWork()
+    for prompt, graphs in ((0, ()), (0, GRAPH_SIZES), (32768, ())):
         for w in (1, 2):
-            cfg = _issue15_config(w)
+            cfg = _issue15_config(w, graphs)
             plan = compile(cfg, _issue15_step(prompt))
             width = -(-cfg.shard_rows(cfg.max_model_len) // cfg.block_size)
             bt = np.arange(plan.num_requests * width, dtype=np.int64).reshape(-1, width) + 1
             ex = StepExecutor(cfg, pcp_rank=0, dcp_rank=0, comm=_NoComm(), device="cpu",
                               max_tokens=plan.padded_num_tokens, max_requests=plan.num_requests)
-            ex.bind(plan, bt)  # warm (cached buffers)
+            ex.bind(plan, bt).tables  # warm (cached buffers)
             with _OpCount() as ops:
-                ex.bind(plan, bt)
-            t_check, t_host, t_pack, t_bind = [], [], [], []
-            for _ in range(repeat):  # host parts alone: on a GPU no device op runs on the host
+                bound = ex.bind(plan, bt)
+            with _OpCount() as expand_ops:
+                bound.tables
+            calls = _host_calls(lambda: ex.bind(plan, bt))
+            t_check, t_host, t_copy, t_bind = [], [], [], []
+            for _ in range(repeat):  # bind's parts alone: check, tables into the arena, copy
                 t0 = time.perf_counter()
                 checked = ex._check_bind(plan, bt, None)
                 t1 = time.perf_counter()
-                host = build_tables(plan, 0, 0, checked, DUMMY_SLOT)
+                host = build_tables(plan, 0, 0, checked, DUMMY_SLOT, out=ex.arena.acquire())
                 t2 = time.perf_counter()
-                ex.arena.pack(_host_params(host), plan.step_id)
+                ex.arena.commit(TABLE_NAMES, host.sizes)
                 t3 = time.perf_counter()
                 t_check.append(t1 - t0)
                 t_host.append(t2 - t1)
-                t_pack.append(t3 - t2)
+                t_copy.append(t3 - t2)
             for _ in range(repeat):
                 t0 = time.perf_counter()
                 ex.bind(plan, bt)
                 t_bind.append(time.perf_counter() - t0)
-            case = "32k prompt + 64 decodes" if prompt else "64 decodes"
-            med = [statistics.median(x) * 1e3 for x in (t_check, t_host, t_pack, t_bind)]
-            rows.append((case, w, plan.padded_num_tokens, *med[:3], ops.count, med[3]))
+            t_step = []
+            for _ in range(repeat):
+                other()
+                t0 = time.perf_counter()
+                ex.bind(plan, bt)
+                t_step.append(time.perf_counter() - t0)
+            case = ("32k prompt + 64 decodes" if prompt else "64 decodes"
+                    + (" (graph sizes: static layout)" if graphs else ""))
+            med = [statistics.median(x) * 1e3 for x in (t_check, t_host, t_copy, t_bind, t_step)]
+            rows.append((case, w, plan.padded_num_tokens, *med[:3], ops.count, expand_ops.count,
+                         calls, *med[3:]))
     return rows
 
 
 def print_issue15(repeat: int) -> None:
     print("## host bind, issue 15 cases (rank 0, full dims, CPU, medians)\n")
-    print("| case | P = W | T per rank | check tables ms | host tables ms | arena pack ms | "
-          "host sum ms | device ops per bind | bind ms (CPU: incl. the device ops) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for case, w, t, tc, th, tp, n_ops, tb in bench_issue15(repeat):
+    print("| case | P = W | T per rank | check tables ms | host tables ms | arena copy ms | "
+          "host sum ms | device ops per bind | expansion ops (first use) | host calls per bind "
+          "| bind ms (CPU: incl. the device ops) | bind ms in a step |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for case, w, t, tc, th, tp, n_ops, n_exp, calls, tb, ts in bench_issue15(repeat):
         print(f"| {case} | {w} | {t} | {tc:.3f} | {th:.3f} | {tp:.3f} | {tc + th + tp:.3f} | "
-              f"{n_ops} | {tb:.3f} |")
+              f"{n_ops} | {n_exp} | {calls} | {tb:.3f} | {ts:.3f} |")
 
 
 def _collective_costs(ctx, repeat: int) -> tuple[float, float]:

@@ -382,17 +382,20 @@ def time_gathered_prefill(r: Rank, repeat: int) -> dict:
 
 def bind_parts(r: Rank, repeat: int) -> dict:
     """Host time of each part of ``bind`` alone (medians over max(50, repeat) calls, us): the
-    block-table check, the host tables, the arena pack (wait, copy into pinned memory, the H2D
-    copy's launch and its event) and the digest (the exchange is timed in verify_costs)."""
+    block-table check, the host tables (written into the next arena, after its wait), the
+    arena's commit (the H2D copy's launch and its event) and the digest (the exchange is timed
+    in verify_costs)."""
     from cpplan.runtime.executor import DUMMY_SLOT
     from cpplan.runtime.segments import build_tables
+    from cpplan.runtime.tables import TABLE_NAMES
 
     ex, plan, n = r.ex, r.plan, max(50, repeat)
     bt = ex._check_bind(plan, r.tables, None)
     host = build_tables(plan, ex.pcp_rank, ex.dcp_rank, bt, DUMMY_SLOT)
     parts = {"check": lambda: ex._check_bind(plan, r.tables, None),
-             "tables": lambda: build_tables(plan, ex.pcp_rank, ex.dcp_rank, bt, DUMMY_SLOT),
-             "pack": lambda: ex.arena.pack(host.params, plan.step_id),
+             "tables": lambda: build_tables(plan, ex.pcp_rank, ex.dcp_rank, bt, DUMMY_SLOT,
+                                            out=ex.arena.acquire()),
+             "pack": lambda: ex.arena.commit(TABLE_NAMES, host.sizes),
              "digest": lambda: digest(plan)}
     out = {}
     for name, fn in parts.items():
@@ -445,12 +448,36 @@ def measure(r: Rank, repeat: int) -> dict:
     if r.prefill_both:  # the same step with the W == 1 prefill keys gathered
         steps.update(time_gathered_prefill(r, repeat))
     per_layer, step_level = time_phases(r, repeat)
+    if r.trace and r.groups.device.type == "cuda":
+        steps["trace"] = {"eager": trace_kernels(r, r.trace)}
+        if r.graphs is not None:
+            steps["trace"]["replayed"] = trace_kernels(r, r.trace, r.graphs)
     res = {**steps, **verify_costs(r, repeat), **bind_parts(r, repeat), "per_layer_ms": per_layer,
            "bind_ms": step_level["bind"], "restore_ms": step_level["restore"],
            "instrumented_ms": float(per_layer.sum()) + sum(step_level.values())}
     if r.groups.device.type == "cuda":
         res["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return res
+
+
+def trace_kernels(r: Rank, steps: int, graphs: StepGraphs | None = None) -> list[tuple]:
+    """Device time per kernel name over ``steps`` steps (torch.profiler, CUDA activity):
+    rows (name, launches per step, us per step), largest first. Kernel durations are device
+    time, so an eager (host-bound) step's rows still say what its kernels cost."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run_step(r, _NoLog(), graphs)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run_step(r, _NoLog(), graphs)
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        us = getattr(ev, "self_device_time_total", 0) or 0
+        if us > 0:
+            rows.append((ev.key, ev.count / steps, us / steps))
+    return sorted(rows, key=lambda row: -row[2])
 
 
 def max_over_ranks(r: Rank, res: dict) -> dict:
@@ -504,6 +531,9 @@ def parse_args(argv=None):
                          "prefill indexer over a per-step copy of their keys, or both timed")
     ap.add_argument("--graphs", action="store_true",
                     help="CUDA-graph sizes in the config; time the step eager and replayed")
+    ap.add_argument("--trace", type=int, default=0, metavar="STEPS",
+                    help="CUDA: profile STEPS eager steps (and, with --graphs, STEPS replays) "
+                         "and print device time per kernel name and step (rank 0's)")
     ap.add_argument("--tiny", action="store_true", help="toy sizes (runs on a CPU)")
     ap.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     args = ap.parse_args(argv)
@@ -590,12 +620,18 @@ def report(args, r: Rank, res: dict, stream) -> dict:
     w(f"verify: digest on host {res['digest_us']:.1f} us; exchange "
       + (f"{exch:.3f} ms" if exch is not None else "none (world 1)")
       + f"; bind on host {res['bind_host_ms']:.3f} ms (alone, us: check "
-      f"{res['bind_check_us']:.0f}, tables {res['bind_tables_us']:.0f}, pack + H2D "
+      f"{res['bind_check_us']:.0f}, tables into the arena {res['bind_tables_us']:.0f}, H2D "
       f"{res['bind_pack_us']:.0f}, digest {res['bind_digest_us']:.0f})\n")
     if "peak_gib" in res:
         w(f"peak device memory {res['peak_gib']:.1f} GiB\n")
     for name, plan in r.attention.items():
         w(f"attention {name}: {plan}\n")
+    for how, rows in res.get("trace", {}).items():
+        total = sum(us for _, _, us in rows)
+        w(f"\nkernels of a step ({how}, rank 0, torch.profiler device time): {total:.1f} us\n")
+        w("| kernel | per step | us per step |\n|---|---:|---:|\n")
+        for name, n, us in rows[:30]:
+            w(f"| {name[:90]} | {n:.0f} | {us:.1f} |\n")
     return {"attention": r.attention, "pcp": cfg.pcp_size, "dcp": cfg.dcp_size, "world": g.world_size,
             "backend": backend, "device": dev, "kernels": r.ex.kernels.name,
             "prompt": args.prompt, "decodes": args.decodes, "layers": cfg.num_layers,

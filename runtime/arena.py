@@ -1,10 +1,12 @@
 """A ring of pinned host arenas for a step's int64 tables, one H2D copy per bind.
 
-Each arena holds ``capacity`` int64 words, sized once at start-up. ``pack`` waits until the
+Each arena holds ``capacity`` int64 words, sized once at start-up. ``acquire`` waits until the
 arena's previous copy has completed (:meth:`ArenaRing.wait_arena_free`, the one named sync of a
-step; in steady state it never blocks), writes the tables into it, issues one non-blocking copy
-to the matching device arena and records an event behind it. On CPU the host arena is used
-directly (no copy, no event). Overflow is a CapacityError that states the numbers.
+step; in steady state it never blocks) and hands out its host words, which bind's host kernel
+fills in place; ``commit`` issues one non-blocking copy to the matching device arena and
+records the arena's event behind it (``pack`` does both for arrays built elsewhere). On CPU the
+host arena is used directly (no copy, no event). Overflow is a CapacityError that states the
+numbers.
 """
 
 from __future__ import annotations
@@ -13,25 +15,29 @@ import numpy as np
 import torch
 
 from cpplan.runtime.segments import graph_segments
-from cpplan.schemas.errors import CapacityError
+from cpplan.runtime.tables import arena_overflow
 
 
 class ArenaRing:
     """``depth`` arenas of ``capacity`` int64 words on ``device``.
 
-    Views returned by :meth:`pack` live until the same arena is packed again, ``depth`` binds
-    later: a bound step must finish before then.
+    Views returned by :meth:`commit` (or :meth:`pack`) live until the same arena is packed
+    again, ``depth`` binds later: a bound step must finish before then.
     """
+
+    VIEW_CACHE = 256  # (arena, table sizes) -> views kept; a graph key's sizes never change
 
     def __init__(self, capacity: int, device: torch.device, depth: int = 2) -> None:
         self.capacity, self.device, self.depth = int(capacity), torch.device(device), depth
-        on_cuda = self.device.type == "cuda"
-        self.host = [torch.zeros(self.capacity, dtype=torch.int64, pin_memory=on_cuda)
+        self.on_cuda = self.device.type == "cuda"
+        self.host = [torch.zeros(self.capacity, dtype=torch.int64, pin_memory=self.on_cuda)
                      for _ in range(depth)]
+        self.host_words = [h.numpy() for h in self.host]
         self.dev = ([torch.zeros(self.capacity, dtype=torch.int64, device=self.device)
-                     for _ in range(depth)] if on_cuda else self.host)
-        self.events = [None] * depth
+                     for _ in range(depth)] if self.on_cuda else self.host)
+        self.events = [None] * depth  # one per arena, recorded again by each of its copies
         self.next = 0
+        self._views: dict = {}
 
     def wait_arena_free(self, slot: int) -> None:
         """The named sync: block until the last H2D copy out of arena ``slot`` has completed."""
@@ -39,32 +45,50 @@ class ArenaRing:
         if event is not None:
             event.synchronize()
 
-    def pack(self, arrays: dict, step_id: int) -> dict:
-        """Copy ``arrays`` (name -> int64 ndarray) into the next arena; return name -> device
-        tensor views (1-d; reshape as needed)."""
-        sizes = {k: int(v.size) for k, v in arrays.items()}
-        need = sum(sizes.values())
-        if need > self.capacity:
-            biggest = max(sizes, key=sizes.get)
-            raise CapacityError(
-                f"step {step_id} needs {need:,} arena words, capacity {self.capacity:,} "
-                f"(largest table {biggest}: {sizes[biggest]:,})")
+    def acquire(self) -> np.ndarray:
+        """The next arena's host words (all ``capacity`` of them), once its last copy has
+        completed (:meth:`wait_arena_free`): write the step's tables from word 0, then
+        :meth:`commit`."""
+        self.wait_arena_free(self.next)
+        return self.host_words[self.next]
+
+    def commit(self, names: tuple[str, ...], sizes: tuple[int, ...]) -> dict:
+        """Issue the one non-blocking copy of the acquired arena's first ``sum(sizes)`` words
+        (tables ``names``, back to back) with an event behind it, and move to the next arena;
+        return name -> device tensor view (1-d; reshape as needed). The views of a (arena,
+        sizes) pair are made once: rebinding a graph key's static layout creates none."""
         slot = self.next
         self.next = (slot + 1) % self.depth
-        self.wait_arena_free(slot)
-        host_np = self.host[slot].numpy()
-        offsets, off = {}, 0
+        key = (slot, names, sizes)
+        cached = self._views.get(key)
+        if cached is None:
+            if len(self._views) >= self.VIEW_CACHE:
+                self._views.clear()
+            need, dev, views, off = sum(sizes), self.dev[slot], {}, 0
+            for name, size in zip(names, sizes):
+                views[name] = dev[off: off + size]
+                off += size
+            cached = self._views[key] = (self.host[slot][:need], dev[:need], views)
+        if self.on_cuda:
+            host, dev, _ = cached
+            dev.copy_(host, non_blocking=True)
+            event = self.events[slot]
+            if event is None:
+                event = self.events[slot] = torch.cuda.Event()
+            event.record()
+        return cached[2]
+
+    def pack(self, arrays: dict, step_id: int) -> dict:
+        """Copy ``arrays`` (name -> int64 ndarray) into the next arena (:meth:`acquire`,
+        :meth:`commit`); return name -> device tensor views (1-d; reshape as needed)."""
+        sizes = {k: int(v.size) for k, v in arrays.items()}
+        if sum(sizes.values()) > self.capacity:
+            raise arena_overflow(step_id, sizes, self.capacity)
+        host_np, off = self.acquire(), 0
         for name, arr in arrays.items():
             host_np[off: off + sizes[name]] = np.asarray(arr, dtype=np.int64).reshape(-1)
-            offsets[name] = off
             off += sizes[name]
-        dev = self.dev[slot]
-        if self.device.type == "cuda":
-            dev[:need].copy_(self.host[slot][:need], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self.events[slot] = event
-        return {name: dev[offsets[name]: offsets[name] + sizes[name]] for name in arrays}
+        return self.commit(tuple(sizes), tuple(sizes.values()))
 
 
 def arena_words(max_tokens: int, max_requests: int, max_blocks_per_request: int,

@@ -20,42 +20,47 @@ from cpplan.runtime.tables import (
     NUM_PARAMS,
     PCU,
     REQ,
+    TABLE_NAMES,
     Layout,
     RankTables,
     StepMeta,
+    arena_overflow,
 )
 from cpplan.schemas.errors import CapacityError, PlanFormatError, StepInputError
 from cpplan.schemas.plan import MODE_SPLIT, StepPlan
-from cpplan.schemas.sharding import shard_count
+
+
+_I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)  # block-table dtypes used as they are
+_NO_WORDS = np.zeros(0, np.int64)  # ``out`` of build_tables' sizing call
 
 
 def check_block_tables(plan: StepPlan, dcp_rank: int, block_tables, num_blocks: int | None
                        ) -> np.ndarray:
-    """Validate a rank's block tables for ``plan`` and return them as ``[N, max_blocks]`` int64.
+    """Validate a rank's block tables for ``plan`` and return them as ``[N, max_blocks]`` int32
+    or int64, C order (other integer types and layouts are converted to int64).
 
     Checked, because each of these would otherwise write and read the wrong KV silently: a 2-d
     integer array with exactly one row per request of the plan; every block the step touches
     (the first ceil(local tokens / B) of each request on this DCP rank) is not the reserved
-    block 0 and, where ``num_blocks`` is known, below it. O(requests), on the host."""
+    block 0 and, where ``num_blocks`` is known, below it. O(requests), on the host, in one
+    jitted call (bind runs it cold, after the previous step's work: few host calls)."""
     n = plan.num_requests
-    bt = np.asarray(block_tables)
+    bt = block_tables if type(block_tables) is np.ndarray else np.asarray(block_tables)
     if bt.ndim != 2 or bt.shape[0] != n:
         raise StepInputError(f"step {plan.step_id}: block_tables must be [num_requests={n}, "
                              f"max_blocks]: got shape {list(bt.shape)}")
-    if bt.dtype.kind not in "iu":
-        raise StepInputError(f"step {plan.step_id}: block_tables must hold integers: got "
-                             f"dtype {bt.dtype}")
-    bt = bt.astype(np.int64, copy=False)
-    cfg = plan.config
-    held = plan.dcp_local_lens.np()[:, dcp_rank].astype(np.int64) if n else np.zeros(0, np.int64)
-    need = -(-held // cfg.block_size)
-    if need.size and int(need.max()) > bt.shape[1]:
-        i = int(np.argmax(need))
+    dt = bt.dtype
+    if dt is not _I64 and dt is not _I32 or not bt.flags.c_contiguous:
+        if dt.kind not in "iu":
+            raise StepInputError(f"step {plan.step_id}: block_tables must hold integers: got "
+                                 f"dtype {dt}")
+        bt = np.ascontiguousarray(bt, dtype=np.int64)
+    i, j, need = _first_bad_block(bt, plan.dcp_local_lens.np(), dcp_rank, plan.config.block_size,
+                                  -1 if num_blocks is None else num_blocks)
+    if j == -2:
         raise CapacityError(f"step {plan.step_id}: block table too narrow: request {i} needs "
-                            f"{int(need[i])} blocks on this rank, the tables have {bt.shape[1]}")
-    # only the blocks the step touches; the rest is the engine's padding
-    i, j = _first_bad_block(bt, need, -1 if num_blocks is None else num_blocks)
-    if i >= 0:
+                            f"{need} blocks on this rank, the tables have {bt.shape[1]}")
+    if i >= 0:  # only the blocks the step touches; the rest is the engine's padding
         limit = f"1..{num_blocks - 1}" if num_blocks is not None else ">= 1 (0 is reserved)"
         raise StepInputError(f"step {plan.step_id}: block_tables[{i}][{j}] = {int(bt[i, j])}: "
                              f"expected a block in {limit}")
@@ -63,71 +68,81 @@ def check_block_tables(plan: StepPlan, dcp_rank: int, block_tables, num_blocks: 
 
 
 @njit(cache=True)
-def _first_bad_block(bt, need, num_blocks):
-    """(i, j) of the first (row-major) block ``bt[i, j]``, ``j < need[i]``, that is < 1 or,
-    where ``num_blocks`` >= 0, >= num_blocks; (-1, -1) if none."""
+def _first_bad_block(bt, local_lens, dcp_rank, block_size, num_blocks):
+    """Request i touches its first need_i = ceil(local_lens[i, dcp_rank] / block_size) blocks.
+    (i, -2, need_i) for the first request whose need_i exceeds the tables' width; else (i, j,
+    0) for the first (row-major) touched block ``bt[i, j]`` that is < 1 or, where
+    ``num_blocks`` >= 0, >= num_blocks; (-1, -1, 0) if none."""
+    width = bt.shape[1]
     for i in range(bt.shape[0]):
-        for j in range(need[i]):
+        need = -(-np.int64(local_lens[i, dcp_rank]) // block_size)
+        if need > width:
+            return i, -2, need
+    for i in range(bt.shape[0]):
+        need = -(-np.int64(local_lens[i, dcp_rank]) // block_size)
+        for j in range(need):
             if bt[i, j] < 1 or (num_blocks >= 0 and bt[i, j] >= num_blocks):
-                return i, j
-    return -1, -1
+                return i, j, np.int64(0)
+    return -1, -1, np.int64(0)
 
 
 def build_tables(plan: StepPlan, pcp_rank: int, dcp_rank: int, block_tables: np.ndarray,
-                 dummy_slot: int) -> RankTables:
-    """The rank's segments for ``plan``; ``block_tables`` is ``[N, max_blocks]`` int64 (row i:
-    this rank's local blocks of request i, in the plan's request order), already validated
-    (:func:`check_block_tables`). O(P * rows + requests), in one jitted call."""
+                 dummy_slot: int, out: np.ndarray | None = None) -> RankTables:
+    """The rank's segments for ``plan``; ``block_tables`` is ``[N, max_blocks]`` int32 / int64
+    (row i: this rank's local blocks of request i, in the plan's request order), already
+    validated (:func:`check_block_tables`). O(P * rows + requests), in one jitted call that
+    writes the words (segment ends, parameters, block tables: :data:`tables.TABLE_NAMES`)
+    straight into ``out`` (bind: the arena's host words; CapacityError if they do not fit), or
+    into a new array."""
     cfg = plan.config
-    t_pad, nd, p_size = plan.padded_num_tokens, plan.num_decode_tokens, cfg.pcp_size
-    graph_key = graph_key_of(plan)
-    num_requests = plan.num_requests
-    if graph_key is not None:  # every padded token is a decode (docs/design.md §3.7)
-        nd = num_requests = t_pad
-        block_tables = _graph_block_tables(block_tables, t_pad, graph_key[1])
+    t_pad, p_size = plan.padded_num_tokens, cfg.pcp_size
+    graph = plan.graph_replayable
+    nd = t_pad if graph else plan.num_decode_tokens  # graph: every padded token is a decode
     names = {c.name for c in plan.collectives}
     kv_insert = "kv_insert" in names
-    # token windows (rank, first token, end, first u, region_pcu on): this rank's decodes and
-    # prefills (the token section), then the insert section
-    wins = [(pcp_rank, 0, nd, 0, 0), (pcp_rank, nd, t_pad, nd, 1)]
-    if kv_insert:
-        wins.append((pcp_rank, 0, nd, t_pad, 0))
-        wins += [(q, nd, t_pad, t_pad + nd + q * (t_pad - nd), 0) for q in range(p_size)]
-        insert_len = nd + p_size * (t_pad - nd)
-    else:
-        wins.append((pcp_rank, 0, t_pad, t_pad, 0))
-        insert_len = t_pad
+    insert_len = nd + p_size * (t_pad - nd) if kv_insert else t_pad
     ch = _chunks(plan, dcp_rank)
-    ends, par, ranges, facts = _segment_kernel(
-        plan.row_token_start.np(), plan.row_num_tokens.np(), plan.row_query_offset.np(),
-        plan.row_kv_write.np(), plan.row_request.np(), plan.num_computed_tokens.np(),
-        plan.num_scheduled_tokens.np(), plan.mode.np(), np.array(wins, np.int64), ch.pcu_of,
-        ch.chunk_of, ch.regions, block_tables.shape[1], t_pad, t_pad + insert_len, len(ch.rows))
-    if facts[3] or facts[5]:
-        what = "rows of a rank are not in token order" if facts[3] else "a gather chunk's "\
-            "tokens are not contiguous on a rank"
+    args = (plan.row_token_start.np(), plan.row_num_tokens.np(), plan.row_query_offset.np(),
+            plan.row_kv_write.np(), plan.row_request.np(), plan.num_computed_tokens.np(),
+            plan.num_scheduled_tokens.np(), plan.mode.np(), plan.dcp_local_lens.np(),
+            block_tables, ch.pcu_of, ch.chunk_of, ch.regions, len(ch.rows), pcp_rank, dcp_rank,
+            nd, t_pad, kv_insert, graph_segments(t_pad, p_size) if graph else 0, cfg.dcp_size,
+            cfg.interleave_size, cfg.block_size)
+    facts = _segment_kernel(*args, _NO_WORDS if out is None else out)
+    segs, need = int(facts[F_SEGMENTS]), int(facts[F_WORDS])
+    if graph and int(facts[F_REAL_SEGMENTS]) >= segs:
+        raise PlanFormatError(f"a graph-replayable step has {int(facts[F_REAL_SEGMENTS])} "
+                              f"segments, expected fewer than {segs}")
+    sizes = (segs, NUM_PARAMS * segs, need - (NUM_PARAMS + 1) * segs)
+    if out is None:
+        out = np.empty(need, np.int64)
+        facts = _segment_kernel(*args, out)
+    elif need > out.size:
+        raise arena_overflow(plan.step_id, dict(zip(TABLE_NAMES, sizes)), out.size)
+    if facts[F_ORDER] or facts[F_CHUNK_GAP]:
+        what = "rows of a rank are not in token order" if facts[F_ORDER] else "a gather "\
+            "chunk's tokens are not contiguous on a rank"
         raise PlanFormatError(f"step {plan.step_id}: {what} (expected from row_token_start, "
                               f"an exclusive prefix sum of row_num_tokens)")
-    dec_width = int(shard_count(int(facts[0]), cfg.dcp_size, cfg.interleave_size, dcp_rank))
-    n_real = int(facts[2])
-    local_range = (0, n_real, max(int(facts[1]), 1))
-    restore_len = int(facts[4])
-    if graph_key is not None:  # static shapes: one capture serves every step of this key
-        dec_width = graph_key[1] * cfg.block_size
+    n_real, blocks = int(facts[F_TOKENS]), int(facts[F_GRAPH_BLOCKS])
+    if graph:  # static shapes: one capture serves every step of this key
+        dec_width = blocks * cfg.block_size
         local_range, restore_len = (0, t_pad, dec_width), p_size * t_pad
-        ends, par = _pad_segments(ends, par, graph_segments(t_pad, p_size))
+    else:
+        dec_width = int(facts[F_DECODE_KEYS])
+        local_range, restore_len = (0, n_real, max(int(facts[F_KEYS]), 1)), int(facts[F_SUM_Q])
+    ranges = (tuple(map(tuple, facts[F_RANGES:].reshape(-1, 3).tolist())) if ch.rows else ())
     meta = StepMeta(num_tokens=n_real, padded=t_pad, num_decode_tokens=nd,
                     decode_width=max(dec_width, 1), local_range=local_range,
-                    chunk_ranges=tuple(map(tuple, ranges.tolist())), chunk_rows=ch.rows,
+                    chunk_ranges=ranges, chunk_rows=ch.rows,
                     kv_insert=kv_insert, decode_merge="decode_out" in names,
-                    restore="restore" in names, num_global_tokens=int(facts[4]),
-                    graph_key=graph_key)
-    layout = Layout(num_requests=num_requests, insert_len=insert_len,
+                    restore="restore" in names, num_global_tokens=int(facts[F_SUM_Q]),
+                    graph_key=(t_pad, blocks) if graph else None)
+    layout = Layout(num_requests=t_pad if graph else plan.num_requests, insert_len=insert_len,
                     dcp_size=cfg.dcp_size, dcp_rank=dcp_rank,
                     interleave_size=cfg.interleave_size, block_size=cfg.block_size,
                     dummy_slot=dummy_slot, restore_len=restore_len)
-    params = {"seg_ends": ends, "seg_params": par, "block_tables": block_tables.reshape(-1)}
-    return RankTables(params=params, meta=meta, layout=layout)
+    return RankTables(words=out[:need], sizes=sizes, meta=meta, layout=layout)
 
 
 def local_prefill_keys(plan: StepPlan) -> int:
@@ -155,26 +170,6 @@ def graph_segments(t_pad: int, p_size: int) -> int:
     return 3 * (2 * t_pad + 1) + t_pad + 1
 
 
-def _pad_segments(ends: np.ndarray, par: np.ndarray, total: int):
-    """Segments padded to ``total`` with empty zero segments (their ends past every u)."""
-    if ends.size >= total:
-        raise PlanFormatError(f"a graph-replayable step has {ends.size} segments, expected "
-                              f"fewer than {total}")
-    ends_p = np.full(total, 1 << 62, np.int64)
-    par_p = np.zeros((NUM_PARAMS, total), np.int64)
-    ends_p[: ends.size], par_p[:, : ends.size] = ends, par
-    return ends_p, par_p
-
-
-def _graph_block_tables(block_tables: np.ndarray, t_pad: int, blocks: int) -> np.ndarray:
-    """``[N, w]`` -> ``[T, blocks]``: a static shape per graph key; the columns past the
-    request's blocks and the rows past N are 0 (never read: they hold no key)."""
-    out = np.zeros((t_pad, blocks), np.int64)
-    n, w = block_tables.shape[0], min(block_tables.shape[1], blocks)
-    out[:n, :w] = block_tables[:, :w]
-    return out
-
-
 @dataclasses.dataclass(frozen=True)
 class _Chunks:
     """The gather chunks' regions (W > 1; none otherwise): ``regions`` ``[4, G]`` int64 rows
@@ -187,13 +182,16 @@ class _Chunks:
     rows: tuple[int, ...]
 
 
+# no gather chunks (W == 1, or no prefill): empty per-request arrays read as chunk -1, pcu 0
+_NO_CHUNKS = _Chunks(np.zeros((4, 0), np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), ())
+
+
 def _chunks(plan: StepPlan, dcp_rank: int) -> _Chunks:
     chunks = plan.gather_chunks if plan.config.dcp_size > 1 else ()
-    if chunks:
-        creq = np.concatenate([ch.requests.np() for ch in chunks])
-        pcu = np.concatenate([ch.padded_local_cu.np() for ch in chunks])
-    else:
-        creq, pcu = np.zeros(0, np.int32), np.zeros(0, np.int64)
+    if not chunks:
+        return _NO_CHUNKS
+    creq = np.concatenate([ch.requests.np() for ch in chunks])
+    pcu = np.concatenate([ch.padded_local_cu.np() for ch in chunks])
     sizes = np.array([len(ch.requests) for ch in chunks], np.int64)
     regions, chunk_of, pcu_of = _region_kernel(creq, pcu, sizes, plan.dcp_local_lens.np(),
                                                dcp_rank, plan.num_requests)
@@ -220,28 +218,81 @@ def _region_kernel(creq, pcu, sizes, local_lens, dcp_rank, num_requests):
     return regions, chunk_of, pcu_of
 
 
+# facts returned by _segment_kernel (int64 [F_RANGES + 3 * chunks])
+F_DECODE_KEYS = 0  # this rank's shard of the longest decode's keys (the local decode width)
+F_KEYS = 1  # max key count of the rank's tokens
+F_TOKENS = 2  # real tokens of the rank
+F_ORDER = 3  # 1: rows of the rank out of token order
+F_SUM_Q = 4  # sum q
+F_CHUNK_GAP = 5  # 1: a gather chunk's tokens not contiguous on the rank
+F_SEGMENTS = 6  # S: segments packed (a graph step's static count)
+F_REAL_SEGMENTS = 7  # segments of the step before padding
+F_WORDS = 8  # words packed: (1 + NUM_PARAMS) * S + the block tables
+F_GRAPH_BLOCKS = 9  # graph-replayable: key blocks (the packed tables' width), else 0
+F_RANGES = 10  # per gather chunk (first token, end, key width)
+
+
 # Over 50 lines on purpose: one jitted pass writes every section's segments in order (numba
 # inlines nothing across Python calls cheaply; splitting it costs a call per row).
 @njit(cache=True)
-def _segment_kernel(start, lens, off, write, row_req, computed, scheduled, mode, wins, pcu_of,
-                    chunk_of, regions, width, t_pad, gather_base, num_chunks):
-    """Every segment of the step (see the module docstring), in u order, and the host facts.
-    Token windows ``wins`` ``[nw, 5]`` (rank, tokens [lo, hi) at u = base.., region_pcu on);
-    windows 0 and 1 are this rank's decodes and prefills. Returns (ends [S], params [7, S],
-    per chunk (first token, end, key width) [C, 3], facts: max decode key count, max key
-    count, real tokens, rows out of token order, sum q, a chunk's tokens not contiguous)."""
+def _segment_kernel(start, lens, off, write, row_req, computed, scheduled, mode, local_lens, bt,
+                    pcu_of, chunk_of, regions, num_chunks, pcp_rank, dcp_rank, nd, t_pad,
+                    kv_insert, graph_segs, w_size, inter, block_size, out):
+    """Every segment of the step (see the module docstring), in u order, and the block tables,
+    written into ``out`` as the arena's words (``[S]`` ends, ``[7, S]`` parameters, ``[rows,
+    width]`` block tables) when they fit, else only sized; returns the facts (F_*). The tables
+    keep the columns the step touches on this rank (width: the most blocks a request holds
+    here), not the engine's full width: what is copied to the device per step.
+
+    Token windows (rank, tokens [lo, hi) at u = base.., region_pcu on): this rank's decodes and
+    prefills (the token section), then the insert section: own tokens, or after ``kv_insert``
+    own decodes then every PCP rank's prefills. ``graph_segs`` > 0 (graph-replayable): the
+    segments are padded to that static count and the tables to ``[T, blocks]``, blocks the next
+    power of two of the longest decode's blocks on any DCP rank (``graph_key_of``)."""
     n_ranks, n_rows = start.shape
-    n_win, n_reg = wins.shape[0], regions.shape[1]
+    n_reg = regions.shape[1]
+    n_win = 3 + (n_ranks if kv_insert else 0)
+    wins = np.empty((n_win, 5), np.int64)
+    wins[0, 0], wins[0, 1], wins[0, 2], wins[0, 3], wins[0, 4] = pcp_rank, 0, nd, 0, 0
+    wins[1, 0], wins[1, 1], wins[1, 2], wins[1, 3], wins[1, 4] = pcp_rank, nd, t_pad, nd, 1
+    if kv_insert:
+        wins[2, 0], wins[2, 1], wins[2, 2], wins[2, 3], wins[2, 4] = pcp_rank, 0, nd, t_pad, 0
+        for q in range(n_ranks):
+            wins[3 + q, 0], wins[3 + q, 1], wins[3 + q, 2] = q, nd, t_pad
+            wins[3 + q, 3], wins[3 + q, 4] = t_pad + nd + q * (t_pad - nd), 0
+        gather_base = t_pad + nd + n_ranks * (t_pad - nd)
+    else:
+        wins[2, 0], wins[2, 1], wins[2, 2], wins[2, 3], wins[2, 4] = pcp_rank, 0, t_pad, t_pad, 0
+        gather_base = 2 * t_pad
     restored = 0
     for p in range(n_ranks):
         for r in range(n_rows):
             if lens[p, r] > 0 and (p == 0 or mode[row_req[r]] == MODE_SPLIT):
                 restored += 1
-    n_tok = n_win * (2 * n_rows + 1)
-    ends = np.empty(n_tok + n_reg + restored, np.int64)
-    par = np.zeros((NUM_PARAMS, ends.size), np.int64)
-    facts = np.zeros(6, np.int64)
-    ranges = np.zeros((num_chunks, 3), np.int64)
+    n_seg = n_win * (2 * n_rows + 1) + n_reg + restored
+    segs = graph_segs if graph_segs > 0 else n_seg
+    bt_rows, blocks, longest = bt.shape[0], 0, 0
+    if graph_segs > 0:  # any DCP rank's longest: the same key on every rank
+        for i in range(local_lens.shape[0]):
+            for w in range(local_lens.shape[1]):
+                longest = max(longest, np.int64(local_lens[i, w]))
+        need_blocks, blocks = max(1, -(-longest // block_size)), 1
+        while blocks < need_blocks:
+            blocks *= 2
+        width, bt_rows = blocks, t_pad
+    else:  # the columns this rank's step touches (check_block_tables: within the tables)
+        for i in range(local_lens.shape[0]):
+            longest = max(longest, np.int64(local_lens[i, dcp_rank]))
+        width = max(1, -(-longest // block_size))
+    facts = np.zeros(F_RANGES + 3 * num_chunks, np.int64)
+    facts[F_SEGMENTS], facts[F_REAL_SEGMENTS], facts[F_GRAPH_BLOCKS] = segs, n_seg, blocks
+    facts[F_WORDS] = (1 + NUM_PARAMS) * segs + bt_rows * width
+    if facts[F_WORDS] > out.size or (graph_segs > 0 and n_seg >= segs):
+        return facts  # sized only: the caller raises (or allocates and calls again)
+    ends = out[:segs]
+    par = out[segs: (1 + NUM_PARAMS) * segs].reshape((NUM_PARAMS, segs))
+    par[:, :] = 0
+    ranges = facts[F_RANGES:].reshape((num_chunks, 3))
     count = np.zeros(num_chunks, np.int64)
     ranges[:, 0] = 1 << 62
     k = 0
@@ -251,19 +302,19 @@ def _segment_kernel(start, lens, off, write, row_req, computed, scheduled, mode,
         for r in range(n_rows):
             s, e = min(max(start[q, r], lo), hi), min(max(start[q, r] + lens[q, r], lo), hi)
             req = row_req[r]
+            c = chunk_of[req] if chunk_of.size else -1
             a = computed[req] + off[q, r] - start[q, r]  # position of token t: a + t
             ends[k], ends[k + 1] = s + shift, e + shift  # the gap before the row, the row
             k += 1
             par[A, k], par[K, k], par[B, k] = a - shift, a - shift + 1, 1
-            par[REQ, k], par[PCU, k] = req, pcu_of[req] * pcu_on
+            par[REQ, k], par[PCU, k] = req, (pcu_of[req] * pcu_on if pcu_of.size else 0)
             par[BTROW, k], par[LIM, k] = req * width, write[q, r]
             k += 1
             if w < 2 and e > s:
-                facts[1] = max(facts[1], a + e)
+                facts[F_KEYS] = max(facts[F_KEYS], a + e)
                 if w == 0:
-                    facts[0] = max(facts[0], a + e)
-                elif chunk_of[req] >= 0:
-                    c = chunk_of[req]
+                    facts[F_DECODE_KEYS] = max(facts[F_DECODE_KEYS], a + e)
+                elif c >= 0:
                     ranges[c, 0], ranges[c, 1] = min(ranges[c, 0], s), max(ranges[c, 1], e)
                     ranges[c, 2], count[c] = max(ranges[c, 2], a + e), count[c] + e - s
         ends[k] = hi + shift
@@ -274,27 +325,42 @@ def _segment_kernel(start, lens, off, write, row_req, computed, scheduled, mode,
         par[B, k], par[BTROW, k], par[LIM, k] = 1, regions[0, j] * width, regions[3, j]
         k += 1
     _restore_segments(start, lens, off, row_req, scheduled, mode, t_pad, ends, par, k,
-                      gather_base + (regions[2, n_reg - 1] if n_reg else 0))
+                      gather_base + (regions[2, n_reg - 1] if n_reg else 0), n_seg)
     for c in range(num_chunks):
         if count[c] == 0:
             ranges[c, 0] = ranges[c, 1] = 0
         elif ranges[c, 1] - ranges[c, 0] != count[c]:
-            facts[5] = 1
-    for i in range(1, ends.size):
+            facts[F_CHUNK_GAP] = 1
+    for i in range(1, n_seg):
         if ends[i] < ends[i - 1]:
-            facts[3] = 1
-    facts[2] = lens[wins[0, 0]].sum()
-    facts[4] = scheduled.astype(np.int64).sum()
-    return ends, par, ranges, facts
+            facts[F_ORDER] = 1
+    ends[n_seg:] = 1 << 62  # graph padding: empty zero segments, their ends past every u
+    # this rank's shard of the longest decode's keys (sharding.shard_count, for one length)
+    dec = facts[F_DECODE_KEYS]
+    if w_size > 1:
+        base = (dec // inter // w_size) * inter
+        dec = base + min(max(dec - base * w_size - dcp_rank * inter, 0), inter)
+    facts[F_DECODE_KEYS] = dec
+    tables = out[(1 + NUM_PARAMS) * segs: facts[F_WORDS]].reshape((bt_rows, width))
+    cols = min(width, bt.shape[1])  # graph: columns past the tables' and rows past N are 0
+    for i in range(bt_rows):
+        for j in range(cols if i < bt.shape[0] else 0):
+            tables[i, j] = bt[i, j]
+        for j in range(cols if i < bt.shape[0] else 0, width):
+            tables[i, j] = 0
+    facts[F_TOKENS] = lens[pcp_rank].sum()
+    facts[F_SUM_Q] = scheduled.astype(np.int64).sum()
+    return facts
 
 
 @njit(cache=True)
-def _restore_segments(start, lens, off, row_req, scheduled, mode, t_pad, ends, par, k, base):
-    """From ``k`` on: one segment per (rank, row) a query token is restored from (split rows
-    from every rank, the others from PCP rank 0), in global token order; x = the token's row
-    of the ``[P * T]`` buffer."""
+def _restore_segments(start, lens, off, row_req, scheduled, mode, t_pad, ends, par, k, base,
+                      end):
+    """From ``k`` to ``end``: one segment per (rank, row) a query token is restored from
+    (split rows from every rank, the others from PCP rank 0), in global token order; x = the
+    token's row of the ``[P * T]`` buffer."""
     n_ranks, n_rows = start.shape
-    n = ends.size - k
+    n = end - k
     dst, src, length = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
     first = np.empty(scheduled.size, np.int64)  # exclusive prefix sum of q
     acc = 0
@@ -316,14 +382,17 @@ def _restore_segments(start, lens, off, row_req, scheduled, mode, t_pad, ends, p
 
 def compile_host_kernels() -> None:
     """Compile (or load from ``__pycache__``) the host kernels for the array types plans carry
-    (read-only int32 / uint8 views), so that the first bind pays no JIT cost."""
+    (read-only int32 / uint8 views) and int32 / int64 block tables, so that the first bind pays
+    no JIT cost."""
     def ro(dtype, *shape):
         return np.frombuffer(np.zeros(shape, dtype).tobytes(), dtype).reshape(shape)
 
-    _first_bad_block(np.ones((1, 1), np.int64), np.ones(1, np.int64), -1)
+    rows, lens = ro(np.int32, 1, 1), ro(np.int32, 1, 1)
     regions, chunk_of, pcu_of = _region_kernel(np.zeros(0, np.int32), np.zeros(0, np.int64),
-                                               np.zeros(0, np.int64), ro(np.int32, 1, 1), 0, 1)
-    rows = ro(np.int32, 1, 1)
-    _segment_kernel(rows, rows, rows, ro(np.uint8, 1, 1), ro(np.int32, 1), ro(np.int32, 1),
-                    ro(np.int32, 1), ro(np.uint8, 1), np.zeros((1, 5), np.int64), pcu_of,
-                    chunk_of, regions, 1, 1, 1, 0)
+                                               np.zeros(0, np.int64), lens, 0, 1)
+    for dtype in (np.int32, np.int64):
+        bt = np.ones((1, 1), dtype)
+        _first_bad_block(bt, lens, 0, 1, -1)
+        _segment_kernel(rows, rows, rows, ro(np.uint8, 1, 1), ro(np.int32, 1), ro(np.int32, 1),
+                        ro(np.int32, 1), ro(np.uint8, 1), lens, bt, pcu_of, chunk_of, regions,
+                        0, 0, 0, 0, 1, False, 0, 1, 1, 1, _NO_WORDS)

@@ -3,17 +3,19 @@ on the device.
 
 ``runtime/segments.py`` (:func:`~cpplan.runtime.segments.build_tables`, one jitted pass,
 O(P * rows + requests), never O(tokens)) cuts the rank's tables into *segments*, runs of entries
-affine in their index ``u``, and returns each segment's end and parameters with the step's host
-integers (``StepMeta``, widths from per-row maxima). The executor packs them into one arena (one
-H2D copy); :meth:`StepTables.expand` expands them on the device in a fixed number of torch ops (cached arange, one searchsorted, one gather, arithmetic),
-whatever the number of requests, rows or chunks (docs/design.md §5.3). Sections of ``u``:
+affine in their index ``u``, and writes each segment's end and parameters, then the block
+tables' touched columns, into the next arena's words (:data:`TABLE_NAMES`; one H2D copy), with
+the step's host integers (``StepMeta``, widths from per-row maxima). :meth:`StepTables.expand`
+expands them on the device at first use in a fixed number of torch ops (cached arange, one
+searchsorted, one gather, arithmetic), whatever the number of requests, rows or chunks
+(docs/design.md §5.3). Sections of ``u``:
 tokens ``[0, T)`` (this rank's: token_req, token_pos, key_len, region_pcu); insert ``[T, T + UI)``
 (``insert_dec`` then ``insert_pre``: own tokens, or after ``kv_insert`` own decodes then every
 PCP rank's prefill tokens); every gather chunk's ``[PT]`` rows, chunk after chunk; restore.
 
 Per segment (rows of ``seg_params``): ``x = A + B * u`` (a token's position, a gather row's
 local index, a restore row), ``k = K + B * u`` (a token's key count; a gather row's local index),
-``REQ`` and ``PCU`` (tokens), ``BTROW`` (request * block-table width) and ``LIM`` (insert: 1 where
+``REQ`` and ``PCU`` (tokens), ``BTROW`` (request * packed block-table width) and ``LIM`` (insert: 1 where
 the row's KV is written; gather: rows of the region this rank holds). Gaps (padding) are zeros.
 
 Sentinels: padded tokens have request 0, position 0 and key length 0 (no key); KV rows that are
@@ -24,18 +26,23 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import numpy as np
 import torch
+
+from cpplan.schemas.errors import CapacityError
 
 
 A, K, B, REQ, PCU, BTROW, LIM = range(7)  # rows of seg_params
 NUM_PARAMS = 7
+# one bind's arena words, in this order: seg_ends [S], seg_params [7, S], block_tables [N, width]
+TABLE_NAMES = ("seg_ends", "seg_params", "block_tables")
 _IOTA: dict = {}  # device -> arange shared by every bind on it (read only)
 
 
-@dataclasses.dataclass(frozen=True)
-class StepMeta:
-    """Host integers of one bound step (per rank)."""
+class StepMeta(msgspec.Struct, frozen=True, kw_only=True):
+    """Host integers of one bound step (per rank). A msgspec Struct, as Layout and RankTables
+    are: built in C, where a frozen dataclass sets each field through Python (bind runs cold)."""
 
     num_tokens: int  # real tokens of this rank
     padded: int  # T
@@ -53,8 +60,7 @@ class StepMeta:
     graph_key: tuple[int, int] | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
+class Layout(msgspec.Struct, frozen=True, kw_only=True):
     """Host integers of the device expansion: section sizes and the sharding constants."""
 
     num_requests: int
@@ -70,14 +76,24 @@ class Layout:
         return meta.padded + self.insert_len + sum(meta.chunk_rows) + self.restore_len
 
 
-@dataclasses.dataclass(frozen=True)
-class RankTables:
-    """Host side: ``params`` name -> int64 ndarray (what the arena receives, in this order),
-    the step's host integers and the expansion's layout."""
+class RankTables(msgspec.Struct, frozen=True, kw_only=True):
+    """Host side: ``words``, the int64 words the arena receives (the tables of
+    :data:`TABLE_NAMES`, back to back, ``sizes`` words each), the step's host integers and the
+    expansion's layout."""
 
-    params: dict
+    words: np.ndarray
+    sizes: tuple[int, int, int]
     meta: StepMeta
     layout: Layout
+
+    @property
+    def params(self) -> dict:
+        """name -> int64 ndarray view of ``words``, in TABLE_NAMES order."""
+        out, off = {}, 0
+        for name, size in zip(TABLE_NAMES, self.sizes):
+            out[name] = self.words[off: off + size]
+            off += size
+        return out
 
     @property
     def arrays(self) -> dict:
@@ -113,7 +129,9 @@ class StepTables:
     region_pcu: torch.Tensor  # [T] padded-local prefix offset of the token's region (prefill)
     insert_dec: torch.Tensor  # [nd] cache slot per decode token (DUMMY if not owned)
     insert_pre: torch.Tensor  # [T - nd] or [P * (T - nd)] after kv_insert: prefill slots
-    block_tables: torch.Tensor  # [N, max_blocks] this rank's local blocks per request
+    block_tables: torch.Tensor  # [N, w] this rank's local blocks per request: the engine's
+    #                             first w columns, w the most any request holds on this rank
+    #                             (graph key: [T, key blocks], zero past N and past its blocks)
     restore_index: torch.Tensor  # [sum q] rows of the P * T restored buffer, global order
     #                              (graph key: [P * T], rows past sum q are 0)
     gather: tuple[GatherChunkTables, ...]  # per gather chunk (empty when W == 1)
@@ -141,6 +159,13 @@ class StepTables:
                    local_len=local_len, region_pcu=g[PCU, :t_pad], insert_dec=slots[:nd],
                    insert_pre=slots[nd:ui], block_tables=bt, restore_index=g[A, z_end:],
                    gather=tuple(gather))
+
+
+def arena_overflow(step_id: int, sizes: dict, capacity: int):
+    """The CapacityError of a bind whose tables (name -> words) exceed the arena."""
+    biggest = max(sizes, key=sizes.get)
+    return CapacityError(f"step {step_id} needs {sum(sizes.values()):,} arena words, capacity "
+                         f"{capacity:,} (largest table {biggest}: {sizes[biggest]:,})")
 
 
 def _iota(n: int, device: torch.device) -> torch.Tensor:

@@ -170,7 +170,10 @@ def test_bind_exposes_typed_tables_equal_to_the_walk(p_size, w_size, inter):
         t = bound.tables
         for name, want in ref.items():
             np.testing.assert_array_equal(getattr(t, name).numpy(), want, err_msg=name)
-        assert torch.equal(t.block_tables, torch.from_numpy(bt))
+        # only the columns this rank touches travel: the most blocks a request holds here
+        width = max(1, -(-int(plan.dcp_local_lens.np()[:, w].max()) // BLOCK))
+        assert width < bt.shape[1]
+        assert torch.equal(t.block_tables, torch.from_numpy(bt[:, :width]))
         assert len(t.gather) == len(srcs)
         for chunk, want in zip(t.gather, srcs):
             np.testing.assert_array_equal(chunk.src.numpy(), want)
@@ -269,6 +272,8 @@ def _step_of(n: int, prefills: int) -> StepInput:
 
 @pytest.mark.parametrize("p_size,w_size,inter", [(1, 1, 1), (2, 2, 1), (2, 2, 4)])
 def test_bind_issues_the_same_device_ops_whatever_the_requests_and_chunks(p_size, w_size, inter):
+    """Bind itself issues no device op (on CUDA: the one H2D copy); the expansion at first use
+    issues a fixed number, whatever the requests and gather chunks."""
     cfg = _config(p_size, w_size, inter)
     max_blocks = -(-cfg.shard_rows(cfg.max_model_len) // BLOCK)
     counts = set()
@@ -276,12 +281,71 @@ def test_bind_issues_the_same_device_ops_whatever_the_requests_and_chunks(p_size
         plan = compile_plan(cfg, _step_of(n, prefills))
         ex = _executor(cfg, 0)
         bt = _block_tables(plan.num_requests, max_blocks, 0)
-        ex.bind(plan, bt)  # the cached arange
+        ex.bind(plan, bt).tables  # the cached arange
         with _OpCount() as ops:
-            ex.bind(plan, bt)
+            bound = ex.bind(plan, bt)
+        assert ops.count == 0
+        with _OpCount() as ops:
+            bound.tables
         counts.add(ops.count)
         assert w_size == 1 or len(plan.gather_chunks) >= 1
     assert len(counts) == 1 and counts.pop() <= 25
+
+
+def _walk_equal(bound, plan, p, w, bt):
+    ref, srcs = _naive(plan, p, w, bt)
+    t = bound.tables
+    if bound.meta.graph_key is not None:  # every padded token a decode (the graph layout)
+        ref["insert_dec"] = np.concatenate([ref["insert_dec"], ref.pop("insert_pre")])
+    for name, want in ref.items():
+        np.testing.assert_array_equal(getattr(t, name).numpy()[: want.size], want, err_msg=name)
+    for chunk, want in zip(t.gather, srcs):
+        np.testing.assert_array_equal(chunk.src.numpy(), want)
+
+
+@pytest.mark.parametrize("graphs", [(), (16, 32, 64)])
+def test_a_bound_step_keeps_its_tables_until_its_arena_comes_round_again(graphs):
+    """Bind writes its words into the next arena of the ring (depth 2) and reuses the views of
+    an (arena, sizes) pair: a step bound earlier expands its own tables as long as fewer than
+    ``depth`` binds followed, and a rebind of the same static layout reads the new words."""
+    cfg = msgspec.structs.replace(_config(2, 2, 1), cudagraph_token_sizes=graphs)
+    max_blocks = -(-cfg.shard_rows(cfg.max_model_len) // BLOCK)
+    plans = [compile_plan(cfg, _decode_step(seed, 5)) for seed in (1, 2, 3)]
+    tables = [_block_tables(p.num_requests, max_blocks, seed) for seed, p in enumerate(plans)]
+    ex = _executor(cfg, 1)
+    first = ex.bind(plans[0], tables[0])
+    second = ex.bind(plans[1], tables[1])
+    _walk_equal(first, plans[0], 1, 1, tables[0])  # expanded after the next bind
+    third = ex.bind(plans[2], tables[2])  # first's arena again
+    _walk_equal(second, plans[1], 1, 1, tables[1])
+    _walk_equal(third, plans[2], 1, 1, tables[2])
+    if graphs:  # static layout: the same views, the new words
+        assert third.views is first.views
+
+
+def test_bind_refuses_an_arena_too_small_with_the_numbers():
+    cfg = _config(2, 2, 1)
+    plan = compile_plan(cfg, _step(5))
+    bt = _block_tables(plan.num_requests, -(-cfg.shard_rows(cfg.max_model_len) // BLOCK), 5)
+    ex = StepExecutor(cfg, pcp_rank=0, dcp_rank=0, comm=_NoComm(), device="cpu",
+                      max_tokens=2048, max_requests=1)
+    with pytest.raises(CapacityError, match=r"step 5 needs [\d,]+ arena words, capacity "
+                       r"[\d,]+ \(largest table"):
+        ex.bind(plan, bt)
+    assert ex.arena.next == 0  # nothing committed
+
+
+@pytest.mark.parametrize("convert", [
+    lambda bt: bt.astype(np.int32),
+    lambda bt: bt.astype(np.uint16),
+    lambda bt: np.asfortranarray(bt),
+    lambda bt: np.repeat(bt, 2, axis=1)[:, ::2],  # strided view
+    lambda bt: bt.tolist(),
+])
+def test_bind_takes_block_tables_of_any_integer_type_and_layout(bound_case, convert):
+    cfg, plan, bt = bound_case
+    for rank in range(cfg.world_size):
+        _walk_equal(_executor(cfg, rank).bind(plan, convert(bt)), plan, rank, rank, bt)
 
 
 def test_arena_words_bounds_every_bind():
