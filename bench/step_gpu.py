@@ -5,6 +5,7 @@
     python bench/step_gpu.py --prompt 0 --context 65536:131072   # decode-only, long context
     python bench/step_gpu.py --prompt 0 --graphs          # decode-only: eager vs CUDA-graph replay
     python bench/step_gpu.py --prefill-keys both          # W = 1 prefill: paged vs gathered keys
+    python bench/step_gpu.py --prompt 0 --graphs --trace 5   # + device time per kernel
     torchrun --standalone --nproc-per-node 2 bench/step_gpu.py --pcp 2 --dcp 2 --prompt 0 --merge both
     python bench/step_gpu.py --tiny                       # CPU smoke run at toy sizes
     torchrun --standalone --nproc-per-node 2 bench/step_gpu.py --tiny --pcp 2 --dcp 2   # gloo
@@ -206,6 +207,7 @@ class Rank:
     graphs: StepGraphs | None = None  # --graphs: replays graph-replayable steps
     merge_kernels: object = None  # --merge both: the kernel set with the torch decode merge
     prefill_both: bool = False  # --prefill-keys both: also time the gathered W == 1 prefill
+    trace: int = 0  # --trace: steps profiled for the per-kernel table
 
 
 def setup_rank(args, dims: dict, groups: Groups) -> Rank:
@@ -248,6 +250,7 @@ def setup_rank(args, dims: dict, groups: Groups) -> Rank:
     if args.merge == "both":
         rank.merge_kernels = merge_kernels
     rank.prefill_both = args.prefill_keys == "both"
+    rank.trace = args.trace
     if args.graphs:
         rank.graphs = StepGraphs(ex, lambda bound, *xs: layers_body(rank, bound, *xs))
     return rank
