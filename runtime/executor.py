@@ -266,12 +266,13 @@ class StepExecutor:
         # W == 1 with prefill_keys="gather": the prefill tokens [nd, hi) score a contiguous
         # copy of their requests' keys with the prefill indexer (a key tile per query block)
         mid = max(lo, bound.meta.num_decode_tokens) if self._gathers_prefill(bound) else hi
-        scores, top = k.indexer_topk_decode(index_q[lo:mid], index_w[lo:mid], cache.index_k,
-                                            t.local_len[lo:mid], bt[: mid - lo], bs, w_size,
-                                            self.dcp_rank, inter, cfg.topk, max_keys=width)
+        if mid > lo:
+            scores, top = k.indexer_topk_decode(index_q[lo:mid], index_w[lo:mid], cache.index_k,
+                                                t.local_len[lo:mid], bt[: mid - lo], bs, w_size,
+                                                self.dcp_rank, inter, cfg.topk, max_keys=width)
         if mid < hi:
-            top = torch.cat([top, self._prefill_topk(bound, cache, index_q, index_w, mid, hi,
-                                                     width)])
+            pre = self._prefill_topk(bound, cache, index_q, index_w, mid, hi, width)
+            top = torch.cat([top, pre]) if mid > lo else pre
         if bound.meta.decode_merge:
             all_s, all_i = coll.topk_candidates(bound.channel, scores, top)
             top = k.merge_topk_candidates(all_s, all_i, cfg.topk, w_size)

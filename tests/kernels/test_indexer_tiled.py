@@ -241,3 +241,20 @@ def test_gpu_prefill_matches_old_kernel():
     got = it.indexer_topk_prefill(q, w, k, key_len, pcu, N, 1, 1, topk, max_keys=N)
     _check(got, old.indexer_topk_prefill(q, w, k, key_len, pcu, N, 1, 1, topk, max_keys=N))
     _check(got, ref.indexer_topk_prefill(q.float(), w, k, key_len, pcu, N, 1, 1, topk, max_keys=N))
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_zero_queries(env):
+    """No query (a rank whose step has no token of that kind): [0, topk] results from every
+    backend, without max_keys (no reduction over an empty tensor)."""
+    from cpplan.runtime.kernels.triton import indexer as old
+
+    dev = _dev(env)
+    q, w, k = _inputs(env, 0, 4, 128, 1)
+    none, bt = torch.zeros(0, dtype=torch.int64, device=dev), torch.zeros(0, 2, dtype=torch.int32,
+                                                                             device=dev)
+    for mod in (_it(), old, ref):
+        s, ids = mod.indexer_topk_decode(q, w, k, none, bt, 64, 1, 0, 1, 16)
+        assert s.shape == ids.shape == (0, 16)
+        s, ids = mod.indexer_topk_prefill(q, w, k, none, none, 128, 1, 1, 16)
+        assert s.shape == ids.shape == (0, 16)

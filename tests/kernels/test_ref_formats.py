@@ -125,3 +125,12 @@ def test_pack_into_skips_negative_slots():
     kc = torch.zeros(4, 132, dtype=torch.uint8)
     ref.pack_indexer_k_into(kc, torch.tensor([-1, 3]), torch.ones(2, 128))
     assert torch.equal(kc[3], ref.quantize_indexer_k(torch.ones(1, 128))[0]) and (kc[:3] == 0).all()
+
+
+def test_quantisers_take_zero_rows():
+    """A rank with no token of a kind (a W = 1 rank with prefills only has no decode query)
+    quantises zero rows: empty results of the right shapes, not a reshape error."""
+    q8, w8 = ref.quantize_indexer_q(torch.zeros(0, 4, 128), torch.zeros(0, 4))
+    assert q8.shape == (0, 4, 128) and q8.dtype == torch.float8_e4m3fn and w8.shape == (0, 4)
+    assert ref.quantize_indexer_k(torch.zeros(0, 128)).shape == (0, ref.INDEXER_K_BYTES)
+    assert ref.quantize_fp8_ds_mla(torch.zeros(0, 576)).shape == (0, 656)

@@ -44,7 +44,7 @@ def _quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = _pow2(fp8_scale_exponent(x.abs().amax(dim=-1)))
     # x / scale is exact (power of two); do it in float64 so no subnormal step can round.
     q = (x.double() / scale.double().unsqueeze(-1)).to(torch.float8_e4m3fn)
-    return q.view(torch.uint8).reshape(x.shape[0], -1), scale
+    return q.view(torch.uint8).reshape(x.shape[0], x.shape[1] * x.shape[2]), scale
 
 
 def quantize_fp8_ds_mla(kv: torch.Tensor) -> torch.Tensor:

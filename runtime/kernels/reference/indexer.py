@@ -114,7 +114,7 @@ def prefill_key_rows(key_len, region_pcu, padded_local_total: int, dcp_size: int
     max_keys: the rectangle width L (default ``max(key_len)``, which syncs).
     Returns ``(key_rows [T, L] int32, key_ids [T, L] int64)``, NO_KEY beyond key_len.
     """
-    L = int(key_len.max()) if max_keys is None else max_keys
+    L = (int(key_len.max()) if key_len.numel() else 0) if max_keys is None else max_keys
     t = torch.arange(L, device=key_len.device)[None, :].expand(key_len.shape[0], L)
     ids = torch.where(t < key_len.long()[:, None], t, NO_KEY)
     rows = remap_to_gathered(ids, region_pcu, padded_local_total, dcp_size, interleave)
@@ -131,7 +131,7 @@ def decode_key_slots(local_len, block_table, block_size: int, dcp_size: int, dcp
     ``block_table[j, l // B] * B + l % B`` and global id ``(l // I) * W * I + rank * I + l % I``.
     """
     W, I, B = dcp_size, interleave, block_size
-    L = int(local_len.max()) if max_keys is None else max_keys
+    L = (int(local_len.max()) if local_len.numel() else 0) if max_keys is None else max_keys
     l = torch.arange(L, device=local_len.device)[None, :].expand(local_len.shape[0], L)
     valid = l < local_len.long()[:, None]
     blocks = torch.gather(block_table.long(), 1, torch.where(valid, l // B, 0))

@@ -105,7 +105,7 @@ def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_loc
 
     max_keys: the widest key_len (from the plan; default ``max(key_len)``, which syncs).
     """
-    L = int(key_len.max()) if max_keys is None else max_keys
+    L = (int(key_len.max()) if key_len.numel() else 0) if max_keys is None else max_keys
     key_len, region_pcu = key_len.contiguous(), region_pcu.contiguous()
 
     def launch(t0, t1, out):
@@ -120,7 +120,7 @@ def indexer_topk_decode(q, weights, k_cache_flat, local_len, block_table, block_
                         dcp_size: int, dcp_rank: int, interleave: int, topk: int, *,
                         max_keys: int | None = None, logits_budget_bytes: int = LOGITS_BUDGET_BYTES):
     """Triton ``indexer_topk_decode``: the rank's local top-k as (score, global id) candidates."""
-    L = int(local_len.max()) if max_keys is None else max_keys
+    L = (int(local_len.max()) if local_len.numel() else 0) if max_keys is None else max_keys
     if k_cache_flat.dim() == 3:
         k_cache_flat = k_cache_flat.view(-1, INDEXER_K_BYTES)
     local_len, block_table = local_len.contiguous(), block_table.contiguous()

@@ -308,8 +308,8 @@ def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_loc
     Queries run in chunks whose int32 keys fit ``logits_budget_bytes``.
     """
     tiles = tiles or IndexerTiles()
-    L = int(key_len.max()) if max_keys is None else max_keys
     T = q.shape[0]
+    L = (int(key_len.max()) if T else 0) if max_keys is None else max_keys
     top_s, top_i = _outputs(T, topk, q.device)
     if T == 0 or L == 0 or topk == 0:
         return top_s, top_i
@@ -343,8 +343,8 @@ def indexer_topk_decode(q, weights, k_cache_flat, local_len, block_table, block_
     tiles = tiles or IndexerTiles()
     fp8 = tiles.decode_fp8 and q.is_cuda
     q, weights = _query(q, weights, torch.float8_e4m3fn if fp8 else None)
-    L = int(local_len.max()) if max_keys is None else max_keys
     T = q.shape[0]
+    L = (int(local_len.max()) if T else 0) if max_keys is None else max_keys
     top_s, top_i = _outputs(T, topk, q.device)
     if T == 0 or L == 0 or topk == 0:
         return top_s, top_i
