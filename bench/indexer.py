@@ -138,9 +138,19 @@ def prefill_parts(args, tiles, ceil, flops, label):
             t = dataclasses.replace(tiles, sort_segments=segs)
             parts.append((f"select ranked {segs} segments", lambda t=t: it._select(
                 keys, key_len, TOPK, top_s, top_i, t), None))
+        for segs in (4, 8, 16):  # the exact top K kept first, then only K ordered
+            t = dataclasses.replace(tiles, select_exact=True, sort_segments=segs)
+            parts.append((f"select exact, {segs} segments", lambda t=t: it._select(
+                keys, key_len, TOPK, top_s, top_i, t), None))
+    want = None
     for part, fn, fl in parts:
         try:
-            row(f"  {label} {part}", bench(fn), fl, ceil)
+            fn()
+            if part == "select":  # every select variant after it is checked against it
+                want = (top_s.clone(), top_i.clone())
+            note = f"== default select: {same((top_s, top_i), want)}" if want and part != "select" \
+                and part.startswith("select") else ""
+            row(f"  {label} {part}", bench(fn), fl, ceil, note)
         except FAILS as e:
             print(f"  {label} {part}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
 
@@ -152,6 +162,7 @@ DECODE_SELECTS = {
     "split runs of 256": {"split_run": 256},
     "long rows: second select": {"rank_runs": 1},
     "long rows: 32 programs per SM": {"programs_per_sm": 32},
+    "exact top K kept first": {"select_exact": True},
 }
 
 

@@ -188,6 +188,12 @@ SELECT_VARIANTS = {
     "retry": {"programs_per_sm": 0, "select_margin": -6.0, "select_sample": 128},
     "fallback": {"programs_per_sm": 8, "select_margin": -9.0, "select_attempts": 1},
     "radix": {"programs_per_sm": 0, "select_attempts": 0, "radix_bits": 8},
+    # the exact top K kept first (bisection on the key), then only those ordered
+    "exact": {"programs_per_sm": 0, "select_exact": True},
+    "exact-one-sort": {"programs_per_sm": 0, "select_exact": True, "sort_segments": 1},
+    "exact-segments": {"programs_per_sm": 8, "select_exact": True, "radix_bits": 8},
+    "exact-fallback": {"programs_per_sm": 8, "select_exact": True, "select_margin": -9.0,
+                       "select_attempts": 1},
 }
 
 
@@ -208,6 +214,8 @@ def test_select(env, kind, variant):
     kw = {"split_rows": 0, **SELECT_VARIANTS[variant]}
     if "split_run" in kw:  # the variant's number of runs: runs of L / split_run keys
         kw["split_run"] = triton_next_pow2(L) // kw["split_run"]
+    if env == "interp" and kw.get("select_exact"):  # candidates (CAP) beyond the kept K
+        kw["select_cap"] = 128
     got = it.select_topk(scores.to(dev), lens.to(dev), topk, tiles=_tiles(env, **kw))
     _check(got, want)
 

@@ -204,6 +204,34 @@ def _merge_ranks(buf, v, CAP: tl.constexpr, SEGS: tl.constexpr, LOG_SEG: tl.cons
 
 
 @triton.jit
+def _keep_top(v, n_live, K, dst, CAP: tl.constexpr):
+    """Writes to dst[0 : min(K, n_live)], in v's order, the top K of the first n_live composites
+    of v (in position order among equal keys, as the gathering leaves them): the keys above the
+    K-th largest key t, then the first of those equal to t. t by bisection on the int32 key:
+    the largest t with at least K keys >= t (at most 32 halvings of the live keys' range)."""
+    slot = tl.arange(0, CAP)
+    live = slot < n_live
+    key = (v >> 32).to(tl.int32)
+    lo = tl.min(tl.where(live, key, 2147483647), 0).to(tl.int64)
+    if n_live > K:  # else every live composite is kept (t = the smallest key)
+        k64 = key.to(tl.int64)
+        hi = tl.max(tl.where(live, key, -2147483648), 0).to(tl.int64) + 1
+        for _ in tl.static_range(32):  # #(key >= lo) >= K > #(key >= hi)
+            if hi - lo > 1:
+                mid = lo + ((hi - lo) >> 1)
+                big = tl.sum((live & (k64 >= mid)).to(tl.int32), 0) >= K
+                lo = tl.where(big, mid, lo)
+                hi = tl.where(big, hi, mid)
+    t = lo.to(tl.int32)
+    above = live & (key > t)
+    eq = (live & (key == t)).to(tl.int32)
+    k_eq = K - tl.sum(above.to(tl.int32), 0)
+    take = above | ((eq > 0) & (tl.cumsum(eq, 0) - eq < k_eq))
+    ti = take.to(tl.int32)
+    tl.store(dst + tl.cumsum(ti, 0) - ti, v, mask=take)
+
+
+@triton.jit
 def _emit(v, row, slot, total, dst, s_ptr, i_ptr, stride_or, K, RANK, W: tl.constexpr,
           I: tl.constexpr, FINAL: tl.constexpr, DECODE_IDS: tl.constexpr, KP: tl.constexpr,
           LIVE_ONLY: tl.constexpr):
@@ -233,9 +261,11 @@ def select_kernel(keys_ptr, len_ptr, buf_ptr, dst_ptr, s_ptr, i_ptr,
                   FINAL: tl.constexpr, DECODE_IDS: tl.constexpr, KP: tl.constexpr,
                   CAP: tl.constexpr, S: tl.constexpr, ATTEMPTS: tl.constexpr,
                   BLOCK: tl.constexpr, BITS: tl.constexpr, SORT_SEGS: tl.constexpr,
-                  LOG_SEG: tl.constexpr, LOG_SEGS: tl.constexpr):
+                  LOG_SEG: tl.constexpr, LOG_SEGS: tl.constexpr, EXACT: tl.constexpr,
+                  SORT_SEGS_K: tl.constexpr, LOG_SEG_K: tl.constexpr, LOG_SEGS_K: tl.constexpr):
     """Top-K of keys[row, seg*SEG_LEN : ...] (row length len[row], or N without len_ptr) for the
-    items (row, seg) = divmod(item, SEGS) of this persistent program.
+    items (row, seg) = divmod(item, SEGS) of this persistent program. EXACT: the exact top K of
+    the CAP candidates are kept first (``_keep_top``) and only those (KP slots) are ordered.
 
     Not FINAL: the KP sorted composites go to dst[row, seg*KP : (seg+1)*KP] (pads NO_COMPOSITE).
     FINAL (one segment): scores / ids (NO_KEY pads) go to s / i. buf: this program's scratch,
@@ -265,7 +295,23 @@ def select_kernel(keys_ptr, len_ptr, buf_ptr, dst_ptr, s_ptr, i_ptr,
         eq = (slot >= n_gt) & (slot < n_gt + e)
         v = tl.where(eq, tl.load(eq_buf + (slot - n_gt), mask=eq, other=0), v)
         total = tl.minimum(K, n_gt + e)
-        if SORT_SEGS == 1:
+        if EXACT:
+            tl.debug_barrier()  # every thread has read the scratch before it is rewritten
+            _keep_top(v, n_gt + e, K, gt_buf, CAP)
+            tl.debug_barrier()  # the kept composites, read back by other threads below
+            kslot = tl.arange(0, KP)
+            v = tl.load(gt_buf + kslot, mask=kslot < total, other=-9223372036854775808)
+            dst = dst_ptr + row * stride_dr + seg * KP
+            if SORT_SEGS_K == 1:
+                v = tl.sort(v, 0, descending=True)
+                _emit(v, row, kslot, total, dst, s_ptr, i_ptr, stride_or, K, RANK, W, I, FINAL,
+                      DECODE_IDS, KP, False)
+            else:
+                tl.debug_barrier()  # every thread has read the scratch before it is rewritten
+                v, rank = _merge_ranks(gt_buf, v, KP, SORT_SEGS_K, LOG_SEG_K, LOG_SEGS_K)
+                _emit(v, row, rank, total, dst, s_ptr, i_ptr, stride_or, K, RANK, W, I, FINAL,
+                      DECODE_IDS, KP, True)
+        elif SORT_SEGS == 1:
             v = tl.sort(v, 0, descending=True)
             _emit(v, row, slot, total, dst_ptr + row * stride_dr + seg * KP, s_ptr, i_ptr,
                   stride_or, K, RANK, W, I, FINAL, DECODE_IDS, KP, False)

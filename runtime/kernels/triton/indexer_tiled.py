@@ -111,6 +111,7 @@ class IndexerTiles:
     programs_per_sm: int = 4  # decode logits and long-row select fill this many programs per SM
     decode_fp8: bool = True  # decode logits on fp8 tensor cores (CUDA; else fp8 values in bf16)
     sort_segments: int = 8  # candidates ordered by one sort (1) or a merge sort from segments
+    select_exact: bool = False  # keep the exact top K of the candidates, then order only those
     split_rows: int = 512  # at most this many rows of <= split_run * rank_runs keys: split path
     split_run: int = 512  # keys per sorted run of the split path (power of two)
     rank_runs: int = 16  # most runs merged by ranks (split path; long rows' second stage)
@@ -195,8 +196,11 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
               "num_warps": tiles.select_warps}
     cap = common["CAP"]
     segs_sort = min(triton.next_power_of_2(max(tiles.sort_segments, 1)), cap // 16)
+    segs_k = min(triton.next_power_of_2(max(tiles.sort_segments, 1)), max(1, kp // 16))
     common.update(SORT_SEGS=segs_sort, LOG_SEG=(cap // segs_sort).bit_length() - 1,
-                  LOG_SEGS=segs_sort.bit_length() - 1)
+                  LOG_SEGS=segs_sort.bit_length() - 1, EXACT=tiles.select_exact and kp < cap,
+                  SORT_SEGS_K=segs_k, LOG_SEG_K=(kp // segs_k).bit_length() - 1,
+                  LOG_SEGS_K=segs_k.bit_length() - 1)
     if segs == 1:
         _select_launch(keys, lens, keys, top_s, top_i, L, L, 1, topk, tiles, sms, True, False,
                        common)
