@@ -339,24 +339,31 @@ def sort_runs_kernel(keys_ptr, len_ptr, runs_ptr, stride_kr, stride_rr, N,
     tl.store(runs_ptr + row * stride_rr + c, v)
 
 
-@triton.jit(do_not_specialize=["NRUNS", "K", "RANK"])
-def rank_runs_kernel(runs_ptr, s_ptr, i_ptr, stride_rr, stride_or, NRUNS, K, RANK, W: tl.constexpr,
-                     I: tl.constexpr, DECODE_IDS: tl.constexpr, SEG: tl.constexpr,
-                     LOG_SEG: tl.constexpr, RUNS: tl.constexpr, CHUNK: tl.constexpr):
+@triton.jit(do_not_specialize=["len_ptr", "N", "NRUNS", "K", "RANK"])
+def rank_runs_kernel(runs_ptr, len_ptr, s_ptr, i_ptr, stride_rr, stride_or, N, NRUNS, K, RANK,
+                     W: tl.constexpr, I: tl.constexpr, DECODE_IDS: tl.constexpr,
+                     HAS_LEN: tl.constexpr, SEG: tl.constexpr, LOG_SEG: tl.constexpr,
+                     RUNS: tl.constexpr, CHUNK: tl.constexpr):
     """Program (row, g, chunk): the place of each composite of run g (CHUNK of them) among the
     row's NRUNS <= RUNS sorted runs of SEG is the count of composites ahead of it in every run (binary
     searches; runs before g win ties, so the NO_COMPOSITE pads would get distinct places): a
     one-round merge of all runs, whose searches run in parallel. Live composites placed before K
-    are written as scores / ids (the outputs hold their pads already)."""
+    are written as scores / ids (the outputs hold their pads already). HAS_LEN: run t of a row
+    of n = min(len, N) keys holds keys t*SEG.. (sort_runs_kernel), so runs past n are pads and
+    are not searched."""
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
+    live_runs = NRUNS
+    if HAS_LEN:
+        live_runs = tl.minimum((tl.minimum(tl.load(len_ptr + row).to(tl.int32), N) + SEG - 1)
+                               // SEG, NRUNS)
     base = runs_ptr + row * stride_rr
     v = tl.load(base + g * SEG + tl.program_id(2) * CHUNK + tl.arange(0, CHUNK))
     live = v != -9223372036854775808
     if tl.max(live.to(tl.int32), 0) > 0:  # runs of pads only (past the row's end): nothing to do
         place = tl.zeros((CHUNK,), tl.int32)
         for t in tl.static_range(RUNS):  # unrolled: the searches are independent; RUNS is a
-            if t < NRUNS:  # bound, so one compile serves every run count
+            if t < live_runs:  # bound, so one compile serves every run count
                 run = base + t * SEG
                 before = t < g
                 cnt = tl.zeros((CHUNK,), tl.int32)

@@ -62,12 +62,16 @@ segments: each selects its own top-K composites (a sorted run of KP), then the r
 placed by ranks over the runs (``rank_runs_kernel``, below; or, past ``rank_runs`` runs, a
 second launch of the select over the ``segments x KP`` candidates).
 
-Few short rows (decode at short context: at most ``split_rows`` rows of at most ``split_run``
-x ``rank_runs`` keys) take the split path, which spreads each row over many programs:
-``sort_runs_kernel`` sorts runs of ``split_run`` composites (R x runs programs), then
-``rank_runs_kernel`` places each composite by the count of composites ahead of it in every run
-(binary searches, independent across runs; earlier runs win ties) and writes those placed
-before K: a one-round merge. H200, replayed from a CUDA graph: the 64 x 4k select 27.9 us
+Few short rows (decode at short context: at most ``split_rows`` rows of at most
+``split_run_max`` x ``rank_runs`` keys) take the split path, which spreads each row over many
+programs: ``sort_runs_kernel`` sorts runs of composites (R x runs programs; a run is the least
+power of two >= ``split_run`` that gives at most ``split_runs`` runs, capped at
+``split_run_max``), then ``rank_runs_kernel`` places each composite by the count of composites
+ahead of it in every run of its row that holds keys (binary searches, independent across runs;
+earlier runs win ties) and writes those placed before K: a one-round merge. Its cost grows with
+runs x runs per row: in the 64-decode step (contexts 2k-6k, 16 runs of 512 then) the ranks took
+46 us a layer and the run sorts 15 (``bench/step_gpu.py --trace``), hence at most 8 runs, and
+no search of runs past a row's end. H200, replayed from a CUDA graph: the 64 x 4k select 27.9 us
 against 70.6 us with one program per row; the 8 x 128k select 119.7 us with ranks against
 176.5 us with a second select launch.
 """
@@ -112,8 +116,10 @@ class IndexerTiles:
     decode_fp8: bool = True  # decode logits on fp8 tensor cores (CUDA; else fp8 values in bf16)
     sort_segments: int = 8  # candidates ordered by one sort (1) or a merge sort from segments
     select_exact: bool = False  # keep the exact top K of the candidates, then order only those
-    split_rows: int = 512  # at most this many rows of <= split_run * rank_runs keys: split path
-    split_run: int = 512  # keys per sorted run of the split path (power of two)
+    split_rows: int = 512  # at most this many rows of <= split_run_max * rank_runs keys: split
+    split_run: int = 512  # path; keys per sorted run: the least power of two >= split_run
+    split_run_max: int = 1024  # giving at most split_runs runs, capped at split_run_max
+    split_runs: int = 8
     rank_runs: int = 16  # most runs merged by ranks (split path; long rows' second stage)
     rank_chunk: int = 256  # composites placed per rank program
     rank_warps: int = 4
@@ -175,14 +181,16 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
     R, L = keys.shape
     kp = triton.next_power_of_2(topk)
     ids = {"RANK": rank, "W": W, "I": I, "DECODE_IDS": decode_ids}
-    run = triton.next_power_of_2(tiles.split_run)
+    run = max(triton.next_power_of_2(tiles.split_run),
+              min(triton.next_power_of_2(triton.cdiv(L, max(1, tiles.split_runs))),
+                  triton.next_power_of_2(tiles.split_run_max)))
     runs = triton.next_power_of_2(triton.cdiv(L, run))
     if R <= tiles.split_rows and runs <= tiles.rank_runs:  # few short rows: split path
         sorted_runs = torch.empty(R, runs * run, dtype=torch.int64, device=keys.device)
         sjit.sort_runs_kernel[(R, runs)](keys, lens, sorted_runs, keys.stride(0),
                                          sorted_runs.stride(0), L, HAS_LEN=True, SEG=run,
                                          num_warps=tiles.split_warps)
-        _rank_launch(sorted_runs, top_s, top_i, topk, run, runs, tiles, ids)
+        _rank_launch(sorted_runs, top_s, top_i, topk, run, runs, tiles, ids, lens=lens, n=L)
         return
     sms = _num_sms(keys.device)
     segs = max(1, min(triton.cdiv(tiles.programs_per_sm * sms, R), L // (4 * kp)))
@@ -218,12 +226,14 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
     _select_launch(cand, lens, cand, top_s, top_i, n, n, 1, topk, tiles, sms, False, True, common)
 
 
-def _rank_launch(sorted_runs, top_s, top_i, topk, run, runs, tiles, ids):
-    """Top-k of each row's ``runs`` sorted runs of ``run`` composites, placed by ranks."""
+def _rank_launch(sorted_runs, top_s, top_i, topk, run, runs, tiles, ids, *, lens=None, n=0):
+    """Top-k of each row's ``runs`` sorted runs of ``run`` composites, placed by ranks; with
+    ``lens``, runs past a row's first min(lens[r], n) keys are pads, not searched."""
     chunk = min(run, triton.next_power_of_2(tiles.rank_chunk))
     grid = (sorted_runs.shape[0], runs, run // chunk)
-    sjit.rank_runs_kernel[grid](sorted_runs, top_s, top_i, sorted_runs.stride(0), top_s.stride(0),
-                                runs, topk, SEG=run, LOG_SEG=run.bit_length() - 1,
+    sjit.rank_runs_kernel[grid](sorted_runs, lens if lens is not None else sorted_runs, top_s,
+                                top_i, sorted_runs.stride(0), top_s.stride(0), n, runs, topk,
+                                HAS_LEN=lens is not None, SEG=run, LOG_SEG=run.bit_length() - 1,
                                 RUNS=triton.next_power_of_2(tiles.rank_runs), CHUNK=chunk,
                                 num_warps=tiles.rank_warps, **ids)
 
