@@ -6,12 +6,13 @@ bf16 matmul ceiling.
                             [--sweep] [--planar-sweep] [--json out.json]
 
 Prefill cases: the last T tokens of an N-token context (query i has keys 0 .. N - T + i),
-64 heads x 128 dims, topk 2048, one rank. Decode cases: B requests of one context each, paged
-cache (block 64, shuffled block table). Inputs are integer-valued, so scores are exact and ties
+64 heads x 128 dims, topk 2048, one rank. Decode cases: B requests of one context each (and 64
+of 2k-6k, as in the decode step), paged cache (block 64, shuffled block table). Inputs are integer-valued, so scores are exact and ties
 abound; each case checks new == old (ids and scores, order included). Logits FLOPs: 2 * 64 * 128
 per (query, key). Medians of ``triton.testing.do_bench``. Each prefill case also times its parts:
-the planar fp8 logits and the select (default, radix-only, and ordered by other
-``sort_segments``), the query quantisation and the plane split alone, and planar tile choices
+the planar fp8 logits and the select (default: the exact top K kept, then ordered; radix-only;
+every candidate ordered from ``sort_segments`` segments, the default before ``select_exact``;
+other ``exact_segments``; each checked equal to the default), the query quantisation and the plane split alone, and planar tile choices
 (each checked equal to the default tiles' keys; the byte-row prefill kernel they replaced took
 6.2-8.9 ms for the first case, bench/RESULTS.md); each decode case times the whole decode
 indexer, its logits and its select, eager and replayed from a CUDA graph (``do_bench_cudagraph``:
@@ -39,9 +40,9 @@ from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench, do_bench_cudagraph
 
 HI, TOPK, BLOCK = 64, 2048, 64
-RANK_SEGS = (8, 32)  # IndexerTiles.sort_segments variants timed beside the default
+RANK_SEGS = (8, 32)  # every candidate ordered from this many segments (select_exact off)
 PREFILL = [(4096, 32768), (2048, 65536), (8192, 8192)]
-DECODE = [(b, ctx) for ctx in (4096, 131072) for b in (1, 8, 64)]
+DECODE = [(b, ctx) for ctx in (4096, 131072) for b in (1, 8, 64)] + [(64, 6144, 2048)]
 ROWS: list[dict] = []
 FAILS = (CompilationError, OutOfResources, RuntimeError)  # a variant that does not build or run
 
@@ -84,7 +85,8 @@ def prefill_inputs(T, N, seed=0):
     return args, 2 * HI * 128 * int(key_len.sum())
 
 
-def decode_inputs(B, ctx, seed=0):
+def decode_inputs(B, ctx, seed=0, lo=None):
+    """B requests of ctx keys each, or (``lo``) of lo..ctx keys (uniform, as in the step)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     nblk = ctx // BLOCK
     q = _ints((B, HI, 128), -2, 2, g).to(torch.bfloat16)
@@ -92,8 +94,10 @@ def decode_inputs(B, ctx, seed=0):
     k = ref.quantize_indexer_k(_ints((B * nblk * BLOCK, 128), -3, 3, g).float())
     bt = torch.randperm(B * nblk, device="cuda", generator=g).int().reshape(B, nblk)
     local_len = torch.full((B,), ctx, device="cuda")
+    if lo is not None:
+        local_len = torch.randint(lo, ctx + 1, (B,), device="cuda", generator=g)
     args = (q, w, k, local_len, bt, BLOCK, 1, 0, 1, TOPK)
-    return args, 2 * HI * 128 * B * ctx
+    return args, 2 * HI * 128 * int(local_len.sum())
 
 
 def same(a, b):
@@ -134,12 +138,12 @@ def prefill_parts(args, tiles, ceil, flops, label):
     parts = [("planar logits", logits, flops), ("select", select, None)]
     if label == "parts":
         parts.append(("select radix only", radix, None))
-        for segs in RANK_SEGS:
-            t = dataclasses.replace(tiles, sort_segments=segs)
+        for segs in RANK_SEGS:  # every candidate ordered (before select_exact), from segments
+            t = dataclasses.replace(tiles, sort_segments=segs, select_exact=False)
             parts.append((f"select ranked {segs} segments", lambda t=t: it._select(
                 keys, key_len, TOPK, top_s, top_i, t), None))
-        for segs in (4, 8, 16):  # the exact top K kept first, then only K ordered
-            t = dataclasses.replace(tiles, select_exact=True, sort_segments=segs)
+        for segs in (2, 8):  # the exact top K kept first (default), ordered from other segments
+            t = dataclasses.replace(tiles, exact_segments=segs)
             parts.append((f"select exact, {segs} segments", lambda t=t: it._select(
                 keys, key_len, TOPK, top_s, top_i, t), None))
     want = None
@@ -162,7 +166,8 @@ DECODE_SELECTS = {
     "split runs of 256": {"split_run": 256},
     "long rows: second select": {"rank_runs": 1},
     "long rows: 32 programs per SM": {"programs_per_sm": 32},
-    "exact top K kept first": {"select_exact": True},
+    "long rows: all candidates ordered (no exact top K)": {"select_exact": False},
+    "split: 16 runs of 512": {"split_runs": 16, "split_run_max": 512},
 }
 
 
@@ -308,10 +313,11 @@ def run_prefill(cases, ceil, kernels, planar_sweep=False):
 
 def run_decode(cases, ceil, kernels):
     ok = True
-    for B, ctx in cases:
-        args, flops = decode_inputs(B, ctx)
-        ok &= case(f"decode B {B} ctx {ctx}", kernels.indexer_topk_decode, it.indexer_topk_decode,
-                   args, ctx, flops, ceil)
+    for B, ctx, *lo in cases:
+        args, flops = decode_inputs(B, ctx, lo=lo[0] if lo else None)
+        name = f"decode B {B} ctx {lo[0]}-{ctx}" if lo else f"decode B {B} ctx {ctx}"
+        ok &= case(name, kernels.indexer_topk_decode, it.indexer_topk_decode, args, ctx, flops,
+                   ceil)
         decode_parts(args, it.IndexerTiles(), ceil, flops)
         del args
     return ok
@@ -335,7 +341,7 @@ def sweep(ceil):
 
 SELECT_SWEEP = {"select_sample": (256, 512, 2048), "select_margin": (2.0, 3.0, 4.0),
                 "select_block": (2048, 8192), "select_warps": (8, 32),
-                "select_programs_per_sm": (2, 8), "sort_segments": (4, 16)}
+                "select_programs_per_sm": (2, 8), "exact_segments": (2, 8)}
 
 
 def sweep_select(args, base, ceil):
@@ -388,7 +394,8 @@ def main():
         sweep_select(args, it.IndexerTiles(), ceil)
         del args
     if "decode" in parts:
-        ok &= run_decode([(64, 4096), (8, 131072)] if a.quick else DECODE, ceil, kernels)
+        ok &= run_decode([(64, 4096), (64, 6144, 2048), (8, 131072)] if a.quick else DECODE, ceil,
+                         kernels)
     if a.sweep:
         sweep(ceil)
     print(f"new == old in every case: {ok}")
