@@ -37,6 +37,8 @@ class ArenaRing:
                      for _ in range(depth)] if self.on_cuda else self.host)
         self.events = [None] * depth  # one per arena, recorded again by each of its copies
         self.next = 0
+        self.commits = 0  # commits so far; owner[slot]: the commit whose words the slot holds
+        self.owner = [0] * depth
         self._views: dict = {}
 
     def wait_arena_free(self, slot: int) -> None:
@@ -59,6 +61,8 @@ class ArenaRing:
         sizes) pair are made once: rebinding a graph key's static layout creates none."""
         slot = self.next
         self.next = (slot + 1) % self.depth
+        self.commits += 1
+        self.owner[slot] = self.commits
         key = (slot, names, sizes)
         cached = self._views.get(key)
         if cached is None:
@@ -77,6 +81,16 @@ class ArenaRing:
                 event = self.events[slot] = torch.cuda.Event()
             event.record()
         return cached[2]
+
+    @property
+    def lease(self) -> tuple[int, int]:
+        """(slot, commit) of the last commit: its views are valid while :meth:`holds` it."""
+        slot = (self.next - 1) % self.depth
+        return slot, self.owner[slot]
+
+    def holds(self, lease: tuple[int, int]) -> bool:
+        """Whether the arena slot of ``lease`` still holds that commit's words."""
+        return self.owner[lease[0]] == lease[1]
 
     def pack(self, arrays: dict, step_id: int) -> dict:
         """Copy ``arrays`` (name -> int64 ndarray) into the next arena (:meth:`acquire`,

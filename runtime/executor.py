@@ -85,6 +85,8 @@ class BoundStep:
     attention: dict = dataclasses.field(default_factory=dict)
     _tables: StepTables | None = None
     _local_prefill: tuple | None = None
+    lease: tuple | None = None  # (arena slot, commit) of the views; None: static views (graphs)
+    finished: bool = False
 
     @property
     def local_prefill(self) -> tuple:
@@ -184,7 +186,20 @@ class StepExecutor:
         if self.watchdog is not None:
             self.watchdog.watch(watch)
         return BoundStep(plan, host.meta, host.layout, views,
-                         coll.StepChannel(self.comm, pending, watch))
+                         coll.StepChannel(self.comm, pending, watch), lease=self.arena.lease)
+
+    def _usable(self, bound: BoundStep, call: str) -> None:
+        """A bound step is used between its bind and its finish, and before ``arena_depth``
+        later binds have reused its arena (its tables would silently be another step's)."""
+        if bound.finished:
+            raise UsageError(f"step {bound.plan.step_id}: {call} after finish(); expected a "
+                             "new bind for a new step")
+        if bound.lease is not None and not self.arena.holds(bound.lease):
+            depth = self.arena.depth
+            raise UsageError(f"step {bound.plan.step_id}: {call} on a bound step whose tables "
+                             f"a later bind has overwritten (arena_depth {depth}); expected at "
+                             f"most {depth} bound steps in flight: finish a step before "
+                             f"binding {depth} more")
 
     def _announce(self, watch: StepWatch, exc: BaseException) -> None:
         """Tell the peers this rank failed (unless the failure came from them)."""
@@ -213,6 +228,7 @@ class StepExecutor:
                index_k_new: torch.Tensor) -> None:
         """Write the step's new tokens into this rank's caches. kv_new ``[T, 576]`` float and
         index_k_new ``[T, 128]`` float: this rank's tokens in its token order (pads ignored)."""
+        self._usable(bound, "insert")
         with self._announcing(bound.channel.watch):
             self._insert(bound, cache, kv_new, index_k_new)
 
@@ -238,6 +254,7 @@ class StepExecutor:
                index_q: torch.Tensor, index_w: torch.Tensor) -> torch.Tensor:
         """Sparse MLA for this rank's tokens: q ``[T, H, 576]``, index_q ``[T, Hi, 128]``,
         index_w ``[T, Hi]`` -> out ``[T, H, 512]`` (q's dtype; zero for padded tokens)."""
+        self._usable(bound, "attend")
         with self._announcing(bound.channel.watch):
             return self._attend(bound, cache, q, index_q, index_w)
 
@@ -334,6 +351,7 @@ class StepExecutor:
     def restore(self, bound: BoundStep, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's rows ``[T, hidden]`` -> every query token in global order
         ``[sum q, hidden]`` (all-gathered over PCP when P > 1)."""
+        self._usable(bound, "restore")
         if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
             raise UsageError(f"step {bound.plan.step_id}: restore inside a CUDA-graph capture; "
                              "expected after StepGraphs.run (its row count changes per step)")
@@ -352,12 +370,14 @@ class StepExecutor:
     def finish(self, bound: BoundStep) -> coll.Ledger:
         """Close the step: the digest check is awaited even if no collective ran; in debug mode
         the ledger must equal the plan's list (CollectiveLedgerError otherwise)."""
+        self._usable(bound, "finish")
         if self.watchdog is not None:
             self.watchdog.watch(None)
         with self._announcing(bound.channel.watch):
             bound.channel.await_plan_verified()
             if self.debug:
                 coll.check_ledger(bound.plan, bound.ledger, self.rank_id)
+        bound.finished = True
         return bound.ledger
 
     @property

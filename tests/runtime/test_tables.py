@@ -18,7 +18,8 @@ from cpplan.planner import compile as compile_plan
 from cpplan.runtime.arena import arena_words
 from cpplan.runtime.executor import DUMMY_SLOT, StepExecutor
 from cpplan.runtime.segments import build_tables, check_block_tables
-from cpplan.schemas import CapacityError, ConfigError, ParallelConfig, StepInput, StepInputError
+from cpplan.schemas import (CapacityError, ConfigError, ParallelConfig, StepInput, StepInputError,
+                            UsageError)
 from cpplan.schemas.arrays import Array
 from cpplan.schemas.errors import PlanFormatError
 
@@ -414,3 +415,28 @@ def test_graph_layout_is_the_token_walk_padded(p_size, w_size, inter, seed, n):
         width = min(blocks, max_blocks)
         np.testing.assert_array_equal(padded_bt[: plan.num_requests, :width], bt[:, :width])
         assert not padded_bt[plan.num_requests:].any()
+
+
+def test_a_bound_step_is_refused_once_its_arena_is_reused_or_after_finish():
+    """arena_depth binds later the arena holds another step's tables: using the old bound step
+    would silently read them, so every executor call refuses it (got / expected); a finished
+    step is refused too. Up to arena_depth bound steps may be in flight."""
+    cfg = _config(1, 1, 1)
+    plan = compile_plan(cfg, _step(3))
+    bt = _block_tables(plan.num_requests, -(-cfg.shard_rows(cfg.max_model_len) // BLOCK), 3)
+    ex = StepExecutor(cfg, pcp_rank=0, dcp_rank=0, comm=_NoComm(), device="cpu",
+                      max_tokens=2048, max_requests=64, debug=False)
+    first, second = ex.bind(plan, bt), ex.bind(plan, bt)
+    ex.finish(second)  # two in flight at depth 2: both usable
+    with pytest.raises(UsageError, match=r"^step 3: attend after finish\(\); expected a new "):
+        ex.attend(second, None, None, None, None)
+    with pytest.raises(UsageError, match="finish after finish"):
+        ex.finish(second)
+    third = ex.bind(plan, bt)  # takes the first's arena while the first is still unfinished
+    with pytest.raises(UsageError, match=r"^step 3: insert on a bound step whose tables a later "
+                       r"bind has overwritten \(arena_depth 2\); expected at most 2 bound"):
+        ex.insert(first, None, None, None)
+    with pytest.raises(UsageError, match="restore on a bound step whose tables"):
+        ex.restore(first, torch.zeros(1, 1))
+    ex.finish(third)
+    _walk_equal(third, plan, 0, 0, bt)  # the live step's tables are its own
