@@ -195,7 +195,7 @@ def bench_issue15(repeat: int) -> list[tuple]:
             t_check, t_host, t_copy, t_bind = [], [], [], []
             for _ in range(repeat):  # bind's parts alone: check, tables into the arena, copy
                 t0 = time.perf_counter()
-                checked = ex._check_bind(plan, bt, None)
+                checked, _ = ex._check_bind(plan, bt, None)
                 t1 = time.perf_counter()
                 host = build_tables(plan, 0, 0, checked, DUMMY_SLOT, out=ex.arena.acquire())
                 t2 = time.perf_counter()

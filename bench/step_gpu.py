@@ -393,7 +393,7 @@ def bind_parts(r: Rank, repeat: int) -> dict:
     from cpplan.runtime.tables import TABLE_NAMES
 
     ex, plan, n = r.ex, r.plan, max(50, repeat)
-    bt = ex._check_bind(plan, r.tables, None)
+    bt, _ = ex._check_bind(plan, r.tables, None)
     host = build_tables(plan, ex.pcp_rank, ex.dcp_rank, bt, DUMMY_SLOT)
     parts = {"check": lambda: ex._check_bind(plan, r.tables, None),
              "tables": lambda: build_tables(plan, ex.pcp_rank, ex.dcp_rank, bt, DUMMY_SLOT,

@@ -37,6 +37,7 @@ from cpplan.schemas.errors import (
     ConfigError,
     PlanMismatchError,
     RankLostError,
+    TensorArgError,
     UsageError,
 )
 from cpplan.schemas.plan import StepPlan
@@ -87,6 +88,7 @@ class BoundStep:
     _local_prefill: tuple | None = None
     lease: tuple | None = None  # (arena slot, commit) of the views; None: static views (graphs)
     finished: bool = False
+    cache_rows: int = 0  # the rows the layer caches need: the step's largest block's end
 
     @property
     def local_prefill(self) -> tuple:
@@ -130,6 +132,9 @@ class StepExecutor:
         self.faults, self.data_timeout_s = faults, data_timeout_s
         self.watchdog: Watchdog | None = None
         self.device = torch.device(device)
+        self._arg_device = (torch.device("cuda", torch.cuda.current_device())  # "cuda" alone
+                            if self.device.type == "cuda" and self.device.index is None
+                            else self.device)
         self.kernels = kernels or get_kernels(str(self.device.type))
         self.max_tokens, self.max_requests = max_tokens, max_requests
         if max_blocks_per_request is None:
@@ -168,7 +173,7 @@ class StepExecutor:
         seq = self.faults.next_step() if self.faults is not None else 0
         watch = StepWatch(self.faults, seq, plan.step_id, self.data_timeout_s)
         try:
-            bt = self._check_bind(plan, block_tables, num_blocks)
+            bt, top = self._check_bind(plan, block_tables, num_blocks)
         except Exception as exc:
             self._announce(watch, exc)
             pending = self.check.start(plan, failed=True) if self.check is not None else None
@@ -186,7 +191,41 @@ class StepExecutor:
         if self.watchdog is not None:
             self.watchdog.watch(watch)
         return BoundStep(plan, host.meta, host.layout, views,
-                         coll.StepChannel(self.comm, pending, watch), lease=self.arena.lease)
+                         coll.StepChannel(self.comm, pending, watch), lease=self.arena.lease,
+                         cache_rows=(top + 1) * plan.config.block_size)
+
+    def _expect(self, bound: BoundStep, call: str, name: str, x, shape: tuple,
+                dtype=None) -> None:
+        """``x`` must be a tensor of ``shape`` on this executor's device, floating point (or
+        of ``dtype``): a wrong row or head count would otherwise run and give a silently wrong
+        answer (a few comparisons; no sync)."""
+        if (isinstance(x, torch.Tensor) and x.shape == shape and x.device == self._arg_device
+                and (x.dtype == dtype if dtype is not None else x.dtype.is_floating_point)):
+            return  # the common case: about 0.5 us
+        got = (f"{tuple(x.shape)} {str(x.dtype).replace('torch.', '')} on {x.device}"
+               if isinstance(x, torch.Tensor) else type(x).__name__)
+        want = str(dtype).replace("torch.", "") if dtype is not None else "floating point"
+        raise TensorArgError(f"step {bound.plan.step_id}: {call}: {name} is {got}; expected "
+                             f"{shape} {want} on {self.device}")
+
+    def _expect_cache(self, bound: BoundStep, call: str, cache) -> None:
+        """The layer's caches: uint8 rows of this config's token bytes, as many of each."""
+        cfg = self.config
+        if not isinstance(cache, LayerCache):
+            raise TensorArgError(f"step {bound.plan.step_id}: {call}: cache is "
+                                 f"{type(cache).__name__}; expected a LayerCache")
+        rows = cache.kv.shape[0] if isinstance(cache.kv, torch.Tensor) else -1
+        self._expect(bound, call, f"cache.kv ({cfg.kv_cache_dtype})", cache.kv,
+                     (rows, cfg.kv_bytes_per_token), torch.uint8)
+        self._expect(bound, call, "cache.index_k", cache.index_k,
+                     (rows, cfg.index_k_bytes_per_token), torch.uint8)
+        if rows < bound.cache_rows:  # an out-of-range index would fault the device (CUDA)
+            bs = cfg.block_size
+            raise TensorArgError(f"step {bound.plan.step_id}: {call}: the caches hold {rows:,} "
+                                 f"rows ({rows // bs:,} blocks); expected at least "
+                                 f"{bound.cache_rows:,}: the step's block tables reach block "
+                                 f"{bound.cache_rows // bs - 1:,} (pass num_blocks to bind to "
+                                 "check them there)")
 
     def _usable(self, bound: BoundStep, call: str) -> None:
         """A bound step is used between its bind and its finish, and before ``arena_depth``
@@ -214,7 +253,8 @@ class StepExecutor:
             self._announce(watch, exc)
             raise
 
-    def _check_bind(self, plan: StepPlan, block_tables, num_blocks: int | None) -> np.ndarray:
+    def _check_bind(self, plan: StepPlan, block_tables, num_blocks: int | None
+                    ) -> tuple[np.ndarray, int]:
         if plan.config is not self.config and plan.config != self.config:  # field by field
             raise ConfigError(f"step {plan.step_id}: the plan was compiled for another config "
                               f"than this executor's ({plan.config!r} vs {self.config!r})")
@@ -227,9 +267,14 @@ class StepExecutor:
     def insert(self, bound: BoundStep, cache: LayerCache, kv_new: torch.Tensor,
                index_k_new: torch.Tensor) -> None:
         """Write the step's new tokens into this rank's caches. kv_new ``[T, 576]`` float and
-        index_k_new ``[T, 128]`` float: this rank's tokens in its token order (pads ignored)."""
-        self._usable(bound, "insert")
-        with self._announcing(bound.channel.watch):
+        index_k_new ``[T, 128]`` float: this rank's tokens in its token order (pads ignored).
+        Tensors or caches that do not fit the step raise TensorArgError (got / expected)."""
+        with self._announcing(bound.channel.watch):  # refusals reach the peers too
+            self._usable(bound, "insert")
+            T, cfg = bound.plan.padded_num_tokens, self.config
+            self._expect_cache(bound, "insert", cache)
+            self._expect(bound, "insert", "kv_new", kv_new, (T, cfg.qk_head_dim))
+            self._expect(bound, "insert", "index_k_new", index_k_new, (T, cfg.index_head_dim))
             self._insert(bound, cache, kv_new, index_k_new)
 
     def _insert(self, bound: BoundStep, cache: LayerCache, kv_new, index_k_new) -> None:
@@ -253,9 +298,16 @@ class StepExecutor:
     def attend(self, bound: BoundStep, cache: LayerCache, q: torch.Tensor,
                index_q: torch.Tensor, index_w: torch.Tensor) -> torch.Tensor:
         """Sparse MLA for this rank's tokens: q ``[T, H, 576]``, index_q ``[T, Hi, 128]``,
-        index_w ``[T, Hi]`` -> out ``[T, H, 512]`` (q's dtype; zero for padded tokens)."""
-        self._usable(bound, "attend")
+        index_w ``[T, Hi]`` -> out ``[T, H, 512]`` (q's dtype; zero for padded tokens). Tensors
+        or caches that do not fit the step raise TensorArgError (got / expected)."""
         with self._announcing(bound.channel.watch):
+            self._usable(bound, "attend")
+            T, cfg = bound.plan.padded_num_tokens, self.config
+            self._expect_cache(bound, "attend", cache)
+            self._expect(bound, "attend", "q", q, (T, cfg.num_heads, cfg.qk_head_dim))
+            self._expect(bound, "attend", "index_q", index_q,
+                         (T, cfg.index_num_heads, cfg.index_head_dim))
+            self._expect(bound, "attend", "index_w", index_w, (T, cfg.index_num_heads))
             return self._attend(bound, cache, q, index_q, index_w)
 
     def _attend(self, bound: BoundStep, cache: LayerCache, q, index_q, index_w) -> torch.Tensor:
@@ -351,11 +403,17 @@ class StepExecutor:
     def restore(self, bound: BoundStep, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's rows ``[T, hidden]`` -> every query token in global order
         ``[sum q, hidden]`` (all-gathered over PCP when P > 1)."""
-        self._usable(bound, "restore")
-        if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+        if isinstance(hidden, torch.Tensor) and hidden.is_cuda and \
+                torch.cuda.is_current_stream_capturing():
             raise UsageError(f"step {bound.plan.step_id}: restore inside a CUDA-graph capture; "
                              "expected after StepGraphs.run (its row count changes per step)")
         with self._announcing(bound.channel.watch):
+            self._usable(bound, "restore")
+            width = hidden.shape[1] if isinstance(hidden, torch.Tensor) and hidden.dim() == 2 \
+                else -1
+            self._expect(bound, "restore", "hidden", hidden,
+                         (bound.plan.padded_num_tokens, width),
+                         hidden.dtype if isinstance(hidden, torch.Tensor) else None)
             if bound.meta.restore:
                 full = hidden.new_empty((self.config.pcp_size * hidden.shape[0],
                                          hidden.shape[1]))
@@ -370,10 +428,10 @@ class StepExecutor:
     def finish(self, bound: BoundStep) -> coll.Ledger:
         """Close the step: the digest check is awaited even if no collective ran; in debug mode
         the ledger must equal the plan's list (CollectiveLedgerError otherwise)."""
-        self._usable(bound, "finish")
         if self.watchdog is not None:
             self.watchdog.watch(None)
         with self._announcing(bound.channel.watch):
+            self._usable(bound, "finish")
             bound.channel.await_plan_verified()
             if self.debug:
                 coll.check_ledger(bound.plan, bound.ledger, self.rank_id)

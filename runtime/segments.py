@@ -35,9 +35,10 @@ _NO_WORDS = np.zeros(0, np.int64)  # ``out`` of build_tables' sizing call
 
 
 def check_block_tables(plan: StepPlan, dcp_rank: int, block_tables, num_blocks: int | None
-                       ) -> np.ndarray:
+                       ) -> tuple[np.ndarray, int]:
     """Validate a rank's block tables for ``plan`` and return them as ``[N, max_blocks]`` int32
-    or int64, C order (other integer types and layouts are converted to int64).
+    or int64, C order (other integer types and layouts are converted to int64), with the
+    largest block the step touches (0 if none: the caches must hold its rows).
 
     Checked, because each of these would otherwise write and read the wrong KV silently: a 2-d
     integer array with exactly one row per request of the plan; every block the step touches
@@ -55,8 +56,9 @@ def check_block_tables(plan: StepPlan, dcp_rank: int, block_tables, num_blocks: 
             raise StepInputError(f"step {plan.step_id}: block_tables must hold integers: got "
                                  f"dtype {dt}")
         bt = np.ascontiguousarray(bt, dtype=np.int64)
-    i, j, need = _first_bad_block(bt, plan.dcp_local_lens.np(), dcp_rank, plan.config.block_size,
-                                  -1 if num_blocks is None else num_blocks)
+    i, j, need, top = _first_bad_block(bt, plan.dcp_local_lens.np(), dcp_rank,
+                                       plan.config.block_size,
+                                       -1 if num_blocks is None else num_blocks)
     if j == -2:
         raise CapacityError(f"step {plan.step_id}: block table too narrow: request {i} needs "
                             f"{need} blocks on this rank, the tables have {bt.shape[1]}")
@@ -64,26 +66,28 @@ def check_block_tables(plan: StepPlan, dcp_rank: int, block_tables, num_blocks: 
         limit = f"1..{num_blocks - 1}" if num_blocks is not None else ">= 1 (0 is reserved)"
         raise StepInputError(f"step {plan.step_id}: block_tables[{i}][{j}] = {int(bt[i, j])}: "
                              f"expected a block in {limit}")
-    return bt
+    return bt, int(top)
 
 
 @njit(cache=True)
 def _first_bad_block(bt, local_lens, dcp_rank, block_size, num_blocks):
     """Request i touches its first need_i = ceil(local_lens[i, dcp_rank] / block_size) blocks.
-    (i, -2, need_i) for the first request whose need_i exceeds the tables' width; else (i, j,
-    0) for the first (row-major) touched block ``bt[i, j]`` that is < 1 or, where
-    ``num_blocks`` >= 0, >= num_blocks; (-1, -1, 0) if none."""
+    (i, -2, need_i, 0) for the first request whose need_i exceeds the tables' width; else (i,
+    j, 0, 0) for the first (row-major) touched block ``bt[i, j]`` that is < 1 or, where
+    ``num_blocks`` >= 0, >= num_blocks; (-1, -1, 0, the largest touched block) if none."""
     width = bt.shape[1]
     for i in range(bt.shape[0]):
         need = -(-np.int64(local_lens[i, dcp_rank]) // block_size)
         if need > width:
-            return i, -2, need
+            return i, -2, need, np.int64(0)
+    top = np.int64(0)
     for i in range(bt.shape[0]):
         need = -(-np.int64(local_lens[i, dcp_rank]) // block_size)
         for j in range(need):
             if bt[i, j] < 1 or (num_blocks >= 0 and bt[i, j] >= num_blocks):
-                return i, j, np.int64(0)
-    return -1, -1, np.int64(0)
+                return i, j, np.int64(0), np.int64(0)
+            top = max(top, np.int64(bt[i, j]))
+    return -1, -1, np.int64(0), top
 
 
 def build_tables(plan: StepPlan, pcp_rank: int, dcp_rank: int, block_tables: np.ndarray,

@@ -30,6 +30,7 @@ from cpplan.schemas.errors import (
     RankLostError,
     SchemaVersionError,
     StepInputError,
+    TensorArgError,
     UsageError,
 )
 from cpplan.schemas.plan import (

@@ -70,6 +70,11 @@ class PeerFailedError(RankLostError):
         return type(self), (str(self), self.rank, self.detail)
 
 
+class TensorArgError(CpplanError, ValueError):
+    """A tensor handed to the runtime (``insert`` / ``attend`` / ``restore`` inputs, a
+    ``LayerCache``) whose shape, dtype or device does not fit the config and the bound step."""
+
+
 class UsageError(CpplanError, RuntimeError):
     """A runtime call made where it cannot run correctly (e.g. ``restore`` inside a CUDA-graph
     capture, where its per-step row count would be frozen)."""

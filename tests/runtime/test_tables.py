@@ -18,8 +18,9 @@ from cpplan.planner import compile as compile_plan
 from cpplan.runtime.arena import arena_words
 from cpplan.runtime.executor import DUMMY_SLOT, StepExecutor
 from cpplan.runtime.segments import build_tables, check_block_tables
+from cpplan.runtime.executor import LayerCache
 from cpplan.schemas import (CapacityError, ConfigError, ParallelConfig, StepInput, StepInputError,
-                            UsageError)
+                            TensorArgError, UsageError)
 from cpplan.schemas.arrays import Array
 from cpplan.schemas.errors import PlanFormatError
 
@@ -217,7 +218,9 @@ def test_bind_refuses_the_reserved_block_and_out_of_range_blocks(bound_case):
     padded = bt.copy()
     need = -(-held // BLOCK)
     padded[np.arange(bt.shape[1])[None, :] >= need[:, None]] = 0
-    check_block_tables(plan, 0, padded, int(bt.max()) + 1)
+    _, top = check_block_tables(plan, 0, padded, int(bt.max()) + 1)
+    touched = [int(padded[i, j]) for i in range(len(need)) for j in range(int(need[i]))]
+    assert top == max(touched, default=0)
 
 
 def test_bind_refuses_too_narrow_tables_with_the_numbers(bound_case):
@@ -440,3 +443,75 @@ def test_a_bound_step_is_refused_once_its_arena_is_reused_or_after_finish():
         ex.restore(first, torch.zeros(1, 1))
     ex.finish(third)
     _walk_equal(third, plan, 0, 0, bt)  # the live step's tables are its own
+
+
+def _args(T):
+    """Well-formed insert / attend / restore tensors of the _config(1, 1, 1) model."""
+    return {"kv_new": torch.zeros(T, 576), "index_k_new": torch.zeros(T, 128),
+            "q": torch.zeros(T, 8, 576), "index_q": torch.zeros(T, 4, 128),
+            "index_w": torch.zeros(T, 4), "hidden": torch.zeros(T, 16)}
+
+
+# (call, argument, a wrong version of it given T, what the message must say)
+MISUSE = [  # {T}: the step's rows; {Tm}, {Tp}: one fewer, one more
+    ("insert", "kv_new", lambda T: torch.zeros(T - 1, 576), r"kv_new is \({Tm}, 576\) float32"),
+    ("insert", "kv_new", lambda T: torch.zeros(T, 512), r"kv_new is \({T}, 512\)"),
+    ("insert", "index_k_new", lambda T: torch.zeros(T, 64), r"index_k_new is \({T}, 64\)"),
+    ("attend", "q", lambda T: torch.zeros(T + 1, 8, 576), r"q is \({Tp}, 8, 576\)"),
+    ("attend", "q", lambda T: torch.zeros(T, 4, 576), r"q is \({T}, 4, 576\)"),
+    ("attend", "q", lambda T: torch.zeros(T, 8, 576, dtype=torch.int64),
+     r"q is \({T}, 8, 576\) int64 on cpu; expected \({T}, 8, 576\) floating point on cpu$"),
+    ("attend", "index_q", lambda T: torch.zeros(T, 2, 128), r"index_q is \({T}, 2, 128\)"),
+    ("attend", "index_w", lambda T: torch.zeros(T, 2), r"index_w is \({T}, 2\)"),
+    ("attend", "index_w", lambda T: None, "index_w is NoneType; expected"),
+    ("restore", "hidden", lambda T: torch.zeros(T - 1, 16), r"hidden is \({Tm}, 16\)"),
+]
+
+
+@pytest.mark.parametrize("call,arg,bad,match", MISUSE)
+def test_runtime_calls_refuse_tensors_that_do_not_fit_the_step(call, arg, bad, match):
+    """A wrong row or head count used to run: fewer rows gave fewer outputs, fewer heads a
+    different selection, silently. Each is a TensorArgError naming got and expected."""
+    cfg = _config(1, 1, 1)
+    plan = compile_plan(cfg, _step(3))
+    T = plan.padded_num_tokens
+    bt = _block_tables(plan.num_requests, -(-cfg.shard_rows(cfg.max_model_len) // BLOCK), 3)
+    ex = StepExecutor(cfg, pcp_rank=0, dcp_rank=0, comm=_NoComm(), device="cpu",
+                      max_tokens=2048, max_requests=64)
+    bound = ex.bind(plan, bt)
+    cache = LayerCache.empty(cfg, int(bt.max()) + 1, "cpu")
+    a = _args(T)
+    a[arg] = bad(T)
+    pattern = match.replace("{Tm}", str(T - 1)).replace("{Tp}", str(T + 1)).replace("{T}", str(T))
+    with pytest.raises(TensorArgError, match=f"^step 3: {call}: {pattern}"):
+        if call == "insert":
+            ex.insert(bound, cache, a["kv_new"], a["index_k_new"])
+        elif call == "attend":
+            ex.attend(bound, cache, a["q"], a["index_q"], a["index_w"])
+        else:
+            ex.restore(bound, a["hidden"])
+
+
+def test_runtime_calls_refuse_caches_that_do_not_fit():
+    """A cache of the other KV format, or too few blocks for the step's block tables (an
+    out-of-range write faults a GPU): TensorArgError before any kernel runs."""
+    cfg = _config(1, 1, 1)
+    plan = compile_plan(cfg, _step(3))
+    bt = _block_tables(plan.num_requests, -(-cfg.shard_rows(cfg.max_model_len) // BLOCK), 3)
+    ex = StepExecutor(cfg, pcp_rank=0, dcp_rank=0, comm=_NoComm(), device="cpu",
+                      max_tokens=2048, max_requests=64)
+    bound = ex.bind(plan, bt)
+    a = _args(plan.padded_num_tokens)
+    other = LayerCache.empty(ParallelConfig(**{**msgspec.structs.asdict(cfg),
+                                              "kv_cache_dtype": "bf16"}), 100, "cpu")
+    with pytest.raises(TensorArgError, match=r"cache.kv \(fp8_ds_mla\) is \(6400, 1152\) "
+                       r"uint8 on cpu; expected \(6400, 656\) uint8"):
+        ex.attend(bound, other, a["q"], a["index_q"], a["index_w"])
+    top = max(int(bt[i, j]) for i, n in enumerate(plan.dcp_local_lens.np()[:, 0])
+              for j in range(-(-int(n) // BLOCK)))
+    small = LayerCache.empty(cfg, top, "cpu")  # blocks 0 .. top - 1: one short
+    with pytest.raises(TensorArgError, match=rf"the caches hold {top * BLOCK:,} rows \({top} "
+                       rf"blocks\); expected at least {(top + 1) * BLOCK:,}: the step's block "
+                       rf"tables reach block {top} "):
+        ex.insert(bound, small, a["kv_new"], a["index_k_new"])
+    ex.insert(bound, LayerCache.empty(cfg, top + 1, "cpu"), a["kv_new"], a["index_k_new"])
