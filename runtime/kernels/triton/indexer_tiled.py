@@ -114,7 +114,8 @@ class IndexerTiles:
     select_warps: int = 16
     select_sample: int = 1024  # keys sampled per row for the threshold (power of two)
     select_margin: float = 5.0  # sample ranks past the expected one, in standard deviations
-    select_cap: int = 4096  # candidates kept (and sorted) per row; rounded up to a power of two
+    select_cap: int = 4096  # candidates gathered per row (a power of two; all ordered unless
+    # select_exact keeps the top K of them first)
     select_attempts: int = 3  # gathering passes before the radix fallback; 0: radix only
     select_programs_per_sm: int = 4  # persistent select programs per SM
     radix_bits: int = 11  # fallback histogram bins 2**radix_bits; ceil(32 / bits) passes
@@ -123,9 +124,9 @@ class IndexerTiles:
     sort_segments: int = 8  # candidates ordered by one sort (1) or a merge sort from segments
     select_exact: bool = True  # keep the exact top K of the candidates, then order only those
     exact_segments: int = 4  # ... by a merge sort from this many segments (1: one sort)
-    split_rows: int = 512  # at most this many rows of <= split_run_max * rank_runs keys: split
-    split_run: int = 512  # path; keys per sorted run: the least power of two >= split_run
-    split_run_max: int = 1024  # giving at most split_runs runs, capped at split_run_max
+    split_rows: int = 512  # split path: at most this many rows of <= split_run_max * rank_runs
+    split_run: int = 512  # keys; a run is the least power of two >= split_run that gives at
+    split_run_max: int = 1024  # most split_runs runs a row, capped at split_run_max
     split_runs: int = 8
     rank_runs: int = 16  # most runs merged by ranks (split path; long rows' second stage)
     rank_chunk: int = 256  # composites placed per rank program
