@@ -209,8 +209,14 @@ def _as_torchrun_rank(opts, world: int, env, as_json: bool) -> int:
     leave_torchrun(clean=not isinstance(error, RankLostError))
     result = RankResult(ctx.rank, value=value)
     if error is not None:  # each rank names its own failure; rank 0 writes the JSON
-        return _report_failures([(ctx.rank, error, value)], as_json and ctx.rank == 0,
+        code = _report_failures([(ctx.rank, error, value)], as_json and ctx.rank == 0,
                                 torchrun=True)
+        # torchrun ends the other ranks as soon as it sees one exit: leave now, without the
+        # interpreter's teardown (which can outlast its monitor interval), so that every rank's
+        # own exit code reaches its report. The world is left and the output flushed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     if ctx.rank == 0:
         return _report(opts, [result], elapsed, as_json)
     return _exit_code_of(value)  # the summary is summed over all ranks: the same on each
