@@ -31,7 +31,7 @@ def _tiles(env, **kw):
     if env == "interp":  # small tiles: several key blocks and select steps per row; rows
         # longer than the candidate cap, so the sampled threshold is exercised
         kw = {"block_k": 32, "decode_block_k": 32, "select_block": 64, "select_cap": 64,
-              "select_sample": 64, "split_run": 64, "rank_chunk": 32, **kw}
+              "select_sample": 64, "split_run": 64, "rank_chunk": 32, "rank_runs": 4, **kw}
     return it.IndexerTiles(**kw)
 
 
@@ -175,7 +175,7 @@ def _select_scores(kind, R, L, g):
 # long rows split into segments + a second select); the split path (rows sorted as runs of L / 8
 # or L / 2 keys by R x runs programs, placed by ranks). All but "split*" turn the split path off.
 SELECT_VARIANTS = {
-    "split": {"split_rows": 1 << 20, "split_run": 8, "split_warps": 8},
+    "split": {"split_rows": 1 << 20, "split_run": 8, "split_warps": 8, "rank_runs": 8},
     "split-two-runs": {"split_rows": 1 << 20, "split_run": 2},
     "one-sort": {"programs_per_sm": 0, "sort_segments": 1, "select_exact": False},
     "one-sort-segments": {"programs_per_sm": 8, "sort_segments": 1, "radix_bits": 8,

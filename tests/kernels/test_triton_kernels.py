@@ -474,7 +474,8 @@ def test_gathered_prefill_keys_through_the_tiled_indexer_match_the_oracle(p):
 
     # small tiles, as in test_indexer_tiled.py: the interpreter runs every program in turn
     tiles = indexer_tiled.IndexerTiles(block_k=32, select_block=64, select_cap=64,
-                                       select_sample=64)
+                                       select_sample=64, split_run=64, rank_chunk=32,
+                                       rank_runs=4)
 
     def prefill(*args, **kwargs):
         with lock:
