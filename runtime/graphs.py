@@ -73,7 +73,8 @@ class StepGraphs:
     def run(self, bound, *inputs: torch.Tensor):
         """The step's body outputs: by graph replay when the step has a graph key (see the module
         docstring), otherwise eagerly."""
-        self.ex._usable(bound, "StepGraphs.run")
+        with self.ex._announcing(bound.channel.watch):  # the peers are told, as for insert
+            self.ex._usable(bound, "StepGraphs.run")
         key = bound.meta.graph_key
         if key is None or not self.enabled:
             return self.body(bound, *inputs)
