@@ -320,8 +320,8 @@ class StepExecutor:
             lo, hi, width = m.local_range
             if hi > lo:
                 part = self._attend_local(bound, cache, q, index_q, index_w, lo, hi, width)[0]
-                if (lo, hi) == (0, T) and part.dtype == q.dtype:
-                    return part
+                if (lo, hi) == (0, T):
+                    return part.to(q.dtype)  # itself when the dtypes agree
             out = q.new_zeros(T, q.shape[1], self.config.v_head_dim)
             if hi > lo:
                 out[lo:hi] = part
@@ -329,10 +329,7 @@ class StepExecutor:
         nd = m.num_decode_tokens
         if nd == T and not m.chunk_ranges:
             o, lse = self._attend_local(bound, cache, q, index_q, index_w, 0, nd, m.decode_width)
-            merged = self._merge_decode(bound, o, lse)
-            if merged.dtype == q.dtype:
-                return merged
-            return merged.to(q.dtype)
+            return self._merge_decode(bound, o, lse).to(q.dtype)
         out = q.new_zeros(T, q.shape[1], self.config.v_head_dim)
         for c in range(len(m.chunk_ranges)):
             self._attend_chunk(bound, cache, q, index_q, index_w, c, out)
