@@ -323,13 +323,22 @@ def select_kernel(keys_ptr, len_ptr, buf_ptr, dst_ptr, s_ptr, i_ptr,
         tl.debug_barrier()  # every thread has read the scratch before the next item rewrites it
 
 
-@triton.jit(do_not_specialize=["len_ptr", "N"])
-def sort_runs_kernel(keys_ptr, len_ptr, runs_ptr, stride_kr, stride_rr, N,
-                     HAS_LEN: tl.constexpr, SEG: tl.constexpr):
+@triton.jit(do_not_specialize=["len_ptr", "N", "K"])
+def sort_runs_kernel(keys_ptr, len_ptr, runs_ptr, s_ptr, i_ptr, stride_kr, stride_rr, stride_or,
+                     N, K, HAS_LEN: tl.constexpr, SEG: tl.constexpr):
     """Program (row, g): the composites of keys[row, g*SEG : (g+1)*SEG], sorted descending, to
-    runs[row, g*SEG : ...]; "no key" and columns past the row's length become NO_COMPOSITE."""
+    runs[row, g*SEG : ...]; "no key" and columns past the row's length become NO_COMPOSITE.
+    It also writes the pads (-inf, NO_KEY) of the output slots g*SEG + j*NRUNS*SEG .. below K,
+    so the outputs need no fill: ``rank_runs_kernel``, launched after it, overwrites the slots of
+    the live composites."""
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
+    step = tl.num_programs(1) * SEG
+    for s0 in range(g * SEG, K, step):
+        o = s0 + tl.arange(0, SEG)
+        tl.store(s_ptr + row * stride_or + o, tl.full((SEG,), float("-inf"), tl.float32),
+                 mask=o < K)
+        tl.store(i_ptr + row * stride_or + o, tl.full((SEG,), -1, tl.int32), mask=o < K)
     n = N
     if HAS_LEN:
         n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)

@@ -141,12 +141,18 @@ def _num_sms(device) -> int:
 
 
 def _logits(q, weights, k, out, mode, out_keys, L, *, bk, warps, stages, splits=1, rows=None,
-            lens=None, bt=None, B=1):
+            lens=None, bt=None, B=1, quant=None):
     """Byte-row logits, one query per program: MODE 0 over explicit rows (float32 scores),
-    MODE 2 over the paged cache through the block table (int32 keys). q float8_e4m3fn: fp8
-    products; else q's dtype holding the fp8 query's values."""
+    MODE 2 over the paged cache through the block table (int32 keys). quant None: q is the
+    quantised query (float8_e4m3fn: fp8 products; else q's dtype holding the fp8 values) and
+    weights the scaled ones; quant "fp8" / "values": q and weights are the model's, quantised
+    in the kernel (``quantize_indexer_q``'s arithmetic, bit for bit), multiplied as fp8 or as
+    the fp8 values in q's dtype."""
     T, HI, _ = q.shape
     dummy = out
+    dot = q.dtype
+    if quant == "fp8" or q.dtype == torch.float8_e4m3fn:
+        dot = torch.float8_e4m3fn
     rows_, lens_, bt_ = (x if x is not None else dummy for x in (rows, lens, bt))
     per_split = triton.cdiv(triton.cdiv(L, splits), bk) * bk
     grid = (triton.cdiv(L, per_split), T)
@@ -155,9 +161,9 @@ def _logits(q, weights, k, out, mode, out_keys, L, *, bk, warps, stages, splits=
         q.stride(0), q.stride(1), weights.stride(0), out.stride(0),
         rows.stride(0) if rows is not None else 0, bt.stride(0) if bt is not None else 0,
         T, HI, L, B, per_split, MODE=mode, OUT_KEYS=out_keys, BQ=1,
-        HP=max(16, triton.next_power_of_2(HI)), BK=bk,
-        DOT_DTYPE=tl.float8e4nv if q.dtype == torch.float8_e4m3fn else _DOT[q.dtype],
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps,
+        HP=max(16, triton.next_power_of_2(HI)), BK=bk, QUANT=quant is not None,
+        DOT_DTYPE=tl.float8e4nv if dot == torch.float8_e4m3fn else _DOT[dot],
+        PRECISION="ieee" if dot == torch.float32 else "tf32", num_warps=warps,
         num_stages=stages)
 
 
@@ -189,15 +195,13 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
     R, L = keys.shape
     kp = triton.next_power_of_2(topk)
     ids = {"RANK": rank, "W": W, "I": I, "DECODE_IDS": decode_ids}
-    run = max(triton.next_power_of_2(tiles.split_run),
-              min(triton.next_power_of_2(triton.cdiv(L, max(1, tiles.split_runs))),
-                  triton.next_power_of_2(tiles.split_run_max)))
-    runs = triton.next_power_of_2(triton.cdiv(L, run))
-    if R <= tiles.split_rows and runs <= tiles.rank_runs:  # few short rows: split path
+    split = _split_shape(R, L, tiles)
+    if split:  # few short rows: split path (it writes every output slot, pads included)
+        run, runs = split
         sorted_runs = torch.empty(R, runs * run, dtype=torch.int64, device=keys.device)
-        sjit.sort_runs_kernel[(R, runs)](keys, lens, sorted_runs, keys.stride(0),
-                                         sorted_runs.stride(0), L, HAS_LEN=True, SEG=run,
-                                         num_warps=tiles.split_warps)
+        sjit.sort_runs_kernel[(R, runs)](keys, lens, sorted_runs, top_s, top_i, keys.stride(0),
+                                         sorted_runs.stride(0), top_s.stride(0), L, topk,
+                                         HAS_LEN=True, SEG=run, num_warps=tiles.split_warps)
         _rank_launch(sorted_runs, top_s, top_i, topk, run, runs, tiles, ids, lens=lens, n=L)
         return
     sms = _num_sms(keys.device)
@@ -234,6 +238,15 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
     _select_launch(cand, lens, cand, top_s, top_i, n, n, 1, topk, tiles, sms, False, True, common)
 
 
+def _split_shape(R: int, L: int, tiles: IndexerTiles) -> tuple[int, int] | None:
+    """(run, runs) of the split path for R rows of L keys, or None where it does not apply."""
+    run = max(triton.next_power_of_2(tiles.split_run),
+              min(triton.next_power_of_2(triton.cdiv(L, max(1, tiles.split_runs))),
+                  triton.next_power_of_2(tiles.split_run_max)))
+    runs = triton.next_power_of_2(triton.cdiv(L, run))
+    return (run, runs) if R <= tiles.split_rows and runs <= tiles.rank_runs else None
+
+
 def _rank_launch(sorted_runs, top_s, top_i, topk, run, runs, tiles, ids, *, lens=None, n=0):
     """Top-k of each row's ``runs`` sorted runs of ``run`` composites, placed by ranks; with
     ``lens``, runs past a row's first min(lens[r], n) keys are pads, not searched."""
@@ -268,9 +281,12 @@ def select_topk(scores, lens, topk: int, *, tiles: IndexerTiles | None = None):
     """The select alone: top-k of ``scores [R, L]`` float32 over each row's first ``lens[r]``
     columns, in the reference order with ids = column positions. Returns ``(top_scores [R, topk]
     float32, top_ids [R, topk] int32)``, NO_KEY / -inf pads (for tests and the bench)."""
-    top_s, top_i = _outputs(scores.shape[0], topk, scores.device)
-    if scores.numel() and topk:
-        _select(score_keys(scores), lens.contiguous(), topk, top_s, top_i, tiles or IndexerTiles())
+    tiles = tiles or IndexerTiles()
+    R, L = scores.shape
+    live = R and L and topk
+    top_s, top_i = _outputs(R, topk, scores.device, fill=not (live and _split_shape(R, L, tiles)))
+    if live:
+        _select(score_keys(scores), lens.contiguous(), topk, top_s, top_i, tiles)
     return top_s, top_i
 
 
@@ -280,7 +296,12 @@ def _keys_buffer(rows: int, L: int, device) -> torch.Tensor:
     return torch.empty(rows, -(-L // 16) * 16, dtype=torch.int32, device=device)[:, :L]
 
 
-def _outputs(T, topk, device):
+def _outputs(T, topk, device, *, fill=True):
+    """(scores, ids) ``[T, topk]``: filled with the pads (-inf, NO_KEY), or left empty where the
+    select writes every slot (the split path)."""
+    if not fill:
+        return (torch.empty((T, topk), dtype=torch.float32, device=device),
+                torch.empty((T, topk), dtype=torch.int32, device=device))
     top_s = torch.full((T, topk), float("-inf"), dtype=torch.float32, device=device)
     top_i = torch.full((T, topk), NO_KEY, dtype=torch.int32, device=device)
     return top_s, top_i
@@ -363,13 +384,13 @@ def indexer_topk_decode(q, weights, k_cache_flat, local_len, block_table, block_
     programs) and one or two select launches; no host work per request.
     """
     tiles = tiles or IndexerTiles()
-    fp8 = tiles.decode_fp8 and q.is_cuda
-    q, weights = _query(q, weights, torch.float8_e4m3fn if fp8 else None)
     T = q.shape[0]
     L = (int(local_len.max()) if T else 0) if max_keys is None else max_keys
-    top_s, top_i = _outputs(T, topk, q.device)
     if T == 0 or L == 0 or topk == 0:
-        return top_s, top_i
+        return _outputs(T, topk, q.device)
+    top_s, top_i = _outputs(T, topk, q.device, fill=not _split_shape(T, L, tiles))
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    weights = weights if weights.stride(-1) == 1 else weights.contiguous()
     if k_cache_flat.dim() == 3:
         k_cache_flat = k_cache_flat.view(-1, INDEXER_K_BYTES)
     local_len, block_table = local_len.contiguous(), block_table.contiguous()
@@ -378,7 +399,7 @@ def indexer_topk_decode(q, weights, k_cache_flat, local_len, block_table, block_
     splits = max(1, min(triton.cdiv(L, bk), triton.cdiv(tiles.programs_per_sm * _num_sms(q.device), T)))
     _logits(q, weights, k_cache_flat, keys, 2, True, L, bk=bk, warps=tiles.decode_warps,
             stages=tiles.decode_stages, splits=splits, lens=local_len, bt=block_table,
-            B=block_size)
+            B=block_size, quant="fp8" if tiles.decode_fp8 and q.is_cuda else "values")
     _select(keys, local_len, topk, top_s, top_i, tiles, decode_ids=True, W=dcp_size, I=interleave,
             rank=dcp_rank)
     return top_s, top_i
