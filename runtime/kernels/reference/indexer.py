@@ -86,14 +86,21 @@ def topk_reference_order(
 def merge_topk_candidates(scores: torch.Tensor, key_ids: torch.Tensor, topk: int,
                           num_lists: int) -> torch.Tensor:
     """The cross-rank decode top-k merge (docs/design.md §3.6): ``scores`` / ``key_ids``
-    ``[T, num_lists * topk]`` hold, per row, ``num_lists`` candidate lists (rank-major columns),
-    each in the reference order with NO_KEY pads last; returns the top-k ids over all lists,
-    ``[T, topk]`` int32 in the reference order (NO_KEY pads). Here: :func:`topk_reference_order`,
-    which does not need the lists sorted; a backend may rely on it (a merge, not a sort)."""
-    if key_ids.shape[1] != num_lists * topk:
-        raise ValueError(f"merge_topk_candidates: {key_ids.shape[1]} columns, expected "
-                         f"num_lists * topk = {num_lists * topk}")
-    return topk_reference_order(scores, key_ids, topk)[1]
+    ``[T, num_lists * topk]`` (rank-major columns) or ``[T, num_lists, topk]`` hold, per row,
+    ``num_lists`` candidate lists, each in the reference order with NO_KEY pads last; returns
+    the top-k ids over all lists, ``[T, topk]`` int32 in the reference order (NO_KEY pads).
+    Here: :func:`topk_reference_order`, which does not need the lists sorted; a backend may
+    rely on it (a merge, not a sort)."""
+    lists = []
+    for x in (scores, key_ids):
+        if x.dim() == 3 and tuple(x.shape[1:]) == (num_lists, topk):
+            x = x.reshape(x.shape[0], num_lists * topk)
+        if x.dim() != 2 or x.shape[1] != num_lists * topk:
+            raise ValueError(f"merge_topk_candidates: got {tuple(x.shape)}, expected "
+                             f"[T, num_lists * topk = {num_lists * topk}] or "
+                             f"[T, {num_lists}, {topk}]")
+        lists.append(x)
+    return topk_reference_order(lists[0], lists[1], topk)[1]
 
 
 def indexer_topk(q, weights, k_packed, key_rows, key_ids, topk: int):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 import triton
 
-from ..reference.formats import NO_KEY
 from .merge_jit import lse_merge_kernel, lse_scale_kernel, merge_candidates_kernel
 
 
@@ -42,22 +41,35 @@ def merge_topk_candidates(scores: torch.Tensor, key_ids: torch.Tensor, topk: int
     """Triton ``merge_topk_candidates`` (contract: ``reference.merge_topk_candidates``): a merge
     of the ``num_lists`` sorted candidate lists of each row, by rank (one binary search per
     candidate and list), instead of sorting ``[T, num_lists * topk]``. Relies on each list being
-    in the reference order with NO_KEY pads last, as the decode indexers return them."""
+    in the reference order with NO_KEY pads last, as the decode indexers return them. The lists
+    are read in place through their strides (``[T, num_lists, topk]`` views with unit last
+    stride, e.g. of the all-gather's packed buffer): no copy."""
+    scores, key_ids = _lists(scores, topk, num_lists), _lists(key_ids, topk, num_lists)
     T = key_ids.shape[0]
-    if key_ids.shape[1] != num_lists * topk:
-        raise ValueError(f"merge_topk_candidates: {key_ids.shape[1]} columns, expected "
-                         f"num_lists * topk = {num_lists * topk}")
-    out = torch.full((T, topk), NO_KEY, dtype=torch.int32, device=key_ids.device)
+    out = torch.empty((T, topk), dtype=torch.int32, device=key_ids.device)
     if T == 0 or topk == 0:
         return out
-    scores = scores.float().contiguous()
-    key_ids = key_ids.contiguous()
+    if scores.dtype != torch.float32 or scores.stride(2) != 1:
+        scores = scores.float().contiguous()
+    if key_ids.stride(2) != 1:
+        key_ids = key_ids.contiguous()
     block = min(256, triton.next_power_of_2(topk))
     grid = (T, num_lists, triton.cdiv(topk, block))
-    merge_candidates_kernel[grid](scores, key_ids, out, scores.stride(0), key_ids.stride(0),
-                                  out.stride(0), K=topk, W=num_lists, BLOCK=block,
-                                  STEPS=max(1, topk.bit_length()), num_warps=4)
+    merge_candidates_kernel[grid](scores, key_ids, out, scores.stride(0), scores.stride(1),
+                                  key_ids.stride(0), key_ids.stride(1), out.stride(0), K=topk,
+                                  W=num_lists, BLOCK=block, STEPS=max(1, topk.bit_length()),
+                                  num_warps=4)
     return out
+
+
+def _lists(x: torch.Tensor, topk: int, num_lists: int) -> torch.Tensor:
+    """``[T, num_lists * topk]`` or ``[T, num_lists, topk]`` -> a ``[T, num_lists, topk]`` view."""
+    if x.dim() == 3 and tuple(x.shape[1:]) == (num_lists, topk):
+        return x
+    if x.dim() != 2 or x.shape[1] != num_lists * topk:
+        raise ValueError(f"merge_topk_candidates: got {tuple(x.shape)}, expected "
+                         f"[T, num_lists * topk = {num_lists * topk}] or [T, {num_lists}, {topk}]")
+    return x.reshape(x.shape[0], num_lists, topk)
 
 
 def lse_scale(out_part: torch.Tensor, lse_all: torch.Tensor, rank: int) -> torch.Tensor:

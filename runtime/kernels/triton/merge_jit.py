@@ -33,20 +33,26 @@ def lse_merge_kernel(out_parts, lse_parts, out_ptr, lse_ptr, R, TH,
     tl.store(lse_ptr + rows, lse_out, mask=rmask)
 
 
-@triton.jit(do_not_specialize=["stride_s", "stride_i", "stride_o"])
-def merge_candidates_kernel(s_ptr, i_ptr, out_ptr, stride_s, stride_i, stride_o,
-                            K: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr,
+@triton.jit(do_not_specialize=["stride_sr", "stride_sw", "stride_ir", "stride_iw", "stride_o"])
+def merge_candidates_kernel(s_ptr, i_ptr, out_ptr, stride_sr, stride_sw, stride_ir, stride_iw,
+                            stride_o, K: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr,
                             STEPS: tl.constexpr):
     """Program (row, list r, block of positions): each candidate x of list r lands at its rank
     in the union, the number of candidates of all W lists that precede it (score descending,
     then id ascending), found by a binary search in each sorted list (its own gives its
-    position). Ranks of distinct (score, id) pairs are distinct: no two writes collide."""
+    position). Ranks of distinct (score, id) pairs are distinct: no two writes collide. List q
+    of a row starts at ``s_ptr + row * stride_sr + q * stride_sw`` (ids alike), so the lists can
+    be read where the all-gather left them. The programs of list 0 also write NO_KEY to the
+    slots past the union's valid candidates (each list's count: a binary search for its first
+    pad), so the output needs no fill."""
     row = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1)
     p = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     m = p < K
-    xs = tl.load(s_ptr + row * stride_s + r * K + p, mask=m, other=float("-inf"))
-    xi = tl.load(i_ptr + row * stride_i + r * K + p, mask=m, other=-1)
+    s_row = s_ptr + row * stride_sr
+    i_row = i_ptr + row * stride_ir
+    xs = tl.load(s_row + r * stride_sw + p, mask=m, other=float("-inf"))
+    xi = tl.load(i_row + r * stride_iw + p, mask=m, other=-1)
     valid = m & (xi >= 0)
     rank = tl.zeros((BLOCK,), tl.int32)
     for q in tl.static_range(W):
@@ -55,14 +61,27 @@ def merge_candidates_kernel(s_ptr, i_ptr, out_ptr, stride_s, stride_i, stride_o,
         for _ in tl.static_range(STEPS):  # first position of list q not preceding x
             active = lo < hi
             mid = (lo + hi) // 2
-            ms = tl.load(s_ptr + row * stride_s + q * K + mid, mask=active & valid,
-                         other=float("-inf"))
-            mi = tl.load(i_ptr + row * stride_i + q * K + mid, mask=active & valid, other=-1)
+            ms = tl.load(s_row + q * stride_sw + mid, mask=active & valid, other=float("-inf"))
+            mi = tl.load(i_row + q * stride_iw + mid, mask=active & valid, other=-1)
             before = (mi >= 0) & ((ms > xs) | ((ms == xs) & (mi < xi)))
             lo = tl.where(active & before, mid + 1, lo)
             hi = tl.where(active & ~before, mid, hi)
         rank += lo
     tl.store(out_ptr + row * stride_o + rank, xi.to(tl.int32), mask=valid & (rank < K))
+    if r == 0:
+        total = tl.zeros((), tl.int32)
+        for q in tl.static_range(W):
+            first = tl.zeros((), tl.int32)
+            last = tl.full((), K, tl.int32)
+            for _ in tl.static_range(STEPS):  # first pad of list q (pads are last)
+                on = first < last
+                half = (first + last) // 2
+                live = tl.load(i_row + q * stride_iw + half, mask=on, other=-1) >= 0
+                first = tl.where(on & live, half + 1, first)
+                last = tl.where(on & ~live, half, last)
+            total += first
+        tl.store(out_ptr + row * stride_o + p, tl.full((BLOCK,), -1, tl.int32),
+                 mask=m & (p >= total))
 
 
 @triton.jit(do_not_specialize=["TH", "RANK", "stride_lw"])
