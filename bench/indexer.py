@@ -167,7 +167,11 @@ DECODE_SELECTS = {
     "long rows: second select": {"rank_runs": 1},
     "long rows: 32 programs per SM": {"programs_per_sm": 32},
     "long rows: all candidates ordered (no exact top K)": {"select_exact": False},
-    "split: 16 runs of 512": {"split_runs": 16, "split_run_max": 512},
+    "split: at most 8 runs, of up to 1024 (before)": {"split_runs": 8, "split_run_max": 1024},
+}
+# whole-decode variants timed beside the default (graph; each checked equal to the default)
+DECODE_WHOLES = {
+    "logits splits rounded up (before)": {"whole_waves": False},
 }
 
 
@@ -186,8 +190,7 @@ def decode_parts(args, tiles, ceil, flops):
     keys = it._keys_buffer(q.shape[0], ctx, q.device)
     top_s, top_i = it._outputs(q.shape[0], topk, q.device)
     kflat = k.view(-1, k.shape[-1])
-    splits = max(1, min(-(-ctx // tiles.decode_block_k),
-                        -(-tiles.programs_per_sm * it._num_sms(q.device) // q.shape[0])))
+    splits = it.decode_splits(q.shape[0], ctx, tiles, it._num_sms(q.device))
 
     qq, ww = pack.quantize_indexer_q(q, w, q.dtype)  # as indexer_topk_decode does
 
@@ -222,6 +225,14 @@ def decode_parts(args, tiles, ceil, flops):
             f"== default: {eq}")
     except FAILS as e:
         print(f"  parts decode_fp8: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
+    for name, kw in DECODE_WHOLES.items():
+        t = dataclasses.replace(tiles, **kw)
+        try:
+            got = it.indexer_topk_decode(*args, max_keys=ctx, tiles=t)
+            row(f"  parts whole, {name}, graph", gbench(lambda t=t: whole(t)), flops, ceil,
+                f"== default: {same(got, want)}")
+        except FAILS as e:
+            print(f"  parts whole {name}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
     for name, kw in DECODE_SELECTS.items():
         t = dataclasses.replace(tiles, **kw)
         try:

@@ -13,6 +13,7 @@ statistics over bf16 products; only the summation order differs).
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from cpplan.runtime.kernels import reference as ref
 from cpplan.runtime.kernels.dispatch import OP_NAMES, KernelBackendError
 
 BF16, F16 = torch.bfloat16, torch.float16
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 K = 2048
 
 
@@ -137,6 +139,22 @@ def test_finish_converts_lse_and_empty_rows():
     want_l = torch.tensor([[1.5, 1.5, 1.5], [1.5, 1.5, -math.inf]])
     assert torch.equal(l, want_l)
     assert not o[1, 2].any() and (o[0] == 1).all() and (o[1, :2] == 1).all()
+
+
+@pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1 (the GPU path: the replays)")
+@pytest.mark.parametrize("empty_rows", [[], [(1, 2), (0, 0)]])
+def test_finish_decode_kernel_equals_finish(empty_rows):
+    """The decode conversion's kernel (masked zero stores on rows with no key only) gives what
+    ``finish`` (a full pass over out) gives: lse -inf there, out 0 there, the rest untouched."""
+    g = torch.Generator().manual_seed(len(empty_rows))
+    out = torch.randn(3, 64, 512, generator=g).to(BF16)
+    lse = torch.randn(3, 64, generator=g)
+    for t, h in empty_rows:
+        lse[t, h] = math.inf
+    lse[2, 40] = math.inf  # a padded head: dropped by both
+    want_o, want_l = fm.finish(out.clone(), lse.clone(), 3)
+    o, l = fm._finish_decode_launch(out, lse, 3)
+    assert torch.equal(l, want_l) and torch.equal(o, want_o)
 
 
 def test_flashmla_set_plans_triton_where_flashmla_cannot_run():

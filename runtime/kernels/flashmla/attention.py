@@ -20,7 +20,8 @@ bounds check, so every negative becomes -1; topk is padded with -1 to a multiple
 kernels' key block, ``topk mod B_TOPK must be 0``). LSE: FlashMLA's is natural log (prefill
 with ``return_log2_lse`` left None; decode always) but +inf for a row with no key, and decode's
 is laid out ``[B, H, s_q]``: converted to ``[T, H]`` with -inf there, and out is zeroed on those
-rows (one pass over out: enforced rather than trusted). Decode scheduling metadata: the
+rows (enforced rather than trusted: for decode by a masked store of those rows only,
+``finish_decode``; for prefill the kernel's own zeroes, tested). Decode scheduling metadata: the
 ``FlashMLASchedMeta`` from ``get_mla_metadata`` is filled by its first decode call and may be
 reused only while every shape (batch, s_q, heads, page size, topk) stays the same and
 ``topk_length`` is unchanged (not used here); ``decode_schedule`` keeps one per shape. The first
@@ -210,6 +211,35 @@ def finish(out: torch.Tensor, lse: torch.Tensor, num_heads: int,
     return out, lse.masked_fill(empty, float("-inf"))
 
 
+def finish_decode(out: torch.Tensor, lse: torch.Tensor, num_heads: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``finish`` for the decode kernel's ``out [T, Hp, 512]`` / ``lse [T, Hp]`` float32
+    (contiguous): one Triton launch that converts lse and zeroes out only on rows with no key,
+    where ``finish`` passes over all of out (in the 64-decode step on the H200: a 10 us copy
+    kernel a layer, plus three small ones). Elsewhere (CPU tensors, other layouts): ``finish``."""
+    T, Hp, _ = out.shape
+    if not (out.is_cuda and out.is_contiguous() and lse.is_contiguous()
+            and lse.dtype == torch.float32 and tuple(lse.shape) == (T, Hp)):
+        return finish(out, lse, num_heads)
+    return _finish_decode_launch(out, lse, num_heads)
+
+
+def _finish_decode_launch(out, lse, num_heads):
+    """``finish_decode``'s launch (also run by the interpreter tests on CPU tensors)."""
+    import triton  # only where this path runs: the module itself needs torch only
+
+    from .finish_jit import finish_decode_kernel
+
+    T, Hp, DV = out.shape
+    lse_out = torch.empty(T, num_heads, dtype=torch.float32, device=lse.device)
+    rows = T * num_heads
+    if rows:
+        block = 64
+        finish_decode_kernel[(triton.cdiv(rows, block),)](out, lse, lse_out, rows, H=num_heads,
+                                                          HP=Hp, DV=DV, BLOCK=block, num_warps=4)
+    return out[:, :num_heads], lse_out
+
+
 # --------------------------------------------------------------------------------------------
 # the adapter
 # --------------------------------------------------------------------------------------------
@@ -279,7 +309,7 @@ def sparse_mla_attention(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         kernel = fp8_kernel(T, indices.shape[1], kv.shape[0])
     if kernel == "decode":
         out, lse = _decode(fm, qp, kv, idx, sm_scale)
-        return finish(out, lse, H)
+        return finish_decode(out, lse, H)
     if kernel != "prefill":
         raise KernelBackendError(f"fp8_kernel_choice {fp8_kernel_choice!r}: expected 'auto', 'decode' or 'prefill'")
     rows = _dequantise(kv) if kv_format == "fp8_ds_mla" else kv.contiguous()

@@ -23,8 +23,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .pack_jit import _group_exponent, _scale_bits, _scale_by_pow2, _to_e4m3_bits
-
 
 @triton.jit
 def _score_tile(k_ptr, rows, kvalid, qT, w, BQ: tl.constexpr, HP: tl.constexpr,
@@ -80,20 +78,12 @@ def _prefill_rows(c, pcu, PT, W: tl.constexpr, I: tl.constexpr):
 def logits_kernel(q_ptr, w_ptr, k_ptr, out_ptr, rows_ptr, len_ptr, bt_ptr,
                   stride_qt, stride_qh, stride_wt, stride_ot, stride_rt, stride_bt,
                   T, HI, L, B, KEYS_PER_SPLIT, MODE: tl.constexpr, OUT_KEYS: tl.constexpr,
-                  BQ: tl.constexpr, HP: tl.constexpr, BK: tl.constexpr, QUANT: tl.constexpr,
+                  BQ: tl.constexpr, HP: tl.constexpr, BK: tl.constexpr,
                   DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """MODE 0 explicit rows, 2 decode (one query per program: BQ 1). QUANT: q and the weights
-    are the model's; each program quantises its query as ``quantize_q_fp8`` does (fp8 e4m3, one
-    power-of-two scale per head folded into the weights: the same bits), which costs less than
-    a launch of its own (the query is 16 KB)."""
+    """MODE 0 explicit rows, 2 decode (one query per program: BQ 1)."""
     split = tl.program_id(0)
     j0 = tl.program_id(1) * BQ
     qT, w = _query_tile(q_ptr, w_ptr, j0, T, HI, stride_qt, stride_qh, stride_wt, BQ, HP)
-    if QUANT:
-        x = qT.to(tl.float32)  # [128, BQ * HP]: each column one head of one query
-        e = _group_exponent(tl.max(tl.abs(x), 0))
-        qT = _to_e4m3_bits(_scale_by_pow2(x, -e[None, :])).to(tl.float8e4nv, bitcast=True)
-        w = w * _scale_bits(e).to(tl.float32, bitcast=True)
     qT = qT.to(DOT_DTYPE)
     jq = j0 + tl.arange(0, BQ)
     qmask = jq < T

@@ -21,8 +21,8 @@ operand; the queries x heads tile, loaded once per program, the B operand. On CU
 multiplies the fp8 key bytes by the fp8 query on fp8 tensor cores (``decode_fp8``; else the
 keys are converted to the query's dtype, which holds the fp8 query's values: the same products).
 Decode queries each own their keys (BQ 1, N = 64): memory-bound, so the keys of a request are
-split over programs (about ``programs_per_sm`` x SMs programs in all, one launch for the whole
-batch), BK 128. H200, replayed from a CUDA graph (``bench/indexer.py --quick --only decode``):
+split over programs (at most ``programs_per_sm`` x SMs programs in all: ``decode_splits``; one
+launch for the whole batch), BK 128. H200, replayed from a CUDA graph (``bench/indexer.py --quick --only decode``):
 64 x 4k logits 28.6 us fp8 against 48.8 bf16; 8 x 128k 95.1 against 133.0;
 ``--only decode-sweep`` (bf16): 4 programs per SM best at 64 x 4k (72 us whole against 83 at 2).
 
@@ -76,10 +76,12 @@ power of two >= ``split_run`` that gives at most ``split_runs`` runs, capped at
 ahead of it in every run of its row that holds keys (binary searches, independent across runs;
 earlier runs win ties) and writes those placed before K: a one-round merge. Its cost grows with
 runs x runs per row: in the 64-decode step (contexts 2k-6k, 16 runs of 512 then) the ranks took
-46 us a layer and the run sorts 15 (``bench/step_gpu.py --trace``), hence at most 8 runs, and
-no search of runs past a row's end. H200, replayed from a CUDA graph: the 64 x 4k select 27.9 us
-against 70.6 us with one program per row; the 8 x 128k select 119.7 us with ranks against
-176.5 us with a second select launch.
+46 us a layer and the run sorts 15 (``bench/step_gpu.py --trace``), hence no search of runs
+past a row's end; with that, 16 runs of 512 beat 8 runs of up to 1024 (whose sorts cost more):
+the 64-decode 2k-6k select 45.8 against 52.3 us, equal at 64 x 4k (28.3 / 28.4). H200,
+replayed from a CUDA graph: the 64 x 4k select 27.9 us against 70.6 us with one program per
+row; the 8 x 128k select 119.7 us with ranks against 176.5 us with a second select launch.
+The split path writes its own pads (``sort_runs_kernel``), so its outputs need no fill.
 """
 
 from __future__ import annotations
@@ -120,14 +122,16 @@ class IndexerTiles:
     select_programs_per_sm: int = 4  # persistent select programs per SM
     radix_bits: int = 11  # fallback histogram bins 2**radix_bits; ceil(32 / bits) passes
     programs_per_sm: int = 4  # decode logits and long-row select fill this many programs per SM
+    whole_waves: bool = True  # decode logits: at most programs_per_sm x SMs programs (splits
+    # rounded down), not one wave and a sliver (rounded up)
     decode_fp8: bool = True  # decode logits on fp8 tensor cores (CUDA; else fp8 values in bf16)
     sort_segments: int = 8  # candidates ordered by one sort (1) or a merge sort from segments
     select_exact: bool = True  # keep the exact top K of the candidates, then order only those
     exact_segments: int = 4  # ... by a merge sort from this many segments (1: one sort)
     split_rows: int = 512  # split path: at most this many rows of <= split_run_max * rank_runs
     split_run: int = 512  # keys; a run is the least power of two >= split_run that gives at
-    split_run_max: int = 1024  # most split_runs runs a row, capped at split_run_max
-    split_runs: int = 8
+    split_run_max: int = 512  # most split_runs runs a row, capped at split_run_max
+    split_runs: int = 16
     rank_runs: int = 16  # most runs merged by ranks (split path; long rows' second stage)
     rank_chunk: int = 256  # composites placed per rank program
     rank_warps: int = 4
@@ -141,18 +145,12 @@ def _num_sms(device) -> int:
 
 
 def _logits(q, weights, k, out, mode, out_keys, L, *, bk, warps, stages, splits=1, rows=None,
-            lens=None, bt=None, B=1, quant=None):
+            lens=None, bt=None, B=1):
     """Byte-row logits, one query per program: MODE 0 over explicit rows (float32 scores),
-    MODE 2 over the paged cache through the block table (int32 keys). quant None: q is the
-    quantised query (float8_e4m3fn: fp8 products; else q's dtype holding the fp8 values) and
-    weights the scaled ones; quant "fp8" / "values": q and weights are the model's, quantised
-    in the kernel (``quantize_indexer_q``'s arithmetic, bit for bit), multiplied as fp8 or as
-    the fp8 values in q's dtype."""
+    MODE 2 over the paged cache through the block table (int32 keys). q float8_e4m3fn: fp8
+    products; else q's dtype holding the fp8 query's values."""
     T, HI, _ = q.shape
     dummy = out
-    dot = q.dtype
-    if quant == "fp8" or q.dtype == torch.float8_e4m3fn:
-        dot = torch.float8_e4m3fn
     rows_, lens_, bt_ = (x if x is not None else dummy for x in (rows, lens, bt))
     per_split = triton.cdiv(triton.cdiv(L, splits), bk) * bk
     grid = (triton.cdiv(L, per_split), T)
@@ -161,10 +159,20 @@ def _logits(q, weights, k, out, mode, out_keys, L, *, bk, warps, stages, splits=
         q.stride(0), q.stride(1), weights.stride(0), out.stride(0),
         rows.stride(0) if rows is not None else 0, bt.stride(0) if bt is not None else 0,
         T, HI, L, B, per_split, MODE=mode, OUT_KEYS=out_keys, BQ=1,
-        HP=max(16, triton.next_power_of_2(HI)), BK=bk, QUANT=quant is not None,
-        DOT_DTYPE=tl.float8e4nv if dot == torch.float8_e4m3fn else _DOT[dot],
-        PRECISION="ieee" if dot == torch.float32 else "tf32", num_warps=warps,
+        HP=max(16, triton.next_power_of_2(HI)), BK=bk,
+        DOT_DTYPE=tl.float8e4nv if q.dtype == torch.float8_e4m3fn else _DOT[q.dtype],
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps,
         num_stages=stages)
+
+
+def decode_splits(T: int, L: int, tiles: IndexerTiles, sms: int) -> int:
+    """Programs per decode row of the logits launch: about ``programs_per_sm`` x SMs in all,
+    rounded down (``whole_waves``: 64 rows x 8 = 512 programs fill the 528 slots of 132 SMs
+    once, where rounding up gave 64 x 9 = 576, a second wave of 48) or up; at most one per
+    key block."""
+    slots = tiles.programs_per_sm * sms
+    per_row = max(1, slots // T) if tiles.whole_waves else triton.cdiv(slots, T)
+    return max(1, min(triton.cdiv(L, tiles.decode_block_k), per_row))
 
 
 def split_planes(k_packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -389,17 +397,16 @@ def indexer_topk_decode(q, weights, k_cache_flat, local_len, block_table, block_
     if T == 0 or L == 0 or topk == 0:
         return _outputs(T, topk, q.device)
     top_s, top_i = _outputs(T, topk, q.device, fill=not _split_shape(T, L, tiles))
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    weights = weights if weights.stride(-1) == 1 else weights.contiguous()
+    q, weights = _query(q, weights, torch.float8_e4m3fn if tiles.decode_fp8 and q.is_cuda else None)
     if k_cache_flat.dim() == 3:
         k_cache_flat = k_cache_flat.view(-1, INDEXER_K_BYTES)
     local_len, block_table = local_len.contiguous(), block_table.contiguous()
     keys = _keys_buffer(T, L, q.device)
     bk = tiles.decode_block_k
-    splits = max(1, min(triton.cdiv(L, bk), triton.cdiv(tiles.programs_per_sm * _num_sms(q.device), T)))
+    splits = decode_splits(T, L, tiles, _num_sms(q.device))
     _logits(q, weights, k_cache_flat, keys, 2, True, L, bk=bk, warps=tiles.decode_warps,
             stages=tiles.decode_stages, splits=splits, lens=local_len, bt=block_table,
-            B=block_size, quant="fp8" if tiles.decode_fp8 and q.is_cuda else "values")
+            B=block_size)
     _select(keys, local_len, topk, top_s, top_i, tiles, decode_ids=True, W=dcp_size, I=interleave,
             rank=dcp_rank)
     return top_s, top_i
