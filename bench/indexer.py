@@ -171,6 +171,7 @@ DECODE_SELECTS = {
 }
 # whole-decode variants timed beside the default (graph; each checked equal to the default)
 DECODE_WHOLES = {
+    "bf16 logits (decode_fp8 off)": {"decode_fp8": False},
     "logits splits rounded up (before)": {"whole_waves": False},
 }
 
@@ -183,8 +184,10 @@ def gbench(fn):
 
 
 def decode_parts(args, tiles, ceil, flops):
-    """Times the tiled decode logits alone and the select alone (the whole batch), eager and
-    replayed from a CUDA graph (the way a decode step runs), and select variants."""
+    """Times the tiled decode indexer whole, its logits alone (fp8 products where the tiles
+    say so, as the whole call) and its select alone (the whole batch), eager and replayed
+    from a CUDA graph (the way a decode step runs), then variants of the whole call
+    (``DECODE_WHOLES``) and of the select (``DECODE_SELECTS``), each checked equal."""
     q, w, k, local_len, bt, block, W, rank, I, topk = args
     ctx = int(local_len.max())
     keys = it._keys_buffer(q.shape[0], ctx, q.device)
@@ -192,7 +195,8 @@ def decode_parts(args, tiles, ceil, flops):
     kflat = k.view(-1, k.shape[-1])
     splits = it.decode_splits(q.shape[0], ctx, tiles, it._num_sms(q.device))
 
-    qq, ww = pack.quantize_indexer_q(q, w, q.dtype)  # as indexer_topk_decode does
+    fp8 = tiles.decode_fp8 and q.is_cuda  # the query as indexer_topk_decode quantises it
+    qq, ww = pack.quantize_indexer_q(q, w, torch.float8_e4m3fn if fp8 else q.dtype)
 
     def logits():
         it._logits(qq, ww, kflat, keys, 2, True, ctx, bk=tiles.decode_block_k,
@@ -205,43 +209,21 @@ def decode_parts(args, tiles, ceil, flops):
     def whole(t=tiles):
         it.indexer_topk_decode(*args, max_keys=ctx, tiles=t)
 
-    q8, w8 = pack.quantize_indexer_q(q, w, torch.float8_e4m3fn)
-
-    def logits_fp8():
-        it._logits(q8, w8, kflat, keys, 2, True, ctx, bk=tiles.decode_block_k,
-                   warps=tiles.decode_warps, stages=tiles.decode_stages, splits=splits,
-                   lens=local_len, bt=bt, B=block)
-
     for part, fn, fl in (("whole", whole, flops), ("logits", logits, flops),
                          ("select", select, None)):
         row(f"  parts {part}", bench(fn), fl, ceil)
         row(f"  parts {part}, graph", gbench(fn), fl, ceil)
     want = it.indexer_topk_decode(*args, max_keys=ctx)
-    fp8 = dataclasses.replace(tiles, decode_fp8=True)
-    try:
-        eq = same(it.indexer_topk_decode(*args, max_keys=ctx, tiles=fp8), want)
-        row("  parts logits on fp8 tensor cores, graph", gbench(logits_fp8), flops, ceil)
-        row("  parts whole, decode_fp8, graph", gbench(lambda: whole(fp8)), flops, ceil,
-            f"== default: {eq}")
-    except FAILS as e:
-        print(f"  parts decode_fp8: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
-    for name, kw in DECODE_WHOLES.items():
+    variants = ([(f"whole, {n}", kw, whole, flops) for n, kw in DECODE_WHOLES.items()]
+                + [(f"select {n}", kw, select, None) for n, kw in DECODE_SELECTS.items()])
+    for name, kw, fn, fl in variants:
         t = dataclasses.replace(tiles, **kw)
         try:
             got = it.indexer_topk_decode(*args, max_keys=ctx, tiles=t)
-            row(f"  parts whole, {name}, graph", gbench(lambda t=t: whole(t)), flops, ceil,
-                f"== default: {same(got, want)}")
+            row(f"  parts {name}, graph", gbench(lambda t=t, fn=fn: fn(t)), fl, ceil,
+                f"whole decode == default: {same(got, want)}")
         except FAILS as e:
-            print(f"  parts whole {name}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
-    for name, kw in DECODE_SELECTS.items():
-        t = dataclasses.replace(tiles, **kw)
-        try:
-            got = it.indexer_topk_decode(*args, max_keys=ctx, tiles=t)
-            row(f"  parts select {name}, graph", gbench(lambda t=t: select(t)),
-                note=f"whole decode == default: {same(got, want)}")
-        except FAILS as e:
-            print(f"  parts select {name}: failed ({type(e).__name__}: {str(e)[:80]})",
-                  flush=True)
+            print(f"  parts {name}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
 
 
 @triton.jit
