@@ -91,16 +91,19 @@ def merge_topk_candidates(scores: torch.Tensor, key_ids: torch.Tensor, topk: int
     the top-k ids over all lists, ``[T, topk]`` int32 in the reference order (NO_KEY pads).
     Here: :func:`topk_reference_order`, which does not need the lists sorted; a backend may
     rely on it (a merge, not a sort)."""
-    lists = []
-    for x in (scores, key_ids):
-        if x.dim() == 3 and tuple(x.shape[1:]) == (num_lists, topk):
-            x = x.reshape(x.shape[0], num_lists * topk)
-        if x.dim() != 2 or x.shape[1] != num_lists * topk:
-            raise ValueError(f"merge_topk_candidates: got {tuple(x.shape)}, expected "
-                             f"[T, num_lists * topk = {num_lists * topk}] or "
-                             f"[T, {num_lists}, {topk}]")
-        lists.append(x)
-    return topk_reference_order(lists[0], lists[1], topk)[1]
+    s, i = (candidate_lists(x, topk, num_lists).reshape(x.shape[0], -1) for x in (scores, key_ids))
+    return topk_reference_order(s, i, topk)[1]
+
+
+def candidate_lists(x: torch.Tensor, topk: int, num_lists: int) -> torch.Tensor:
+    """``merge_topk_candidates``' input ``[T, num_lists * topk]`` or ``[T, num_lists, topk]``
+    as a ``[T, num_lists, topk]`` view (ValueError, got / expected, for any other shape)."""
+    if x.dim() == 3 and tuple(x.shape[1:]) == (num_lists, topk):
+        return x
+    if x.dim() != 2 or x.shape[1] != num_lists * topk:
+        raise ValueError(f"merge_topk_candidates: got {tuple(x.shape)}, expected "
+                         f"[T, num_lists * topk = {num_lists * topk}] or [T, {num_lists}, {topk}]")
+    return x.reshape(x.shape[0], num_lists, topk)
 
 
 def indexer_topk(q, weights, k_packed, key_rows, key_ids, topk: int):

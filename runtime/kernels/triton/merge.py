@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from ..reference.indexer import candidate_lists
 from .merge_jit import lse_merge_kernel, lse_scale_kernel, merge_candidates_kernel
 
 
@@ -44,7 +45,7 @@ def merge_topk_candidates(scores: torch.Tensor, key_ids: torch.Tensor, topk: int
     in the reference order with NO_KEY pads last, as the decode indexers return them. The lists
     are read in place through their strides (``[T, num_lists, topk]`` views with unit last
     stride, e.g. of the all-gather's packed buffer): no copy."""
-    scores, key_ids = _lists(scores, topk, num_lists), _lists(key_ids, topk, num_lists)
+    scores, key_ids = (candidate_lists(x, topk, num_lists) for x in (scores, key_ids))
     T = key_ids.shape[0]
     out = torch.empty((T, topk), dtype=torch.int32, device=key_ids.device)
     if T == 0 or topk == 0:
@@ -60,16 +61,6 @@ def merge_topk_candidates(scores: torch.Tensor, key_ids: torch.Tensor, topk: int
                                   W=num_lists, BLOCK=block, STEPS=max(1, topk.bit_length()),
                                   num_warps=4)
     return out
-
-
-def _lists(x: torch.Tensor, topk: int, num_lists: int) -> torch.Tensor:
-    """``[T, num_lists * topk]`` or ``[T, num_lists, topk]`` -> a ``[T, num_lists, topk]`` view."""
-    if x.dim() == 3 and tuple(x.shape[1:]) == (num_lists, topk):
-        return x
-    if x.dim() != 2 or x.shape[1] != num_lists * topk:
-        raise ValueError(f"merge_topk_candidates: got {tuple(x.shape)}, expected "
-                         f"[T, num_lists * topk = {num_lists * topk}] or [T, {num_lists}, {topk}]")
-    return x.reshape(x.shape[0], num_lists, topk)
 
 
 def lse_scale(out_part: torch.Tensor, lse_all: torch.Tensor, rank: int) -> torch.Tensor:
