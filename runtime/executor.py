@@ -86,6 +86,7 @@ class BoundStep:
     attention: dict = dataclasses.field(default_factory=dict)
     _tables: StepTables | None = None
     _local_prefill: tuple | None = None
+    _block_tables: dict = dataclasses.field(default_factory=dict)  # (lo, hi) -> rows' tables
     lease: tuple | None = None  # (arena slot, commit) of the views; None: static views (graphs)
     finished: bool = False
     cache_rows: int = 0  # the rows the layer caches need: the step's largest block's end
@@ -108,6 +109,16 @@ class BoundStep:
     def use_tables(self, tables: StepTables) -> None:
         """Point the step at tables expanded elsewhere (a graph's static copy)."""
         self._tables = tables
+        self._block_tables.clear()
+
+    def token_block_tables(self, lo: int, hi: int) -> torch.Tensor:
+        """The block-table row of each of tokens [lo, hi) (their requests' rows), gathered once
+        per step and shared by every layer's pass over those tokens."""
+        bt = self._block_tables.get((lo, hi))
+        if bt is None:
+            t = self.tables
+            bt = self._block_tables[(lo, hi)] = t.block_tables.index_select(0, t.token_req[lo:hi])
+        return bt
 
     @property
     def ledger(self) -> coll.Ledger:
@@ -278,13 +289,20 @@ class StepExecutor:
             self._insert(bound, cache, kv_new, index_k_new)
 
     def _insert(self, bound: BoundStep, cache: LayerCache, kv_new, index_k_new) -> None:
+        # decode tokens are quantised straight into their cache slots (one kernel per cache);
+        # prefill rows are quantised first, since kv_insert may all-gather them
         m, t, ch = bound.meta, bound.tables, bound.channel
-        kv_rows = self.pack_kv(kv_new)
-        k_rows = self.kernels.quantize_indexer_k(index_k_new)
         nd = m.num_decode_tokens
-        cache.kv.index_copy_(0, t.insert_dec, kv_rows[:nd])
-        cache.index_k.index_copy_(0, t.insert_dec, k_rows[:nd])
-        kv_pre, k_pre = kv_rows[nd:].contiguous(), k_rows[nd:].contiguous()
+        if nd:
+            if self.config.kv_cache_dtype == "fp8_ds_mla":
+                self.kernels.pack_fp8_ds_mla_into(cache.kv, t.insert_dec, kv_new[:nd])
+            else:
+                cache.kv.index_copy_(0, t.insert_dec, self.pack_kv(kv_new[:nd]))
+            self.kernels.pack_indexer_k_into(cache.index_k, t.insert_dec, index_k_new[:nd])
+        if nd == kv_new.shape[0] and not m.kv_insert:
+            return
+        kv_pre = self.pack_kv(kv_new[nd:]).contiguous()
+        k_pre = self.kernels.quantize_indexer_k(index_k_new[nd:]).contiguous()
         if m.kv_insert:
             p_size = self.config.pcp_size
             kv_all = kv_pre.new_empty((p_size * kv_pre.shape[0], kv_pre.shape[1]))
@@ -343,7 +361,7 @@ class StepExecutor:
         tokens, whose local top-k candidates are then merged across the DCP group)."""
         k, t, cfg = self.kernels, bound.tables, self.config
         w_size, inter, bs = cfg.dcp_size, cfg.interleave_size, cfg.block_size
-        bt = t.block_tables.index_select(0, t.token_req[lo:hi])
+        bt = bound.token_block_tables(lo, hi)
         # W == 1 with prefill_keys="gather": the prefill tokens [nd, hi) score a contiguous
         # copy of their requests' keys with the prefill indexer (a key tile per query block)
         mid = max(lo, bound.meta.num_decode_tokens) if self._gathers_prefill(bound) else hi

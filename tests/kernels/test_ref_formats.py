@@ -127,6 +127,23 @@ def test_pack_into_skips_negative_slots():
     assert torch.equal(kc[3], ref.quantize_indexer_k(torch.ones(1, 128))[0]) and (kc[:3] == 0).all()
 
 
+@pytest.mark.parametrize("slots", [[-1, -2], [-1, 4, -3, 0], [0, -1]])
+def test_pack_into_writes_kept_rows_only_without_a_sync(slots):
+    """The sync-free skip (skipped rows repeat a kept row's write, or rewrite slot 0 with its
+    own bytes): every kept slot holds its row, every other slot is unchanged, slot 0 included,
+    against a plain loop over the kept rows."""
+    g = torch.Generator().manual_seed(len(slots))
+    cache = torch.randint(0, 256, (6, 132), generator=g, dtype=torch.uint8)
+    k = torch.randn(len(slots), 128, generator=g)
+    want = cache.clone()
+    rows = ref.quantize_indexer_k(k)
+    for i, s in enumerate(slots):
+        if s >= 0:
+            want[s] = rows[i]
+    ref.pack_indexer_k_into(cache, torch.tensor(slots), k)
+    assert torch.equal(cache, want)
+
+
 def test_quantisers_take_zero_rows():
     """A rank with no token of a kind (a W = 1 rank with prefills only has no decode query)
     quantises zero rows: empty results of the right shapes, not a reshape error."""

@@ -124,5 +124,16 @@ def pack_indexer_k_into(cache_flat: torch.Tensor, slots: torch.Tensor, k: torch.
 
 
 def _pack_into(cache_flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """Row i into ``cache_flat[slots[i]]`` where slots[i] >= 0, without a host sync (the
+    executor writes decode tokens through here inside a step, where the GPU tests forbid
+    syncs): a skipped row rewrites the first kept row's slot with that same row (a duplicate
+    of an identical write), or, when none is kept, slot 0 with its own bytes."""
     keep = slots >= 0
-    cache_flat.index_copy_(0, slots[keep].long(), rows[keep])
+    if keep.numel() == 0:
+        return
+    first = keep.int().argmax()  # the first kept row (0 when none is)
+    any_kept = keep.any()
+    fill_slot = torch.where(any_kept, slots[first], 0).long()
+    fill_row = torch.where(any_kept, rows[first], cache_flat[0])
+    cache_flat.index_copy_(0, torch.where(keep, slots.long(), fill_slot),
+                           torch.where(keep[:, None], rows, fill_row))
