@@ -7,7 +7,9 @@ bf16 matmul ceiling.
 
 Prefill cases: the last T tokens of an N-token context (query i has keys 0 .. N - T + i),
 64 heads x 128 dims, topk 2048, one rank. Decode cases: B requests of one context each (and 64
-of 2k-6k, as in the decode step), paged cache (block 64, shuffled block table). Inputs are integer-valued, so scores are exact and ties
+of 2k-6k, as in the decode step; without --quick also 64 of 64k-128k and of 32k-64k, the
+long-context step's rows on one GPU and on a P = W = 2 rank), paged cache (block 64, shuffled
+block table). Inputs are integer-valued, so scores are exact and ties
 abound; each case checks new == old (ids and scores, order included). Logits FLOPs: 2 * 64 * 128
 per (query, key). Medians of ``triton.testing.do_bench``. Each prefill case also times its parts:
 the planar fp8 logits and the select (default: the exact top K kept, then ordered; radix-only;
@@ -42,7 +44,9 @@ from triton.testing import do_bench, do_bench_cudagraph
 HI, TOPK, BLOCK = 64, 2048, 64
 RANK_SEGS = (8, 32)  # every candidate ordered from this many segments (select_exact off)
 PREFILL = [(4096, 32768), (2048, 65536), (8192, 8192)]
-DECODE = [(b, ctx) for ctx in (4096, 131072) for b in (1, 8, 64)] + [(64, 6144, 2048)]
+DECODE = ([(b, ctx) for ctx in (4096, 131072) for b in (1, 8, 64)] + [(64, 6144, 2048)]
+          # the long-context decode step's rows: one GPU (64k-128k), a P = W = 2 rank (half)
+          + [(64, 131072, 65536), (64, 65536, 32768)])
 ROWS: list[dict] = []
 FAILS = (CompilationError, OutOfResources, RuntimeError)  # a variant that does not build or run
 
@@ -166,6 +170,7 @@ DECODE_SELECTS = {
     "split runs of 256": {"split_run": 256},
     "long rows: second select": {"rank_runs": 1},
     "long rows: 32 programs per SM": {"programs_per_sm": 32},
+    "long rows: 1 program per SM (fewer, longer segments)": {"programs_per_sm": 1},
     "long rows: all candidates ordered (no exact top K)": {"select_exact": False},
     "split: at most 8 runs, of up to 1024 (before)": {"split_runs": 8, "split_run_max": 1024},
 }
