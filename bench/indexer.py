@@ -171,6 +171,7 @@ DECODE_SELECTS = {
     "long rows: second select": {"rank_runs": 1},
     "long rows: 32 programs per SM": {"programs_per_sm": 32},
     "long rows: 1 program per SM (fewer, longer segments)": {"programs_per_sm": 1},
+    "long rows: filter path (long_filter)": {"long_filter": True},
     "long rows: all candidates ordered (no exact top K)": {"select_exact": False},
     "split: at most 8 runs, of up to 1024 (before)": {"split_runs": 8, "split_run_max": 1024},
 }

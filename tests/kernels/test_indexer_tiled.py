@@ -104,8 +104,10 @@ def test_prefill(env, W, I, block_q, nreq, sms):
 @pytest.mark.parametrize("W,rank,I", [(1, 0, 1), (4, 2, 1), (2, 1, 64)])
 @pytest.mark.parametrize("sms", [0, 8])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_decode(env, W, rank, I, sms, fp8):
-    """fp8: logits on fp8 tensor cores (CUDA only; the interpreter has no fp8 products)."""
+@pytest.mark.parametrize("filt", [False, True], ids=["segments", "filter"])
+def test_decode(env, W, rank, I, sms, fp8, filt):
+    """fp8: logits on fp8 tensor cores (CUDA only; the interpreter has no fp8 products).
+    filter: long rows through the filter path (``long_filter``), global ids mapped alike."""
     if fp8 and env == "interp":
         pytest.skip("fp8 products need CUDA")
     it = _it()
@@ -116,9 +118,13 @@ def test_decode(env, W, rank, I, sms, fp8):
     bt = torch.stack([torch.randperm(2 * T * nblk, generator=g)[:nblk] for _ in range(T)]).int()
     local_len = torch.randint(1, nblk * B, (T,), generator=g)
     local_len[-1] = 5  # fewer keys than topk
+    if filt:
+        local_len[0] = nblk * B  # rows long enough for segments, hence for the filter path
     bt, local_len = bt.to(dev), local_len.to(dev)
+    filt_kw = ({"long_filter": True, "filter_chunk": 32, "filter_cap": 64, "filter_sample": 64,
+                "filter_margin": 2.0, "split_rows": 0} if filt else {})
     got = it.indexer_topk_decode(q, w, k, local_len, bt, B, W, rank, I, topk,
-                                 tiles=_tiles(env, programs_per_sm=sms, decode_fp8=fp8))
+                                 tiles=_tiles(env, programs_per_sm=sms, decode_fp8=fp8, **filt_kw))
     _check(got, ref.indexer_topk_decode(q.cpu().double(), w.cpu(), k.cpu(), local_len.cpu(),
                                         bt.cpu(), B, W, rank, I, topk))
 
@@ -197,6 +203,14 @@ SELECT_VARIANTS = {
     "exact-segments": {"programs_per_sm": 8, "select_exact": True, "radix_bits": 8},
     "exact-fallback": {"programs_per_sm": 8, "select_exact": True, "select_margin": -9.0,
                        "select_attempts": 1},
+    # long rows: the filter path (a sampled row threshold, candidates gathered by chunks, then
+    # runs + ranks), the segment path for the rows it misses (ties past its cap; a threshold
+    # sampled too high: "filter-missed")
+    "filter": {"programs_per_sm": 8, "radix_bits": 8, "long_filter": True, "filter_chunk": 64,
+               "filter_cap": 128, "filter_sample": 256, "filter_margin": 3.0},
+    "filter-missed": {"programs_per_sm": 8, "radix_bits": 8, "long_filter": True,
+                      "filter_chunk": 128, "filter_cap": 128, "filter_sample": 64,
+                      "filter_margin": -9.0},
 }
 
 

@@ -135,6 +135,22 @@ def _bracket_pass(src, gt_buf, eq_buf, lo, hi, thr, K, CAP: tl.constexpr,
 
 
 @triton.jit
+def _sample_threshold(src, lo, hi, K, MARGIN, COMPOSITE_IN: tl.constexpr, S: tl.constexpr):
+    """A strided sample of S keys of [lo, hi), sorted descending, and the key at the sample rank
+    ``m + MARGIN * sqrt(m)`` (m = K * S / n, where the K-th key is expected): returns (that
+    threshold key, its sample rank, the sorted sample)."""
+    n = hi - lo
+    si = tl.arange(0, S)
+    pos = lo + ((si.to(tl.int64) * n) // S).to(tl.int32)
+    key, _ = _load_keys(src, pos, hi, COMPOSITE_IN)
+    smp = tl.sort(key, 0, descending=True)
+    m = (K * 1.0) * S / (n * 1.0)  # the sample rank of the K-th key, expected
+    idx = tl.minimum(tl.maximum(m + MARGIN * tl.sqrt(m), -1.0).to(tl.int32) + 1, S - 1)
+    thr = tl.maximum(tl.max(tl.where(si == idx, smp, -2147483648), 0), -2147483647)
+    return thr, idx, smp
+
+
+@triton.jit
 def _bracket_select(src, gt_buf, eq_buf, lo, hi, K, MARGIN, COMPOSITE_IN: tl.constexpr,
                     CAP: tl.constexpr, S: tl.constexpr, ATTEMPTS: tl.constexpr,
                     BLOCK: tl.constexpr):
@@ -149,12 +165,7 @@ def _bracket_select(src, gt_buf, eq_buf, lo, hi, K, MARGIN, COMPOSITE_IN: tl.con
     idx = tl.zeros((), tl.int32) - 1
     smp = tl.zeros((S,), tl.int32)
     if n > CAP:
-        pos = lo + ((si.to(tl.int64) * n) // S).to(tl.int32)
-        key, _ = _load_keys(src, pos, hi, COMPOSITE_IN)
-        smp = tl.sort(key, 0, descending=True)
-        m = (K * 1.0) * S / (n * 1.0)  # the sample rank of the K-th key, expected
-        idx = tl.minimum(tl.maximum(m + MARGIN * tl.sqrt(m), -1.0).to(tl.int32) + 1, S - 1)
-        thr = tl.maximum(tl.max(tl.where(si == idx, smp, -2147483648), 0), -2147483647)
+        thr, idx, smp = _sample_threshold(src, lo, hi, K, MARGIN, COMPOSITE_IN, S)
     ok = tl.zeros((), tl.int32)
     n_gt = tl.zeros((), tl.int32)
     n_eq = tl.zeros((), tl.int32)
@@ -254,10 +265,12 @@ def _emit(v, row, slot, total, dst, s_ptr, i_ptr, stride_or, K, RANK, W: tl.cons
         tl.store(dst + slot, tl.where(live, v, -9223372036854775808), mask=m)
 
 
-@triton.jit(do_not_specialize=["len_ptr", "N", "SEG_LEN", "SEGS", "ITEMS", "K", "RANK"])
-def select_kernel(keys_ptr, len_ptr, buf_ptr, dst_ptr, s_ptr, i_ptr,
+@triton.jit(do_not_specialize=["len_ptr", "skip_ptr", "N", "SEG_LEN", "SEGS", "ITEMS", "K",
+                               "RANK"])
+def select_kernel(keys_ptr, len_ptr, skip_ptr, buf_ptr, dst_ptr, s_ptr, i_ptr,
                   stride_kr, stride_dr, stride_or, N, SEG_LEN, SEGS, ITEMS, K, RANK, MARGIN,
-                  W: tl.constexpr, I: tl.constexpr, HAS_LEN: tl.constexpr, COMPOSITE_IN: tl.constexpr,
+                  W: tl.constexpr, I: tl.constexpr, HAS_LEN: tl.constexpr, HAS_SKIP: tl.constexpr,
+                  COMPOSITE_IN: tl.constexpr,
                   FINAL: tl.constexpr, DECODE_IDS: tl.constexpr, KP: tl.constexpr,
                   CAP: tl.constexpr, S: tl.constexpr, ATTEMPTS: tl.constexpr,
                   BLOCK: tl.constexpr, BITS: tl.constexpr, SORT_SEGS: tl.constexpr,
@@ -269,7 +282,8 @@ def select_kernel(keys_ptr, len_ptr, buf_ptr, dst_ptr, s_ptr, i_ptr,
 
     Not FINAL: the KP sorted composites go to dst[row, seg*KP : (seg+1)*KP] (pads NO_COMPOSITE).
     FINAL (one segment): scores / ids (NO_KEY pads) go to s / i. buf: this program's scratch,
-    CAP + KP composites.
+    CAP + KP composites. HAS_SKIP: the items of rows whose skip flag is set are not processed
+    (rows another path has already selected).
     """
     pid = tl.program_id(0)
     gt_buf = buf_ptr + pid.to(tl.int64) * (CAP + KP)
@@ -278,56 +292,61 @@ def select_kernel(keys_ptr, len_ptr, buf_ptr, dst_ptr, s_ptr, i_ptr,
     for item in range(pid, ITEMS, tl.num_programs(0)):
         row = (item // SEGS).to(tl.int64)
         seg = item % SEGS
-        n = N
-        if HAS_LEN:
-            n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
-        lo = seg * SEG_LEN
-        hi = tl.maximum(tl.minimum(n, lo + SEG_LEN), lo)
-        src = keys_ptr + row * stride_kr
-        ok, n_gt, e = _bracket_select(src, gt_buf, eq_buf, lo, hi, K, MARGIN, COMPOSITE_IN, CAP,
-                                      S, ATTEMPTS, BLOCK)
-        if ok == 0:  # the sample missed (adversarial rows) or ATTEMPTS == 0: exact radix select
-            thr, k_eq = _radix_threshold(src, lo, hi, K, COMPOSITE_IN, BLOCK, BITS)
-            n_gt = _compact(src, gt_buf, lo, hi, thr, k_eq, COMPOSITE_IN, BLOCK)
-            e = tl.zeros((), tl.int32)
-        tl.debug_barrier()  # the gathering's global writes, read back by other threads below
-        v = tl.load(gt_buf + slot, mask=slot < n_gt, other=-9223372036854775808)
-        eq = (slot >= n_gt) & (slot < n_gt + e)
-        v = tl.where(eq, tl.load(eq_buf + (slot - n_gt), mask=eq, other=0), v)
-        total = tl.minimum(K, n_gt + e)
-        if EXACT:
-            tl.debug_barrier()  # every thread has read the scratch before it is rewritten
-            _keep_top(v, n_gt + e, K, gt_buf, CAP)
-            tl.debug_barrier()  # the kept composites, read back by other threads below
-            kslot = tl.arange(0, KP)
-            v = tl.load(gt_buf + kslot, mask=kslot < total, other=-9223372036854775808)
-            dst = dst_ptr + row * stride_dr + seg * KP
-            if SORT_SEGS_K == 1:
+        go = tl.full((), 1, tl.int32)
+        if HAS_SKIP:
+            go = (tl.load(skip_ptr + row) == 0).to(tl.int32)
+        if go != 0:
+            n = N
+            if HAS_LEN:
+                n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
+            lo = seg * SEG_LEN
+            hi = tl.maximum(tl.minimum(n, lo + SEG_LEN), lo)
+            src = keys_ptr + row * stride_kr
+            ok, n_gt, e = _bracket_select(src, gt_buf, eq_buf, lo, hi, K, MARGIN, COMPOSITE_IN, CAP,
+                                          S, ATTEMPTS, BLOCK)
+            if ok == 0:  # the sample missed (adversarial rows) or ATTEMPTS == 0: exact radix select
+                thr, k_eq = _radix_threshold(src, lo, hi, K, COMPOSITE_IN, BLOCK, BITS)
+                n_gt = _compact(src, gt_buf, lo, hi, thr, k_eq, COMPOSITE_IN, BLOCK)
+                e = tl.zeros((), tl.int32)
+            tl.debug_barrier()  # the gathering's global writes, read back by other threads below
+            v = tl.load(gt_buf + slot, mask=slot < n_gt, other=-9223372036854775808)
+            eq = (slot >= n_gt) & (slot < n_gt + e)
+            v = tl.where(eq, tl.load(eq_buf + (slot - n_gt), mask=eq, other=0), v)
+            total = tl.minimum(K, n_gt + e)
+            if EXACT:
+                tl.debug_barrier()  # every thread has read the scratch before it is rewritten
+                _keep_top(v, n_gt + e, K, gt_buf, CAP)
+                tl.debug_barrier()  # the kept composites, read back by other threads below
+                kslot = tl.arange(0, KP)
+                v = tl.load(gt_buf + kslot, mask=kslot < total, other=-9223372036854775808)
+                dst = dst_ptr + row * stride_dr + seg * KP
+                if SORT_SEGS_K == 1:
+                    v = tl.sort(v, 0, descending=True)
+                    _emit(v, row, kslot, total, dst, s_ptr, i_ptr, stride_or, K, RANK, W, I, FINAL,
+                          DECODE_IDS, KP, False)
+                else:
+                    tl.debug_barrier()  # every thread has read the scratch before it is rewritten
+                    v, rank = _merge_ranks(gt_buf, v, KP, SORT_SEGS_K, LOG_SEG_K, LOG_SEGS_K)
+                    _emit(v, row, rank, total, dst, s_ptr, i_ptr, stride_or, K, RANK, W, I, FINAL,
+                          DECODE_IDS, KP, True)
+            elif SORT_SEGS == 1:
                 v = tl.sort(v, 0, descending=True)
-                _emit(v, row, kslot, total, dst, s_ptr, i_ptr, stride_or, K, RANK, W, I, FINAL,
-                      DECODE_IDS, KP, False)
+                _emit(v, row, slot, total, dst_ptr + row * stride_dr + seg * KP, s_ptr, i_ptr,
+                      stride_or, K, RANK, W, I, FINAL, DECODE_IDS, KP, False)
             else:
                 tl.debug_barrier()  # every thread has read the scratch before it is rewritten
-                v, rank = _merge_ranks(gt_buf, v, KP, SORT_SEGS_K, LOG_SEG_K, LOG_SEGS_K)
-                _emit(v, row, rank, total, dst, s_ptr, i_ptr, stride_or, K, RANK, W, I, FINAL,
-                      DECODE_IDS, KP, True)
-        elif SORT_SEGS == 1:
-            v = tl.sort(v, 0, descending=True)
-            _emit(v, row, slot, total, dst_ptr + row * stride_dr + seg * KP, s_ptr, i_ptr,
-                  stride_or, K, RANK, W, I, FINAL, DECODE_IDS, KP, False)
-        else:
-            tl.debug_barrier()  # every thread has read the scratch before it is rewritten
-            v, rank = _merge_ranks(gt_buf, v, CAP, SORT_SEGS, LOG_SEG, LOG_SEGS)
-            _emit(v, row, rank, total, dst_ptr + row * stride_dr + seg * KP, s_ptr, i_ptr,
-                  stride_or, K, RANK, W, I, FINAL, DECODE_IDS, KP, True)
-        tl.debug_barrier()  # every thread has read the scratch before the next item rewrites it
+                v, rank = _merge_ranks(gt_buf, v, CAP, SORT_SEGS, LOG_SEG, LOG_SEGS)
+                _emit(v, row, rank, total, dst_ptr + row * stride_dr + seg * KP, s_ptr, i_ptr,
+                      stride_or, K, RANK, W, I, FINAL, DECODE_IDS, KP, True)
+            tl.debug_barrier()  # every thread has read the scratch before the next item rewrites it
 
 
 @triton.jit(do_not_specialize=["len_ptr", "N", "K"])
 def sort_runs_kernel(keys_ptr, len_ptr, runs_ptr, s_ptr, i_ptr, stride_kr, stride_rr, stride_or,
-                     N, K, HAS_LEN: tl.constexpr, SEG: tl.constexpr):
-    """Program (row, g): the composites of keys[row, g*SEG : (g+1)*SEG], sorted descending, to
-    runs[row, g*SEG : ...]; "no key" and columns past the row's length become NO_COMPOSITE.
+                     N, K, HAS_LEN: tl.constexpr, SEG: tl.constexpr, COMPOSITE_IN: tl.constexpr):
+    """Program (row, g): the composites of keys[row, g*SEG : (g+1)*SEG] (int32 keys, or
+    composites with COMPOSITE_IN), sorted descending, to runs[row, g*SEG : ...]; "no key" and
+    columns past the row's length become NO_COMPOSITE.
     It also writes the pads (-inf, NO_KEY) of the output slots g*SEG + j*NRUNS*SEG .. below K,
     so the outputs need no fill: ``rank_runs_kernel``, launched after it, overwrites the slots of
     the live composites."""
@@ -343,23 +362,23 @@ def sort_runs_kernel(keys_ptr, len_ptr, runs_ptr, s_ptr, i_ptr, stride_kr, strid
     if HAS_LEN:
         n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
     c = g * SEG + tl.arange(0, SEG)
-    key, v = _load_keys(keys_ptr + row * stride_kr, c, n, False)
+    key, v = _load_keys(keys_ptr + row * stride_kr, c, n, COMPOSITE_IN)
     v = tl.sort(tl.where(key != -2147483648, v, -9223372036854775808), 0, descending=True)
     tl.store(runs_ptr + row * stride_rr + c, v)
 
 
-@triton.jit(do_not_specialize=["len_ptr", "N", "NRUNS", "K", "RANK"])
-def rank_runs_kernel(runs_ptr, len_ptr, s_ptr, i_ptr, stride_rr, stride_or, N, NRUNS, K, RANK,
-                     W: tl.constexpr, I: tl.constexpr, DECODE_IDS: tl.constexpr,
+@triton.jit(do_not_specialize=["len_ptr", "skip_ptr", "N", "NRUNS", "K", "RANK"])
+def rank_runs_kernel(runs_ptr, len_ptr, skip_ptr, s_ptr, i_ptr, stride_rr, stride_or, N, NRUNS,
+                     K, RANK, W: tl.constexpr, I: tl.constexpr, DECODE_IDS: tl.constexpr,
                      HAS_LEN: tl.constexpr, SEG: tl.constexpr, LOG_SEG: tl.constexpr,
-                     RUNS: tl.constexpr, CHUNK: tl.constexpr):
+                     RUNS: tl.constexpr, CHUNK: tl.constexpr, HAS_SKIP: tl.constexpr):
     """Program (row, g, chunk): the place of each composite of run g (CHUNK of them) among the
     row's NRUNS <= RUNS sorted runs of SEG is the count of composites ahead of it in every run (binary
     searches; runs before g win ties, so the NO_COMPOSITE pads would get distinct places): a
     one-round merge of all runs, whose searches run in parallel. Live composites placed before K
     are written as scores / ids (the outputs hold their pads already). HAS_LEN: run t of a row
     of n = min(len, N) keys holds keys t*SEG.. (sort_runs_kernel), so runs past n are pads and
-    are not searched."""
+    are not searched. HAS_SKIP: rows whose skip flag is set are left alone."""
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     live_runs = NRUNS
@@ -369,7 +388,10 @@ def rank_runs_kernel(runs_ptr, len_ptr, s_ptr, i_ptr, stride_rr, stride_or, N, N
     base = runs_ptr + row * stride_rr
     v = tl.load(base + g * SEG + tl.program_id(2) * CHUNK + tl.arange(0, CHUNK))
     live = v != -9223372036854775808
-    if tl.max(live.to(tl.int32), 0) > 0:  # runs of pads only (past the row's end): nothing to do
+    go = tl.max(live.to(tl.int32), 0) > 0  # runs of pads only (past the row's end): nothing to do
+    if HAS_SKIP:
+        go = go & (tl.load(skip_ptr + row) == 0)
+    if go:
         place = tl.zeros((CHUNK,), tl.int32)
         for t in tl.static_range(RUNS):  # unrolled: the searches are independent; RUNS is a
             if t < live_runs:  # bound, so one compile serves every run count
@@ -383,3 +405,59 @@ def rank_runs_kernel(runs_ptr, len_ptr, s_ptr, i_ptr, stride_rr, stride_or, N, N
                 place += cnt + tl.where(before, a >= v, a > v).to(tl.int32)
         _emit(v, row, tl.where(live, place, K), K, runs_ptr, s_ptr, i_ptr, stride_or, K, RANK,
               W, I, True, DECODE_IDS, 1, True)
+
+
+@triton.jit(do_not_specialize=["len_ptr", "N", "K"])
+def filter_count_kernel(keys_ptr, len_ptr, thr_ptr, cnt_ptr, stride_kr, N, K, MARGIN,
+                        CAP: tl.constexpr, S: tl.constexpr, CH: tl.constexpr):
+    """Program (row, chunk) of the filter path: the row's sampled threshold (rows of at most CAP
+    keys: below every key), which every program of the row computes alike and chunk 0 stores
+    to thr[row], then the chunk's count of keys >= it to cnt[0, row, chunk] and of live keys
+    to cnt[1, row, chunk]."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    C = tl.num_programs(1)
+    R = tl.num_programs(0)
+    n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
+    src = keys_ptr + row * stride_kr
+    thr = tl.zeros((), tl.int32) - 2147483647
+    if n > CAP:
+        thr, _, _ = _sample_threshold(src, 0, n, K, MARGIN, False, S)
+    if chunk == 0:
+        tl.store(thr_ptr + row, thr)
+    c = chunk * CH + tl.arange(0, CH)
+    key, _ = _load_keys(src, c, n, False)
+    tl.store(cnt_ptr + row * C + chunk, tl.sum((key >= thr).to(tl.int32), 0))
+    tl.store(cnt_ptr + (R + row) * C + chunk, tl.sum((key != -2147483648).to(tl.int32), 0))
+
+
+@triton.jit(do_not_specialize=["len_ptr", "N", "K"])
+def filter_scatter_kernel(keys_ptr, len_ptr, thr_ptr, cnt_ptr, cand_ptr, cand_len_ptr, ok_ptr,
+                          stride_kr, stride_cr, N, K, CAP: tl.constexpr, CH: tl.constexpr,
+                          CB: tl.constexpr):
+    """Program (row, chunk): the row holds its top K in the keys >= its threshold when there
+    are at least min(K, live keys) of them and at most CAP (ok); then the chunk's composites of
+    those keys go to cand[row, before : ...], ``before`` = the count in the earlier chunks
+    (position order kept). Chunk 0 stores ok[row] and cand_len[row] (the row's count if ok,
+    else 0). CB: a power of two >= the chunks of a row."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    C = tl.num_programs(1)
+    R = tl.num_programs(0)
+    j = tl.arange(0, CB)
+    ge = tl.load(cnt_ptr + row * C + j, mask=j < C, other=0)
+    live = tl.load(cnt_ptr + (R + row) * C + j, mask=j < C, other=0)
+    total = tl.sum(ge, 0)
+    ok = (total >= tl.minimum(tl.sum(live, 0), K)) & (total <= CAP)
+    if chunk == 0:
+        tl.store(ok_ptr + row, ok.to(tl.int32))
+        tl.store(cand_len_ptr + row, tl.where(ok, total, 0))
+    if ok:
+        before = tl.sum(tl.where(j < chunk, ge, 0), 0)
+        n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
+        thr = tl.load(thr_ptr + row)
+        c = chunk * CH + tl.arange(0, CH)
+        key, v = _load_keys(keys_ptr + row * stride_kr, c, n, False)
+        take = key >= thr
+        ti = take.to(tl.int32)
+        tl.store(cand_ptr + row * stride_cr + before + tl.cumsum(ti, 0) - ti, v, mask=take)

@@ -83,6 +83,20 @@ the 64-decode 2k-6k select 45.8 against 52.3 us, equal at 64 x 4k (28.3 / 28.4).
 replayed from a CUDA graph: the 64 x 4k select 27.9 us against 70.6 us with one program per
 row; the 8 x 128k select 119.7 us with ranks against 176.5 us with a second select launch.
 The split path writes its own pads (``sort_runs_kernel``), so its outputs need no fill.
+
+Long rows, few of them (``long_filter``, off until measured): the segment path above costs
+one segment item's latency (sample sort, scan, bisection, ordering of K) however short the
+segment, so halving a row's keys (a DCP rank) does not halve it. The filter path spreads a row
+over ``filter_chunk``-key programs twice: ``filter_count_kernel`` (each program samples the
+row, ``filter_sample`` keys, for the threshold at the sample rank m + ``filter_margin`` x
+sqrt(m), and counts its chunk's keys at or above it, and its live keys), then
+``filter_scatter_kernel`` (from the row's counts: whether the threshold holds the top K, i.e.
+at least min(K, live keys) and at most ``filter_cap`` keys above it; if so the chunk's
+composites go to the row's candidates after the earlier chunks', in position order). The
+candidates are then sorted as runs and placed by ranks, the split path's kernels with
+composites in. Rows whose threshold missed get no candidates and are selected by the segment
+path, which skips the others (``HAS_SKIP``); ``sort_runs_kernel`` has written every row's
+pads. Six launches where the segment path takes three, all of them parallel over the row.
 """
 
 from __future__ import annotations
@@ -137,6 +151,16 @@ class IndexerTiles:
     rank_chunk: int = 256  # composites placed per rank program
     rank_warps: int = 4
     split_warps: int = 4  # sort_runs programs
+    long_filter: bool = False  # long rows (few of them): the filter path first (not measured
+    # yet, so off): keys above a sampled row threshold gathered by many programs, then ordered
+    # as split-path runs; the segment path selects only the rows whose threshold missed
+    filter_rows: int = 512  # ... for at most this many rows
+    filter_chunk: int = 4096  # keys per counting / gathering program
+    filter_cap: int = 8192  # candidate slots per row (>= topk; runs of split_run, at most
+    # rank_runs of them)
+    filter_sample: int = 2048  # keys sampled per row for its threshold, taken at the sample
+    filter_margin: float = 4.0  # rank m + margin * sqrt(m): at 128k keys and topk 2048 about
+    # 3600 +- 500 candidates expected, well inside the cap and above topk
 
 
 def _num_sms(device) -> int:
@@ -210,7 +234,8 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
         sorted_runs = torch.empty(R, runs * run, dtype=torch.int64, device=keys.device)
         sjit.sort_runs_kernel[(R, runs)](keys, lens, sorted_runs, top_s, top_i, keys.stride(0),
                                          sorted_runs.stride(0), top_s.stride(0), L, topk,
-                                         HAS_LEN=True, SEG=run, num_warps=tiles.split_warps)
+                                         HAS_LEN=True, SEG=run, COMPOSITE_IN=False,
+                                         num_warps=tiles.split_warps)
         _rank_launch(sorted_runs, top_s, top_i, topk, run, runs, tiles, ids, lens=lens, n=L)
         return
     sms = _num_sms(keys.device)
@@ -237,11 +262,15 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
     # long rows: each segment's sorted top-K composites (a run of KP), then the row's top-K of
     # the runs: by ranks (runs padded to a power of two) or a second select over them
     runs = triton.next_power_of_2(segs)
+    skip = None
+    if tiles.long_filter and runs <= tiles.rank_runs and R <= tiles.filter_rows:
+        # the filter path selects the rows it can; the segment path below only the others
+        skip = _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids)
     cand = torch.full((R, runs * kp), sjit.NO_COMPOSITE, dtype=torch.int64, device=keys.device)
     _select_launch(keys, lens, cand, top_s, top_i, L, seg_len, segs, topk, tiles, sms, True, False,
-                   common, final=False)
+                   common, final=False, skip=skip)
     if runs <= tiles.rank_runs:
-        _rank_launch(cand, top_s, top_i, topk, kp, runs, tiles, ids)
+        _rank_launch(cand, top_s, top_i, topk, kp, runs, tiles, ids, skip=skip)
         return
     n = segs * kp
     _select_launch(cand, lens, cand, top_s, top_i, n, n, 1, topk, tiles, sms, False, True, common)
@@ -256,28 +285,71 @@ def _split_shape(R: int, L: int, tiles: IndexerTiles) -> tuple[int, int] | None:
     return (run, runs) if R <= tiles.split_rows and runs <= tiles.rank_runs else None
 
 
-def _rank_launch(sorted_runs, top_s, top_i, topk, run, runs, tiles, ids, *, lens=None, n=0):
+def _rank_launch(sorted_runs, top_s, top_i, topk, run, runs, tiles, ids, *, lens=None, n=0,
+                 skip=None):
     """Top-k of each row's ``runs`` sorted runs of ``run`` composites, placed by ranks; with
-    ``lens``, runs past a row's first min(lens[r], n) keys are pads, not searched."""
+    ``lens``, runs past a row's first min(lens[r], n) keys are pads, not searched; rows whose
+    ``skip`` flag is set are left alone."""
     chunk = min(run, triton.next_power_of_2(tiles.rank_chunk))
     grid = (sorted_runs.shape[0], runs, run // chunk)
-    sjit.rank_runs_kernel[grid](sorted_runs, lens if lens is not None else sorted_runs, top_s,
-                                top_i, sorted_runs.stride(0), top_s.stride(0), n, runs, topk,
+    sjit.rank_runs_kernel[grid](sorted_runs, lens if lens is not None else sorted_runs,
+                                skip if skip is not None else sorted_runs, top_s, top_i,
+                                sorted_runs.stride(0), top_s.stride(0), n, runs, topk,
                                 HAS_LEN=lens is not None, SEG=run, LOG_SEG=run.bit_length() - 1,
                                 RUNS=triton.next_power_of_2(tiles.rank_runs), CHUNK=chunk,
-                                num_warps=tiles.rank_warps, **ids)
+                                HAS_SKIP=skip is not None, num_warps=tiles.rank_warps, **ids)
 
 
 def _select_launch(src, lens, dst, top_s, top_i, n, seg_len, segs, topk, tiles, sms, has_len,
-                   composite, common, *, final=True):
+                   composite, common, *, final=True, skip=None):
     items = src.shape[0] * segs
     progs = max(1, min(items, tiles.select_programs_per_sm * sms))
     buf = torch.empty(progs, common["CAP"] + common["KP"], dtype=torch.int64, device=src.device)
-    sjit.select_kernel[(progs,)](src, lens, buf, dst, top_s, top_i, src.stride(0), dst.stride(0),
-                                top_s.stride(0), n, seg_len, segs, items, topk,
-                                common["RANK"], float(tiles.select_margin), HAS_LEN=has_len,
+    sjit.select_kernel[(progs,)](src, lens, skip if skip is not None else lens, buf, dst, top_s,
+                                top_i, src.stride(0), dst.stride(0), top_s.stride(0), n, seg_len,
+                                segs, items, topk, common["RANK"], float(tiles.select_margin),
+                                HAS_LEN=has_len, HAS_SKIP=skip is not None,
                                 COMPOSITE_IN=composite, FINAL=final,
                                 **{k: v for k, v in common.items() if k != "RANK"})
+
+
+def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
+    """The filter path for long rows: every row's keys above a sampled threshold (computed by
+    each chunk's program alike), counted by ``filter_chunk``-key chunks, then gathered in
+    position order into ``filter_cap`` candidate slots (``filter_scatter_kernel``), sorted as
+    runs and placed by ranks as the split path does; all output pads written. A row whose
+    threshold missed (fewer than min(K, live keys) or more than the cap above it) gets no
+    candidates. Returns the rows' ok flags ``[R]`` int32, the skip flags of the segment path
+    that then selects the other rows; None (nothing launched) where the candidates would make
+    more runs than ``rank_runs``."""
+    R, L = keys.shape
+    ch = triton.next_power_of_2(tiles.filter_chunk)
+    C = triton.cdiv(L, ch)
+    cap = triton.next_power_of_2(max(tiles.filter_cap, topk))
+    run = min(triton.next_power_of_2(tiles.split_run), cap)
+    if cap // run > tiles.rank_runs:
+        return None
+    dev = keys.device
+    thr = torch.empty(R, dtype=torch.int32, device=dev)
+    cnt = torch.empty(2, R, C, dtype=torch.int32, device=dev)
+    cand = torch.empty(R, cap, dtype=torch.int64, device=dev)
+    cand_len = torch.empty(R, dtype=torch.int32, device=dev)
+    ok = torch.empty(R, dtype=torch.int32, device=dev)
+    sjit.filter_count_kernel[(R, C)](keys, lens, thr, cnt, keys.stride(0), L, topk,
+                                     float(tiles.filter_margin), CAP=cap,
+                                     S=triton.next_power_of_2(max(tiles.filter_sample, 16)),
+                                     CH=ch, num_warps=tiles.split_warps)
+    sjit.filter_scatter_kernel[(R, C)](keys, lens, thr, cnt, cand, cand_len, ok, keys.stride(0),
+                                       cand.stride(0), L, topk, CAP=cap, CH=ch,
+                                       CB=triton.next_power_of_2(C), num_warps=tiles.split_warps)
+    runs = cap // run
+    sorted_runs = torch.empty(R, cap, dtype=torch.int64, device=dev)
+    sjit.sort_runs_kernel[(R, runs)](cand, cand_len, sorted_runs, top_s, top_i, cand.stride(0),
+                                     sorted_runs.stride(0), top_s.stride(0), cap, topk,
+                                     HAS_LEN=True, SEG=run, COMPOSITE_IN=True,
+                                     num_warps=tiles.split_warps)
+    _rank_launch(sorted_runs, top_s, top_i, topk, run, runs, tiles, ids, lens=cand_len, n=cap)
+    return ok
 
 
 def score_keys(scores: torch.Tensor) -> torch.Tensor:
