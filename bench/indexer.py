@@ -3,7 +3,8 @@ one (``runtime/kernels/indexer_tiled.py``, the Triton set's default) in the same
 bf16 matmul ceiling.
 
     python bench/indexer.py [--quick] [--only prefill,decode,sort,decode-sweep,select-sweep]
-                            [--sweep] [--planar-sweep] [--json out.json]
+                            [--decode-cases 8x131072,64x65536-131072] [--sweep]
+                            [--planar-sweep] [--json out.json]
 
 Prefill cases: the last T tokens of an N-token context (query i has keys 0 .. N - T + i),
 64 heads x 128 dims, topk 2048, one rank. Decode cases: B requests of one context each (and 64
@@ -367,6 +368,21 @@ def sweep_decode(B, ctx, ceil):
                     print(f"{name}: failed ({type(e).__name__})", flush=True)
 
 
+def _decode_cases(text: str) -> list[tuple]:
+    """"8x131072,64x65536-131072" -> [(8, 131072), (64, 131072, 65536)] (B x context, or
+    B x lo-hi: contexts spread over [lo, hi], as DECODE's ranged cases)."""
+    cases = []
+    for item in text.split(","):
+        try:
+            b, ctx = item.lower().split("x")
+            lo, _, hi = ctx.partition("-")
+            cases.append((int(b), int(hi), int(lo)) if hi else (int(b), int(lo)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"decode case {item!r}: expected BxCTX or BxLO-HI, e.g. 8x131072") from None
+    return cases
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="first prefill and two decode cases")
@@ -374,6 +390,8 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="tile variants (long)")
     ap.add_argument("--planar-sweep", action="store_true", help="planar fp8 logits tiles")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--decode-cases", type=_decode_cases, metavar="BxCTX[,BxLO-HI...]",
+                    help="these decode cases only, e.g. 8x131072,64x65536-131072")
     a = ap.parse_args()
     # "old": the per-(query, key block) kernel, the Triton set's indexer until 2026-11-30
     kernels = old_indexer
@@ -393,8 +411,9 @@ def main():
         sweep_select(args, it.IndexerTiles(), ceil)
         del args
     if "decode" in parts:
-        ok &= run_decode([(64, 4096), (64, 6144, 2048), (8, 131072)] if a.quick else DECODE, ceil,
-                         kernels)
+        cases = a.decode_cases or ([(64, 4096), (64, 6144, 2048), (8, 131072)] if a.quick
+                                   else DECODE)
+        ok &= run_decode(cases, ceil, kernels)
     if a.sweep:
         sweep(ceil)
     print(f"new == old in every case: {ok}")
