@@ -480,6 +480,51 @@ def test_triton_decode_merge_in_a_replayed_step_matches_the_oracle(pwi):
 
 
 @pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("pwi", [(1, 1, 1), (2, 2, 4)])
+def test_decode_filter_path_in_a_replayed_step_matches_the_oracle(pwi):
+    """End to end: the tiled decode indexer with the opt-in filter path for long rows (small
+    tiles: rows of a few hundred keys count as long), swapped into a kernel set the way the
+    Triton set's docstring says, in a step whose local top-k lists are then merged across DCP
+    ranks: the restored outputs equal the single-device oracle, and the path ran."""
+    import functools
+
+    from cpplan.planner.compile import compile as compile_plan
+    from cpplan.runtime.kernels import REFERENCE
+    from cpplan.runtime.kernels.triton import indexer_tiled
+    from cpplan.schemas import StepInput
+    from cpplan.sim.replay import replay_plan
+    from cpplan.sim.simulate import TOLERANCE, SimOptions, preset_config
+
+    p, w, i = pwi
+    cfg = preset_config(SimOptions(pcp=p, dcp=w, interleave=i, layers=1, max_model_len=2048))
+    step = StepInput.build(2, ["a", "b", "c"], [1500, 900, 129], [1, 1, 2], [False] * 3)
+    lock, ran = threading.Lock(), []
+    tiles = indexer_tiled.IndexerTiles(decode_block_k=32, select_block=64, select_cap=64,
+                                       select_sample=64, split_rows=0, rank_chunk=32,
+                                       rank_runs=8, programs_per_sm=8, long_filter=True,
+                                       filter_chunk=128, filter_cap=256, filter_sample=64,
+                                       filter_margin=2.0, split_run=32)
+    spy = indexer_tiled._filter_launch
+
+    def filter_launch(*args, **kwargs):
+        ran.append(1)
+        return spy(*args, **kwargs)
+
+    def decode(*args, **kwargs):
+        with lock:
+            return functools.partial(indexer_tiled.indexer_topk_decode, tiles=tiles)(*args,
+                                                                                     **kwargs)
+
+    kernels = dataclasses.replace(REFERENCE, indexer_topk_decode=decode)
+    indexer_tiled._filter_launch = filter_launch
+    try:
+        result = replay_plan(compile_plan(cfg, step), seed=4, kernels=kernels)
+    finally:
+        indexer_tiled._filter_launch = spy
+    assert ran and result.max_abs_err <= TOLERANCE
+
+
+@pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1")
 @pytest.mark.parametrize("p", [1, 2])
 def test_gathered_prefill_keys_through_the_tiled_indexer_match_the_oracle(p):
     """W == 1, StepExecutor(prefill_keys="gather"): the prefill tokens' keys copied per step and
