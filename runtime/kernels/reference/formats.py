@@ -131,9 +131,11 @@ def _pack_into(cache_flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor
     keep = slots >= 0
     if keep.numel() == 0:
         return
-    first = keep.int().argmax()  # the first kept row (0 when none is)
+    # the first kept row (0 when none is), as a 1-element index: indexing with a 0-d tensor
+    # would read its value on the host
+    first = keep.int().argmax().view(1)
     any_kept = keep.any()
-    fill_slot = torch.where(any_kept, slots[first], 0).long()
-    fill_row = torch.where(any_kept, rows[first], cache_flat[0])
+    fill_slot = torch.where(any_kept, slots.index_select(0, first), 0).long()
+    fill_row = torch.where(any_kept, rows.index_select(0, first), cache_flat[:1])
     cache_flat.index_copy_(0, torch.where(keep, slots.long(), fill_slot),
                            torch.where(keep[:, None], rows, fill_row))
