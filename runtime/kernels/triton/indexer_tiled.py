@@ -224,12 +224,15 @@ def _logits_planar(q, weights, kp, ks, out, L, lens, pcu, PT, W, I, *, bq, bk, w
 
 
 def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1, rank=0):
-    """Exact top-k of each row of int32 keys ``[R, L]`` (row r: its first lens[r] columns)."""
+    """Exact top-k of each row of int32 keys ``[R, L]`` (row r: its first lens[r] columns)
+    into ``top_s`` / ``top_i``, every slot written (pads -inf / NO_KEY): the outputs need no
+    fill. The split and filter paths write the pads in their run sorts; the others, whose
+    ranks write only the live slots, have the outputs filled first."""
     R, L = keys.shape
     kp = triton.next_power_of_2(topk)
     ids = {"RANK": rank, "W": W, "I": I, "DECODE_IDS": decode_ids}
     split = _split_shape(R, L, tiles)
-    if split:  # few short rows: split path (it writes every output slot, pads included)
+    if split:  # few short rows: split path
         run, runs = split
         sorted_runs = torch.empty(R, runs * run, dtype=torch.int64, device=keys.device)
         sjit.sort_runs_kernel[(R, runs)](keys, lens, sorted_runs, top_s, top_i, keys.stride(0),
@@ -255,17 +258,21 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
                   LOG_SEGS=segs_sort.bit_length() - 1, EXACT=tiles.select_exact and kp < cap,
                   SORT_SEGS_K=segs_k, LOG_SEG_K=(kp // segs_k).bit_length() - 1,
                   LOG_SEGS_K=segs_k.bit_length() - 1)
+    runs = triton.next_power_of_2(segs)
+    skip = None
+    if segs > 1 and tiles.long_filter and runs <= tiles.rank_runs and R <= tiles.filter_rows:
+        # the filter path selects the rows it can (and writes every row's pads); the segment
+        # path below only the others
+        skip = _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids)
+    if skip is None:
+        top_s.fill_(float("-inf"))
+        top_i.fill_(NO_KEY)
     if segs == 1:
         _select_launch(keys, lens, keys, top_s, top_i, L, L, 1, topk, tiles, sms, True, False,
                        common)
         return
     # long rows: each segment's sorted top-K composites (a run of KP), then the row's top-K of
     # the runs: by ranks (runs padded to a power of two) or a second select over them
-    runs = triton.next_power_of_2(segs)
-    skip = None
-    if tiles.long_filter and runs <= tiles.rank_runs and R <= tiles.filter_rows:
-        # the filter path selects the rows it can; the segment path below only the others
-        skip = _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids)
     cand = torch.full((R, runs * kp), sjit.NO_COMPOSITE, dtype=torch.int64, device=keys.device)
     _select_launch(keys, lens, cand, top_s, top_i, L, seg_len, segs, topk, tiles, sms, True, False,
                    common, final=False, skip=skip)
@@ -362,12 +369,11 @@ def select_topk(scores, lens, topk: int, *, tiles: IndexerTiles | None = None):
     """The select alone: top-k of ``scores [R, L]`` float32 over each row's first ``lens[r]``
     columns, in the reference order with ids = column positions. Returns ``(top_scores [R, topk]
     float32, top_ids [R, topk] int32)``, NO_KEY / -inf pads (for tests and the bench)."""
-    tiles = tiles or IndexerTiles()
     R, L = scores.shape
-    live = R and L and topk
-    top_s, top_i = _outputs(R, topk, scores.device, fill=not (live and _split_shape(R, L, tiles)))
+    live = bool(R and L and topk)
+    top_s, top_i = _outputs(R, topk, scores.device, fill=not live)
     if live:
-        _select(score_keys(scores), lens.contiguous(), topk, top_s, top_i, tiles)
+        _select(score_keys(scores), lens.contiguous(), topk, top_s, top_i, tiles or IndexerTiles())
     return top_s, top_i
 
 
@@ -378,8 +384,8 @@ def _keys_buffer(rows: int, L: int, device) -> torch.Tensor:
 
 
 def _outputs(T, topk, device, *, fill=True):
-    """(scores, ids) ``[T, topk]``: filled with the pads (-inf, NO_KEY), or left empty where the
-    select writes every slot (the split path)."""
+    """(scores, ids) ``[T, topk]``: filled with the pads (-inf, NO_KEY), or left empty for
+    ``_select``, which writes every slot."""
     if not fill:
         return (torch.empty((T, topk), dtype=torch.float32, device=device),
                 torch.empty((T, topk), dtype=torch.int32, device=device))
@@ -434,9 +440,9 @@ def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_loc
     tiles = tiles or IndexerTiles()
     T = q.shape[0]
     L = (int(key_len.max()) if T else 0) if max_keys is None else max_keys
-    top_s, top_i = _outputs(T, topk, q.device)
     if T == 0 or L == 0 or topk == 0:
-        return top_s, top_i
+        return _outputs(T, topk, q.device)
+    top_s, top_i = _outputs(T, topk, q.device, fill=False)  # every row goes through _select
     # fp8 products on the GPU; the interpreter multiplies the same fp8 values in q's dtype
     gpu = q.is_cuda
     q8, w8 = _query(q, weights, torch.float8_e4m3fn if gpu else None)
@@ -469,7 +475,7 @@ def indexer_topk_decode(q, weights, k_cache_flat, local_len, block_table, block_
     L = (int(local_len.max()) if T else 0) if max_keys is None else max_keys
     if T == 0 or L == 0 or topk == 0:
         return _outputs(T, topk, q.device)
-    top_s, top_i = _outputs(T, topk, q.device, fill=not _split_shape(T, L, tiles))
+    top_s, top_i = _outputs(T, topk, q.device, fill=False)
     q, weights = _query(q, weights, torch.float8_e4m3fn if tiles.decode_fp8 and q.is_cuda else None)
     if k_cache_flat.dim() == 3:
         k_cache_flat = k_cache_flat.view(-1, INDEXER_K_BYTES)
