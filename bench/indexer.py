@@ -3,7 +3,8 @@ one (``runtime/kernels/indexer_tiled.py``, the Triton set's default) in the same
 bf16 matmul ceiling.
 
     python bench/indexer.py [--quick] [--only prefill,decode,sort,decode-sweep,select-sweep]
-                            [--decode-cases 8x131072,64x65536-131072] [--sweep]
+                            [--decode-cases 8x131072,64x65536-131072] [--variants filter]
+                            [--sweep]
                             [--planar-sweep] [--json out.json]
 
 Prefill cases: the last T tokens of an N-token context (query i has keys 0 .. N - T + i),
@@ -190,6 +191,9 @@ def gbench(fn):
     return do_bench_cudagraph(fn, rep=100, return_mode="median")
 
 
+VARIANTS = None  # --variants: substrings of the variant names timed (None: every variant)
+
+
 def decode_parts(args, tiles, ceil, flops):
     """Times the tiled decode indexer whole, its logits alone (fp8 products where the tiles
     say so, as the whole call) and its select alone (the whole batch), eager and replayed
@@ -224,6 +228,8 @@ def decode_parts(args, tiles, ceil, flops):
     variants = ([(f"whole, {n}", kw, whole, flops) for n, kw in DECODE_WHOLES.items()]
                 + [(f"select {n}", kw, select, None) for n, kw in DECODE_SELECTS.items()])
     for name, kw, fn, fl in variants:
+        if VARIANTS is not None and not any(v in name for v in VARIANTS):
+            continue
         t = dataclasses.replace(tiles, **kw)
         try:
             got = it.indexer_topk_decode(*args, max_keys=ctx, tiles=t)
@@ -392,7 +398,13 @@ def main():
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--decode-cases", type=_decode_cases, metavar="BxCTX[,BxLO-HI...]",
                     help="these decode cases only, e.g. 8x131072,64x65536-131072")
+    ap.add_argument("--variants", metavar="SUB[,SUB...]",
+                    help="decode: time only the variants whose name holds one of these "
+                         "(e.g. filter,1 program); '' for none")
     a = ap.parse_args()
+    global VARIANTS
+    if a.variants is not None:
+        VARIANTS = [v for v in a.variants.split(",") if v]
     # "old": the per-(query, key block) kernel, the Triton set's indexer until 2026-11-30
     kernels = old_indexer
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")

@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import statistics
@@ -64,6 +65,7 @@ from cpplan.api import Groups, LayerCache, ParallelConfig, StepExecutor, StepInp
 from cpplan.runtime import collectives as coll
 from cpplan.runtime.graphs import StepGraphs
 from cpplan.runtime.kernels import get_kernels
+from cpplan.runtime.kernels.dispatch import KernelBackendError
 from cpplan.runtime.verify import DigestCheck
 from cpplan.schemas.codec import digest
 from cpplan.schemas.errors import ConfigError
@@ -220,7 +222,7 @@ def setup_rank(args, dims: dict, groups: Groups) -> Rank:
         alloc.ensure(rid, int(extent))
     num_blocks = 1 + sum(len(b) for b in alloc.blocks.values())
     tables = alloc.table(plan.req_ids, per_req)
-    kernels = get_kernels(dev.type, args.kernels)
+    kernels = with_indexer_tiles(get_kernels(dev.type, args.kernels), args.indexer_tiles)
     merge_kernels = None
     if args.merge != "kernel":  # the torch merge (two sorts, unfused LSE scaling) to compare
         from cpplan.runtime.kernels import reference as ref
@@ -268,6 +270,43 @@ def layers_body(r: Rank, bound, kv, index_k, q, index_q, index_w, log=None):
         out = r.ex.attend(bound, cache, q, index_q, index_w)
         if log is not None:
             log.point("other")
+    return out
+
+
+def with_indexer_tiles(kernels, tiles: dict):
+    """The kernel set with the tiled indexer launched under ``IndexerTiles(**tiles)``
+    (--indexer-tiles; the set unchanged when empty or when its indexer is not the tiled one)."""
+    from cpplan.runtime.kernels.triton import indexer_tiled
+
+    if not tiles:
+        return kernels
+    if kernels.indexer_topk_decode is not indexer_tiled.indexer_topk_decode:
+        raise ConfigError(f"--indexer-tiles applies to the Triton kernel set's tiled indexer: "
+                          f"got kernels {kernels.name}")
+    t = indexer_tiled.IndexerTiles(**tiles)
+    return dataclasses.replace(
+        kernels, name=f"{kernels.name} (indexer tiles {tiles})",
+        indexer_topk_decode=functools.partial(indexer_tiled.indexer_topk_decode, tiles=t),
+        indexer_topk_prefill=functools.partial(indexer_tiled.indexer_topk_prefill, tiles=t))
+
+
+def _indexer_tiles(text: str) -> dict:
+    """``--indexer-tiles long_filter=1,programs_per_sm=8`` -> {field: value of its type}."""
+    from cpplan.runtime.kernels.triton.indexer_tiled import IndexerTiles
+
+    kinds = {f.name: type(f.default) for f in dataclasses.fields(IndexerTiles)}
+    out = {}
+    for item in filter(None, text.split(",")):
+        name, eq, value = item.partition("=")
+        if not eq or name not in kinds:
+            raise argparse.ArgumentTypeError(
+                f"expected FIELD=VALUE with FIELD one of IndexerTiles' fields: got {item!r}")
+        kind = kinds[name]
+        try:
+            out[name] = bool(int(value)) if kind is bool else kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{name} takes a {kind.__name__}: got {value!r}") from None
     return out
 
 
@@ -532,6 +571,9 @@ def parse_args(argv=None):
     ap.add_argument("--prefill-keys", choices=("paged", "gather", "both"), default="gather",
                     help="W == 1 prefill tokens: the decode indexer over the paged cache, the "
                          "prefill indexer over a per-step copy of their keys, or both timed")
+    ap.add_argument("--indexer-tiles", type=_indexer_tiles, default={}, metavar="F=V,...",
+                    help="launch the tiled indexer with these IndexerTiles fields, e.g. "
+                         "long_filter=1 (Triton kernel set only)")
     ap.add_argument("--graphs", action="store_true",
                     help="CUDA-graph sizes in the config; time the step eager and replayed")
     ap.add_argument("--trace", type=int, default=0, metavar="STEPS",
@@ -652,7 +694,11 @@ def main(argv=None) -> int:
         sys.stderr.write(f"bench/step_gpu.py: error: {exc}\n")
         return 2
     try:
-        r = setup_rank(args, dims, groups)
+        try:
+            r = setup_rank(args, dims, groups)
+        except (ConfigError, KernelBackendError) as exc:  # every rank sees the same arguments: all return here
+            sys.stderr.write(f"bench/step_gpu.py: error: {exc}\n")
+            return 2
         res = max_over_ranks(r, measure(r, args.repeat))
         if groups.rank == 0:
             summary = report(args, r, res, sys.stderr if args.json else sys.stdout)
