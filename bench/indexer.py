@@ -10,8 +10,8 @@ bf16 matmul ceiling.
 Prefill cases: the last T tokens of an N-token context (query i has keys 0 .. N - T + i),
 64 heads x 128 dims, topk 2048, one rank. Decode cases: B requests of one context each (and 64
 of 2k-6k, as in the decode step; without --quick also 64 of 64k-128k and of 32k-64k, the
-long-context step's rows on one GPU and on a P = W = 2 rank), paged cache (block 64, shuffled
-block table). Inputs are integer-valued, so scores are exact and ties
+long-context step's rows on one GPU and on a P = W = 2 rank), block-planar paged cache (block 64,
+shuffled block table). Inputs are integer-valued, so scores are exact and ties
 abound; each case checks new == old (ids and scores, order included). Logits FLOPs: 2 * 64 * 128
 per (query, key). Medians of ``triton.testing.do_bench``. Each prefill case also times its parts:
 the planar fp8 logits and the select (default: the exact top K kept, then ordered; radix-only;
@@ -97,7 +97,9 @@ def decode_inputs(B, ctx, seed=0, lo=None):
     nblk = ctx // BLOCK
     q = _ints((B, HI, 128), -2, 2, g).to(torch.bfloat16)
     w = _ints((B, HI), -2, 2, g).float()
-    k = ref.quantize_indexer_k(_ints((B * nblk * BLOCK, 128), -3, 3, g).float())
+    packed = ref.quantize_indexer_k(_ints((B * nblk * BLOCK, 128), -3, 3, g).float())
+    k = torch.empty(B * nblk, BLOCK * ref.INDEXER_K_BYTES, dtype=torch.uint8, device="cuda")
+    ref.scatter_indexer_k(k, torch.arange(B * nblk * BLOCK, device="cuda"), packed)  # block-planar
     bt = torch.randperm(B * nblk, device="cuda", generator=g).int().reshape(B, nblk)
     local_len = torch.full((B,), ctx, device="cuda")
     if lo is not None:
@@ -191,6 +193,8 @@ def gbench(fn):
     return do_bench_cudagraph(fn, rep=100, return_mode="median")
 
 
+# decode logits tiles (decode_block_k, decode_warps, decode_stages) timed beside the default
+LOGITS_TILES = ((128, 4, 4), (64, 4, 4), (64, 4, 3), (256, 8, 3))
 VARIANTS = None  # --variants: substrings of the variant names timed (None: every variant)
 
 
@@ -203,16 +207,14 @@ def decode_parts(args, tiles, ceil, flops):
     ctx = int(local_len.max())
     keys = it._keys_buffer(q.shape[0], ctx, q.device)
     top_s, top_i = it._outputs(q.shape[0], topk, q.device)
-    kflat = k.view(-1, k.shape[-1])
     splits = it.decode_splits(q.shape[0], ctx, tiles, it._num_sms(q.device))
 
     fp8 = tiles.decode_fp8 and q.is_cuda  # the query as indexer_topk_decode quantises it
     qq, ww = pack.quantize_indexer_q(q, w, torch.float8_e4m3fn if fp8 else q.dtype)
 
-    def logits():
-        it._logits(qq, ww, kflat, keys, 2, True, ctx, bk=tiles.decode_block_k,
-                   warps=tiles.decode_warps, stages=tiles.decode_stages, splits=splits,
-                   lens=local_len, bt=bt, B=block)
+    def logits(bk=tiles.decode_block_k, warps=tiles.decode_warps, stages=tiles.decode_stages):
+        it._logits(qq, ww, k, keys, 2, True, ctx, bk=bk, warps=warps, stages=stages,
+                   splits=splits, lens=local_len, bt=bt, B=block)
 
     def select(t=tiles):
         it._select(keys, local_len, topk, top_s, top_i, t, decode_ids=True, W=W, I=I, rank=rank)
@@ -224,6 +226,10 @@ def decode_parts(args, tiles, ceil, flops):
                          ("select", select, None)):
         row(f"  parts {part}", bench(fn), fl, ceil)
         row(f"  parts {part}, graph", gbench(fn), fl, ceil)
+    for bk, warps, stages in LOGITS_TILES:  # other tiles of the logits alone
+        if VARIANTS is None or any(v in "logits tiles" for v in VARIANTS):
+            row(f"  parts logits, bk {bk} w {warps} s {stages}, graph",
+                gbench(lambda: logits(bk, warps, stages)), flops, ceil)
     want = it.indexer_topk_decode(*args, max_keys=ctx)
     variants = ([(f"whole, {n}", kw, whole, flops) for n, kw in DECODE_WHOLES.items()]
                 + [(f"select {n}", kw, select, None) for n, kw in DECODE_SELECTS.items()])

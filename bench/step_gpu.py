@@ -317,7 +317,7 @@ def _random_cache(cfg, num_blocks: int, dev, kernels, gen, chunk: int = 1 << 16)
         kv = torch.randn(s1 - s0, cfg.qk_head_dim, generator=gen, device=dev)
         cache.kv[s0:s1] = kernels.quantize_fp8_ds_mla(kv)
         k = torch.randn(s1 - s0, cfg.index_head_dim, generator=gen, device=dev)
-        cache.index_k[s0:s1] = kernels.quantize_indexer_k(k)
+        kernels.pack_indexer_k_into(cache.index_k, torch.arange(s0, s1, device=dev), k)
     return cache
 
 

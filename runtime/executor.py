@@ -27,7 +27,7 @@ import torch
 from cpplan.runtime import collectives as coll
 from cpplan.runtime.arena import ArenaRing, arena_words
 from cpplan.runtime.faults import FaultBoard, StepWatch, Watchdog
-from cpplan.runtime.kernels import get_kernels
+from cpplan.runtime.kernels import gather_indexer_k, get_kernels, scatter_indexer_k
 from cpplan.runtime.segments import (build_tables, check_block_tables, compile_host_kernels,
                                      local_prefill_keys)
 from cpplan.runtime.tables import TABLE_NAMES, Layout, StepMeta, StepTables, local_prefill_rows
@@ -54,9 +54,11 @@ PREFILL_KEYS = ("paged", "gather")
 
 @dataclasses.dataclass
 class LayerCache:
-    """One layer's paged caches on one rank, viewed flat: ``kv [S, kv_bytes]`` uint8
-    (fp8_ds_mla or bf16 bytes) and ``index_k [S, 132]`` uint8; S = num_blocks * block_size;
-    slot DUMMY_SLOT is reserved. Owned by the engine, lives as long as it does."""
+    """One layer's paged caches on one rank: ``kv [S, kv_bytes]`` uint8 (fp8_ds_mla or bf16
+    bytes, a slot's row; S = num_blocks * block_size) and ``index_k [num_blocks, block_size *
+    132]`` uint8, block-planar: a block's block_size x 128 fp8 values, then its block_size
+    float32 scales (docs/design.md §4.3; ``gather_indexer_k`` / ``scatter_indexer_k`` move
+    packed rows). Slot DUMMY_SLOT is reserved. Owned by the engine, lives as long as it does."""
 
     kv: torch.Tensor
     index_k: torch.Tensor
@@ -65,8 +67,8 @@ class LayerCache:
     def empty(cls, config: ParallelConfig, num_blocks: int, device) -> "LayerCache":
         slots = num_blocks * config.block_size
         return cls(torch.zeros(slots, config.kv_bytes_per_token, dtype=torch.uint8, device=device),
-                   torch.zeros(slots, config.index_k_bytes_per_token, dtype=torch.uint8,
-                               device=device))
+                   torch.zeros(num_blocks, config.block_size * config.index_k_bytes_per_token,
+                               dtype=torch.uint8, device=device))
 
 
 @dataclasses.dataclass
@@ -228,8 +230,9 @@ class StepExecutor:
         rows = cache.kv.shape[0] if isinstance(cache.kv, torch.Tensor) else -1
         self._expect(bound, call, f"cache.kv ({cfg.kv_cache_dtype})", cache.kv,
                      (rows, cfg.kv_bytes_per_token), torch.uint8)
-        self._expect(bound, call, "cache.index_k", cache.index_k,
-                     (rows, cfg.index_k_bytes_per_token), torch.uint8)
+        self._expect(bound, call, "cache.index_k (block-planar)", cache.index_k,
+                     (rows // cfg.block_size, cfg.block_size * cfg.index_k_bytes_per_token),
+                     torch.uint8)
         if rows < bound.cache_rows:  # an out-of-range index would fault the device (CUDA)
             bs = cfg.block_size
             raise TensorArgError(f"step {bound.plan.step_id}: {call}: the caches hold {rows:,} "
@@ -311,7 +314,7 @@ class StepExecutor:
             coll.indexer_k_insert(ch, k_all, k_pre)
             kv_pre, k_pre = kv_all, k_all
         cache.kv.index_copy_(0, t.insert_pre, kv_pre)
-        cache.index_k.index_copy_(0, t.insert_pre, k_pre)
+        scatter_indexer_k(cache.index_k, t.insert_pre, k_pre)
 
     def attend(self, bound: BoundStep, cache: LayerCache, q: torch.Tensor,
                index_q: torch.Tensor, index_w: torch.Tensor) -> torch.Tensor:
@@ -394,7 +397,7 @@ class StepExecutor:
         as for a gather chunk with W = 1; ids are token positions, as the decode path's are."""
         src, pcu = bound.local_prefill
         nd = bound.meta.num_decode_tokens
-        keys = cache.index_k.index_select(0, src)
+        keys = gather_indexer_k(cache.index_k, src)
         return self.kernels.indexer_topk_prefill(
             index_q[lo:hi], index_w[lo:hi], keys, bound.tables.key_len[lo:hi],
             pcu[lo - nd: hi - nd], src.shape[0], 1, 1, self.config.topk, max_keys=width)[1]
@@ -406,8 +409,8 @@ class StepExecutor:
         w_size, inter = cfg.dcp_size, cfg.interleave_size
         chunk = t.gather[c]
         pt, src = chunk.num_rows, chunk.src
-        k_all = cache.index_k.new_empty((w_size * pt, cache.index_k.shape[1]))
-        coll.indexer_k_gather(ch, c, k_all, cache.index_k.index_select(0, src))
+        k_all = cache.index_k.new_empty((w_size * pt, cfg.index_k_bytes_per_token))
+        coll.indexer_k_gather(ch, c, k_all, gather_indexer_k(cache.index_k, src))
         kv_all = cache.kv.new_empty((w_size * pt, cache.kv.shape[1]))
         coll.kv_gather(ch, c, kv_all, cache.kv.index_select(0, src))
         lo, hi, width = chunk.token_range

@@ -13,6 +13,7 @@ import torch
 
 from cpplan.runtime.collectives import ACT_DTYPES
 from cpplan.runtime.executor import BoundStep, LayerCache, StepExecutor
+from cpplan.runtime.kernels import scatter_indexer_k
 from cpplan.schemas.plan import StepPlan
 from cpplan.schemas.sharding import local_index, owner
 from cpplan.sim import coords
@@ -85,4 +86,4 @@ def prefill_history(executor: StepExecutor, plan: StepPlan, caches: list[LayerCa
     for layer, cache in enumerate(caches):
         kv, k = coords.key_inputs(seed, layer, key_t, pos_t)
         cache.kv.index_copy_(0, slots, executor.pack_kv(kv))
-        cache.index_k.index_copy_(0, slots, executor.kernels.quantize_indexer_k(k))
+        scatter_indexer_k(cache.index_k, slots, executor.kernels.quantize_indexer_k(k))

@@ -28,6 +28,8 @@ from .reference import (
     deinterleave_index_select,
     dequantize_fp8_ds_mla,
     dequantize_indexer_k,
+    gather_indexer_k,
+    indexer_k_planes,
     filter_local_slots,
     indexer_scores,
     indexer_topk,
@@ -40,6 +42,7 @@ from .reference import (
     quantize_fp8_ds_mla,
     quantize_indexer_k,
     remap_to_gathered,
+    scatter_indexer_k,
     sparse_mla_attention,
     topk_reference_order,
 )
@@ -48,8 +51,8 @@ __all__ = [
     "BACKENDS", "D_QK", "D_ROPE", "D_V", "FP8_DS_MLA_BYTES", "INDEXER_K_BYTES", "NO_KEY",
     "OP_NAMES", "REFERENCE", "AttentionPlan", "AttentionPlanError", "DeviceSpec",
     "KernelBackendError", "KernelSet", "decode_key_slots", "deinterleave_index_select",
-    "dequantize_fp8_ds_mla", "dequantize_indexer_k", "filter_local_slots", "get_kernels",
+    "dequantize_fp8_ds_mla", "dequantize_indexer_k", "gather_indexer_k", "indexer_k_planes", "filter_local_slots", "get_kernels",
     "indexer_scores", "indexer_topk", "indexer_topk_decode", "indexer_topk_prefill", "lse_merge",
     "pack_fp8_ds_mla_into", "pack_indexer_k_into", "prefill_key_rows", "quantize_fp8_ds_mla",
-    "quantize_indexer_k", "remap_to_gathered", "sparse_mla_attention", "topk_reference_order",
+    "quantize_indexer_k", "remap_to_gathered", "scatter_indexer_k", "sparse_mla_attention", "topk_reference_order",
 ]

@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 from cpplan.runtime.kernels import reference as ref
+from tests.kernels.caches import block_planar
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available() and not INTERP
@@ -123,6 +124,7 @@ def test_decode(env, W, rank, I, sms, fp8, filt):
     bt, local_len = bt.to(dev), local_len.to(dev)
     filt_kw = ({"long_filter": True, "filter_chunk": 32, "filter_cap": 64, "filter_sample": 64,
                 "filter_margin": 2.0, "split_rows": 0} if filt else {})
+    k = block_planar(k, B)
     got = it.indexer_topk_decode(q, w, k, local_len, bt, B, W, rank, I, topk,
                                  tiles=_tiles(env, programs_per_sm=sms, decode_fp8=fp8, **filt_kw))
     _check(got, ref.indexer_topk_decode(q.cpu().double(), w.cpu(), k.cpu(), local_len.cpu(),
@@ -150,6 +152,7 @@ def test_query_is_quantised_like_the_reference(env):
     bt = torch.randperm(PT // B, generator=torch.Generator().manual_seed(1)).int()
     bt = bt[None, :].repeat(T, 1).to(dev)
     local_len = torch.full((T,), PT - 3, device=dev)
+    k = block_planar(k, B)
     _check(it.indexer_topk_decode(q, w, k, local_len, bt, B, 1, 0, 1, topk, tiles=tiles),
            ref.indexer_topk_decode(q.cpu(), w.cpu(), k.cpu(), local_len.cpu(), bt.cpu(), B, 1, 0,
                                    1, topk))
@@ -279,7 +282,7 @@ def test_zero_queries(env):
     none, bt = torch.zeros(0, dtype=torch.int64, device=dev), torch.zeros(0, 2, dtype=torch.int32,
                                                                              device=dev)
     for mod in (_it(), old, ref):
-        s, ids = mod.indexer_topk_decode(q, w, k, none, bt, 64, 1, 0, 1, 16)
+        s, ids = mod.indexer_topk_decode(q, w, block_planar(k, 64), none, bt, 64, 1, 0, 1, 16)
         assert s.shape == ids.shape == (0, 16)
         s, ids = mod.indexer_topk_prefill(q, w, k, none, none, 128, 1, 1, 16)
         assert s.shape == ids.shape == (0, 16)

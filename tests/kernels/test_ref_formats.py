@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from cpplan.runtime.kernels import reference as ref
+from tests.kernels.caches import block_planar
 
 
 def _naive_scale(amax: float) -> float:
@@ -122,9 +123,11 @@ def test_pack_into_skips_negative_slots():
     packed = ref.quantize_fp8_ds_mla(kv)
     assert torch.equal(cache[9], packed[0]) and torch.equal(cache[0], packed[2])
     assert (cache[1:9] == 7).all()
-    kc = torch.zeros(4, 132, dtype=torch.uint8)
+    kc = torch.zeros(2, 2 * 132, dtype=torch.uint8)  # 2 blocks of 2 slots
     ref.pack_indexer_k_into(kc, torch.tensor([-1, 3]), torch.ones(2, 128))
-    assert torch.equal(kc[3], ref.quantize_indexer_k(torch.ones(1, 128))[0]) and (kc[:3] == 0).all()
+    want = torch.zeros(4, 132, dtype=torch.uint8)
+    want[3] = ref.quantize_indexer_k(torch.ones(1, 128))[0]
+    assert torch.equal(kc, block_planar(want, 2))
 
 
 @pytest.mark.parametrize("slots", [[-1, -2], [-1, 4, -3, 0], [0, -1]])
@@ -133,15 +136,35 @@ def test_pack_into_writes_kept_rows_only_without_a_sync(slots):
     own bytes): every kept slot holds its row, every other slot is unchanged, slot 0 included,
     against a plain loop over the kept rows."""
     g = torch.Generator().manual_seed(len(slots))
-    cache = torch.randint(0, 256, (6, 132), generator=g, dtype=torch.uint8)
+    packed = torch.randint(0, 256, (6, 132), generator=g, dtype=torch.uint8)
     k = torch.randn(len(slots), 128, generator=g)
-    want = cache.clone()
+    want = packed.clone()
     rows = ref.quantize_indexer_k(k)
     for i, s in enumerate(slots):
         if s >= 0:
             want[s] = rows[i]
+    cache = block_planar(packed, 3)
     ref.pack_indexer_k_into(cache, torch.tensor(slots), k)
-    assert torch.equal(cache, want)
+    assert torch.equal(cache, block_planar(want, 3))
+
+
+def test_indexer_k_cache_is_block_planar():
+    """gather / scatter of packed rows against the layout built the plain way: block b holds
+    its B keys' 128 fp8 values, key after key, then their B float32 scales; the planes view
+    the cache itself."""
+    g = torch.Generator().manual_seed(5)
+    B, nb = 4, 3
+    packed = ref.quantize_indexer_k(torch.randn(nb * B, 128, generator=g))
+    cache = block_planar(packed, B)
+    slots = torch.tensor([11, 0, 5, 4, 7])
+    assert torch.equal(ref.gather_indexer_k(cache, slots), packed[slots])
+    values, scales = ref.indexer_k_planes(cache)
+    assert values.data_ptr() == cache.data_ptr() and torch.equal(values[2, 3], packed[11, :128])
+    assert torch.equal(scales[1, 1], packed[5, 128:])
+    new = ref.quantize_indexer_k(torch.randn(3, 128, generator=g))
+    ref.scatter_indexer_k(cache, torch.tensor([6, 1, 9]), new)
+    packed[[6, 1, 9]] = new
+    assert torch.equal(cache, block_planar(packed, B))
 
 
 def test_quantisers_take_zero_rows():

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 from cpplan.runtime.kernels import reference as ref
+from tests.kernels.caches import block_planar
 
 NO_KEY = ref.NO_KEY
 
@@ -190,5 +191,6 @@ def test_indexer_prefill_and_decode_helpers():
     slots, gids = ref.decode_key_slots(torch.tensor([2, 0, 70]), bt, 64, W, 1, I)
     assert slots[0, :2].tolist() == [192, 193] and gids[0, :2].tolist() == [2, 3]
     assert (slots[1] == NO_KEY).all() and slots[2, 64].item() == 0 and gids[2, 64].item() == 130
-    _, id_dec = ref.indexer_topk_decode(q, w, k, torch.tensor([2, 0, 3]), bt, 8, W, 1, I, 2)
+    _, id_dec = ref.indexer_topk_decode(q, w, block_planar(k, 8), torch.tensor([2, 0, 3]), bt, 8,
+                                        W, 1, I, 2)
     assert id_dec[1].tolist() == [NO_KEY, NO_KEY]

@@ -15,6 +15,7 @@ import pytest
 import torch
 from cpplan.runtime.kernels import AttentionPlanError
 from cpplan.runtime.kernels import reference as ref
+from tests.kernels.caches import block_planar
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available() and not INTERP
@@ -270,6 +271,12 @@ def test_pack_bit_identical(env):
         assert torch.equal(cache, want)
     k = torch.randn(n, 128, generator=g).to(dev)
     assert torch.equal(tp.quantize_indexer_k(k), ref.quantize_indexer_k(k))
+    # into the block-planar indexer K cache (blocks of 4 slots), a skipped slot included
+    kc = torch.full((-(-(n + 5) // 4), 4 * 132), 0xAB, dtype=torch.uint8, device=dev)
+    want = torch.full_like(kc, 0xAB)
+    tp.pack_indexer_k_into(kc, slots, k)
+    ref.pack_indexer_k_into(want, slots, k)
+    assert torch.equal(kc, want)
     # the indexer query: one scale per (token, head), folded into the weights
     for dtype, heads in ((torch.float32, 64), (torch.bfloat16, 6)):
         q = (torch.randn(n // 4, heads, 128, generator=g)
@@ -351,6 +358,7 @@ def test_indexer_topk_decode(env, W, rank, I):
     bt = torch.stack([torch.randperm(2 * T * nblk, generator=g)[:nblk] for _ in range(T)]).int().to(dev)
     local_len = torch.randint(1, nblk * B, (T,), generator=g).to(dev)
     local_len[-1] = 5
+    k = block_planar(k, B)
     s, ids = tx.indexer_topk_decode(q, w, k, local_len, bt, B, W, rank, I, topk)
     ws, wids = ref.indexer_topk_decode(q.cpu().double(), w.cpu(), k.cpu(), local_len.cpu(), bt.cpu(),
                                        B, W, rank, I, topk)

@@ -28,12 +28,15 @@ from .formats import (
     NO_KEY,
     dequantize_fp8_ds_mla,
     dequantize_indexer_k,
+    gather_indexer_k,
+    indexer_k_planes,
     fp8_scale_exponent,
     pack_fp8_ds_mla_into,
     pack_indexer_k_into,
     quantize_fp8_ds_mla,
     quantize_indexer_k,
     quantize_indexer_q,
+    scatter_indexer_k,
 )
 from .index import deinterleave_index_select, filter_local_slots, remap_to_gathered
 from .indexer import (
@@ -50,10 +53,10 @@ from .indexer import (
 __all__ = [
     "D_INDEXER", "D_QK", "D_ROPE", "D_V", "FP8_DS_MLA_BYTES", "FP8_GROUP", "FP8_MAX",
     "INDEXER_K_BYTES", "NO_KEY", "decode_key_slots", "deinterleave_index_select",
-    "dequantize_fp8_ds_mla", "dequantize_indexer_k", "filter_local_slots", "fp8_scale_exponent",
+    "dequantize_fp8_ds_mla", "dequantize_indexer_k", "gather_indexer_k", "indexer_k_planes", "filter_local_slots", "fp8_scale_exponent",
     "indexer_scores", "indexer_topk", "indexer_topk_decode", "indexer_topk_prefill", "lse_merge",
     "lse_merge_weight", "lse_scale", "merge_topk_candidates",
     "pack_fp8_ds_mla_into", "pack_indexer_k_into", "plan_attention", "prefill_key_rows",
-    "quantize_fp8_ds_mla", "quantize_indexer_k", "quantize_indexer_q", "remap_to_gathered", "sparse_mla_attention",
+    "quantize_fp8_ds_mla", "quantize_indexer_k", "quantize_indexer_q", "remap_to_gathered", "scatter_indexer_k", "sparse_mla_attention",
     "topk_reference_order",
 ]

@@ -3,6 +3,10 @@
 ``fp8_ds_mla`` KV rows (656 bytes: 512 fp8 e4m3 latent values, four float32 power-of-two scales,
 64 bf16 RoPE values) and indexer keys (132 bytes: 128 fp8 values, one float32 scale); formats in
 docs/design.md §The fp8_ds_mla KV token (656 bytes) and §Indexer keys and scores. Runs on CPU and CUDA.
+
+The paged indexer K cache is block-planar, ``[num_blocks, B * 132]`` uint8: a block's B x 128
+fp8 values, then its B float32 scales (docs/design.md §4.3; every key row 128-byte aligned).
+``gather_indexer_k`` / ``scatter_indexer_k`` move packed 132-byte rows out of and into it.
 Sentinel: ``NO_KEY = -1`` in every index / id / slot / row tensor means "no key, never read".
 """
 
@@ -115,19 +119,53 @@ def pack_fp8_ds_mla_into(cache_flat: torch.Tensor, slots: torch.Tensor, kv: torc
     cache_flat: ``[S, 656]`` uint8 (a paged cache ``[num_blocks, 64, 656]`` viewed flat);
     slots: ``[n]`` int64/int32, a slot < 0 is skipped (not written).
     """
-    _pack_into(cache_flat, slots, quantize_fp8_ds_mla(kv))
+    _pack_into(slots, quantize_fp8_ds_mla(kv), cache_flat[:1],
+               lambda sl, rows: cache_flat.index_copy_(0, sl, rows))
 
 
-def pack_indexer_k_into(cache_flat: torch.Tensor, slots: torch.Tensor, k: torch.Tensor) -> None:
-    """Quantise indexer keys ``k [n, 128]`` into ``cache_flat [S, 132]`` uint8 at ``slots``."""
-    _pack_into(cache_flat, slots, quantize_indexer_k(k))
+def pack_indexer_k_into(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor) -> None:
+    """Quantise indexer keys ``k [n, 128]`` into the block-planar ``cache [num_blocks, B * 132]``
+    uint8 at ``slots`` (slots < 0 skipped)."""
+    _pack_into(slots, quantize_indexer_k(k), gather_indexer_k(cache, slots.new_zeros(1)),
+               lambda sl, rows: scatter_indexer_k(cache, sl, rows))
 
 
-def _pack_into(cache_flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """Row i into ``cache_flat[slots[i]]`` where slots[i] >= 0, without a host sync (the
-    executor writes decode tokens through here inside a step, where the GPU tests forbid
-    syncs): a skipped row rewrites the first kept row's slot with that same row (a duplicate
-    of an identical write), or, when none is kept, slot 0 with its own bytes."""
+def indexer_k_planes(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block-planar indexer K cache ``[num_blocks, B * 132]`` uint8 as two views:
+    values ``[num_blocks, B, 128]`` and scale bytes ``[num_blocks, B, 4]``."""
+    assert cache.dtype == torch.uint8 and cache.dim() == 2 and cache.stride(-1) == 1
+    block = cache.shape[1] // INDEXER_K_BYTES
+    assert cache.shape[1] == block * INDEXER_K_BYTES, cache.shape
+    return (cache[:, : block * D_INDEXER].unflatten(1, (block, D_INDEXER)),
+            cache[:, block * D_INDEXER :].unflatten(1, (block, 4)))
+
+
+def gather_indexer_k(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Packed rows ``[n, 132]`` (128 fp8 | float32 scale) of ``slots [n]`` (each >= 0) of the
+    block-planar indexer K cache ``[num_blocks, B * 132]``."""
+    values, scales = indexer_k_planes(cache)
+    slots = slots.long()
+    blk, off = slots // values.shape[1], slots % values.shape[1]
+    return torch.cat([values[blk, off], scales[blk, off]], dim=1)
+
+
+def scatter_indexer_k(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """Packed rows ``[n, 132]`` into ``slots [n]`` (each >= 0) of the block-planar indexer K
+    cache ``[num_blocks, B * 132]`` (in place; like ``index_copy_``, which of two rows written
+    to one slot lands is unspecified)."""
+    values, scales = indexer_k_planes(cache)
+    slots = slots.long()
+    blk, off = slots // values.shape[1], slots % values.shape[1]
+    values[blk, off] = rows[:, :D_INDEXER]
+    scales[blk, off] = rows[:, D_INDEXER:]
+
+
+def _pack_into(slots: torch.Tensor, rows: torch.Tensor, slot0: torch.Tensor, write) -> None:
+    """``write(slots', rows')``: row i into slot ``slots[i]`` where slots[i] >= 0, without a
+    host sync (the executor writes decode tokens through here inside a step, where the GPU
+    tests forbid syncs): a skipped row rewrites the first kept row's slot with that same row
+    (a duplicate of an identical write), or, when none is kept, slot 0 with its own bytes
+    (``slot0 [1, row bytes]``)."""
     keep = slots >= 0
     if keep.numel() == 0:
         return
@@ -136,6 +174,5 @@ def _pack_into(cache_flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor
     first = keep.int().argmax().view(1)
     any_kept = keep.any()
     fill_slot = torch.where(any_kept, slots.index_select(0, first), 0).long()
-    fill_row = torch.where(any_kept, rows.index_select(0, first), cache_flat[:1])
-    cache_flat.index_copy_(0, torch.where(keep, slots.long(), fill_slot),
-                           torch.where(keep[:, None], rows, fill_row))
+    fill_row = torch.where(any_kept, rows.index_select(0, first), slot0)
+    write(torch.where(keep, slots.long(), fill_slot), torch.where(keep[:, None], rows, fill_row))

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from .formats import NO_KEY, dequantize_indexer_k, quantize_indexer_q
+from .formats import (INDEXER_K_BYTES, NO_KEY, dequantize_indexer_k, gather_indexer_k,
+                      quantize_indexer_q)
 from .index import remap_to_gathered
 
 _SCORE_BUDGET = 1 << 22  # gathered [t, L, 128] elements per chunk in indexer_scores
@@ -163,15 +164,19 @@ def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_loc
     return indexer_topk(q, weights, k_gathered, rows, ids, topk)
 
 
-def indexer_topk_decode(q, weights, k_cache_flat, local_len, block_table, block_size: int,
+def indexer_topk_decode(q, weights, k_cache, local_len, block_table, block_size: int,
                         dcp_size: int, dcp_rank: int, interleave: int, topk: int, *,
                         max_keys: int | None = None):
     """This rank's local top-k of decode queries, as (score, global id) candidates.
 
-    k_cache_flat: ``[S, 132]`` uint8, the rank's paged indexer K cache viewed flat. Returns
-    ``(top_scores [T, topk], top_ids [T, topk] int32)``; merge across DCP ranks with
-    ``topk_reference_order`` over the all-gathered ``[T, W * topk]`` candidates.
+    k_cache: ``[num_blocks, block_size * 132]`` uint8, the rank's block-planar paged indexer
+    K cache (``formats.indexer_k_planes``). Returns ``(top_scores [T, topk], top_ids [T, topk]
+    int32)``; merge across DCP ranks with ``topk_reference_order`` over the all-gathered
+    ``[T, W * topk]`` candidates.
     """
     slots, ids = decode_key_slots(local_len, block_table, block_size, dcp_size, dcp_rank, interleave,
                                   max_keys)
-    return indexer_topk(q, weights, k_cache_flat, slots, ids, topk)
+    assert k_cache.shape[1] == block_size * INDEXER_K_BYTES, (k_cache.shape, block_size)
+    rows = gather_indexer_k(k_cache, torch.arange(k_cache.shape[0] * block_size,
+                                                  device=k_cache.device))  # slot s -> row s
+    return indexer_topk(q, weights, rows, slots, ids, topk)

@@ -116,18 +116,19 @@ def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_loc
     return _chunked_topk(q, topk, L, logits_budget_bytes, launch, lambda c: c)
 
 
-def indexer_topk_decode(q, weights, k_cache_flat, local_len, block_table, block_size: int,
+def indexer_topk_decode(q, weights, k_cache, local_len, block_table, block_size: int,
                         dcp_size: int, dcp_rank: int, interleave: int, topk: int, *,
                         max_keys: int | None = None, logits_budget_bytes: int = LOGITS_BUDGET_BYTES):
-    """Triton ``indexer_topk_decode``: the rank's local top-k as (score, global id) candidates."""
+    """Triton ``indexer_topk_decode``: the rank's local top-k as (score, global id) candidates
+    from the block-planar cache ``k_cache [num_blocks, block_size * 132]``."""
     L = (int(local_len.max()) if local_len.numel() else 0) if max_keys is None else max_keys
-    if k_cache_flat.dim() == 3:
-        k_cache_flat = k_cache_flat.view(-1, INDEXER_K_BYTES)
+    assert k_cache.dim() == 2 and k_cache.shape[1] == block_size * INDEXER_K_BYTES, \
+        (k_cache.shape, block_size)
     local_len, block_table = local_len.contiguous(), block_table.contiguous()
     W, I = dcp_size, interleave
 
     def launch(t0, t1, out):
-        _launch(q[t0:t1], weights[t0:t1], k_cache_flat, out, MODE_DECODE, True, L,
+        _launch(q[t0:t1], weights[t0:t1], k_cache, out, MODE_DECODE, True, L,
                 lens=local_len[t0:t1], bt=block_table[t0:t1], W=W, I=I, B=block_size,
                 rank=dcp_rank)
 

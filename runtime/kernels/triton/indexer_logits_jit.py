@@ -6,8 +6,10 @@ BK keys up to the block's largest causal bound; per key block one matrix product
 ReLU, the head weights, the sum over each query's HP heads and the per-key scale, giving
 ``[BK, BQ]`` scores:
 
-- ``logits_kernel``: keys as packed 132-byte rows (explicit rows, or decode slots through the
-  block table), converted fp8 -> DOT_DTYPE; float32 scores or order-preserving int32 keys.
+- ``logits_kernel``: keys as explicit packed 132-byte rows (float32 scores), or decode slots
+  through the block table in the block-planar paged cache (a block's BLOCK x 128 fp8 values,
+  then its BLOCK float32 scales: 16-byte loads of 128-byte aligned rows, where packed rows at a
+  132-byte stride allow 4-byte ones; int32 keys); fp8 -> DOT_DTYPE.
 - ``logits_planar_kernel``: prefill keys as two planes, fp8 values ``[R, 128]`` (128-byte
   aligned rows: eight 16-byte loads each) and float32 scales ``[R]``; fp8 operands on the GPU
   (DOT_DTYPE float8e4nv, the query being the fp8-quantised indexer query, docs/design.md §4.3),
@@ -74,13 +76,14 @@ def _prefill_rows(c, pcu, PT, W: tl.constexpr, I: tl.constexpr):
 # "== 1" / "multiple of 16" / 16-byte-alignment class is a compile of seconds on the GPU);
 # the output row stride stays specialised and is made a multiple of 16 by the launchers.
 @triton.jit(do_not_specialize=["rows_ptr", "len_ptr", "bt_ptr", "stride_rt", "stride_bt", "T",
-                               "L", "B", "KEYS_PER_SPLIT"])
+                               "L", "KEYS_PER_SPLIT"])
 def logits_kernel(q_ptr, w_ptr, k_ptr, out_ptr, rows_ptr, len_ptr, bt_ptr,
                   stride_qt, stride_qh, stride_wt, stride_ot, stride_rt, stride_bt,
-                  T, HI, L, B, KEYS_PER_SPLIT, MODE: tl.constexpr, OUT_KEYS: tl.constexpr,
+                  T, HI, L, KEYS_PER_SPLIT, MODE: tl.constexpr, OUT_KEYS: tl.constexpr,
                   BQ: tl.constexpr, HP: tl.constexpr, BK: tl.constexpr,
-                  DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """MODE 0 explicit rows, 2 decode (one query per program: BQ 1)."""
+                  DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, BLOCK: tl.constexpr):
+    """MODE 0 explicit packed rows, 2 decode over the block-planar paged cache (one query per
+    program: BQ 1)."""
     split = tl.program_id(0)
     j0 = tl.program_id(1) * BQ
     qT, w = _query_tile(q_ptr, w_ptr, j0, T, HI, stride_qt, stride_qh, stride_wt, BQ, HP)
@@ -103,13 +106,18 @@ def logits_kernel(q_ptr, w_ptr, k_ptr, out_ptr, rows_ptr, len_ptr, bt_ptr,
                             PRECISION)
             _store(optr + c[:, None], s, kvalid[:, None] & qmask[None, :],
                    (c < L)[:, None] & qmask[None, :], OUT_KEYS)
-    else:
+    else:  # MODE 2: the paged cache, block-planar, BLOCK (constexpr) tokens a block
         for kb in range(lo, hi, BK):
             c = kb + tl.arange(0, BK)
             kvalid = c < hi
-            blk = tl.load(bt_ptr + j0.to(tl.int64) * stride_bt + c // B, mask=kvalid, other=0)
-            rows = tl.where(kvalid, blk.to(tl.int64) * B + c % B, 0)
-            s = _score_tile(k_ptr, rows, kvalid, qT, w, BQ, HP, DOT_DTYPE, PRECISION)
+            # past the row's keys: block 0 (a real block; those scores are never stored).
+            # BLOCK a constexpr: value rows provably 128-byte aligned, loaded 16 bytes a time
+            blk = tl.load(bt_ptr + j0.to(tl.int64) * stride_bt + c // BLOCK, mask=kvalid,
+                          other=0)
+            base = blk.to(tl.int64) * (BLOCK * 132)
+            o = c % BLOCK
+            s = _planar_scores(k_ptr + base, k_ptr + base + BLOCK * 128, o, kvalid, qT, w, BQ,
+                               HP, DOT_DTYPE, PRECISION, True)
             valid = c[:, None] < n[None, :]
             _store(optr + c[:, None], s, valid, valid, OUT_KEYS)
 
@@ -126,19 +134,25 @@ def _store(ptrs, s, valid, mask, OUT_KEYS: tl.constexpr):
 
 @triton.jit
 def _planar_scores(kp_ptr, ks_ptr, rows, kvalid, qT, w, BQ: tl.constexpr, HP: tl.constexpr,
-                   DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """Scores [BK, BQ] of key rows ``rows [BK]`` of the planes against qT [128, BQ*HP]."""
+                   DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, SCALE_BYTES: tl.constexpr):
+    """Scores [BK, BQ] of key rows ``rows [BK]`` of the planes against qT [128, BQ*HP]
+    (kp_ptr, ks_ptr: one pointer, or one per key; SCALE_BYTES: ks_ptr a byte pointer)."""
     d = tl.arange(0, 128)
     # rows past the block's keys are clamped to row 0 by the caller: a real row, whose scores
     # are never stored (each key's scores depend on its own row only), so no mask
-    k = tl.load(kp_ptr + rows.to(tl.int64)[:, None] * 128 + d[None, :])
+    k = tl.load((kp_ptr + rows.to(tl.int64) * 128)[:, None] + d[None, :])
     if kp_ptr.dtype.element_ty == tl.uint8:  # the interpreter's planes: bytes
         k = k.to(tl.float8e4nv, bitcast=True)
     if DOT_DTYPE == tl.float8e4nv:
         acc = tl.dot(k, qT)  # [BK, BQ * HP] fp32
     else:
         acc = tl.dot(k.to(DOT_DTYPE), qT.to(DOT_DTYPE), input_precision=PRECISION)
-    return _epilogue(acc, w, tl.load(ks_ptr + rows, mask=kvalid, other=0.0), BQ, HP)
+    if SCALE_BYTES:
+        scale = tl.load((ks_ptr + rows * 4).to(tl.pointer_type(tl.float32)), mask=kvalid,
+                        other=0.0)
+    else:
+        scale = tl.load(ks_ptr + rows, mask=kvalid, other=0.0)
+    return _epilogue(acc, w, scale, BQ, HP)
 
 
 # Over 50 lines on purpose: one program's loop over key tiles (shared or per-query tiles, causal
@@ -165,7 +179,8 @@ def logits_planar_kernel(q_ptr, w_ptr, kp_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr
             c = kb + tl.arange(0, BK)
             kvalid = c < hi
             rows = tl.where(kvalid, _prefill_rows(c, p_lo, PT, W, I), 0)
-            s = _planar_scores(kp_ptr, ks_ptr, rows, kvalid, qT, w, BQ, HP, DOT_DTYPE, PRECISION)
+            s = _planar_scores(kp_ptr, ks_ptr, rows, kvalid, qT, w, BQ, HP, DOT_DTYPE, PRECISION,
+                               False)
             valid = c[:, None] < n[None, :]
             _store(optr + c[:, None], s, valid, valid, True)
     else:  # a request boundary inside the block (rare): one key tile per query
@@ -177,7 +192,7 @@ def logits_planar_kernel(q_ptr, w_ptr, kp_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr
                 pq = tl.sum(tl.where(tl.arange(0, BQ) == qi, pcu, 0))
                 rows = tl.where(kvalid, _prefill_rows(c, pq, PT, W, I), 0)
                 sq = _planar_scores(kp_ptr, ks_ptr, rows, kvalid, qT, w, BQ, HP, DOT_DTYPE,
-                                    PRECISION)
+                                    PRECISION, False)
                 s = tl.where(tl.arange(0, BQ)[None, :] == qi, sq, s)
             valid = c[:, None] < n[None, :]
             _store(optr + c[:, None], s, valid, valid, True)

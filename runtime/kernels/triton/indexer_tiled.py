@@ -171,9 +171,10 @@ def _num_sms(device) -> int:
 
 def _logits(q, weights, k, out, mode, out_keys, L, *, bk, warps, stages, splits=1, rows=None,
             lens=None, bt=None, B=1):
-    """Byte-row logits, one query per program: MODE 0 over explicit rows (float32 scores),
-    MODE 2 over the paged cache through the block table (int32 keys). q float8_e4m3fn: fp8
-    products; else q's dtype holding the fp8 query's values."""
+    """Byte-row logits, one query per program: MODE 0 over explicit packed rows (float32
+    scores), MODE 2 over the block-planar paged cache through the block table (int32 keys;
+    B tokens a block). q float8_e4m3fn: fp8 products; else q's dtype holding the fp8 query's
+    values."""
     T, HI, _ = q.shape
     dummy = out
     rows_, lens_, bt_ = (x if x is not None else dummy for x in (rows, lens, bt))
@@ -183,8 +184,8 @@ def _logits(q, weights, k, out, mode, out_keys, L, *, bk, warps, stages, splits=
         q, weights, k, out, rows_, lens_, bt_,
         q.stride(0), q.stride(1), weights.stride(0), out.stride(0),
         rows.stride(0) if rows is not None else 0, bt.stride(0) if bt is not None else 0,
-        T, HI, L, B, per_split, MODE=mode, OUT_KEYS=out_keys, BQ=1,
-        HP=max(16, triton.next_power_of_2(HI)), BK=bk,
+        T, HI, L, per_split, MODE=mode, OUT_KEYS=out_keys, BQ=1,
+        HP=max(16, triton.next_power_of_2(HI)), BK=bk, BLOCK=B if mode == 2 else 1,
         DOT_DTYPE=tl.float8e4nv if q.dtype == torch.float8_e4m3fn else _DOT[q.dtype],
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps,
         num_stages=stages)
@@ -462,10 +463,11 @@ def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_loc
     return top_s, top_i
 
 
-def indexer_topk_decode(q, weights, k_cache_flat, local_len, block_table, block_size: int,
+def indexer_topk_decode(q, weights, k_cache, local_len, block_table, block_size: int,
                         dcp_size: int, dcp_rank: int, interleave: int, topk: int, *,
                         max_keys: int | None = None, tiles: IndexerTiles | None = None):
-    """Tiled ``indexer_topk_decode``: the rank's local top-k as (score, global id) candidates.
+    """Tiled ``indexer_topk_decode``: the rank's local top-k as (score, global id) candidates
+    from the block-planar cache ``k_cache [num_blocks, block_size * 132]``.
 
     One logits launch for the whole batch (keys split over about ``programs_per_sm`` x SMs
     programs) and one or two select launches; no host work per request.
@@ -477,13 +479,13 @@ def indexer_topk_decode(q, weights, k_cache_flat, local_len, block_table, block_
         return _outputs(T, topk, q.device)
     top_s, top_i = _outputs(T, topk, q.device, fill=False)
     q, weights = _query(q, weights, torch.float8_e4m3fn if tiles.decode_fp8 and q.is_cuda else None)
-    if k_cache_flat.dim() == 3:
-        k_cache_flat = k_cache_flat.view(-1, INDEXER_K_BYTES)
+    assert k_cache.dim() == 2 and k_cache.shape[1] == block_size * INDEXER_K_BYTES, \
+        (k_cache.shape, block_size)
     local_len, block_table = local_len.contiguous(), block_table.contiguous()
     keys = _keys_buffer(T, L, q.device)
     bk = tiles.decode_block_k
     splits = decode_splits(T, L, tiles, _num_sms(q.device))
-    _logits(q, weights, k_cache_flat, keys, 2, True, L, bk=bk, warps=tiles.decode_warps,
+    _logits(q, weights, k_cache, keys, 2, True, L, bk=bk, warps=tiles.decode_warps,
             stages=tiles.decode_stages, splits=splits, lens=local_len, bt=block_table,
             B=block_size)
     _select(keys, local_len, topk, top_s, top_i, tiles, decode_ids=True, W=dcp_size, I=interleave,

@@ -16,13 +16,13 @@ from ..reference.formats import D_QK, FP8_DS_MLA_BYTES, INDEXER_K_BYTES
 from .pack_jit import pack_fp8, quantize_q_fp8, unpack_fp8_ds_mla
 
 
-def _pack(cache_flat, slots, x, groups: int, has_rope: bool) -> None:
+def _pack(cache_flat, slots, x, groups: int, has_rope: bool, planar_block: int = 0) -> None:
     assert cache_flat.dtype == torch.uint8 and cache_flat.stride(-1) == 1 and x.stride(-1) == 1
     n = x.shape[0]
     if n == 0:
         return
     pack_fp8[(n,)](x, slots.contiguous(), cache_flat, x.stride(0), cache_flat.stride(0),
-                    GROUPS=groups, HAS_ROPE=has_rope, num_warps=4)
+                    GROUPS=groups, HAS_ROPE=has_rope, PLANAR_BLOCK=planar_block, num_warps=4)
 
 
 def pack_fp8_ds_mla_into(cache_flat, slots, kv) -> None:
@@ -32,11 +32,12 @@ def pack_fp8_ds_mla_into(cache_flat, slots, kv) -> None:
     _pack(cache_flat, slots, kv, 4, True)
 
 
-def pack_indexer_k_into(cache_flat, slots, k) -> None:
-    """Triton ``pack_indexer_k_into``: ``k [n, 128]`` float into ``cache_flat [S, 132]``."""
-    if cache_flat.dim() == 3:
-        cache_flat = cache_flat.view(-1, INDEXER_K_BYTES)
-    _pack(cache_flat, slots, k, 1, False)
+def pack_indexer_k_into(cache, slots, k) -> None:
+    """Triton ``pack_indexer_k_into``: ``k [n, 128]`` float into the block-planar ``cache
+    [num_blocks, B * 132]`` (B x 128 fp8 values, then B float32 scales, a block)."""
+    block = cache.shape[1] // INDEXER_K_BYTES
+    assert cache.dim() == 2 and cache.shape[1] == block * INDEXER_K_BYTES, cache.shape
+    _pack(cache, slots, k, 1, False, block)
 
 
 def quantize_fp8_ds_mla(kv):
@@ -49,7 +50,7 @@ def quantize_fp8_ds_mla(kv):
 def quantize_indexer_k(k):
     """Triton ``quantize_indexer_k``: ``[n, 128]`` -> ``[n, 132]`` uint8."""
     out = torch.empty(k.shape[0], INDEXER_K_BYTES, dtype=torch.uint8, device=k.device)
-    pack_indexer_k_into(out, torch.arange(k.shape[0], device=k.device), k)
+    _pack(out, torch.arange(k.shape[0], device=k.device), k, 1, False)
     return out
 
 

@@ -80,7 +80,7 @@ def quantize_q_fp8(q_ptr, w_ptr, q8_ptr, w8_ptr, T, stride_qt, stride_qh, stride
 
 @triton.jit
 def pack_fp8(x_ptr, slots_ptr, cache_ptr, stride_x, stride_c,
-              GROUPS: tl.constexpr, HAS_ROPE: tl.constexpr):
+              GROUPS: tl.constexpr, HAS_ROPE: tl.constexpr, PLANAR_BLOCK: tl.constexpr):
     i = tl.program_id(0)
     slot = tl.load(slots_ptr + i).to(tl.int64)
     if slot >= 0:
@@ -88,11 +88,16 @@ def pack_fp8(x_ptr, slots_ptr, cache_ptr, stride_x, stride_c,
         xg = tl.reshape(x, (GROUPS, 128))
         e = _group_exponent(tl.max(tl.abs(xg), 1))
         f8 = _to_e4m3_bits(_scale_by_pow2(xg, -e[:, None]))
-        row = cache_ptr + slot * stride_c
+        if PLANAR_BLOCK > 0:  # block-planar indexer K cache (GROUPS 1): values, then scales
+            base = cache_ptr + (slot // PLANAR_BLOCK) * stride_c
+            row = base + (slot % PLANAR_BLOCK) * 128
+            scale_ptr = base + PLANAR_BLOCK * 128 + (slot % PLANAR_BLOCK) * 4
+        else:  # packed rows
+            row = cache_ptr + slot * stride_c
+            scale_ptr = row + GROUPS * 128
         tl.store(row + tl.arange(0, GROUPS * 128), tl.reshape(f8, (GROUPS * 128,)))
         # scale 2**e as float32 bits; subnormal below 2**-126
-        tl.store((row + GROUPS * 128).to(tl.pointer_type(tl.int32)) + tl.arange(0, GROUPS),
-                 _scale_bits(e))
+        tl.store(scale_ptr.to(tl.pointer_type(tl.int32)) + tl.arange(0, GROUPS), _scale_bits(e))
         if HAS_ROPE:
             r = tl.load(x_ptr + i.to(tl.int64) * stride_x + GROUPS * 128 + tl.arange(0, 64))
             # bf16 RNE from the bits (the interpreter's float32 -> bf16 cast truncates)
