@@ -3,7 +3,7 @@ one (``runtime/kernels/indexer_tiled.py``, the Triton set's default) in the same
 bf16 matmul ceiling.
 
     python bench/indexer.py [--quick] [--only prefill,decode,sort,decode-sweep,select-sweep]
-                            [--decode-cases 8x131072,64x65536-131072] [--variants filter]
+                            [--decode-cases 8x131072,64x65536-131072] [--variants filter] [--profile]
                             [--sweep]
                             [--planar-sweep] [--json out.json]
 
@@ -173,8 +173,7 @@ DECODE_SELECTS = {
     "split runs of 1024": {"split_run": 1024},
     "split runs of 256": {"split_run": 256},
     "long rows: second select": {"rank_runs": 1},
-    "long rows: 32 programs per SM": {"programs_per_sm": 32},
-    "long rows: 1 program per SM (fewer, longer segments)": {"programs_per_sm": 1},
+    "long rows: 4 segment items per SM (before)": {"programs_per_sm": 4},
     "long rows: filter path (long_filter)": {"long_filter": True},
     "long rows: all candidates ordered (no exact top K)": {"select_exact": False},
     "split: at most 8 runs, of up to 1024 (before)": {"split_runs": 8, "split_run_max": 1024},
@@ -196,6 +195,27 @@ def gbench(fn):
 # decode logits tiles (decode_block_k, decode_warps, decode_stages) timed beside the default
 LOGITS_TILES = ((128, 4, 4), (64, 4, 4), (64, 4, 3), (256, 8, 3))
 VARIANTS = None  # --variants: substrings of the variant names timed (None: every variant)
+PROFILE = False  # --profile: device time per kernel of the whole decode call, per variant
+
+
+def kernel_table(label, fn, calls=5):
+    """Prints device time per kernel name (torch.profiler, CUDA activity) of one ``fn()``
+    call, the mean over ``calls`` eager calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = sorted(((ev.key, ev.count / calls, (ev.self_device_time_total or 0) / calls)
+                   for ev in prof.key_averages()), key=lambda r: -r[2])
+    total = sum(r[2] for r in rows)
+    print(f"  kernels of {label}: {total:.1f} us device time a call", flush=True)
+    for name, n, us in rows:
+        if us > 0:
+            print(f"    {name[:60]:60s} x{n:g} {us:8.1f} us", flush=True)
 
 
 def decode_parts(args, tiles, ceil, flops):
@@ -231,6 +251,8 @@ def decode_parts(args, tiles, ceil, flops):
             row(f"  parts logits, bk {bk} w {warps} s {stages}, graph",
                 gbench(lambda: logits(bk, warps, stages)), flops, ceil)
     want = it.indexer_topk_decode(*args, max_keys=ctx)
+    if PROFILE:
+        kernel_table("whole (default tiles)", whole)
     variants = ([(f"whole, {n}", kw, whole, flops) for n, kw in DECODE_WHOLES.items()]
                 + [(f"select {n}", kw, select, None) for n, kw in DECODE_SELECTS.items()])
     for name, kw, fn, fl in variants:
@@ -241,6 +263,8 @@ def decode_parts(args, tiles, ceil, flops):
             got = it.indexer_topk_decode(*args, max_keys=ctx, tiles=t)
             row(f"  parts {name}, graph", gbench(lambda t=t, fn=fn: fn(t)), fl, ceil,
                 f"whole decode == default: {same(got, want)}")
+            if PROFILE:
+                kernel_table(f"whole, {name}", lambda t=t: whole(t))
         except FAILS as e:
             print(f"  parts {name}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
 
@@ -371,7 +395,7 @@ def sweep_decode(B, ctx, ceil):
         for warps in (4, 8):
             for pps in (2, 4, 8, 16):
                 t = dataclasses.replace(base, decode_block_k=bk, decode_warps=warps,
-                                        programs_per_sm=pps)
+                                        decode_programs_per_sm=pps)
                 name = f"decode B {B} ctx {ctx} bk {bk} w {warps} pps {pps}"
                 try:
                     row(name, gbench(lambda t=t: it.indexer_topk_decode(*args, max_keys=ctx,
@@ -406,9 +430,13 @@ def main():
                     help="these decode cases only, e.g. 8x131072,64x65536-131072")
     ap.add_argument("--variants", metavar="SUB[,SUB...]",
                     help="decode: time only the variants whose name holds one of these "
-                         "(e.g. filter,1 program); '' for none")
+                         "(e.g. filter,logits tiles); '' for none")
+    ap.add_argument("--profile", action="store_true",
+                    help="decode: device time per kernel of the whole call (default tiles and "
+                         "each timed variant)")
     a = ap.parse_args()
-    global VARIANTS
+    global VARIANTS, PROFILE
+    PROFILE = a.profile
     if a.variants is not None:
         VARIANTS = [v for v in a.variants.split(",") if v]
     # "old": the per-(query, key block) kernel, the Triton set's indexer until 2026-11-30

@@ -281,7 +281,8 @@ def select_kernel(keys_ptr, len_ptr, skip_ptr, buf_ptr, dst_ptr, s_ptr, i_ptr,
     the CAP candidates are kept first (``_keep_top``) and only those (KP slots) are ordered.
 
     Not FINAL: the KP sorted composites go to dst[row, seg*KP : (seg+1)*KP] (pads NO_COMPOSITE).
-    FINAL (one segment): scores / ids (NO_KEY pads) go to s / i. buf: this program's scratch,
+    FINAL (one segment): scores / ids (NO_KEY pads) go to s / i. Either output holds its pads
+    before the launch: empty segments are skipped. buf: this program's scratch,
     CAP + KP composites. HAS_SKIP: the items of rows whose skip flag is set are not processed
     (rows another path has already selected).
     """
@@ -292,15 +293,18 @@ def select_kernel(keys_ptr, len_ptr, skip_ptr, buf_ptr, dst_ptr, s_ptr, i_ptr,
     for item in range(pid, ITEMS, tl.num_programs(0)):
         row = (item // SEGS).to(tl.int64)
         seg = item % SEGS
-        go = tl.full((), 1, tl.int32)
+        n = N
+        if HAS_LEN:
+            n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
+        lo = seg * SEG_LEN
+        hi = tl.maximum(tl.minimum(n, lo + SEG_LEN), lo)
+        # a segment past the row's end has nothing to select: its outputs hold their pads
+        # already (the caller fills them), so it costs one length load (rows shorter than the
+        # plan's key width, e.g. a graph's)
+        go = (hi > lo).to(tl.int32)
         if HAS_SKIP:
-            go = (tl.load(skip_ptr + row) == 0).to(tl.int32)
+            go = go * (tl.load(skip_ptr + row) == 0).to(tl.int32)
         if go != 0:
-            n = N
-            if HAS_LEN:
-                n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
-            lo = seg * SEG_LEN
-            hi = tl.maximum(tl.minimum(n, lo + SEG_LEN), lo)
             src = keys_ptr + row * stride_kr
             ok, n_gt, e = _bracket_select(src, gt_buf, eq_buf, lo, hi, K, MARGIN, COMPOSITE_IN, CAP,
                                           S, ATTEMPTS, BLOCK)
@@ -367,9 +371,9 @@ def sort_runs_kernel(keys_ptr, len_ptr, runs_ptr, s_ptr, i_ptr, stride_kr, strid
     tl.store(runs_ptr + row * stride_rr + c, v)
 
 
-@triton.jit(do_not_specialize=["len_ptr", "skip_ptr", "N", "NRUNS", "K", "RANK"])
+@triton.jit(do_not_specialize=["len_ptr", "skip_ptr", "N", "NRUNS", "RUN_KEYS", "K", "RANK"])
 def rank_runs_kernel(runs_ptr, len_ptr, skip_ptr, s_ptr, i_ptr, stride_rr, stride_or, N, NRUNS,
-                     K, RANK, W: tl.constexpr, I: tl.constexpr, DECODE_IDS: tl.constexpr,
+                     RUN_KEYS, K, RANK, W: tl.constexpr, I: tl.constexpr, DECODE_IDS: tl.constexpr,
                      HAS_LEN: tl.constexpr, SEG: tl.constexpr, LOG_SEG: tl.constexpr,
                      RUNS: tl.constexpr, CHUNK: tl.constexpr, HAS_SKIP: tl.constexpr):
     """Program (row, g, chunk): the place of each composite of run g (CHUNK of them) among the
@@ -377,14 +381,15 @@ def rank_runs_kernel(runs_ptr, len_ptr, skip_ptr, s_ptr, i_ptr, stride_rr, strid
     searches; runs before g win ties, so the NO_COMPOSITE pads would get distinct places): a
     one-round merge of all runs, whose searches run in parallel. Live composites placed before K
     are written as scores / ids (the outputs hold their pads already). HAS_LEN: run t of a row
-    of n = min(len, N) keys holds keys t*SEG.. (sort_runs_kernel), so runs past n are pads and
-    are not searched. HAS_SKIP: rows whose skip flag is set are left alone."""
+    of n = min(len, N) keys holds keys from t*RUN_KEYS on (sort_runs_kernel: RUN_KEYS = SEG; a
+    long row's segments: the segment length), so runs past n are pads and are not searched.
+    HAS_SKIP: rows whose skip flag is set are left alone."""
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     live_runs = NRUNS
     if HAS_LEN:
-        live_runs = tl.minimum((tl.minimum(tl.load(len_ptr + row).to(tl.int32), N) + SEG - 1)
-                               // SEG, NRUNS)
+        live_runs = tl.minimum((tl.minimum(tl.load(len_ptr + row).to(tl.int32), N) + RUN_KEYS
+                                - 1) // RUN_KEYS, NRUNS)
     base = runs_ptr + row * stride_rr
     v = tl.load(base + g * SEG + tl.program_id(2) * CHUNK + tl.arange(0, CHUNK))
     live = v != -9223372036854775808

@@ -21,10 +21,13 @@ operand; the queries x heads tile, loaded once per program, the B operand. On CU
 multiplies the fp8 key bytes by the fp8 query on fp8 tensor cores (``decode_fp8``; else the
 keys are converted to the query's dtype, which holds the fp8 query's values: the same products).
 Decode queries each own their keys (BQ 1, N = 64): memory-bound, so the keys of a request are
-split over programs (at most ``programs_per_sm`` x SMs programs in all: ``decode_splits``; one
-launch for the whole batch), BK 128. H200, replayed from a CUDA graph (``bench/indexer.py --quick --only decode``):
-64 x 4k logits 28.6 us fp8 against 48.8 bf16; 8 x 128k 95.1 against 133.0;
-``--only decode-sweep`` (bf16): 4 programs per SM best at 64 x 4k (72 us whole against 83 at 2).
+split over programs (at most ``decode_programs_per_sm`` x SMs programs in all:
+``decode_splits``; one launch for the whole batch), BK 128, reading the block-planar paged
+cache (reference/formats.py) with 16-byte loads. H200, replayed from a CUDA graph
+(``bench/indexer.py --only decode``): 64 x 4k logits 14.9 us (26.7 from packed 132-byte rows,
+which allow only 4-byte loads; 48.8 with bf16 products), 8 x 128k 62.5 (94.7), 64 x 64k-128k
+331 (563); BK 64 is faster at 64 x 4k and 8 x 128k (12.0, 53.5 us) but slower at 64 x 2k-6k
+and 64 x 64k-128k (17.3, 379 us).
 
 Both epilogues (ReLU, head weights, the sum over each query's heads, the per-key power-of-two
 scale) reduce along N, which in the MMA accumulator layout is mostly within a thread plus a quad
@@ -136,8 +139,10 @@ class IndexerTiles:
     select_attempts: int = 3  # gathering passes before the radix fallback; 0: radix only
     select_programs_per_sm: int = 4  # persistent select programs per SM
     radix_bits: int = 11  # fallback histogram bins 2**radix_bits; ceil(32 / bits) passes
-    programs_per_sm: int = 4  # decode logits and long-row select fill this many programs per SM
-    whole_waves: bool = True  # decode logits: at most programs_per_sm x SMs programs (splits
+    programs_per_sm: int = 1  # long-row select: about this many (row, segment) items per SM
+    # (64 rows of 64k-128k: 204 us at 1 against 287 at 4, fewer runs to rank; 8 x 128k equal)
+    decode_programs_per_sm: int = 4  # decode logits: programs per SM
+    whole_waves: bool = True  # decode logits: at most decode_programs_per_sm x SMs programs (splits
     # rounded down), not one wave and a sliver (rounded up)
     decode_fp8: bool = True  # decode logits on fp8 tensor cores (CUDA; else fp8 values in bf16)
     sort_segments: int = 8  # candidates ordered by one sort (1) or a merge sort from segments
@@ -192,11 +197,11 @@ def _logits(q, weights, k, out, mode, out_keys, L, *, bk, warps, stages, splits=
 
 
 def decode_splits(T: int, L: int, tiles: IndexerTiles, sms: int) -> int:
-    """Programs per decode row of the logits launch: about ``programs_per_sm`` x SMs in all,
+    """Programs per decode row of the logits launch: about ``decode_programs_per_sm`` x SMs in all,
     rounded down (``whole_waves``: 64 rows x 8 = 512 programs fill the 528 slots of 132 SMs
     once, where rounding up gave 64 x 9 = 576, a second wave of 48) or up; at most one per
     key block."""
-    slots = tiles.programs_per_sm * sms
+    slots = tiles.decode_programs_per_sm * sms
     per_row = max(1, slots // T) if tiles.whole_waves else triton.cdiv(slots, T)
     return max(1, min(triton.cdiv(L, tiles.decode_block_k), per_row))
 
@@ -278,7 +283,9 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
     _select_launch(keys, lens, cand, top_s, top_i, L, seg_len, segs, topk, tiles, sms, True, False,
                    common, final=False, skip=skip)
     if runs <= tiles.rank_runs:
-        _rank_launch(cand, top_s, top_i, topk, kp, runs, tiles, ids, skip=skip)
+        # a row's runs past its end (segments of no key) are not searched
+        _rank_launch(cand, top_s, top_i, topk, kp, runs, tiles, ids, skip=skip, lens=lens, n=L,
+                     run_keys=seg_len)
         return
     n = segs * kp
     _select_launch(cand, lens, cand, top_s, top_i, n, n, 1, topk, tiles, sms, False, True, common)
@@ -294,7 +301,7 @@ def _split_shape(R: int, L: int, tiles: IndexerTiles) -> tuple[int, int] | None:
 
 
 def _rank_launch(sorted_runs, top_s, top_i, topk, run, runs, tiles, ids, *, lens=None, n=0,
-                 skip=None):
+                 skip=None, run_keys=None):
     """Top-k of each row's ``runs`` sorted runs of ``run`` composites, placed by ranks; with
     ``lens``, runs past a row's first min(lens[r], n) keys are pads, not searched; rows whose
     ``skip`` flag is set are left alone."""
@@ -302,7 +309,8 @@ def _rank_launch(sorted_runs, top_s, top_i, topk, run, runs, tiles, ids, *, lens
     grid = (sorted_runs.shape[0], runs, run // chunk)
     sjit.rank_runs_kernel[grid](sorted_runs, lens if lens is not None else sorted_runs,
                                 skip if skip is not None else sorted_runs, top_s, top_i,
-                                sorted_runs.stride(0), top_s.stride(0), n, runs, topk,
+                                sorted_runs.stride(0), top_s.stride(0), n, runs,
+                                run if run_keys is None else run_keys, topk,
                                 HAS_LEN=lens is not None, SEG=run, LOG_SEG=run.bit_length() - 1,
                                 RUNS=triton.next_power_of_2(tiles.rank_runs), CHUNK=chunk,
                                 HAS_SKIP=skip is not None, num_warps=tiles.rank_warps, **ids)
@@ -469,7 +477,7 @@ def indexer_topk_decode(q, weights, k_cache, local_len, block_table, block_size:
     """Tiled ``indexer_topk_decode``: the rank's local top-k as (score, global id) candidates
     from the block-planar cache ``k_cache [num_blocks, block_size * 132]``.
 
-    One logits launch for the whole batch (keys split over about ``programs_per_sm`` x SMs
+    One logits launch for the whole batch (keys split over about ``decode_programs_per_sm`` x SMs
     programs) and one or two select launches; no host work per request.
     """
     tiles = tiles or IndexerTiles()
