@@ -232,7 +232,8 @@ def decode_parts(args, tiles, ceil, flops):
     fp8 = tiles.decode_fp8 and q.is_cuda  # the query as indexer_topk_decode quantises it
     qq, ww = pack.quantize_indexer_q(q, w, torch.float8_e4m3fn if fp8 else q.dtype)
 
-    def logits(bk=tiles.decode_block_k, warps=tiles.decode_warps, stages=tiles.decode_stages):
+    def logits(bk=it.decode_block_k(q.shape[0], tiles), warps=tiles.decode_warps,
+               stages=tiles.decode_stages):
         it._logits(qq, ww, k, keys, 2, True, ctx, bk=bk, warps=warps, stages=stages,
                    splits=splits, lens=local_len, bt=bt, B=block)
 
@@ -394,7 +395,7 @@ def sweep_decode(B, ctx, ceil):
     for bk in (64, 128):
         for warps in (4, 8):
             for pps in (2, 4, 8, 16):
-                t = dataclasses.replace(base, decode_block_k=bk, decode_warps=warps,
+                t = dataclasses.replace(base, decode_block_k=bk, few_rows=0, decode_warps=warps,
                                         decode_programs_per_sm=pps)
                 name = f"decode B {B} ctx {ctx} bk {bk} w {warps} pps {pps}"
                 try:

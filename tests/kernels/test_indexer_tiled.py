@@ -31,7 +31,8 @@ def _tiles(env, **kw):
     it = _it()
     if env == "interp":  # small tiles: several key blocks and select steps per row; rows
         # longer than the candidate cap, so the sampled threshold is exercised
-        kw = {"block_k": 32, "decode_block_k": 32, "select_block": 64, "select_cap": 64,
+        kw = {"block_k": 32, "decode_block_k": 32, "few_rows_block_k": 16, "select_block": 64,
+              "select_cap": 64,
               "select_sample": 64, "split_run": 64, "rank_chunk": 32, "rank_runs": 4, **kw}
     return it.IndexerTiles(**kw)
 

@@ -89,17 +89,20 @@ The split path writes its own pads (``sort_runs_kernel``), so its outputs need n
 
 Long rows, few of them (``long_filter``, off until measured): the segment path above costs
 one segment item's latency (sample sort, scan, bisection, ordering of K) however short the
-segment, so halving a row's keys (a DCP rank) does not halve it. The filter path spreads a row
-over ``filter_chunk``-key programs twice: ``filter_count_kernel`` (each program samples the
-row, ``filter_sample`` keys, for the threshold at the sample rank m + ``filter_margin`` x
-sqrt(m), and counts its chunk's keys at or above it, and its live keys), then
+segment, so halving a row's keys (a DCP rank) does not halve it. The filter path samples each
+row once (``filter_threshold_kernel``, one program a row: ``filter_sample`` keys, the
+threshold at the sample rank m + ``filter_margin`` x sqrt(m)), then spreads the row over
+``filter_chunk``-key programs twice: ``filter_count_kernel`` (its chunk's keys at or above the
+threshold, and its live keys), then
 ``filter_scatter_kernel`` (from the row's counts: whether the threshold holds the top K, i.e.
 at least min(K, live keys) and at most ``filter_cap`` keys above it; if so the chunk's
 composites go to the row's candidates after the earlier chunks', in position order). The
 candidates are then sorted as runs and placed by ranks, the split path's kernels with
 composites in. Rows whose threshold missed get no candidates and are selected by the segment
 path, which skips the others (``HAS_SKIP``); ``sort_runs_kernel`` has written every row's
-pads. Six launches where the segment path takes three, all of them parallel over the row.
+pads. Seven launches where the segment path takes three; all but the threshold's parallel
+over the row. H200, 8 x 128k, when the threshold was sampled by every chunk's program: the
+counting took 61 us of the path's 92 (``bench/indexer.py --profile``).
 """
 
 from __future__ import annotations
@@ -128,6 +131,9 @@ class IndexerTiles:
     logits_warps: int = 4
     logits_stages: int = 3
     decode_block_k: int = 128
+    few_rows: int = 16  # decode batches of at most this many rows use few_rows_block_k
+    few_rows_block_k: int = 64  # (8 x 128k logits 53.5 us against 62.5 at 128; 64 rows of
+    # 2k-6k or 64k-128k are slower at 64: 17.3 / 379 against 14.5 / 331)
     decode_warps: int = 4
     decode_stages: int = 3
     select_block: int = 8192  # keys per select step (< 2**16; 8192: 2.15 ms against 2.23 at 4096)
@@ -163,6 +169,7 @@ class IndexerTiles:
     filter_chunk: int = 4096  # keys per counting / gathering program
     filter_cap: int = 8192  # candidate slots per row (>= topk; runs of split_run, at most
     # rank_runs of them)
+    filter_warps: int = 8  # the threshold program of a row (sorts the sample)
     filter_sample: int = 2048  # keys sampled per row for its threshold, taken at the sample
     filter_margin: float = 4.0  # rank m + margin * sqrt(m): at 128k keys and topk 2048 about
     # 3600 +- 500 candidates expected, well inside the cap and above topk
@@ -196,6 +203,11 @@ def _logits(q, weights, k, out, mode, out_keys, L, *, bk, warps, stages, splits=
         num_stages=stages)
 
 
+def decode_block_k(T: int, tiles: IndexerTiles) -> int:
+    """Keys per product of the decode logits for T rows."""
+    return tiles.few_rows_block_k if T <= tiles.few_rows else tiles.decode_block_k
+
+
 def decode_splits(T: int, L: int, tiles: IndexerTiles, sms: int) -> int:
     """Programs per decode row of the logits launch: about ``decode_programs_per_sm`` x SMs in all,
     rounded down (``whole_waves``: 64 rows x 8 = 512 programs fill the 528 slots of 132 SMs
@@ -203,7 +215,7 @@ def decode_splits(T: int, L: int, tiles: IndexerTiles, sms: int) -> int:
     key block."""
     slots = tiles.decode_programs_per_sm * sms
     per_row = max(1, slots // T) if tiles.whole_waves else triton.cdiv(slots, T)
-    return max(1, min(triton.cdiv(L, tiles.decode_block_k), per_row))
+    return max(1, min(triton.cdiv(L, decode_block_k(T, tiles)), per_row))
 
 
 def split_planes(k_packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -330,8 +342,8 @@ def _select_launch(src, lens, dst, top_s, top_i, n, seg_len, segs, topk, tiles, 
 
 
 def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
-    """The filter path for long rows: every row's keys above a sampled threshold (computed by
-    each chunk's program alike), counted by ``filter_chunk``-key chunks, then gathered in
+    """The filter path for long rows: every row's keys above a sampled threshold (one program
+    a row), counted by ``filter_chunk``-key chunks, then gathered in
     position order into ``filter_cap`` candidate slots (``filter_scatter_kernel``), sorted as
     runs and placed by ranks as the split path does; all output pads written. A row whose
     threshold missed (fewer than min(K, live keys) or more than the cap above it) gets no
@@ -351,10 +363,12 @@ def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
     cand = torch.empty(R, cap, dtype=torch.int64, device=dev)
     cand_len = torch.empty(R, dtype=torch.int32, device=dev)
     ok = torch.empty(R, dtype=torch.int32, device=dev)
-    sjit.filter_count_kernel[(R, C)](keys, lens, thr, cnt, keys.stride(0), L, topk,
-                                     float(tiles.filter_margin), CAP=cap,
-                                     S=triton.next_power_of_2(max(tiles.filter_sample, 16)),
-                                     CH=ch, num_warps=tiles.split_warps)
+    sjit.filter_threshold_kernel[(R,)](keys, lens, thr, keys.stride(0), L, topk,
+                                       float(tiles.filter_margin), CAP=cap,
+                                       S=triton.next_power_of_2(max(tiles.filter_sample, 16)),
+                                       num_warps=tiles.filter_warps)
+    sjit.filter_count_kernel[(R, C)](keys, lens, thr, cnt, keys.stride(0), L, CH=ch,
+                                     num_warps=tiles.split_warps)
     sjit.filter_scatter_kernel[(R, C)](keys, lens, thr, cnt, cand, cand_len, ok, keys.stride(0),
                                        cand.stride(0), L, topk, CAP=cap, CH=ch,
                                        CB=triton.next_power_of_2(C), num_warps=tiles.split_warps)
@@ -491,7 +505,7 @@ def indexer_topk_decode(q, weights, k_cache, local_len, block_table, block_size:
         (k_cache.shape, block_size)
     local_len, block_table = local_len.contiguous(), block_table.contiguous()
     keys = _keys_buffer(T, L, q.device)
-    bk = tiles.decode_block_k
+    bk = decode_block_k(T, tiles)
     splits = decode_splits(T, L, tiles, _num_sms(q.device))
     _logits(q, weights, k_cache, keys, 2, True, L, bk=bk, warps=tiles.decode_warps,
             stages=tiles.decode_stages, splits=splits, lens=local_len, bt=block_table,
