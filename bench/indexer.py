@@ -174,7 +174,7 @@ DECODE_SELECTS = {
     "split runs of 256": {"split_run": 256},
     "long rows: second select": {"rank_runs": 1},
     "long rows: 4 segment items per SM (before)": {"programs_per_sm": 4},
-    "long rows: filter path (long_filter)": {"long_filter": True},
+    "long rows: segment path only (long_filter off, before)": {"long_filter": False},
     "long rows: all candidates ordered (no exact top K)": {"select_exact": False},
     "split: at most 8 runs, of up to 1024 (before)": {"split_runs": 8, "split_run_max": 1024},
 }

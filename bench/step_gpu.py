@@ -291,7 +291,7 @@ def with_indexer_tiles(kernels, tiles: dict):
 
 
 def _indexer_tiles(text: str) -> dict:
-    """``--indexer-tiles long_filter=1,programs_per_sm=8`` -> {field: value of its type}."""
+    """``--indexer-tiles long_filter=0,programs_per_sm=4`` -> {field: value of its type}."""
     from cpplan.runtime.kernels.triton.indexer_tiled import IndexerTiles
 
     kinds = {f.name: type(f.default) for f in dataclasses.fields(IndexerTiles)}
@@ -573,7 +573,7 @@ def parse_args(argv=None):
                          "prefill indexer over a per-step copy of their keys, or both timed")
     ap.add_argument("--indexer-tiles", type=_indexer_tiles, default={}, metavar="F=V,...",
                     help="launch the tiled indexer with these IndexerTiles fields, e.g. "
-                         "long_filter=1 (Triton kernel set only)")
+                         "long_filter=0 (Triton kernel set only)")
     ap.add_argument("--graphs", action="store_true",
                     help="CUDA-graph sizes in the config; time the step eager and replayed")
     ap.add_argument("--trace", type=int, default=0, metavar="STEPS",

@@ -124,7 +124,7 @@ def test_decode(env, W, rank, I, sms, fp8, filt):
         local_len[0] = nblk * B  # rows long enough for segments, hence for the filter path
     bt, local_len = bt.to(dev), local_len.to(dev)
     filt_kw = ({"long_filter": True, "filter_chunk": 32, "filter_cap": 64, "filter_sample": 64,
-                "filter_margin": 2.0, "split_rows": 0} if filt else {})
+                "filter_margin": 2.0, "split_rows": 0} if filt else {"long_filter": False})
     k = block_planar(k, B)
     got = it.indexer_topk_decode(q, w, k, local_len, bt, B, W, rank, I, topk,
                                  tiles=_tiles(env, programs_per_sm=sms, decode_fp8=fp8, **filt_kw))
@@ -183,7 +183,7 @@ def _select_scores(kind, R, L, g):
 # fallback (attempts exhausted), radix only; candidates ordered by one sort instead of the
 # default merge sort from sorted segments, and by a merge sort from two segments (alone, with
 # long rows split into segments + a second select); the split path (rows sorted as runs of L / 8
-# or L / 2 keys by R x runs programs, placed by ranks). All but "split*" turn the split path off.
+# or L / 2 keys by R x runs programs, placed by ranks). All but "split*" turn the split path off; all but "filter*" the filter path.
 SELECT_VARIANTS = {
     "split": {"split_rows": 1 << 20, "split_run": 8, "split_warps": 8, "rank_runs": 8},
     "split-two-runs": {"split_rows": 1 << 20, "split_run": 2},
@@ -232,7 +232,7 @@ def test_select(env, kind, variant):
     ids = torch.where(pos < lens[:, None], pos, ref.NO_KEY)
     want = ref.topk_reference_order(scores.double(), ids, topk)
     dev = _dev(env)
-    kw = {"split_rows": 0, **SELECT_VARIANTS[variant]}
+    kw = {"split_rows": 0, "long_filter": False, **SELECT_VARIANTS[variant]}
     if "split_run" in kw:  # the variant's number of runs: runs of L / split_run keys
         kw["split_run"] = triton_next_pow2(L) // kw["split_run"]
     if env == "interp" and kw.get("select_exact"):  # candidates (CAP) beyond the kept K
