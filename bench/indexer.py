@@ -175,6 +175,8 @@ DECODE_SELECTS = {
     "long rows: second select": {"rank_runs": 1},
     "long rows: 4 segment items per SM (before)": {"programs_per_sm": 4},
     "long rows: segment path only (long_filter off, before)": {"long_filter": False},
+    "long rows: filter sample 1024": {"filter_sample": 1024},
+    "long rows: filter threshold in 16 warps": {"filter_warps": 16},
     "long rows: all candidates ordered (no exact top K)": {"select_exact": False},
     "split: at most 8 runs, of up to 1024 (before)": {"split_runs": 8, "split_run_max": 1024},
 }
