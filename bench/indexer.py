@@ -150,10 +150,17 @@ def prefill_parts(args, tiles, ceil, flops, label):
             t = dataclasses.replace(tiles, sort_segments=segs, select_exact=False)
             parts.append((f"select ranked {segs} segments", lambda t=t: it._select(
                 keys, key_len, TOPK, top_s, top_i, t), None))
+        t = dataclasses.replace(tiles, long_filter=True, filter_short_rows=True,
+                                filter_rows=1 << 30)  # every row through the filter path
+        parts.append(("select filter path", lambda t=t: it._select(
+            keys, key_len, TOPK, top_s, top_i, t), None))
         for segs in (2, 8):  # the exact top K kept first (default), ordered from other segments
             t = dataclasses.replace(tiles, exact_segments=segs)
             parts.append((f"select exact, {segs} segments", lambda t=t: it._select(
                 keys, key_len, TOPK, top_s, top_i, t), None))
+    if VARIANTS is not None:  # --variants: the default parts and the named ones
+        parts = [p for p in parts if p[0] in ("planar logits", "select")
+                 or any(v in p[0] for v in VARIANTS)]
     want = None
     for part, fn, fl in parts:
         try:
@@ -432,7 +439,7 @@ def main():
     ap.add_argument("--decode-cases", type=_decode_cases, metavar="BxCTX[,BxLO-HI...]",
                     help="these decode cases only, e.g. 8x131072,64x65536-131072")
     ap.add_argument("--variants", metavar="SUB[,SUB...]",
-                    help="decode: time only the variants whose name holds one of these "
+                    help="time only the variants whose name holds one of these "
                          "(e.g. filter,logits tiles); '' for none")
     ap.add_argument("--profile", action="store_true",
                     help="decode: device time per kernel of the whole call (default tiles and "

@@ -212,6 +212,9 @@ SELECT_VARIANTS = {
     # sampled too high: "filter-missed")
     "filter": {"programs_per_sm": 8, "radix_bits": 8, "long_filter": True, "filter_chunk": 64,
                "filter_cap": 128, "filter_sample": 256, "filter_margin": 3.0},
+    "filter-short-rows": {"programs_per_sm": 0, "long_filter": True, "filter_short_rows": True,
+                          "filter_chunk": 64, "filter_cap": 128, "filter_sample": 256,
+                          "filter_margin": 3.0},
     "filter-missed": {"programs_per_sm": 8, "radix_bits": 8, "long_filter": True,
                       "filter_chunk": 128, "filter_cap": 128, "filter_sample": 64,
                       "filter_margin": -9.0},

@@ -167,6 +167,8 @@ class IndexerTiles:
     # split-path runs; the segment path selects only the rows whose threshold missed. H200,
     # graph: select 8 x 128k 58.4 us against 96.7 by segments, 64 x 64k-128k 113.6 / 197.4
     filter_rows: int = 512  # ... for at most this many rows
+    filter_short_rows: bool = False  # ... also rows one select item handles (many rows, as a
+    # prefill's; not measured yet, so off)
     filter_chunk: int = 4096  # keys per counting / gathering program
     filter_cap: int = 8192  # candidate slots per row (>= topk; runs of split_run, at most
     # rank_runs of them)
@@ -280,7 +282,8 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
                   LOG_SEGS_K=segs_k.bit_length() - 1)
     runs = triton.next_power_of_2(segs)
     skip = None
-    if segs > 1 and tiles.long_filter and runs <= tiles.rank_runs and R <= tiles.filter_rows:
+    if ((segs > 1 or tiles.filter_short_rows) and tiles.long_filter and runs <= tiles.rank_runs
+            and R <= tiles.filter_rows):
         # the filter path selects the rows it can (and writes every row's pads); the segment
         # path below only the others
         skip = _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids)
@@ -289,7 +292,7 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
         top_i.fill_(NO_KEY)
     if segs == 1:
         _select_launch(keys, lens, keys, top_s, top_i, L, L, 1, topk, tiles, sms, True, False,
-                       common)
+                       common, skip=skip)
         return
     # long rows: each segment's sorted top-K composites (a run of KP), then the row's top-K of
     # the runs: by ranks (runs padded to a power of two) or a second select over them
