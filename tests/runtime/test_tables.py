@@ -493,8 +493,9 @@ def test_runtime_calls_refuse_tensors_that_do_not_fit_the_step(call, arg, bad, m
 
 
 def test_runtime_calls_refuse_caches_that_do_not_fit():
-    """A cache of the other KV format, or too few blocks for the step's block tables (an
-    out-of-range write faults a GPU): TensorArgError before any kernel runs."""
+    """A cache of the other KV format, an indexer K cache of packed rows (not block-planar),
+    or too few blocks for the step's block tables (an out-of-range write faults a GPU):
+    TensorArgError before any kernel runs."""
     cfg = _config(1, 1, 1)
     plan = compile_plan(cfg, _step(3))
     bt = _block_tables(plan.num_requests, -(-cfg.shard_rows(cfg.max_model_len) // BLOCK), 3)
@@ -507,6 +508,10 @@ def test_runtime_calls_refuse_caches_that_do_not_fit():
     with pytest.raises(TensorArgError, match=r"cache.kv \(fp8_ds_mla\) is \(6400, 1152\) "
                        r"uint8 on cpu; expected \(6400, 656\) uint8"):
         ex.attend(bound, other, a["q"], a["index_q"], a["index_w"])
+    packed = LayerCache(other.kv.new_zeros(6400, 656), other.kv.new_zeros(6400, 132))
+    with pytest.raises(TensorArgError, match=r"cache.index_k \(block-planar\) is \(6400, 132\) "
+                       rf"uint8 on cpu; expected \(100, {BLOCK * 132}\) uint8"):
+        ex.insert(bound, packed, a["kv_new"], a["index_k_new"])  # rows of the packed layout
     top = max(int(bt[i, j]) for i, n in enumerate(plan.dcp_local_lens.np()[:, 0])
               for j in range(-(-int(n) // BLOCK)))
     small = LayerCache.empty(cfg, top, "cpu")  # blocks 0 .. top - 1: one short
