@@ -306,7 +306,7 @@ def _indexer_tiles(text: str) -> dict:
             out[name] = bool(int(value)) if kind is bool else kind(value)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"{name} takes a {kind.__name__}: got {value!r}") from None
+                f"{name} expects {kind.__name__}: got {value!r}") from None
     return out
 
 

@@ -99,6 +99,27 @@ def test_bench_step_gpu_tiny_world_1(capsys, monkeypatch):
         "attention")] > 0
 
 
+def test_bench_step_gpu_indexer_tiles(capsys, monkeypatch):
+    """--indexer-tiles: IndexerTiles fields of their own types; a bad field or value, or a
+    kernel set without the tiled indexer, is one error line, not a traceback."""
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+    bench = _bench_module(monkeypatch)
+    assert bench._indexer_tiles("long_filter=0,programs_per_sm=4,filter_margin=2.5") == {
+        "long_filter": False, "programs_per_sm": 4, "filter_margin": 2.5}
+    for bad, said in (("nope=1", "one of IndexerTiles' fields: got 'nope=1'"),
+                      ("programs_per_sm=x", "programs_per_sm expects int: got 'x'"),
+                      ("long_filter", "FIELD=VALUE")):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--tiny", "--indexer-tiles", bad])
+        assert said in capsys.readouterr().err
+    assert bench.main(["--tiny", "--repeat", "1", "--layers", "1",
+                       "--indexer-tiles", "long_filter=0"]) == 2  # CPU: the reference set
+    err = capsys.readouterr().err
+    assert "--indexer-tiles applies to the Triton kernel set's tiled indexer" in err
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize("pw", [2])
 def test_bench_step_gpu_tiny_under_torchrun(pw):
     proc = torchrun(pw, "bench/step_gpu.py", "--tiny", "--pcp", pw, "--dcp", pw,
