@@ -222,7 +222,8 @@ class StepExecutor:
                              f"{shape} {want} on {self.device}")
 
     def _expect_cache(self, bound: BoundStep, call: str, cache) -> None:
-        """The layer's caches: uint8 rows of this config's token bytes, as many of each."""
+        """The layer's caches: uint8, kv a row of this config's token bytes per slot, index_k
+        a block-planar row per block of as many slots."""
         cfg = self.config
         if not isinstance(cache, LayerCache):
             raise TensorArgError(f"step {bound.plan.step_id}: {call}: cache is "
