@@ -1,4 +1,4 @@
-"""What the CPU benchmarks share: the realistic step mix and a median timer."""
+"""What the benchmarks share: the realistic step mix, a median timer, device time per kernel."""
 
 from __future__ import annotations
 
@@ -32,3 +32,21 @@ def median_us(fn, repeat: int, warmup: int = 0) -> float:
         fn()
         times.append(time.perf_counter_ns() - t0)
     return statistics.median(times) / 1e3
+
+
+def kernel_device_times(fn, calls: int) -> list[tuple[str, float, float]]:
+    """Device time per kernel name of ``fn()`` (torch.profiler, CUDA activity; one warm-up
+    call first): rows (name, launches per call, us per call) over ``calls`` calls, largest
+    first. Device durations, so a host-bound call's rows still say what its kernels cost."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(ev.key, ev.count / calls, (ev.self_device_time_total or 0) / calls)
+            for ev in prof.key_averages()]
+    return sorted((r for r in rows if r[2] > 0), key=lambda r: -r[2])

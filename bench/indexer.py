@@ -43,6 +43,8 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench, do_bench_cudagraph
 
+from common import kernel_device_times  # bench/common.py, beside this script
+
 HI, TOPK, BLOCK = 64, 2048, 64
 RANK_SEGS = (8, 32)  # every candidate ordered from this many segments (select_exact off)
 PREFILL = [(4096, 32768), (2048, 65536), (8192, 8192)]
@@ -208,23 +210,13 @@ PROFILE = False  # --profile: device time per kernel of the whole decode call, p
 
 
 def kernel_table(label, fn, calls=5):
-    """Prints device time per kernel name (torch.profiler, CUDA activity) of one ``fn()``
-    call, the mean over ``calls`` eager calls."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    rows = sorted(((ev.key, ev.count / calls, (ev.self_device_time_total or 0) / calls)
-                   for ev in prof.key_averages()), key=lambda r: -r[2])
-    total = sum(r[2] for r in rows)
-    print(f"  kernels of {label}: {total:.1f} us device time a call", flush=True)
+    """Prints device time per kernel name of one ``fn()`` call, the mean over ``calls`` eager
+    calls (``common.kernel_device_times``)."""
+    rows = kernel_device_times(fn, calls)
+    print(f"  kernels of {label}: {sum(r[2] for r in rows):.1f} us device time a call",
+          flush=True)
     for name, n, us in rows:
-        if us > 0:
-            print(f"    {name[:60]:60s} x{n:g} {us:8.1f} us", flush=True)
+        print(f"    {name[:60]:60s} x{n:g} {us:8.1f} us", flush=True)
 
 
 def decode_parts(args, tiles, ceil, flops):

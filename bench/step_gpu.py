@@ -503,23 +503,11 @@ def measure(r: Rank, repeat: int) -> dict:
 
 
 def trace_kernels(r: Rank, steps: int, graphs: StepGraphs | None = None) -> list[tuple]:
-    """Device time per kernel name over ``steps`` steps (torch.profiler, CUDA activity):
-    rows (name, launches per step, us per step), largest first. Kernel durations are device
-    time, so an eager (host-bound) step's rows still say what its kernels cost."""
-    from torch.profiler import ProfilerActivity, profile
+    """Device time per kernel name over ``steps`` steps: rows (name, launches per step, us per
+    step), largest first (``common.kernel_device_times``)."""
+    from common import kernel_device_times  # bench/common.py, beside this script
 
-    run_step(r, _NoLog(), graphs)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            run_step(r, _NoLog(), graphs)
-        torch.cuda.synchronize()
-    rows = []
-    for ev in prof.key_averages():
-        us = getattr(ev, "self_device_time_total", 0) or 0
-        if us > 0:
-            rows.append((ev.key, ev.count / steps, us / steps))
-    return sorted(rows, key=lambda row: -row[2])
+    return kernel_device_times(lambda: run_step(r, _NoLog(), graphs), steps)
 
 
 def max_over_ranks(r: Rank, res: dict) -> dict:
@@ -696,7 +684,7 @@ def main(argv=None) -> int:
     try:
         try:
             r = setup_rank(args, dims, groups)
-        except (ConfigError, KernelBackendError) as exc:  # every rank sees the same arguments: all return here
+        except (ConfigError, KernelBackendError) as exc:  # the same arguments on every rank
             sys.stderr.write(f"bench/step_gpu.py: error: {exc}\n")
             return 2
         res = max_over_ranks(r, measure(r, args.repeat))
