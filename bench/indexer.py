@@ -2,10 +2,10 @@
 one (``runtime/kernels/indexer_tiled.py``, the Triton set's default) in the same run, with the
 bf16 matmul ceiling.
 
-    python bench/indexer.py [--quick] [--only prefill,decode,sort,decode-sweep,select-sweep]
+    python bench/indexer.py [--quick] [--only prefill,planar,decode,sort,decode-sweep,select-sweep]
                             [--decode-cases 8x131072,64x65536-131072] [--variants filter] [--profile]
                             [--sweep]
-                            [--planar-sweep] [--json out.json]
+                            [--planar-sweep] [--planar-tiles 2:128:4:3,2:64:8:3:128] [--json out.json]
 
 Prefill cases: the last T tokens of an N-token context (query i has keys 0 .. N - T + i),
 64 heads x 128 dims, topk 2048, one rank. Decode cases: B requests of one context each (and 64
@@ -16,12 +16,14 @@ abound; each case checks new == old (ids and scores, order included). Logits FLO
 per (query, key). Medians of ``triton.testing.do_bench``. Each prefill case also times its parts:
 the planar fp8 logits and the select (default: the exact top K kept, then ordered; radix-only;
 every candidate ordered from ``sort_segments`` segments, the default before ``select_exact``;
-other ``exact_segments``; each checked equal to the default), the query quantisation and the plane split alone, and planar tile choices
+other ``exact_segments``; the filter path with ``PREFILL_FILTERS``' tunables; each checked
+equal to the default), the query quantisation and the plane split alone, and planar tile choices
 (each checked equal to the default tiles' keys; the byte-row prefill kernel they replaced took
 6.2-8.9 ms for the first case, bench/RESULTS.md); each decode case times the whole decode
 indexer, its logits and its select, eager and replayed from a CUDA graph (``do_bench_cudagraph``:
 eager decode figures are host-launch-bound), and select variants (graph; ``DECODE_SELECTS``).
-``sort`` times ``tl.sort`` of 4096 values as segments; ``decode-sweep`` the decode tiles
+``planar`` times the planar logits tiles alone (``--planar-tiles``); ``sort`` times
+``tl.sort`` of 4096 values as segments; ``decode-sweep`` the decode tiles
 (graph); ``select-sweep`` the select tunables (first prefill case); ``--planar-sweep`` the
 planar tiles; ``--sweep`` tile variants of the first prefill case and of the decode cases.
 """
@@ -152,10 +154,11 @@ def prefill_parts(args, tiles, ceil, flops, label):
             t = dataclasses.replace(tiles, sort_segments=segs, select_exact=False)
             parts.append((f"select ranked {segs} segments", lambda t=t: it._select(
                 keys, key_len, TOPK, top_s, top_i, t), None))
-        t = dataclasses.replace(tiles, long_filter=True, filter_short_rows=True,
-                                filter_rows=1 << 30)  # every row through the filter path
-        parts.append(("select filter path", lambda t=t: it._select(
-            keys, key_len, TOPK, top_s, top_i, t), None))
+        for name, kw in PREFILL_FILTERS.items():  # every row through the filter path
+            t = dataclasses.replace(tiles, long_filter=True, filter_short_rows=True,
+                                    filter_rows=1 << 30, **kw)
+            parts.append((f"select {name}", lambda t=t: it._select(
+                keys, key_len, TOPK, top_s, top_i, t), None))
         for segs in (2, 8):  # the exact top K kept first (default), ordered from other segments
             t = dataclasses.replace(tiles, exact_segments=segs)
             parts.append((f"select exact, {segs} segments", lambda t=t: it._select(
@@ -172,10 +175,25 @@ def prefill_parts(args, tiles, ceil, flops, label):
             note = f"== default select: {same((top_s, top_i), want)}" if want and part != "select" \
                 and part.startswith("select") else ""
             row(f"  {label} {part}", bench(fn), fl, ceil, note)
+            if PROFILE and part.startswith("select"):
+                kernel_table(part, fn)
         except FAILS as e:
             print(f"  {label} {part}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
 
 
+# the prefill select through the filter path (IndexerTiles.filter_short_rows), with these
+# tunables; each checked equal to the default select
+PREFILL_FILTERS = {
+    "filter path": {},
+    "filter path, no trim": {"filter_trim": False},
+    "filter path, margin 3": {"filter_margin": 3.0},
+    "filter path, margin 2": {"filter_margin": 2.0},
+    "filter path, sample 512": {"filter_sample": 512},
+    "filter path, chunk 2048": {"filter_chunk": 2048},
+    "filter path, chunk 1024": {"filter_chunk": 1024},
+    "filter path, chunk 2048, sample 512": {"filter_chunk": 2048, "filter_sample": 512},
+    "filter path, rank chunk 128": {"rank_chunk": 128},
+}
 # select variants timed beside the default for decode (each checked equal to the default)
 DECODE_SELECTS = {
     "one program per row": {"split_rows": 0},
@@ -184,7 +202,8 @@ DECODE_SELECTS = {
     "long rows: second select": {"rank_runs": 1},
     "long rows: 4 segment items per SM (before)": {"programs_per_sm": 4},
     "long rows: segment path only (long_filter off, before)": {"long_filter": False},
-    "long rows: filter sample 1024": {"filter_sample": 1024},
+    "long rows: filter sample 2048": {"filter_sample": 2048},
+    "long rows: filter without trim (before)": {"filter_trim": False},
     "long rows: filter threshold in 16 warps": {"filter_warps": 16},
     "long rows: all candidates ordered (no exact top K)": {"select_exact": False},
     "split: at most 8 runs, of up to 1024 (before)": {"split_runs": 8, "split_run_max": 1024},
@@ -206,7 +225,7 @@ def gbench(fn):
 # decode logits tiles (decode_block_k, decode_warps, decode_stages) timed beside the default
 LOGITS_TILES = ((128, 4, 4), (64, 4, 4), (64, 4, 3), (256, 8, 3))
 VARIANTS = None  # --variants: substrings of the variant names timed (None: every variant)
-PROFILE = False  # --profile: device time per kernel of the whole decode call, per variant
+PROFILE = False  # --profile: device time per kernel (decode: the whole call; prefill: selects)
 
 
 def kernel_table(label, fn, calls=5):
@@ -303,6 +322,25 @@ PLANAR_TILES = [(bq, bk, w, s) for bq in (2, 4) for bk in (64, 128) for w in (4,
                 for s in (2, 3, 4)]
 
 
+def _planar_tiles(text: str) -> list[tuple]:
+    """"2:128:4:3,2:64:8:3:128" -> [(2, 128, 4, 3, 0), (2, 64, 8, 3, 128)] (bq:bk:warps:stages
+    and an optional register cap)."""
+    tiles = []
+    for item in text.split(","):
+        try:
+            v = [int(x) for x in item.split(":")]
+            if len(v) not in (4, 5):
+                raise ValueError
+            tiles.append(tuple(v + [0] * (5 - len(v))))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"planar tile {item!r}: expected BQ:BK:WARPS:STAGES[:MAXNREG], e.g. 2:128:4:3") from None
+    return tiles
+
+
+PLANAR_DEFAULT_TILES = None  # --planar-tiles: the tiles planar_logits times (None: its own list)
+
+
 def planar_logits(args, ceil, flops, sweep_tiles=False):
     """The query quantisation and the plane split alone, then planar fp8 logits tile choices,
     each checked equal (int32 keys) to the default tiles' keys."""
@@ -320,16 +358,18 @@ def planar_logits(args, ceil, flops, sweep_tiles=False):
     row("  quantise q (Triton, the default)", bench(lambda: pack.quantize_indexer_q(q, w)))
     row("  split planes (torch)", bench(lambda: it.split_planes(k)))
     ok = True
-    for bq, bk, warps, stages in (PLANAR_TILES if sweep_tiles else [(2, 128, 4, 3), (2, 64, 8, 3)]):
-        def fn(bq=bq, bk=bk, warps=warps, stages=stages):
+    chosen = PLANAR_DEFAULT_TILES or [(2, 128, 4, 3, 0), (2, 64, 8, 3, 0)]
+    for bq, bk, warps, stages, mr in ([t + (0,) for t in PLANAR_TILES] if sweep_tiles else chosen):
+        def fn(bq=bq, bk=bk, warps=warps, stages=stages, mr=mr):
             it._logits_planar(q8, w8, kp, ks, got, N, key_len, pcu, N, 1, 1, bq=bq, bk=bk,
-                              warps=warps, stages=stages)
+                              warps=warps, stages=stages, maxnreg=mr)
         try:
             got.fill_(0)
             fn()
             eq = torch.equal(torch.where(valid, got, 0), torch.where(valid, want, 0))
             ok &= eq
-            row(f"  planar fp8 logits bq {bq} bk {bk} w {warps} s {stages}", bench(fn), flops,
+            cap = f" regs {mr}" if mr else ""
+            row(f"  planar fp8 logits bq {bq} bk {bk} w {warps} s {stages}{cap}", bench(fn), flops,
                 ceil, f"== default tiles: {eq}")
         except FAILS as e:
             print(f"  planar bq {bq} bk {bk} w {warps} s {stages}: failed ({type(e).__name__}: "
@@ -427,6 +467,8 @@ def main():
     ap.add_argument("--only", default="prefill,decode")
     ap.add_argument("--sweep", action="store_true", help="tile variants (long)")
     ap.add_argument("--planar-sweep", action="store_true", help="planar fp8 logits tiles")
+    ap.add_argument("--planar-tiles", type=_planar_tiles, metavar="BQ:BK:W:S[:REGS],...",
+                    help="the planar logits tiles timed (default: the default and one other)")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--decode-cases", type=_decode_cases, metavar="BxCTX[,BxLO-HI...]",
                     help="these decode cases only, e.g. 8x131072,64x65536-131072")
@@ -434,11 +476,12 @@ def main():
                     help="time only the variants whose name holds one of these "
                          "(e.g. filter,logits tiles); '' for none")
     ap.add_argument("--profile", action="store_true",
-                    help="decode: device time per kernel of the whole call (default tiles and "
-                         "each timed variant)")
+                    help="device time per kernel: of the whole decode call (default tiles and "
+                         "each timed variant), of each timed prefill select")
     a = ap.parse_args()
-    global VARIANTS, PROFILE
+    global VARIANTS, PROFILE, PLANAR_DEFAULT_TILES
     PROFILE = a.profile
+    PLANAR_DEFAULT_TILES = a.planar_tiles
     if a.variants is not None:
         VARIANTS = [v for v in a.variants.split(",") if v]
     # "old": the per-(query, key block) kernel, the Triton set's indexer until 2026-11-30
@@ -449,6 +492,10 @@ def main():
     ok = True
     if "prefill" in parts:
         ok &= run_prefill(PREFILL[:1] if a.quick else PREFILL, ceil, kernels, a.planar_sweep)
+    if "planar" in parts:  # the planar logits tiles alone, first prefill case
+        args, flops = prefill_inputs(*PREFILL[0])
+        ok &= planar_logits(args, ceil, flops, a.planar_sweep)
+        del args
     if "decode-sweep" in parts:
         for B, ctx in ((64, 4096), (8, 131072), (64, 131072)):
             sweep_decode(B, ctx, ceil)

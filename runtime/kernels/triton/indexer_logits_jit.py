@@ -163,7 +163,9 @@ def logits_planar_kernel(q_ptr, w_ptr, kp_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr
                          W: tl.constexpr, I: tl.constexpr, BQ: tl.constexpr, HP: tl.constexpr,
                          BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     split = tl.program_id(0)
-    j0 = tl.program_id(1) * BQ
+    # the last query blocks first: a prefill's later queries have the most keys, and the
+    # longest programs starting first leave no long tail (longest processing time first)
+    j0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BQ
     qT, w = _query_tile(q_ptr, w_ptr, j0, T, HI, stride_qt, stride_qh, stride_wt, BQ, HP)
     jq = j0 + tl.arange(0, BQ)
     qmask = jq < T
@@ -174,25 +176,20 @@ def logits_planar_kernel(q_ptr, w_ptr, kp_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr
     p_lo = tl.min(tl.where(n > 0, pcu, 9223372036854775807))
     shared = tl.max(tl.where(n > 0, pcu, -1)) <= p_lo
     optr = out_ptr + jq.to(tl.int64)[None, :] * stride_ot
-    if shared:  # the queries of the block are one request's: one key tile serves all
+    # one key tile serves the block's queries when they are one request's; a request boundary
+    # inside the block (rare) takes one pass per query. One loop either way: a second loop
+    # would allocate its own pipeline buffers, and the doubled shared memory kept the kernel
+    # at one program per SM (no overlap of one program's products with another's epilogue)
+    passes = tl.where(shared, 1, BQ)
+    for qi in range(passes):
+        pq = tl.where(shared, p_lo, tl.sum(tl.where(tl.arange(0, BQ) == qi, pcu, 0)))
+        jb = tl.arange(0, BQ)
+        mine = (jb == qi) | (jb >= tl.where(shared, 0, BQ))  # the pass's queries: all if shared
         for kb in range(lo, hi, BK):
             c = kb + tl.arange(0, BK)
             kvalid = c < hi
-            rows = tl.where(kvalid, _prefill_rows(c, p_lo, PT, W, I), 0)
+            rows = tl.where(kvalid, _prefill_rows(c, pq, PT, W, I), 0)
             s = _planar_scores(kp_ptr, ks_ptr, rows, kvalid, qT, w, BQ, HP, DOT_DTYPE, PRECISION,
                                False)
-            valid = c[:, None] < n[None, :]
-            _store(optr + c[:, None], s, valid, valid, True)
-    else:  # a request boundary inside the block (rare): one key tile per query
-        for kb in range(lo, hi, BK):
-            c = kb + tl.arange(0, BK)
-            kvalid = c < hi
-            s = tl.zeros((BK, BQ), tl.float32)
-            for qi in tl.static_range(BQ):
-                pq = tl.sum(tl.where(tl.arange(0, BQ) == qi, pcu, 0))
-                rows = tl.where(kvalid, _prefill_rows(c, pq, PT, W, I), 0)
-                sq = _planar_scores(kp_ptr, ks_ptr, rows, kvalid, qT, w, BQ, HP, DOT_DTYPE,
-                                    PRECISION, False)
-                s = tl.where(tl.arange(0, BQ)[None, :] == qi, sq, s)
-            valid = c[:, None] < n[None, :]
+            valid = (c[:, None] < n[None, :]) & mine[None, :]
             _store(optr + c[:, None], s, valid, valid, True)

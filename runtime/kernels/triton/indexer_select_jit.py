@@ -350,7 +350,8 @@ def sort_runs_kernel(keys_ptr, len_ptr, runs_ptr, s_ptr, i_ptr, stride_kr, strid
                      N, K, HAS_LEN: tl.constexpr, SEG: tl.constexpr, COMPOSITE_IN: tl.constexpr):
     """Program (row, g): the composites of keys[row, g*SEG : (g+1)*SEG] (int32 keys, or
     composites with COMPOSITE_IN), sorted descending, to runs[row, g*SEG : ...]; "no key" and
-    columns past the row's length become NO_COMPOSITE.
+    columns past the row's length become NO_COMPOSITE; runs wholly past it are left unwritten
+    (with HAS_LEN, ``rank_runs_kernel`` reads only the runs below the length).
     It also writes the pads (-inf, NO_KEY) of the output slots g*SEG + j*NRUNS*SEG .. below K,
     so the outputs need no fill: ``rank_runs_kernel``, launched after it, overwrites the slots of
     the live composites."""
@@ -365,10 +366,11 @@ def sort_runs_kernel(keys_ptr, len_ptr, runs_ptr, s_ptr, i_ptr, stride_kr, strid
     n = N
     if HAS_LEN:
         n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
-    c = g * SEG + tl.arange(0, SEG)
-    key, v = _load_keys(keys_ptr + row * stride_kr, c, n, COMPOSITE_IN)
-    v = tl.sort(tl.where(key != -2147483648, v, -9223372036854775808), 0, descending=True)
-    tl.store(runs_ptr + row * stride_rr + c, v)
+    if g * SEG < n:  # a run past the row's length is not written: rank_runs_kernel skips it
+        c = g * SEG + tl.arange(0, SEG)
+        key, v = _load_keys(keys_ptr + row * stride_kr, c, n, COMPOSITE_IN)
+        v = tl.sort(tl.where(key != -2147483648, v, -9223372036854775808), 0, descending=True)
+        tl.store(runs_ptr + row * stride_rr + c, v)
 
 
 @triton.jit(do_not_specialize=["len_ptr", "skip_ptr", "N", "NRUNS", "RUN_KEYS", "K", "RANK"])
@@ -391,25 +393,26 @@ def rank_runs_kernel(runs_ptr, len_ptr, skip_ptr, s_ptr, i_ptr, stride_rr, strid
         live_runs = tl.minimum((tl.minimum(tl.load(len_ptr + row).to(tl.int32), N) + RUN_KEYS
                                 - 1) // RUN_KEYS, NRUNS)
     base = runs_ptr + row * stride_rr
-    v = tl.load(base + g * SEG + tl.program_id(2) * CHUNK + tl.arange(0, CHUNK))
-    live = v != -9223372036854775808
-    go = tl.max(live.to(tl.int32), 0) > 0  # runs of pads only (past the row's end): nothing to do
+    go = g < live_runs  # runs past the row's end: pads, or (sort_runs_kernel) never written
     if HAS_SKIP:
         go = go & (tl.load(skip_ptr + row) == 0)
     if go:
-        place = tl.zeros((CHUNK,), tl.int32)
-        for t in tl.static_range(RUNS):  # unrolled: the searches are independent; RUNS is a
-            if t < live_runs:  # bound, so one compile serves every run count
-                run = base + t * SEG
-                before = t < g
-                cnt = tl.zeros((CHUNK,), tl.int32)
-                for b in tl.static_range(LOG_SEG):  # probe steps SEG / 2, SEG / 4, ..., 1
-                    a = tl.load(run + cnt + ((SEG >> (b + 1)) - 1))
-                    cnt += tl.where(before, a >= v, a > v).to(tl.int32) * (SEG >> (b + 1))
-                a = tl.load(run + cnt)
-                place += cnt + tl.where(before, a >= v, a > v).to(tl.int32)
-        _emit(v, row, tl.where(live, place, K), K, runs_ptr, s_ptr, i_ptr, stride_or, K, RANK,
-              W, I, True, DECODE_IDS, 1, True)
+        v = tl.load(base + g * SEG + tl.program_id(2) * CHUNK + tl.arange(0, CHUNK))
+        live = v != -9223372036854775808
+        if tl.max(live.to(tl.int32), 0) > 0:  # a chunk of pads only: nothing to place
+            place = tl.zeros((CHUNK,), tl.int32)
+            for t in tl.static_range(RUNS):  # unrolled: the searches are independent; RUNS is
+                if t < live_runs:  # a bound, so one compile serves every run count
+                    run = base + t * SEG
+                    before = t < g
+                    cnt = tl.zeros((CHUNK,), tl.int32)
+                    for b in tl.static_range(LOG_SEG):  # probe steps SEG / 2, SEG / 4, ..., 1
+                        a = tl.load(run + cnt + ((SEG >> (b + 1)) - 1))
+                        cnt += tl.where(before, a >= v, a > v).to(tl.int32) * (SEG >> (b + 1))
+                    a = tl.load(run + cnt)
+                    place += cnt + tl.where(before, a >= v, a > v).to(tl.int32)
+            _emit(v, row, tl.where(live, place, K), K, runs_ptr, s_ptr, i_ptr, stride_or, K,
+                  RANK, W, I, True, DECODE_IDS, 1, True)
 
 
 @triton.jit(do_not_specialize=["len_ptr", "N", "K"])
@@ -472,3 +475,21 @@ def filter_scatter_kernel(keys_ptr, len_ptr, thr_ptr, cnt_ptr, cand_ptr, cand_le
         take = key >= thr
         ti = take.to(tl.int32)
         tl.store(cand_ptr + row * stride_cr + before + tl.cumsum(ti, 0) - ti, v, mask=take)
+
+
+@triton.jit(do_not_specialize=["cand_len_ptr", "K"])
+def filter_trim_kernel(cand_ptr, cand_len_ptr, stride_cr, K, CAP: tl.constexpr):
+    """Program row of the filter path, between the gathering and the run sorts: a row with
+    more than K candidates keeps its exact top K (``_keep_top``: the keys above the K-th
+    largest, then the first of those equal to it; position order kept) in place, and its
+    candidate count becomes K. The runs then sort and rank K composites, not the up to CAP
+    that the sampled threshold let through."""
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.load(cand_len_ptr + row)
+    if n > K:
+        slot = tl.arange(0, CAP)
+        dst = cand_ptr + row * stride_cr
+        v = tl.load(dst + slot, mask=slot < n, other=-9223372036854775808)
+        tl.debug_barrier()  # every thread has read the candidates before they are rewritten
+        _keep_top(v, n, K, dst, CAP)
+        tl.store(cand_len_ptr + row, K)

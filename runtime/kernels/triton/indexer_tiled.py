@@ -130,6 +130,7 @@ class IndexerTiles:
     block_k: int = 128  # prefill keys per product (M)
     logits_warps: int = 4
     logits_stages: int = 3
+    logits_maxnreg: int = 0  # prefill logits: registers per thread capped (0: no cap)
     decode_block_k: int = 128
     few_rows: int = 16  # decode batches of at most this many rows use few_rows_block_k
     few_rows_block_k: int = 64  # (8 x 128k logits 53.5 us against 62.5 at 128; 64 rows of
@@ -172,7 +173,9 @@ class IndexerTiles:
     filter_chunk: int = 4096  # keys per counting / gathering program
     filter_cap: int = 8192  # candidate slots per row (>= topk; runs of split_run, at most
     # rank_runs of them)
-    filter_warps: int = 8  # the threshold program of a row (sorts the sample)
+    filter_warps: int = 8  # the threshold and trim programs of a row
+    filter_trim: bool = True  # rows with more than topk candidates keep their exact top K
+    # before the run sorts and ranks (fewer, shorter runs; not measured yet)
     filter_sample: int = 1024  # keys sampled per row for its threshold, taken at the sample
     filter_margin: float = 4.0  # rank m + margin * sqrt(m): at 128k keys and topk 2048 about
     # 4100 candidates expected (m 16), inside the cap and above topk. H200, graph: select 8 x
@@ -230,9 +233,10 @@ def split_planes(k_packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _logits_planar(q, weights, kp, ks, out, L, lens, pcu, PT, W, I, *, bq, bk, warps, stages,
-                   dot=None):
+                   dot=None, maxnreg=0):
     """Prefill int32 keys ``out [T, L]`` from the planes; q float8_e4m3fn (fp8 products) or,
-    with ``dot`` fp16 / fp32 (the interpreter), any float q holding fp8 values."""
+    with ``dot`` fp16 / fp32 (the interpreter), any float q holding fp8 values. maxnreg: a
+    register cap per thread (0: the compiler's choice)."""
     T, HI, _ = q.shape
     dot = dot or (tl.float8e4nv if q.dtype == torch.float8_e4m3fn else _DOT[q.dtype])
     if q.numel() == 0:
@@ -242,7 +246,8 @@ def _logits_planar(q, weights, kp, ks, out, L, lens, pcu, PT, W, I, *, bq, bk, w
         q, weights, kp, ks, out, lens, pcu, q.stride(0), q.stride(1), weights.stride(0),
         out.stride(0), T, HI, L, PT, triton.cdiv(L, bk) * bk, W=W, I=I, BQ=bq,
         HP=max(16, triton.next_power_of_2(HI)), BK=bk, DOT_DTYPE=dot,
-        PRECISION="ieee" if dot == tl.float32 else "tf32", num_warps=warps, num_stages=stages)
+        PRECISION="ieee" if dot == tl.float32 else "tf32", num_warps=warps, num_stages=stages,
+        **({"maxnreg": maxnreg} if maxnreg and q.is_cuda else {}))
 
 
 def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1, rank=0):
@@ -377,6 +382,9 @@ def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
     sjit.filter_scatter_kernel[(R, C)](keys, lens, thr, cnt, cand, cand_len, ok, keys.stride(0),
                                        cand.stride(0), L, topk, CAP=cap, CH=ch,
                                        CB=triton.next_power_of_2(C), num_warps=tiles.split_warps)
+    if tiles.filter_trim:
+        sjit.filter_trim_kernel[(R,)](cand, cand_len, cand.stride(0), topk, CAP=cap,
+                                      num_warps=tiles.filter_warps)
     runs = cap // run
     sorted_runs = torch.empty(R, cap, dtype=torch.int64, device=dev)
     sjit.sort_runs_kernel[(R, runs)](cand, cand_len, sorted_runs, top_s, top_i, cand.stride(0),
@@ -485,7 +493,7 @@ def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_loc
         _logits_planar(q8[t0:t1], w8[t0:t1], kp, ks, keys[: t1 - t0], L, key_len[t0:t1],
                        region_pcu[t0:t1], padded_local_total, dcp_size, interleave,
                        bq=tiles.block_q, bk=tiles.block_k, warps=tiles.logits_warps,
-                       stages=tiles.logits_stages)
+                       stages=tiles.logits_stages, maxnreg=tiles.logits_maxnreg)
         _select(keys[: t1 - t0], key_len[t0:t1], topk, top_s[t0:t1], top_i[t0:t1], tiles)
     return top_s, top_i
 
