@@ -139,28 +139,33 @@ def prefill_parts(args, tiles, ceil, flops, label):
 
     def logits():
         it._logits_planar(q8, w8, kp, ks, keys, N, key_len, pcu, N, 1, 1, bq=tiles.block_q,
-                          bk=tiles.block_k, warps=tiles.logits_warps, stages=tiles.logits_stages)
+                          bk=tiles.block_k, warps=tiles.logits_warps, stages=tiles.logits_stages,
+                          maxnreg=tiles.logits_maxnreg)
 
     def select():
         it._select(keys, key_len, TOPK, top_s, top_i, tiles)
 
-    def radix():  # the previous select (the fallback path alone), for comparison
-        it._select(keys, key_len, TOPK, top_s, top_i, dataclasses.replace(tiles, select_attempts=0))
+    def radix():  # the select before the sampled threshold (the fallback path alone)
+        it._select(keys, key_len, TOPK, top_s, top_i,
+                   dataclasses.replace(tiles, select_attempts=0, filter_short_rows=False))
 
     parts = [("planar logits", logits, flops), ("select", select, None)]
     if label == "parts":
+        t = dataclasses.replace(tiles, filter_short_rows=False)
+        parts.append(("select segment path (before)", lambda t=t: it._select(
+            keys, key_len, TOPK, top_s, top_i, t), None))
         parts.append(("select radix only", radix, None))
         for segs in RANK_SEGS:  # every candidate ordered (before select_exact), from segments
-            t = dataclasses.replace(tiles, sort_segments=segs, select_exact=False)
+            t = dataclasses.replace(tiles, sort_segments=segs, select_exact=False,
+                                    filter_short_rows=False)
             parts.append((f"select ranked {segs} segments", lambda t=t: it._select(
                 keys, key_len, TOPK, top_s, top_i, t), None))
         for name, kw in PREFILL_FILTERS.items():  # every row through the filter path
-            t = dataclasses.replace(tiles, long_filter=True, filter_short_rows=True,
-                                    filter_rows=1 << 30, **kw)
+            t = dataclasses.replace(tiles, long_filter=True, filter_short_rows=True, **kw)
             parts.append((f"select {name}", lambda t=t: it._select(
                 keys, key_len, TOPK, top_s, top_i, t), None))
-        for segs in (2, 8):  # the exact top K kept first (default), ordered from other segments
-            t = dataclasses.replace(tiles, exact_segments=segs)
+        for segs in (2, 8):  # the segment path's exact top K, ordered from other segments
+            t = dataclasses.replace(tiles, exact_segments=segs, filter_short_rows=False)
             parts.append((f"select exact, {segs} segments", lambda t=t: it._select(
                 keys, key_len, TOPK, top_s, top_i, t), None))
     if VARIANTS is not None:  # --variants: the default parts and the named ones
@@ -185,14 +190,13 @@ def prefill_parts(args, tiles, ceil, flops, label):
 # tunables; each checked equal to the default select
 PREFILL_FILTERS = {
     "filter path": {},
-    "filter path, no trim": {"filter_trim": False},
     "filter path, margin 3": {"filter_margin": 3.0},
-    "filter path, margin 2": {"filter_margin": 2.0},
     "filter path, sample 512": {"filter_sample": 512},
-    "filter path, chunk 2048": {"filter_chunk": 2048},
+    "filter path, sample 512, margin 3": {"filter_sample": 512, "filter_margin": 3.0},
     "filter path, chunk 1024": {"filter_chunk": 1024},
-    "filter path, chunk 2048, sample 512": {"filter_chunk": 2048, "filter_sample": 512},
-    "filter path, rank chunk 128": {"rank_chunk": 128},
+    "filter path, chunk 4096": {"filter_chunk": 4096},
+    "filter path, cap 8192": {"filter_cap": 8192},
+    "filter path, runs of 1024": {"split_run": 1024},
 }
 # select variants timed beside the default for decode (each checked equal to the default)
 DECODE_SELECTS = {
@@ -203,7 +207,7 @@ DECODE_SELECTS = {
     "long rows: 4 segment items per SM (before)": {"programs_per_sm": 4},
     "long rows: segment path only (long_filter off, before)": {"long_filter": False},
     "long rows: filter sample 2048": {"filter_sample": 2048},
-    "long rows: filter without trim (before)": {"filter_trim": False},
+    "long rows: filter chunk 4096 (before)": {"filter_chunk": 4096},
     "long rows: filter threshold in 16 warps": {"filter_warps": 16},
     "long rows: all candidates ordered (no exact top K)": {"select_exact": False},
     "split: at most 8 runs, of up to 1024 (before)": {"split_runs": 8, "split_run_max": 1024},
@@ -352,13 +356,16 @@ def planar_logits(args, ceil, flops, sweep_tiles=False):
     want = torch.empty(T, N, dtype=torch.int32, device="cuda")
     got = torch.empty_like(want)
     it._logits_planar(q8, w8, kp, ks, want, N, key_len, pcu, N, 1, 1, bq=tiles.block_q,
-                      bk=tiles.block_k, warps=tiles.logits_warps, stages=tiles.logits_stages)
+                      bk=tiles.block_k, warps=tiles.logits_warps, stages=tiles.logits_stages,
+                      maxnreg=tiles.logits_maxnreg)
     valid = torch.arange(N, device="cuda")[None, :] < key_len[:, None]
     row("  quantise q (torch reference)", bench(lambda: ref.quantize_indexer_q(q, w)))
     row("  quantise q (Triton, the default)", bench(lambda: pack.quantize_indexer_q(q, w)))
     row("  split planes (torch)", bench(lambda: it.split_planes(k)))
     ok = True
-    chosen = PLANAR_DEFAULT_TILES or [(2, 128, 4, 3, 0), (2, 64, 8, 3, 0)]
+    chosen = PLANAR_DEFAULT_TILES or [(tiles.block_q, tiles.block_k, tiles.logits_warps,
+                                       tiles.logits_stages, tiles.logits_maxnreg),
+                                      (2, 128, 4, 3, 0)]  # the default before 2026-12-01
     for bq, bk, warps, stages, mr in ([t + (0,) for t in PLANAR_TILES] if sweep_tiles else chosen):
         def fn(bq=bq, bk=bk, warps=warps, stages=stages, mr=mr):
             it._logits_planar(q8, w8, kp, ks, got, N, key_len, pcu, N, 1, 1, bq=bq, bk=bk,

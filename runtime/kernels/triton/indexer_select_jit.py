@@ -351,7 +351,8 @@ def sort_runs_kernel(keys_ptr, len_ptr, runs_ptr, s_ptr, i_ptr, stride_kr, strid
     """Program (row, g): the composites of keys[row, g*SEG : (g+1)*SEG] (int32 keys, or
     composites with COMPOSITE_IN), sorted descending, to runs[row, g*SEG : ...]; "no key" and
     columns past the row's length become NO_COMPOSITE; runs wholly past it are left unwritten
-    (with HAS_LEN, ``rank_runs_kernel`` reads only the runs below the length).
+    (with HAS_LEN, ``rank_runs_kernel`` reads only the runs below the length). runs_ptr may be
+    keys_ptr (sorted in place).
     It also writes the pads (-inf, NO_KEY) of the output slots g*SEG + j*NRUNS*SEG .. below K,
     so the outputs need no fill: ``rank_runs_kernel``, launched after it, overwrites the slots of
     the live composites."""
@@ -370,6 +371,7 @@ def sort_runs_kernel(keys_ptr, len_ptr, runs_ptr, s_ptr, i_ptr, stride_kr, strid
         c = g * SEG + tl.arange(0, SEG)
         key, v = _load_keys(keys_ptr + row * stride_kr, c, n, COMPOSITE_IN)
         v = tl.sort(tl.where(key != -2147483648, v, -9223372036854775808), 0, descending=True)
+        tl.debug_barrier()  # in place (runs_ptr == keys_ptr): every thread has read the run
         tl.store(runs_ptr + row * stride_rr + c, v)
 
 
@@ -416,80 +418,51 @@ def rank_runs_kernel(runs_ptr, len_ptr, skip_ptr, s_ptr, i_ptr, stride_rr, strid
 
 
 @triton.jit(do_not_specialize=["len_ptr", "N", "K"])
-def filter_threshold_kernel(keys_ptr, len_ptr, thr_ptr, stride_kr, N, K, MARGIN,
+def filter_threshold_kernel(keys_ptr, len_ptr, thr_ptr, cnt_ptr, stride_kr, N, K, MARGIN,
                             CAP: tl.constexpr, S: tl.constexpr):
     """Program row of the filter path: the row's sampled threshold to thr[row] (rows of at
-    most CAP keys: below every key). One program a row, so the sample is sorted once, not by
-    every chunk's program (8 x 128k: 61 us of counting with 32 sorts a row)."""
+    most min(CAP, 2K) keys: below every key, all taken), and the row's three counters
+    cnt[0..2, row] (candidates, live keys, chunks done) zeroed for ``filter_scatter_kernel``.
+    One program a row, so the sample is sorted once, not by every chunk's program (8 x 128k:
+    61 us of counting with 32 sorts a row)."""
     row = tl.program_id(0).to(tl.int64)
-    n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
-    thr = tl.zeros((), tl.int32) - 2147483647
-    if n > CAP:
-        thr, _, _ = _sample_threshold(keys_ptr + row * stride_kr, 0, n, K, MARGIN, False, S)
-    tl.store(thr_ptr + row, thr)
-
-
-@triton.jit(do_not_specialize=["len_ptr", "N"])
-def filter_count_kernel(keys_ptr, len_ptr, thr_ptr, cnt_ptr, stride_kr, N, CH: tl.constexpr):
-    """Program (row, chunk) of the filter path: the chunk's count of keys >= the row's
-    threshold to cnt[0, row, chunk] and of live keys to cnt[1, row, chunk]."""
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    C = tl.num_programs(1)
     R = tl.num_programs(0)
     n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
-    thr = tl.load(thr_ptr + row)
-    c = chunk * CH + tl.arange(0, CH)
-    key, _ = _load_keys(keys_ptr + row * stride_kr, c, n, False)
-    tl.store(cnt_ptr + row * C + chunk, tl.sum((key >= thr).to(tl.int32), 0))
-    tl.store(cnt_ptr + (R + row) * C + chunk, tl.sum((key != -2147483648).to(tl.int32), 0))
+    thr = tl.zeros((), tl.int32) - 2147483647
+    if n > tl.minimum(CAP, 2 * K):
+        thr, _, _ = _sample_threshold(keys_ptr + row * stride_kr, 0, n, K, MARGIN, False, S)
+    tl.store(thr_ptr + row, thr)
+    for j in tl.static_range(3):
+        tl.store(cnt_ptr + j * R + row, 0)
 
 
 @triton.jit(do_not_specialize=["len_ptr", "N", "K"])
-def filter_scatter_kernel(keys_ptr, len_ptr, thr_ptr, cnt_ptr, cand_ptr, cand_len_ptr, ok_ptr,
-                          stride_kr, stride_cr, N, K, CAP: tl.constexpr, CH: tl.constexpr,
-                          CB: tl.constexpr):
-    """Program (row, chunk): the row holds its top K in the keys >= its threshold when there
-    are at least min(K, live keys) of them and at most CAP (ok); then the chunk's composites of
-    those keys go to cand[row, before : ...], ``before`` = the count in the earlier chunks
-    (position order kept). Chunk 0 stores ok[row] and cand_len[row] (the row's count if ok,
-    else 0). CB: a power of two >= the chunks of a row."""
+def filter_scatter_kernel(keys_ptr, len_ptr, thr_ptr, cnt_ptr, cand_ptr, ok_ptr, stride_kr,
+                          stride_cr, N, K, CAP: tl.constexpr, CH: tl.constexpr):
+    """Program (row, chunk) of the filter path: the chunk's composites of keys >= the row's
+    threshold go to cand[row, base : ...], base reserved by an atomic add on the row's
+    candidate count cnt[0, row] (slots past CAP dropped): one pass over the keys, no counting
+    pass first. The candidates are not in position order, which no later step needs (the
+    composites carry their positions). The chunk's live keys add to cnt[1, row]; the row's
+    last chunk to finish (cnt[2, row]) decides whether the threshold holds the row's top K: at
+    least min(K, live keys) candidates and at most CAP; it stores ok[row] and leaves the count
+    in cnt[0, row] (0 where not ok: the rows the segment path selects)."""
     row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    C = tl.num_programs(1)
     R = tl.num_programs(0)
-    j = tl.arange(0, CB)
-    ge = tl.load(cnt_ptr + row * C + j, mask=j < C, other=0)
-    live = tl.load(cnt_ptr + (R + row) * C + j, mask=j < C, other=0)
-    total = tl.sum(ge, 0)
-    ok = (total >= tl.minimum(tl.sum(live, 0), K)) & (total <= CAP)
-    if chunk == 0:
+    n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
+    thr = tl.load(thr_ptr + row)
+    c = tl.program_id(1) * CH + tl.arange(0, CH)
+    key, v = _load_keys(keys_ptr + row * stride_kr, c, n, False)
+    take = key >= thr
+    ti = take.to(tl.int32)
+    base = tl.atomic_add(cnt_ptr + row, tl.sum(ti, 0))
+    slot = base + tl.cumsum(ti, 0) - ti
+    tl.store(cand_ptr + row * stride_cr + slot, v, mask=take & (slot < CAP))
+    tl.atomic_add(cnt_ptr + R + row, tl.sum((key != -2147483648).to(tl.int32), 0))
+    # acq_rel: the last chunk sees every chunk's additions above
+    if tl.atomic_add(cnt_ptr + 2 * R + row, 1) == tl.num_programs(1) - 1:
+        total = tl.atomic_add(cnt_ptr + row, 0)
+        live = tl.atomic_add(cnt_ptr + R + row, 0)
+        ok = (total >= tl.minimum(live, K)) & (total <= CAP)
         tl.store(ok_ptr + row, ok.to(tl.int32))
-        tl.store(cand_len_ptr + row, tl.where(ok, total, 0))
-    if ok:
-        before = tl.sum(tl.where(j < chunk, ge, 0), 0)
-        n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
-        thr = tl.load(thr_ptr + row)
-        c = chunk * CH + tl.arange(0, CH)
-        key, v = _load_keys(keys_ptr + row * stride_kr, c, n, False)
-        take = key >= thr
-        ti = take.to(tl.int32)
-        tl.store(cand_ptr + row * stride_cr + before + tl.cumsum(ti, 0) - ti, v, mask=take)
-
-
-@triton.jit(do_not_specialize=["cand_len_ptr", "K"])
-def filter_trim_kernel(cand_ptr, cand_len_ptr, stride_cr, K, CAP: tl.constexpr):
-    """Program row of the filter path, between the gathering and the run sorts: a row with
-    more than K candidates keeps its exact top K (``_keep_top``: the keys above the K-th
-    largest, then the first of those equal to it; position order kept) in place, and its
-    candidate count becomes K. The runs then sort and rank K composites, not the up to CAP
-    that the sampled threshold let through."""
-    row = tl.program_id(0).to(tl.int64)
-    n = tl.load(cand_len_ptr + row)
-    if n > K:
-        slot = tl.arange(0, CAP)
-        dst = cand_ptr + row * stride_cr
-        v = tl.load(dst + slot, mask=slot < n, other=-9223372036854775808)
-        tl.debug_barrier()  # every thread has read the candidates before they are rewritten
-        _keep_top(v, n, K, dst, CAP)
-        tl.store(cand_len_ptr + row, K)
+        tl.store(cnt_ptr + row, tl.where(ok, total, 0))

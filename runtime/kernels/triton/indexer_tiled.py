@@ -108,6 +108,7 @@ counting took 61 us of the path's 92 (``bench/indexer.py --profile``).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import triton
@@ -128,9 +129,10 @@ class IndexerTiles:
 
     block_q: int = 2  # prefill queries per logits program (N = block_q * padded heads)
     block_k: int = 128  # prefill keys per product (M)
-    logits_warps: int = 4
+    logits_warps: int = 8
     logits_stages: int = 3
-    logits_maxnreg: int = 0  # prefill logits: registers per thread capped (0: no cap)
+    logits_maxnreg: int = 128  # prefill logits: registers per thread capped (0: no cap); 8
+    # warps at 128: two programs per SM
     decode_block_k: int = 128
     few_rows: int = 16  # decode batches of at most this many rows use few_rows_block_k
     few_rows_block_k: int = 64  # (8 x 128k logits 53.5 us against 62.5 at 128; 64 rows of
@@ -163,19 +165,17 @@ class IndexerTiles:
     rank_chunk: int = 256  # composites placed per rank program
     rank_warps: int = 4
     split_warps: int = 4  # sort_runs programs
-    long_filter: bool = True  # long rows (at most filter_rows of them): the filter path
-    # first: keys above a sampled row threshold gathered by many programs, then ordered as
-    # split-path runs; the segment path selects only the rows whose threshold missed. H200,
-    # graph: select 8 x 128k 58.4 us against 96.7 by segments, 64 x 64k-128k 113.6 / 197.4
-    filter_rows: int = 512  # ... for at most this many rows
-    filter_short_rows: bool = False  # ... also rows one select item handles (many rows, as a
-    # prefill's; not measured yet, so off)
-    filter_chunk: int = 4096  # keys per counting / gathering program
-    filter_cap: int = 8192  # candidate slots per row (>= topk; runs of split_run, at most
-    # rank_runs of them)
-    filter_warps: int = 8  # the threshold and trim programs of a row
-    filter_trim: bool = True  # rows with more than topk candidates keep their exact top K
-    # before the run sorts and ranks (fewer, shorter runs; not measured yet)
+    long_filter: bool = True  # the filter path first, for rows of any length (not the
+    # split path's): keys above a sampled row threshold gathered by many programs, then
+    # ordered as split-path runs; the segment path selects only the rows whose threshold
+    # missed. H200: select 8 x 128k 45.4 us against 96.7 by segments (graph), T 4096 x N 32768
+    # (prefill rows) see filter_short_rows
+    filter_short_rows: bool = True  # ... also rows one select item handles (a prefill's)
+    filter_chunk: int = 2048  # keys per gathering program (T 4096 x N 32768: 398 us
+    # against 610 at 4096, when a counting pass came first)
+    filter_cap: int = 0  # candidate slots per row (a power of two >= topk; runs of
+    # split_run, at most rank_runs of them); 0: from the widest row (``filter_slots``)
+    filter_warps: int = 8  # the threshold program of a row (sorts the sample)
     filter_sample: int = 1024  # keys sampled per row for its threshold, taken at the sample
     filter_margin: float = 4.0  # rank m + margin * sqrt(m): at 128k keys and topk 2048 about
     # 4100 candidates expected (m 16), inside the cap and above topk. H200, graph: select 8 x
@@ -287,8 +287,7 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
                   LOG_SEGS_K=segs_k.bit_length() - 1)
     runs = triton.next_power_of_2(segs)
     skip = None
-    if ((segs > 1 or tiles.filter_short_rows) and tiles.long_filter and runs <= tiles.rank_runs
-            and R <= tiles.filter_rows):
+    if (segs > 1 or tiles.filter_short_rows) and tiles.long_filter and runs <= tiles.rank_runs:
         # the filter path selects the rows it can (and writes every row's pads); the segment
         # path below only the others
         skip = _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids)
@@ -351,47 +350,53 @@ def _select_launch(src, lens, dst, top_s, top_i, n, seg_len, segs, topk, tiles, 
                                 **{k: v for k, v in common.items() if k != "RANK"})
 
 
+def filter_slots(L: int, topk: int, tiles: IndexerTiles) -> int:
+    """Candidate slots per row of the filter path: ``filter_cap``, or (0) the least power of
+    two >= 1.25 x the candidates a row of L keys is expected to pass, topk + margin x
+    sqrt(topk x L / S) + L / S for S samples (the threshold's sample rank m + margin x sqrt(m),
+    m = topk x S / L; shorter rows pass fewer): 4096 slots at L 32k (3104 expected), 8192 at
+    128k (4224)."""
+    if tiles.filter_cap:
+        return triton.next_power_of_2(max(tiles.filter_cap, topk))
+    S = triton.next_power_of_2(max(tiles.filter_sample, 16))
+    want = topk + tiles.filter_margin * math.sqrt(topk * L / S) + L / S
+    return triton.next_power_of_2(max(topk, int(1.25 * want)))
+
+
 def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
-    """The filter path for long rows: every row's keys above a sampled threshold (one program
-    a row), counted by ``filter_chunk``-key chunks, then gathered in
-    position order into ``filter_cap`` candidate slots (``filter_scatter_kernel``), sorted as
-    runs and placed by ranks as the split path does; all output pads written. A row whose
-    threshold missed (fewer than min(K, live keys) or more than the cap above it) gets no
-    candidates. Returns the rows' ok flags ``[R]`` int32, the skip flags of the segment path
-    that then selects the other rows; None (nothing launched) where the candidates would make
-    more runs than ``rank_runs``."""
+    """The filter path: every row's keys at or above a sampled threshold (one program a row)
+    gathered by ``filter_chunk``-key programs in one pass into ``filter_cap`` candidate slots
+    (``filter_scatter_kernel``), sorted in place as runs and placed by ranks as the split path
+    does; all output pads written. A row whose threshold missed (fewer than min(K, live keys)
+    or more than the cap above it) gets no candidates. Returns the rows' ok flags ``[R]``
+    int32, the skip flags of the segment path that then selects the other rows; None (nothing
+    launched) where the candidates would make more runs than ``rank_runs``."""
     R, L = keys.shape
     ch = triton.next_power_of_2(tiles.filter_chunk)
-    C = triton.cdiv(L, ch)
-    cap = triton.next_power_of_2(max(tiles.filter_cap, topk))
+    cap = filter_slots(L, topk, tiles)
     run = min(triton.next_power_of_2(tiles.split_run), cap)
     if cap // run > tiles.rank_runs:
         return None
     dev = keys.device
     thr = torch.empty(R, dtype=torch.int32, device=dev)
-    cnt = torch.empty(2, R, C, dtype=torch.int32, device=dev)
+    cnt = torch.empty(3, R, dtype=torch.int32, device=dev)  # candidates, live keys, chunks done
     cand = torch.empty(R, cap, dtype=torch.int64, device=dev)
-    cand_len = torch.empty(R, dtype=torch.int32, device=dev)
     ok = torch.empty(R, dtype=torch.int32, device=dev)
-    sjit.filter_threshold_kernel[(R,)](keys, lens, thr, keys.stride(0), L, topk,
+    sjit.filter_threshold_kernel[(R,)](keys, lens, thr, cnt, keys.stride(0), L, topk,
                                        float(tiles.filter_margin), CAP=cap,
                                        S=triton.next_power_of_2(max(tiles.filter_sample, 16)),
                                        num_warps=tiles.filter_warps)
-    sjit.filter_count_kernel[(R, C)](keys, lens, thr, cnt, keys.stride(0), L, CH=ch,
-                                     num_warps=tiles.split_warps)
-    sjit.filter_scatter_kernel[(R, C)](keys, lens, thr, cnt, cand, cand_len, ok, keys.stride(0),
-                                       cand.stride(0), L, topk, CAP=cap, CH=ch,
-                                       CB=triton.next_power_of_2(C), num_warps=tiles.split_warps)
-    if tiles.filter_trim:
-        sjit.filter_trim_kernel[(R,)](cand, cand_len, cand.stride(0), topk, CAP=cap,
-                                      num_warps=tiles.filter_warps)
+    sjit.filter_scatter_kernel[(R, triton.cdiv(L, ch))](
+        keys, lens, thr, cnt, cand, ok, keys.stride(0), cand.stride(0), L, topk, CAP=cap, CH=ch,
+        num_warps=tiles.split_warps)
     runs = cap // run
-    sorted_runs = torch.empty(R, cap, dtype=torch.int64, device=dev)
-    sjit.sort_runs_kernel[(R, runs)](cand, cand_len, sorted_runs, top_s, top_i, cand.stride(0),
-                                     sorted_runs.stride(0), top_s.stride(0), cap, topk,
+    cand_len = cnt[0]
+    # in place: each run's program reads its run before it writes it back sorted
+    sjit.sort_runs_kernel[(R, runs)](cand, cand_len, cand, top_s, top_i, cand.stride(0),
+                                     cand.stride(0), top_s.stride(0), cap, topk,
                                      HAS_LEN=True, SEG=run, COMPOSITE_IN=True,
                                      num_warps=tiles.split_warps)
-    _rank_launch(sorted_runs, top_s, top_i, topk, run, runs, tiles, ids, lens=cand_len, n=cap)
+    _rank_launch(cand, top_s, top_i, topk, run, runs, tiles, ids, lens=cand_len, n=cap)
     return ok
 
 
