@@ -418,51 +418,78 @@ def rank_runs_kernel(runs_ptr, len_ptr, skip_ptr, s_ptr, i_ptr, stride_rr, strid
 
 
 @triton.jit(do_not_specialize=["len_ptr", "N", "K"])
-def filter_threshold_kernel(keys_ptr, len_ptr, thr_ptr, cnt_ptr, stride_kr, N, K, MARGIN,
+def filter_threshold_kernel(keys_ptr, len_ptr, thr_ptr, stride_kr, N, K, MARGIN,
                             CAP: tl.constexpr, S: tl.constexpr):
     """Program row of the filter path: the row's sampled threshold to thr[row] (rows of at
-    most min(CAP, 2K) keys: below every key, all taken), and the row's three counters
-    cnt[0..2, row] (candidates, live keys, chunks done) zeroed for ``filter_scatter_kernel``.
-    One program a row, so the sample is sorted once, not by every chunk's program (8 x 128k:
-    61 us of counting with 32 sorts a row)."""
+    most min(CAP, 2K) keys: below every key, all taken). One program a row, so the sample is
+    sorted once, not by every chunk's program (8 x 128k: 61 us of counting with 32 sorts a
+    row)."""
     row = tl.program_id(0).to(tl.int64)
-    R = tl.num_programs(0)
     n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
     thr = tl.zeros((), tl.int32) - 2147483647
     if n > tl.minimum(CAP, 2 * K):
         thr, _, _ = _sample_threshold(keys_ptr + row * stride_kr, 0, n, K, MARGIN, False, S)
     tl.store(thr_ptr + row, thr)
-    for j in tl.static_range(3):
-        tl.store(cnt_ptr + j * R + row, 0)
 
 
-@triton.jit(do_not_specialize=["len_ptr", "N", "K"])
-def filter_scatter_kernel(keys_ptr, len_ptr, thr_ptr, cnt_ptr, cand_ptr, ok_ptr, stride_kr,
-                          stride_cr, N, K, CAP: tl.constexpr, CH: tl.constexpr):
-    """Program (row, chunk) of the filter path: the chunk's composites of keys >= the row's
-    threshold go to cand[row, base : ...], base reserved by an atomic add on the row's
-    candidate count cnt[0, row] (slots past CAP dropped): one pass over the keys, no counting
-    pass first. The candidates are not in position order, which no later step needs (the
-    composites carry their positions). The chunk's live keys add to cnt[1, row]; the row's
-    last chunk to finish (cnt[2, row]) decides whether the threshold holds the row's top K: at
-    least min(K, live keys) candidates and at most CAP; it stores ok[row] and leaves the count
-    in cnt[0, row] (0 where not ok: the rows the segment path selects)."""
+@triton.jit(do_not_specialize=["len_ptr", "N"])
+def filter_count_kernel(keys_ptr, len_ptr, thr_ptr, cnt_ptr, stride_kr, N, CH: tl.constexpr):
+    """Program (row, chunk) of the filter path: the chunk's count of keys >= the row's
+    threshold to cnt[0, row, chunk] and of live keys to cnt[1, row, chunk]."""
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    C = tl.num_programs(1)
     R = tl.num_programs(0)
     n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
     thr = tl.load(thr_ptr + row)
-    c = tl.program_id(1) * CH + tl.arange(0, CH)
-    key, v = _load_keys(keys_ptr + row * stride_kr, c, n, False)
-    take = key >= thr
-    ti = take.to(tl.int32)
-    base = tl.atomic_add(cnt_ptr + row, tl.sum(ti, 0))
-    slot = base + tl.cumsum(ti, 0) - ti
-    tl.store(cand_ptr + row * stride_cr + slot, v, mask=take & (slot < CAP))
-    tl.atomic_add(cnt_ptr + R + row, tl.sum((key != -2147483648).to(tl.int32), 0))
-    # acq_rel: the last chunk sees every chunk's additions above
-    if tl.atomic_add(cnt_ptr + 2 * R + row, 1) == tl.num_programs(1) - 1:
-        total = tl.atomic_add(cnt_ptr + row, 0)
-        live = tl.atomic_add(cnt_ptr + R + row, 0)
-        ok = (total >= tl.minimum(live, K)) & (total <= CAP)
+    c = chunk * CH + tl.arange(0, CH)
+    key, _ = _load_keys(keys_ptr + row * stride_kr, c, n, False)
+    tl.store(cnt_ptr + row * C + chunk, tl.sum((key >= thr).to(tl.int32), 0))
+    tl.store(cnt_ptr + (R + row) * C + chunk, tl.sum((key != -2147483648).to(tl.int32), 0))
+
+
+@triton.jit(do_not_specialize=["len_ptr", "N", "K"])
+def filter_scatter_kernel(keys_ptr, len_ptr, thr_ptr, cnt_ptr, cand_ptr, cand_len_ptr, ok_ptr,
+                          stride_kr, stride_cr, N, K, CAP: tl.constexpr, CH: tl.constexpr,
+                          CB: tl.constexpr):
+    """Program (row, chunk): the row holds its top K in the keys >= its threshold when there
+    are at least min(K, live keys) of them and at most CAP (ok); then the chunk's composites of
+    those keys go to cand[row, before : ...], ``before`` = the count in the earlier chunks
+    (position order kept). Chunk 0 stores ok[row] and cand_len[row] (the row's count if ok,
+    else 0). CB: a power of two >= the chunks of a row."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    C = tl.num_programs(1)
+    R = tl.num_programs(0)
+    j = tl.arange(0, CB)
+    ge = tl.load(cnt_ptr + row * C + j, mask=j < C, other=0)
+    live = tl.load(cnt_ptr + (R + row) * C + j, mask=j < C, other=0)
+    total = tl.sum(ge, 0)
+    ok = (total >= tl.minimum(tl.sum(live, 0), K)) & (total <= CAP)
+    if chunk == 0:
         tl.store(ok_ptr + row, ok.to(tl.int32))
-        tl.store(cnt_ptr + row, tl.where(ok, total, 0))
+        tl.store(cand_len_ptr + row, tl.where(ok, total, 0))
+    if ok:
+        before = tl.sum(tl.where(j < chunk, ge, 0), 0)
+        n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
+        thr = tl.load(thr_ptr + row)
+        c = chunk * CH + tl.arange(0, CH)
+        key, v = _load_keys(keys_ptr + row * stride_kr, c, n, False)
+        take = key >= thr
+        ti = take.to(tl.int32)
+        tl.store(cand_ptr + row * stride_cr + before + tl.cumsum(ti, 0) - ti, v, mask=take)
+
+
+
+@triton.jit(do_not_specialize=["len_ptr", "K", "RANK"])
+def emit_sorted_kernel(v_ptr, len_ptr, s_ptr, i_ptr, stride_vr, stride_or, K, RANK,
+                       W: tl.constexpr, I: tl.constexpr, DECODE_IDS: tl.constexpr,
+                       KP: tl.constexpr):
+    """Program row: the first min(K, len[row]) of the row's composites, sorted descending
+    (``v[row, :]``), as scores / ids; the other slots below K as pads."""
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.arange(0, KP)
+    total = tl.minimum(tl.load(len_ptr + row).to(tl.int32), K)
+    v = tl.load(v_ptr + row * stride_vr + slot, mask=slot < total, other=-9223372036854775808)
+    _emit(v, row, slot, total, v_ptr, s_ptr, i_ptr, stride_or, K, RANK, W, I, True, DECODE_IDS,
+          KP, False)
