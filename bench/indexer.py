@@ -190,10 +190,11 @@ def prefill_parts(args, tiles, ceil, flops, label):
 # tunables; each checked equal to the default select
 PREFILL_FILTERS = {
     "filter path": {},
-    "filter path, torch sort": {"filter_order": "torch"},
-    "filter path, torch sort, cap 4096": {"filter_order": "torch", "filter_cap": 4096},
     "filter path, margin 3": {"filter_margin": 3.0},
-    "filter path, cap 4096": {"filter_cap": 4096},
+    "filter path, trim": {"filter_trim": True},
+    "filter path, trim in 4 warps": {"filter_trim": True, "trim_warps": 4},
+    "filter path, trim, margin 5": {"filter_trim": True, "filter_margin": 5.0},
+    "filter path, margin 5": {"filter_margin": 5.0},
     "filter path, chunk 1024": {"filter_chunk": 1024},
     "filter path, chunk 4096": {"filter_chunk": 4096},
 }
@@ -207,7 +208,7 @@ DECODE_SELECTS = {
     "long rows: segment path only (long_filter off, before)": {"long_filter": False},
     "long rows: filter sample 2048": {"filter_sample": 2048},
     "long rows: filter chunk 4096 (before)": {"filter_chunk": 4096},
-    "long rows: filter path, torch sort": {"filter_order": "torch"},
+    "long rows: filter trim": {"filter_trim": True},
     "long rows: filter threshold in 16 warps": {"filter_warps": 16},
     "long rows: all candidates ordered (no exact top K)": {"select_exact": False},
     "split: at most 8 runs, of up to 1024 (before)": {"split_runs": 8, "split_run_max": 1024},

@@ -208,7 +208,7 @@ SELECT_VARIANTS = {
     "exact-fallback": {"programs_per_sm": 8, "select_exact": True, "select_margin": -9.0,
                        "select_attempts": 1},
     # long rows: the filter path (a sampled row threshold, candidates gathered by chunks, then
-    # runs + ranks, or one torch.sort a row: "filter-torch-sort"; "filter-auto-cap": the slots
+    # runs + ranks; "filter-trim": the exact top K kept first; "filter-auto-cap": the slots
     # from the row width), the segment path for the rows it misses (ties past its cap; a
     # threshold sampled too high: "filter-missed")
     "filter": {"programs_per_sm": 8, "radix_bits": 8, "long_filter": True, "filter_chunk": 64,
@@ -216,9 +216,9 @@ SELECT_VARIANTS = {
     "filter-auto-cap": {"programs_per_sm": 8, "radix_bits": 8, "long_filter": True,
                         "filter_chunk": 64, "filter_cap": 0, "filter_sample": 256,
                         "filter_margin": 3.0},
-    "filter-torch-sort": {"programs_per_sm": 8, "radix_bits": 8, "long_filter": True,
-                          "filter_order": "torch", "filter_chunk": 64, "filter_cap": 128,
-                          "filter_sample": 256, "filter_margin": 3.0},
+    "filter-trim": {"programs_per_sm": 8, "radix_bits": 8, "long_filter": True,
+                    "filter_trim": True, "filter_chunk": 64, "filter_cap": 128,
+                    "filter_sample": 256, "filter_margin": 3.0},
     "filter-short-rows": {"programs_per_sm": 0, "long_filter": True, "filter_short_rows": True,
                           "filter_chunk": 64, "filter_cap": 128, "filter_sample": 256,
                           "filter_margin": 3.0},

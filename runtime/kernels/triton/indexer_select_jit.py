@@ -404,7 +404,10 @@ def rank_runs_kernel(runs_ptr, len_ptr, skip_ptr, s_ptr, i_ptr, stride_rr, strid
         if tl.max(live.to(tl.int32), 0) > 0:  # a chunk of pads only: nothing to place
             place = tl.zeros((CHUNK,), tl.int32)
             for t in tl.static_range(RUNS):  # unrolled: the searches are independent; RUNS is
-                if t < live_runs:  # a bound, so one compile serves every run count
+                # a bound, so one compile serves every run count. Places only grow: once every
+                # live composite of the chunk is placed at K or past it (none is written), the
+                # other runs are not searched
+                if (t < live_runs) & (tl.min(tl.where(live, place, K), 0) < K):
                     run = base + t * SEG
                     before = t < g
                     cnt = tl.zeros((CHUNK,), tl.int32)
@@ -481,15 +484,47 @@ def filter_scatter_kernel(keys_ptr, len_ptr, thr_ptr, cnt_ptr, cand_ptr, cand_le
 
 
 
-@triton.jit(do_not_specialize=["len_ptr", "K", "RANK"])
-def emit_sorted_kernel(v_ptr, len_ptr, s_ptr, i_ptr, stride_vr, stride_or, K, RANK,
-                       W: tl.constexpr, I: tl.constexpr, DECODE_IDS: tl.constexpr,
-                       KP: tl.constexpr):
-    """Program row: the first min(K, len[row]) of the row's composites, sorted descending
-    (``v[row, :]``), as scores / ids; the other slots below K as pads."""
+
+@triton.jit(do_not_specialize=["cand_len_ptr", "K"])
+def filter_trim_kernel(cand_ptr, cand_len_ptr, stride_cr, K, CAP: tl.constexpr,
+                       BLK: tl.constexpr):
+    """Program row of the filter path, between the gathering and the run sorts: a row with
+    more than K candidates (in position order) keeps its exact top K in place, the keys above
+    the K-th largest key t, then the first of those equal to t, and its count becomes K; the
+    run sorts and ranks then order K composites, not the up to CAP the sampled threshold let
+    through. t by bisection on the int32 keys (at most 32 halvings of the live keys' range),
+    held as int32 and compacted BLK at a time, so a program is small enough for several a SM
+    (``_keep_top`` bisects int64 composites: one 8-warp program a SM, 962 us at T 4096 x N
+    32768)."""
     row = tl.program_id(0).to(tl.int64)
-    slot = tl.arange(0, KP)
-    total = tl.minimum(tl.load(len_ptr + row).to(tl.int32), K)
-    v = tl.load(v_ptr + row * stride_vr + slot, mask=slot < total, other=-9223372036854775808)
-    _emit(v, row, slot, total, v_ptr, s_ptr, i_ptr, stride_or, K, RANK, W, I, True, DECODE_IDS,
-          KP, False)
+    n = tl.load(cand_len_ptr + row)
+    if n > K:
+        slot = tl.arange(0, CAP)
+        dst = cand_ptr + row * stride_cr
+        # candidates are keys > NO_KEY_BITS (the threshold is above it), so the pads' key
+        # NO_KEY_BITS is below every bisection point
+        key = (tl.load(dst + slot, mask=slot < n, other=-9223372036854775808) >> 32).to(tl.int32)
+        lo = tl.min(tl.where(slot < n, key, 2147483647), 0).to(tl.int64)
+        hi = tl.max(key, 0).to(tl.int64) + 1
+        for _ in tl.static_range(32):  # #(key >= lo) >= K > #(key >= hi)
+            if hi - lo > 1:
+                mid = lo + ((hi - lo) >> 1)
+                big = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), 0) >= K
+                lo = tl.where(big, mid, lo)
+                hi = tl.where(big, hi, mid)
+        t = lo.to(tl.int32)
+        k_eq = K - tl.sum((key > t).to(tl.int32), 0)  # keys equal to t taken, first first
+        taken = tl.zeros((), tl.int32)
+        eqs = tl.zeros((), tl.int32)
+        for b0 in range(0, n, BLK):  # compaction to the left: a block is read whole before
+            c = b0 + tl.arange(0, BLK)  # any of it is overwritten (the barrier)
+            v = tl.load(dst + c, mask=c < n, other=-9223372036854775808)
+            kb = (v >> 32).to(tl.int32)
+            eq = (kb == t).to(tl.int32)
+            take = (kb > t) | ((eq > 0) & (eqs + tl.cumsum(eq, 0) - eq < k_eq))
+            ti = take.to(tl.int32)
+            tl.debug_barrier()
+            tl.store(dst + taken + tl.cumsum(ti, 0) - ti, v, mask=take)
+            taken += tl.sum(ti, 0)
+            eqs += tl.sum(eq, 0)
+        tl.store(cand_len_ptr + row, K)

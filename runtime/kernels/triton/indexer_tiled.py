@@ -176,18 +176,13 @@ class IndexerTiles:
     filter_cap: int = 0  # candidate slots per row (a power of two >= topk; runs of
     # split_run, at most rank_runs of them); 0: from the widest row (``filter_slots``)
     filter_warps: int = 8  # the threshold program of a row (sorts the sample)
-    filter_order: str = "runs"  # candidates ordered as sorted runs + ranks, or "torch": one
-    # torch.sort of each row's slots
+    filter_trim: bool = False  # rows with more than topk candidates keep their exact top K
+    # before the run sorts and ranks (fewer runs to sort and search; not measured yet)
+    trim_warps: int = 8
     filter_sample: int = 1024  # keys sampled per row for its threshold, taken at the sample
     filter_margin: float = 4.0  # rank m + margin * sqrt(m): at 128k keys and topk 2048 about
     # 4100 candidates expected (m 16), inside the cap and above topk. H200, graph: select 8 x
     # 128k 45.4 us against 54.8 with 2048 samples, 64 x 64k-128k 100.1 / 110.7
-
-
-    def __post_init__(self):
-        if self.filter_order not in ("runs", "torch"):
-            raise ValueError(f"IndexerTiles.filter_order: expected 'runs' or 'torch', got "
-                             f"{self.filter_order!r}")
 
 
 def _num_sms(device) -> int:
@@ -375,9 +370,8 @@ def filter_slots(L: int, topk: int, tiles: IndexerTiles) -> int:
 def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
     """The filter path: every row's keys at or above a sampled threshold (one program a row),
     counted by ``filter_chunk``-key chunks, then gathered in position order into the row's
-    candidate slots (``filter_slots``; ``filter_scatter_kernel``), then ordered: sorted in place
-    as runs and placed by ranks as the split path does (``filter_order`` "runs"), or by one
-    ``torch.sort`` of each row's slots ("torch"); all output pads written. A row whose
+    candidate slots (``filter_slots``; ``filter_scatter_kernel``), then sorted in place as runs
+    and placed by ranks as the split path does; all output pads written. A row whose
     threshold missed (fewer than min(K, live keys) or more than the slots above it) gets no
     candidates. Returns the rows' ok flags ``[R]`` int32, the skip flags of the segment path
     that then selects the other rows; None (nothing launched) where the candidates would make
@@ -387,14 +381,12 @@ def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
     C = triton.cdiv(L, ch)
     cap = filter_slots(L, topk, tiles)
     run = min(triton.next_power_of_2(tiles.split_run), cap)
-    by_runs = tiles.filter_order == "runs"
-    if by_runs and cap // run > tiles.rank_runs:
+    if cap // run > tiles.rank_runs:
         return None
     dev = keys.device
     thr = torch.empty(R, dtype=torch.int32, device=dev)
     cnt = torch.empty(2, R, C, dtype=torch.int32, device=dev)
-    cand = (torch.empty(R, cap, dtype=torch.int64, device=dev) if by_runs else
-            torch.full((R, cap), sjit.NO_COMPOSITE, dtype=torch.int64, device=dev))
+    cand = torch.empty(R, cap, dtype=torch.int64, device=dev)
     cand_len = torch.empty(R, dtype=torch.int32, device=dev)
     ok = torch.empty(R, dtype=torch.int32, device=dev)
     sjit.filter_threshold_kernel[(R,)](keys, lens, thr, keys.stride(0), L, topk,
@@ -406,13 +398,9 @@ def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
     sjit.filter_scatter_kernel[(R, C)](keys, lens, thr, cnt, cand, cand_len, ok, keys.stride(0),
                                        cand.stride(0), L, topk, CAP=cap, CH=ch,
                                        CB=triton.next_power_of_2(C), num_warps=tiles.split_warps)
-    if not by_runs:  # pads NO_COMPOSITE, the least int64: last in the descending order
-        srt = torch.sort(cand, dim=1, descending=True).values
-        sjit.emit_sorted_kernel[(R,)](srt, cand_len, top_s, top_i, srt.stride(0),
-                                      top_s.stride(0), topk, ids["RANK"], W=ids["W"], I=ids["I"],
-                                      DECODE_IDS=ids["DECODE_IDS"],
-                                      KP=triton.next_power_of_2(topk), num_warps=4)
-        return ok
+    if tiles.filter_trim:
+        sjit.filter_trim_kernel[(R,)](cand, cand_len, cand.stride(0), topk, CAP=cap,
+                                      BLK=min(cap, 1024), num_warps=tiles.trim_warps)
     runs = cap // run
     # in place: each run's program reads its run before it writes it back sorted
     sjit.sort_runs_kernel[(R, runs)](cand, cand_len, cand, top_s, top_i, cand.stride(0),
