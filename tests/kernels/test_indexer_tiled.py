@@ -208,20 +208,20 @@ SELECT_VARIANTS = {
     "exact-fallback": {"programs_per_sm": 8, "select_exact": True, "select_margin": -9.0,
                        "select_attempts": 1},
     # long rows: the filter path (a sampled row threshold, candidates gathered by chunks, then
-    # runs + ranks; "filter-trim": the exact top K kept first; "filter-auto-cap": the slots
+    # runs + ranks; "filter-no-trim": every candidate ordered; "filter-auto-cap": the slots
     # from the row width), the segment path for the rows it misses (ties past its cap; a
     # threshold sampled too high: "filter-missed")
     "filter": {"programs_per_sm": 8, "radix_bits": 8, "long_filter": True, "filter_chunk": 64,
-               "filter_cap": 128, "filter_sample": 256, "filter_margin": 3.0},
+               "filter_cap": 128, "filter_sample": 256, "filter_margin": 3.0, "trim_rows": 0},
     "filter-auto-cap": {"programs_per_sm": 8, "radix_bits": 8, "long_filter": True,
                         "filter_chunk": 64, "filter_cap": 0, "filter_sample": 256,
                         "filter_margin": 3.0},
-    "filter-trim": {"programs_per_sm": 8, "radix_bits": 8, "long_filter": True,
-                    "filter_trim": True, "filter_chunk": 64, "filter_cap": 128,
-                    "filter_sample": 256, "filter_margin": 3.0},
+    "filter-no-trim": {"programs_per_sm": 8, "radix_bits": 8, "long_filter": True,
+                       "filter_trim": False, "filter_chunk": 64, "filter_cap": 128,
+                       "filter_sample": 256, "filter_margin": 3.0},
     "filter-short-rows": {"programs_per_sm": 0, "long_filter": True, "filter_short_rows": True,
                           "filter_chunk": 64, "filter_cap": 128, "filter_sample": 256,
-                          "filter_margin": 3.0},
+                          "filter_margin": 3.0, "trim_rows": 0},
     "filter-missed": {"programs_per_sm": 8, "radix_bits": 8, "long_filter": True,
                       "filter_chunk": 128, "filter_cap": 128, "filter_sample": 64,
                       "filter_margin": -9.0},

@@ -404,10 +404,7 @@ def rank_runs_kernel(runs_ptr, len_ptr, skip_ptr, s_ptr, i_ptr, stride_rr, strid
         if tl.max(live.to(tl.int32), 0) > 0:  # a chunk of pads only: nothing to place
             place = tl.zeros((CHUNK,), tl.int32)
             for t in tl.static_range(RUNS):  # unrolled: the searches are independent; RUNS is
-                # a bound, so one compile serves every run count. Places only grow: once every
-                # live composite of the chunk is placed at K or past it (none is written), the
-                # other runs are not searched
-                if (t < live_runs) & (tl.min(tl.where(live, place, K), 0) < K):
+                if t < live_runs:  # a bound, so one compile serves every run count
                     run = base + t * SEG
                     before = t < g
                     cnt = tl.zeros((CHUNK,), tl.int32)
