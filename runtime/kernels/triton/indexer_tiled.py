@@ -248,12 +248,13 @@ def _logits_planar(q, weights, kp, ks, out, L, lens, pcu, PT, W, I, *, bq, bk, w
     if q.numel() == 0:
         return
     grid = (1, triton.cdiv(T, bq))
+    hp = max(16, triton.next_power_of_2(HI))  # the cap fits tiles of <= 128 query-head columns
     ljit.logits_planar_kernel[grid](
         q, weights, kp, ks, out, lens, pcu, q.stride(0), q.stride(1), weights.stride(0),
         out.stride(0), T, HI, L, PT, triton.cdiv(L, bk) * bk, W=W, I=I, BQ=bq,
-        HP=max(16, triton.next_power_of_2(HI)), BK=bk, DOT_DTYPE=dot,
+        HP=hp, BK=bk, DOT_DTYPE=dot,
         PRECISION="ieee" if dot == tl.float32 else "tf32", num_warps=warps, num_stages=stages,
-        **({"maxnreg": maxnreg} if maxnreg and q.is_cuda else {}))
+        **({"maxnreg": maxnreg} if maxnreg and q.is_cuda and bq * hp <= 128 else {}))
 
 
 def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1, rank=0):
