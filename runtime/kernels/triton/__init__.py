@@ -47,8 +47,8 @@ TRITON = KernelSet(
     merge_topk_candidates=merge.merge_topk_candidates,
     indexer_topk=indexer.indexer_topk,
     # the tiled indexer (fp8 planar prefill logits, sampled-threshold select): T 4096 over
-    # N 32768 4.71 ms vs 16.64 for the first kernel, same selection and order (bench/indexer.py
-    # --quick, H200, 2026-12-01; tiles: indexer_tiled.IndexerTiles, e.g. through
+    # N 32768 3.81 ms vs 15.79 for the first kernel, same selection and order (bench/indexer.py
+    # --quick, H200, 2026-12-01, seventh session; tiles: indexer_tiled.IndexerTiles, e.g. through
     # functools.partial(indexer_tiled.indexer_topk_decode, tiles=...) in dataclasses.replace)
     indexer_topk_prefill=indexer_tiled.indexer_topk_prefill,
     indexer_topk_decode=indexer_tiled.indexer_topk_decode,

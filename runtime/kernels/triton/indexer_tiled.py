@@ -10,10 +10,16 @@ Prefill logits (``indexer_logits_jit.logits_planar_kernel``). The gathered keys 
 two planes (fp8 values ``[R, 128]`` with 128-byte aligned rows, float32 scales ``[R]``:
 ``split_planes``, 18 us for 32k keys), and per block of BK keys a program owning BQ consecutive queries computes
 ``K [BK, 128] @ Q^T [128, BQ * HP]`` with fp8 operands (HP = heads padded to a power of two, 64
-for the model), each key tile read once for BQ queries. H200, T 4096 x N 32768
-(``bench/indexer.py --planar-sweep``): 2.50 ms, 825 TFLOP/s of logits (BQ 2, BK 128, 4 warps,
-3 stages; 2.52-2.60 at BK 64), where the byte-row kernel below takes 6.23 ms (4 warps; 8.90
-at 8) on the same quantised inputs; the int32 keys are equal.
+for the model), each key tile read once for BQ queries. One key loop serves both the usual
+block (its queries one request's: one key tile for all) and a block across a request boundary
+(one pass per query): a second loop had its own pipeline buffers, and 115 KB of shared memory
+kept the kernel at one program per SM. Query blocks run last first (a prefill's later queries
+have the most keys: the longest programs start first). H200, T 4096 x N 32768
+(``bench/indexer.py --only planar``): 2.21 ms, 930 TFLOP/s of logits (BQ 2, BK 128, 8 warps
+capped at 128 registers: two programs a SM; the cap applies to tiles of at most 128
+query-head columns), 2.36 ms at 4 warps uncapped, against 2.49 ms for the two-loop kernel in
+the same call; the byte-row kernel below takes 6.23 ms (4 warps; 8.90 at 8) on the same
+quantised inputs; the int32 keys are equal.
 
 Decode and explicit-row logits (``indexer_logits_jit.logits_kernel``) read the packed 132-byte
 rows of the paged cache (not 16-byte aligned: at most 4-byte vectors). The key tile is the A
@@ -33,7 +39,7 @@ Both epilogues (ReLU, head weights, the sum over each query's heads, the per-key
 scale) reduce along N, which in the MMA accumulator layout is mostly within a thread plus a quad
 shuffle. Causal bounds: a program stops at its block's largest key_len; keys past a query's own
 bound are not written. Queries of a block that belong to different requests (a different
-region_pcu; rare) fall back to one key tile per query.
+region_pcu; rare) take one pass over the key tiles per query.
 
 Top-k. Scores are written as order-preserving int32 keys (a row cannot hold both signed zeros:
 -0.0 needs every weight of the row negative, and then no score is +0.0). Persistent programs
@@ -53,7 +59,8 @@ counts at most, then the keys above it and the first of those equal to it, which
 left in position order), and only those KP slots are ordered, by a merge sort from
 ``exact_segments`` (default 4) sorted segments as below. H200, T 4096 x N 32768: select 2.23
 ms against 3.01 ordering all CAP candidates, results equal; 2.15 ms with 8192-key scan steps
-(``select_block``; the whole indexer 4.71 ms). Otherwise (5) a sort of
+(``select_block``; the whole indexer 4.71 ms; prefill rows take the filter path below now).
+Otherwise (5) a sort of
 the CAP composites (score descending, id ascending) and the first K are written; or, with
 ``sort_segments`` > 1 (default 8), the CAP composites are sorted as that many segments, then
 merged pairwise in log2(segments) rounds in the scratch, each element placed by its index plus
@@ -87,22 +94,25 @@ replayed from a CUDA graph: the 64 x 4k select 27.9 us against 70.6 us with one 
 row; the 8 x 128k select 119.7 us with ranks against 176.5 us with a second select launch.
 The split path writes its own pads (``sort_runs_kernel``), so its outputs need no fill.
 
-Long rows, at most ``filter_rows`` of them (``long_filter``, the default): the segment path above costs
-one segment item's latency (sample sort, scan, bisection, ordering of K) however short the
-segment, so halving a row's keys (a DCP rank) does not halve it. The filter path samples each
-row once (``filter_threshold_kernel``, one program a row: ``filter_sample`` keys, the
-threshold at the sample rank m + ``filter_margin`` x sqrt(m)), then spreads the row over
-``filter_chunk``-key programs twice: ``filter_count_kernel`` (its chunk's keys at or above the
-threshold, and its live keys), then
+The filter path (``long_filter``, the default, for long rows and, with ``filter_short_rows``,
+a prefill's rows too): the segment path above costs one item's latency (sample sort, scan,
+bisection, ordering of K) however short the segment, and one heavy program per row. The filter
+path spreads each step over many light programs: ``filter_threshold_kernel`` (one program a
+row: ``filter_sample`` keys, the threshold at the sample rank m + ``filter_margin`` x sqrt(m);
+rows of at most min(slots, 2K) keys take every key), ``filter_count_kernel`` (per
+``filter_chunk`` keys, the keys at or above the threshold and the live keys), then
 ``filter_scatter_kernel`` (from the row's counts: whether the threshold holds the top K, i.e.
-at least min(K, live keys) and at most ``filter_cap`` keys above it; if so the chunk's
-composites go to the row's candidates after the earlier chunks', in position order). The
-candidates are then sorted as runs and placed by ranks, the split path's kernels with
-composites in. Rows whose threshold missed get no candidates and are selected by the segment
-path, which skips the others (``HAS_SKIP``); ``sort_runs_kernel`` has written every row's
-pads. Seven launches where the segment path takes three; all but the threshold's parallel
-over the row. H200, 8 x 128k, when the threshold was sampled by every chunk's program: the
-counting took 61 us of the path's 92 (``bench/indexer.py --profile``).
+at least min(K, live keys) and at most the row's slots, ``filter_slots``; if so the chunk's
+composites go after the earlier chunks', in position order), ``filter_trim_kernel`` (more
+than ``trim_rows`` rows: a row's exact top K kept in place, by bisection on int32 keys), then
+the split path's run sorts (in place) and ranks with composites in. Rows whose threshold
+missed get no candidates and are selected by the segment path, which skips the others
+(``HAS_SKIP``); ``sort_runs_kernel`` has written every row's pads. H200, T 4096 x N 32768
+(``bench/indexer.py --quick --only prefill --profile``): select 1.53 ms against 2.16 by
+segments (scatter 397 us, ranks 319, trim 261, run sorts 230, threshold 167, counting 131);
+without the trim 1.72 ms (ranks 660, sorts 346); one gathering pass with atomic reservations
+instead of counting first cost 850 us; ``torch.sort`` of the slots 5.5 ms. Decode, replayed:
+8 x 128k select 44.4 us (96.7 by segments).
 """
 
 from __future__ import annotations
@@ -165,12 +175,13 @@ class IndexerTiles:
     rank_chunk: int = 256  # composites placed per rank program
     rank_warps: int = 4
     split_warps: int = 4  # sort_runs programs
-    long_filter: bool = True  # the filter path first, for rows of any length (not the
-    # split path's): keys above a sampled row threshold gathered by many programs, then
-    # ordered as split-path runs; the segment path selects only the rows whose threshold
-    # missed. H200: select 8 x 128k 45.4 us against 96.7 by segments (graph), T 4096 x N 32768
-    # (prefill rows) see filter_short_rows
-    filter_short_rows: bool = True  # ... also rows one select item handles (a prefill's)
+    long_filter: bool = True  # the filter path first for rows longer than one select item
+    # (the split path's rows excepted): keys above a sampled row threshold gathered by many
+    # programs, then ordered as split-path runs; the segment path selects only the rows whose
+    # threshold missed. H200, graph: select 8 x 128k 45.4 us against 96.7 by segments
+    filter_short_rows: bool = True  # ... and rows one select item handles (a prefill's). H200:
+    # T 4096 x N 32768 select 1.53 ms against 2.16 by segments; the 32k step's indexer 23.3 ms
+    # a layer (26.8 by segments, call 5)
     filter_chunk: int = 2048  # keys per gathering program (T 4096 x N 32768: 398 us
     # against 610 at 4096, when a counting pass came first)
     filter_cap: int = 0  # candidate slots per row (a power of two >= topk; runs of
@@ -178,8 +189,8 @@ class IndexerTiles:
     filter_warps: int = 8  # the threshold program of a row (sorts the sample)
     filter_trim: bool = True  # rows with more than topk candidates keep their exact top K
     # before the run sorts and ranks (fewer runs to sort and search), for more than
-    # trim_rows rows. H200, T 4096 x N 32768: select 1587 us against 1824; 8 x 128k (graph)
-    # 55.1 against 47.6, so few rows are not trimmed
+    # trim_rows rows. H200, T 4096 x N 32768: select 1.53 ms against 1.72 untrimmed (ranks
+    # 319 against 660 us); 8 x 128k (graph) 55.1 against 47.6 us, so few rows are not trimmed
     trim_rows: int = 16
     trim_warps: int = 8
     filter_sample: int = 1024  # keys sampled per row for its threshold, taken at the sample
