@@ -297,3 +297,57 @@ def test_zero_queries(env):
         assert s.shape == ids.shape == (0, 16)
         s, ids = mod.indexer_topk_prefill(q, w, k, none, none, 128, 1, 1, 16)
         assert s.shape == ids.shape == (0, 16)
+
+
+@pytest.mark.parametrize("L", [4096, 32768, 131072])
+def test_filter_slots_hold_the_sampled_candidates(L):
+    """``filter_slots`` against the filter path's threshold simulated in numpy: a strided
+    sample of S keys, sorted descending, the key at sample rank m + margin * sqrt(m) + 1
+    (m = K * S / n), every key at or above it a candidate (rows of at most min(slots, 2K) keys
+    take all). On 256 random rows (normal, heavy-tailed, integer-valued with ties) the slots
+    hold every row's candidates and each row's candidates hold its top K, so no row falls back
+    to the segment path, at the defaults."""
+    import numpy as np
+
+    it = _it()
+    tiles = it.IndexerTiles()
+    K, S, margin = 2048, tiles.filter_sample, tiles.filter_margin
+    slots = it.filter_slots(L, K, tiles)
+    assert slots >= K and slots & (slots - 1) == 0
+    rng = np.random.default_rng(L)
+    rows = [rng.standard_normal(L), rng.standard_t(2, L), rng.integers(-40, 40, L)]
+    for r in range(256):
+        x = rows[r % 3] if r < 3 else rng.permutation(rows[r % 3])
+        n = int(rng.integers(1, L + 1)) if r % 4 == 3 else L  # some shorter rows
+        x = x[:n]
+        if n <= min(slots, 2 * K):
+            count = n
+        else:
+            smp = np.sort(x[(np.arange(S) * n) // S])[::-1]
+            m = K * S / n
+            idx = min(int(max(m + margin * np.sqrt(m), -1.0)) + 1, S - 1)
+            count = int((x >= smp[idx]).sum())
+        assert min(K, n) <= count <= slots, (L, n, count, slots)
+
+
+def test_bench_indexer_case_arguments(monkeypatch):
+    """bench/indexer.py's --planar-tiles and --decode-cases: their values, and one argparse
+    error line (got / expected) for a bad item."""
+    import argparse
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench_dir = Path(__file__).resolve().parents[2] / "bench"
+    monkeypatch.syspath_prepend(str(bench_dir))  # its ``common`` import
+    spec = importlib.util.spec_from_file_location("bench_indexer", bench_dir / "indexer.py")
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_indexer", mod)
+    spec.loader.exec_module(mod)
+    assert mod._planar_tiles("2:128:8:3:128,2:64:4:3") == [(2, 128, 8, 3, 128), (2, 64, 4, 3, 0)]
+    assert mod._decode_cases("8x131072,64x65536-131072") == [(8, 131072), (64, 131072, 65536)]
+    for parse, bad, said in ((mod._planar_tiles, "2:128:8", "expected BQ:BK:WARPS:STAGES"),
+                             (mod._planar_tiles, "2:x:8:3", "planar tile '2:x:8:3'"),
+                             (mod._decode_cases, "8by4096", "expected BxCTX")):
+        with pytest.raises(argparse.ArgumentTypeError, match=said):
+            parse(bad)
