@@ -208,11 +208,14 @@ SELECT_VARIANTS = {
     "exact-fallback": {"programs_per_sm": 8, "select_exact": True, "select_margin": -9.0,
                        "select_attempts": 1},
     # long rows: the filter path (a sampled row threshold, candidates gathered by chunks, then
-    # runs + ranks; "filter-no-trim": every candidate ordered; "filter-auto-cap": the slots
-    # from the row width), the segment path for the rows it misses (ties past its cap; a
-    # threshold sampled too high: "filter-missed")
+    # runs + ranks; "filter-no-trim": every candidate ordered; "filter-batches": rows in
+    # batches of two; "filter-auto-cap": the slots from the row width), the segment path for
+    # the rows it misses (ties past its cap; a threshold sampled too high: "filter-missed")
     "filter": {"programs_per_sm": 8, "radix_bits": 8, "long_filter": True, "filter_chunk": 64,
                "filter_cap": 128, "filter_sample": 256, "filter_margin": 3.0, "trim_rows": 0},
+    "filter-batches": {"programs_per_sm": 8, "radix_bits": 8, "long_filter": True,
+                       "filter_chunk": 64, "filter_cap": 128, "filter_sample": 256,
+                       "filter_margin": 3.0, "trim_rows": 0, "filter_budget_bytes": 2 * 128 * 8},
     "filter-auto-cap": {"programs_per_sm": 8, "radix_bits": 8, "long_filter": True,
                         "filter_chunk": 64, "filter_cap": 0, "filter_sample": 256,
                         "filter_margin": 3.0},

@@ -193,6 +193,7 @@ class IndexerTiles:
     # 319 against 660 us); 8 x 128k (graph) 55.1 against 47.6 us, so few rows are not trimmed
     trim_rows: int = 16
     trim_warps: int = 8
+    filter_budget_bytes: int = 1 << 28  # candidate slots of one launch (rows in batches)
     filter_sample: int = 1024  # keys sampled per row for its threshold, taken at the sample
     filter_margin: float = 4.0  # rank m + margin * sqrt(m): at 128k keys and topk 2048 about
     # 4100 candidates expected (m 16), inside the cap and above topk. H200, graph: select 8 x
@@ -386,7 +387,8 @@ def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
     """The filter path: every row's keys at or above a sampled threshold (one program a row),
     counted by ``filter_chunk``-key chunks, then gathered in position order into the row's
     candidate slots (``filter_slots``; ``filter_scatter_kernel``), then sorted in place as runs
-    and placed by ranks as the split path does; all output pads written. A row whose
+    and placed by ranks as the split path does; all output pads written. Rows go in batches
+    whose slots fit ``filter_budget_bytes``. A row whose
     threshold missed (fewer than min(K, live keys) or more than the slots above it) gets no
     candidates. Returns the rows' ok flags ``[R]`` int32, the skip flags of the segment path
     that then selects the other rows; None (nothing launched) where the candidates would make
@@ -399,30 +401,39 @@ def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
     if cap // run > tiles.rank_runs:
         return None
     dev = keys.device
-    thr = torch.empty(R, dtype=torch.int32, device=dev)
-    cnt = torch.empty(2, R, C, dtype=torch.int32, device=dev)
-    cand = torch.empty(R, cap, dtype=torch.int64, device=dev)
-    cand_len = torch.empty(R, dtype=torch.int32, device=dev)
+    # rows in batches whose candidate slots fit filter_budget_bytes (a chunk of short prefill
+    # rows would otherwise take twice its logits' bytes: 32768 rows x 4096 slots x 8 B)
+    batch = min(R, max(1, tiles.filter_budget_bytes // (8 * cap)))
     ok = torch.empty(R, dtype=torch.int32, device=dev)
-    sjit.filter_threshold_kernel[(R,)](keys, lens, thr, keys.stride(0), L, topk,
-                                       float(tiles.filter_margin), CAP=cap,
-                                       S=triton.next_power_of_2(max(tiles.filter_sample, 16)),
-                                       num_warps=tiles.filter_warps)
-    sjit.filter_count_kernel[(R, C)](keys, lens, thr, cnt, keys.stride(0), L, CH=ch,
-                                     num_warps=tiles.split_warps)
-    sjit.filter_scatter_kernel[(R, C)](keys, lens, thr, cnt, cand, cand_len, ok, keys.stride(0),
-                                       cand.stride(0), L, topk, CAP=cap, CH=ch,
-                                       CB=triton.next_power_of_2(C), num_warps=tiles.split_warps)
-    if tiles.filter_trim and R > tiles.trim_rows:
-        sjit.filter_trim_kernel[(R,)](cand, cand_len, cand.stride(0), topk, CAP=cap,
-                                      BLK=min(cap, 1024), num_warps=tiles.trim_warps)
+    thr = torch.empty(batch, dtype=torch.int32, device=dev)
+    cnt_buf = torch.empty(2 * batch * C, dtype=torch.int32, device=dev)
+    cand = torch.empty(batch, cap, dtype=torch.int64, device=dev)
+    cand_len = torch.empty(batch, dtype=torch.int32, device=dev)
+    trim = tiles.filter_trim and R > tiles.trim_rows
     runs = cap // run
-    # in place: each run's program reads its run before it writes it back sorted
-    sjit.sort_runs_kernel[(R, runs)](cand, cand_len, cand, top_s, top_i, cand.stride(0),
-                                     cand.stride(0), top_s.stride(0), cap, topk,
-                                     HAS_LEN=True, SEG=run, COMPOSITE_IN=True,
-                                     num_warps=tiles.split_warps)
-    _rank_launch(cand, top_s, top_i, topk, run, runs, tiles, ids, lens=cand_len, n=cap)
+    for r0 in range(0, R, batch):
+        n = min(R, r0 + batch) - r0
+        k, ln, s, i = keys[r0:r0 + n], lens[r0:r0 + n], top_s[r0:r0 + n], top_i[r0:r0 + n]
+        cnt = cnt_buf[:2 * n * C].view(2, n, C)
+        sjit.filter_threshold_kernel[(n,)](k, ln, thr, k.stride(0), L, topk,
+                                           float(tiles.filter_margin), CAP=cap,
+                                           S=triton.next_power_of_2(max(tiles.filter_sample, 16)),
+                                           num_warps=tiles.filter_warps)
+        sjit.filter_count_kernel[(n, C)](k, ln, thr, cnt, k.stride(0), L, CH=ch,
+                                         num_warps=tiles.split_warps)
+        sjit.filter_scatter_kernel[(n, C)](k, ln, thr, cnt, cand, cand_len, ok[r0:r0 + n],
+                                           k.stride(0), cand.stride(0), L, topk, CAP=cap, CH=ch,
+                                           CB=triton.next_power_of_2(C),
+                                           num_warps=tiles.split_warps)
+        if trim:
+            sjit.filter_trim_kernel[(n,)](cand, cand_len, cand.stride(0), topk, CAP=cap,
+                                          BLK=min(cap, 1024), num_warps=tiles.trim_warps)
+        # in place: each run's program reads its run before it writes it back sorted
+        sjit.sort_runs_kernel[(n, runs)](cand, cand_len, cand, s, i, cand.stride(0),
+                                         cand.stride(0), s.stride(0), cap, topk,
+                                         HAS_LEN=True, SEG=run, COMPOSITE_IN=True,
+                                         num_warps=tiles.split_warps)
+        _rank_launch(cand[:n], s, i, topk, run, runs, tiles, ids, lens=cand_len, n=cap)
     return ok
 
 
