@@ -209,13 +209,17 @@ SELECT_VARIANTS = {
                        "select_attempts": 1},
     # long rows: the filter path (a sampled row threshold, candidates gathered by chunks, then
     # runs + ranks; "filter-no-trim": every candidate ordered; "filter-batches": rows in
-    # batches of two; "filter-auto-cap": the slots from the row width), the segment path for
-    # the rows it misses (ties past its cap; a threshold sampled too high: "filter-missed")
+    # batches of two; "filter-fused-count": counted by the threshold programs;
+    # "filter-auto-cap": the slots from the row width), the segment path for the rows it
+    # misses (ties past its cap; a threshold sampled too high: "filter-missed")
     "filter": {"programs_per_sm": 8, "radix_bits": 8, "long_filter": True, "filter_chunk": 64,
                "filter_cap": 128, "filter_sample": 256, "filter_margin": 3.0, "trim_rows": 0},
     "filter-batches": {"programs_per_sm": 8, "radix_bits": 8, "long_filter": True,
                        "filter_chunk": 64, "filter_cap": 128, "filter_sample": 256,
                        "filter_margin": 3.0, "trim_rows": 0, "filter_budget_bytes": 2 * 128 * 8},
+    "filter-fused-count": {"programs_per_sm": 8, "radix_bits": 8, "long_filter": True,
+                           "filter_chunk": 64, "filter_cap": 128, "filter_sample": 256,
+                           "filter_margin": 3.0, "filter_fused_count": True},
     "filter-auto-cap": {"programs_per_sm": 8, "radix_bits": 8, "long_filter": True,
                         "filter_chunk": 64, "filter_cap": 0, "filter_sample": 256,
                         "filter_margin": 3.0},

@@ -417,19 +417,29 @@ def rank_runs_kernel(runs_ptr, len_ptr, skip_ptr, s_ptr, i_ptr, stride_rr, strid
                   RANK, W, I, True, DECODE_IDS, 1, True)
 
 
-@triton.jit(do_not_specialize=["len_ptr", "N", "K"])
-def filter_threshold_kernel(keys_ptr, len_ptr, thr_ptr, stride_kr, N, K, MARGIN,
-                            CAP: tl.constexpr, S: tl.constexpr):
+@triton.jit(do_not_specialize=["len_ptr", "N", "K", "C"])
+def filter_threshold_kernel(keys_ptr, len_ptr, thr_ptr, cnt_ptr, stride_kr, N, K, MARGIN, C,
+                            CAP: tl.constexpr, S: tl.constexpr, COUNT: tl.constexpr,
+                            CH: tl.constexpr):
     """Program row of the filter path: the row's sampled threshold to thr[row] (rows of at
     most min(CAP, 2K) keys: below every key, all taken). One program a row, so the sample is
     sorted once, not by every chunk's program (8 x 128k: 61 us of counting with 32 sorts a
-    row)."""
+    row). COUNT: it also counts the row, as ``filter_count_kernel`` does for each of its C
+    chunks of CH keys (one launch fewer, the row read by one program)."""
     row = tl.program_id(0).to(tl.int64)
+    R = tl.num_programs(0)
     n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
     thr = tl.zeros((), tl.int32) - 2147483647
     if n > tl.minimum(CAP, 2 * K):
         thr, _, _ = _sample_threshold(keys_ptr + row * stride_kr, 0, n, K, MARGIN, False, S)
     tl.store(thr_ptr + row, thr)
+    if COUNT:
+        for chunk in range(0, C):
+            c = chunk * CH + tl.arange(0, CH)
+            key, _ = _load_keys(keys_ptr + row * stride_kr, c, n, False)
+            tl.store(cnt_ptr + row * C + chunk, tl.sum((key >= thr).to(tl.int32), 0))
+            tl.store(cnt_ptr + (R + row) * C + chunk,
+                     tl.sum((key != -2147483648).to(tl.int32), 0))
 
 
 @triton.jit(do_not_specialize=["len_ptr", "N"])

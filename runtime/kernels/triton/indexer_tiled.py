@@ -194,6 +194,8 @@ class IndexerTiles:
     trim_rows: int = 16
     trim_warps: int = 8
     filter_budget_bytes: int = 1 << 28  # candidate slots of one launch (rows in batches)
+    filter_fused_count: bool = False  # the threshold program counts its row too (no counting
+    # launch; not measured yet)
     filter_sample: int = 1024  # keys sampled per row for its threshold, taken at the sample
     filter_margin: float = 4.0  # rank m + margin * sqrt(m): at 128k keys and topk 2048 about
     # 4100 candidates expected (m 16), inside the cap and above topk. H200, graph: select 8 x
@@ -415,12 +417,14 @@ def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
         n = min(R, r0 + batch) - r0
         k, ln, s, i = keys[r0:r0 + n], lens[r0:r0 + n], top_s[r0:r0 + n], top_i[r0:r0 + n]
         cnt = cnt_buf[:2 * n * C].view(2, n, C)
-        sjit.filter_threshold_kernel[(n,)](k, ln, thr, k.stride(0), L, topk,
-                                           float(tiles.filter_margin), CAP=cap,
+        sjit.filter_threshold_kernel[(n,)](k, ln, thr, cnt, k.stride(0), L, topk,
+                                           float(tiles.filter_margin), C, CAP=cap,
                                            S=triton.next_power_of_2(max(tiles.filter_sample, 16)),
+                                           COUNT=tiles.filter_fused_count, CH=ch,
                                            num_warps=tiles.filter_warps)
-        sjit.filter_count_kernel[(n, C)](k, ln, thr, cnt, k.stride(0), L, CH=ch,
-                                         num_warps=tiles.split_warps)
+        if not tiles.filter_fused_count:
+            sjit.filter_count_kernel[(n, C)](k, ln, thr, cnt, k.stride(0), L, CH=ch,
+                                             num_warps=tiles.split_warps)
         sjit.filter_scatter_kernel[(n, C)](k, ln, thr, cnt, cand, cand_len, ok[r0:r0 + n],
                                            k.stride(0), cand.stride(0), L, topk, CAP=cap, CH=ch,
                                            CB=triton.next_power_of_2(C),
