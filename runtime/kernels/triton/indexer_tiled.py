@@ -112,7 +112,7 @@ missed get no candidates and are selected by the segment path, which skips the o
 segments (scatter 397 us, ranks 319, trim 261, run sorts 230, threshold 167, counting 131);
 without the trim 1.72 ms (ranks 660, sorts 346); one gathering pass with atomic reservations
 instead of counting first cost 850 us; ``torch.sort`` of the slots 5.5 ms. Decode, replayed:
-8 x 128k select 44.4 us (96.7 by segments).
+8 x 128k select 44.4 us (96.7 by segments in the sixth session).
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ class IndexerTiles:
     # threshold missed. H200, graph: select 8 x 128k 45.4 us against 96.7 by segments
     filter_short_rows: bool = True  # ... and rows one select item handles (a prefill's). H200:
     # T 4096 x N 32768 select 1.53 ms against 2.16 by segments; the 32k step's indexer 23.3 ms
-    # a layer (26.8 by segments, call 5)
+    # a layer, 26.8 by segments (bench/RESULTS.md, 2026-12-01 seventh session)
     filter_chunk: int = 2048  # keys per gathering program (T 4096 x N 32768: 398 us
     # against 610 at 4096, when a counting pass came first)
     filter_cap: int = 0  # candidate slots per row (a power of two >= topk; runs of
@@ -376,8 +376,8 @@ def filter_slots(L: int, topk: int, tiles: IndexerTiles) -> int:
     two >= 1.5 x the candidates a row of L keys is expected to pass, topk + margin x
     sqrt(topk x L / S) + L / S for S samples (the threshold's sample rank m + margin x sqrt(m),
     m = topk x S / L; shorter rows pass fewer): 8192 slots at L 32k (3104 expected) and at
-    128k (4224); with 1.25 x (4096 at 32k) the rows that
-    overflowed cost the segment path 129 us at T 4096 x N 32768, against 22 (H200)."""
+    128k (4224); with 1.25 x (4096 at 32k) the rows that overflowed cost the segment path 129
+    us at T 4096 x N 32768, against 22 (H200)."""
     if tiles.filter_cap:
         return triton.next_power_of_2(max(tiles.filter_cap, topk))
     S = triton.next_power_of_2(max(tiles.filter_sample, 16))
@@ -390,9 +390,8 @@ def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
     counted by ``filter_chunk``-key chunks, then gathered in position order into the row's
     candidate slots (``filter_slots``; ``filter_scatter_kernel``), then sorted in place as runs
     and placed by ranks as the split path does; all output pads written. Rows go in batches
-    whose slots fit ``filter_budget_bytes``. A row whose
-    threshold missed (fewer than min(K, live keys) or more than the slots above it) gets no
-    candidates. Returns the rows' ok flags ``[R]`` int32, the skip flags of the segment path
+    whose slots fit ``filter_budget_bytes``. A row whose threshold missed (fewer than min(K,
+    live keys) or more than the slots above it) gets no candidates. Returns the rows' ok flags ``[R]`` int32, the skip flags of the segment path
     that then selects the other rows; None (nothing launched) where the candidates would make
     more runs than ``rank_runs``."""
     R, L = keys.shape
