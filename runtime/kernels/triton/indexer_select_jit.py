@@ -435,11 +435,17 @@ def filter_threshold_kernel(keys_ptr, len_ptr, thr_ptr, cnt_ptr, stride_kr, N, K
     tl.store(thr_ptr + row, thr)
     if COUNT:
         for chunk in range(0, C):
-            c = chunk * CH + tl.arange(0, CH)
-            key, _ = _load_keys(keys_ptr + row * stride_kr, c, n, False)
-            tl.store(cnt_ptr + row * C + chunk, tl.sum((key >= thr).to(tl.int32), 0))
-            tl.store(cnt_ptr + (R + row) * C + chunk,
-                     tl.sum((key != -2147483648).to(tl.int32), 0))
+            _count_chunk(keys_ptr + row * stride_kr, n, thr, cnt_ptr, row, chunk, R, C, CH)
+
+
+@triton.jit
+def _count_chunk(src, n, thr, cnt_ptr, row, chunk, R, C, CH: tl.constexpr):
+    """Keys of chunk ``chunk`` (CH of them) of a row of n keys at or above thr to cnt[0, row,
+    chunk], live keys to cnt[1, row, chunk] (cnt ``[2, R, C]``)."""
+    c = chunk * CH + tl.arange(0, CH)
+    key, _ = _load_keys(src, c, n, False)
+    tl.store(cnt_ptr + row * C + chunk, tl.sum((key >= thr).to(tl.int32), 0))
+    tl.store(cnt_ptr + (R + row) * C + chunk, tl.sum((key != -2147483648).to(tl.int32), 0))
 
 
 @triton.jit(do_not_specialize=["len_ptr", "N"])
@@ -447,15 +453,9 @@ def filter_count_kernel(keys_ptr, len_ptr, thr_ptr, cnt_ptr, stride_kr, N, CH: t
     """Program (row, chunk) of the filter path: the chunk's count of keys >= the row's
     threshold to cnt[0, row, chunk] and of live keys to cnt[1, row, chunk]."""
     row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    C = tl.num_programs(1)
-    R = tl.num_programs(0)
     n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
-    thr = tl.load(thr_ptr + row)
-    c = chunk * CH + tl.arange(0, CH)
-    key, _ = _load_keys(keys_ptr + row * stride_kr, c, n, False)
-    tl.store(cnt_ptr + row * C + chunk, tl.sum((key >= thr).to(tl.int32), 0))
-    tl.store(cnt_ptr + (R + row) * C + chunk, tl.sum((key != -2147483648).to(tl.int32), 0))
+    _count_chunk(keys_ptr + row * stride_kr, n, tl.load(thr_ptr + row), cnt_ptr, row,
+                 tl.program_id(1), tl.num_programs(0), tl.num_programs(1), CH)
 
 
 @triton.jit(do_not_specialize=["len_ptr", "N", "K"])
@@ -490,8 +490,6 @@ def filter_scatter_kernel(keys_ptr, len_ptr, thr_ptr, cnt_ptr, cand_ptr, cand_le
         tl.store(cand_ptr + row * stride_cr + before + tl.cumsum(ti, 0) - ti, v, mask=take)
 
 
-
-
 @triton.jit(do_not_specialize=["cand_len_ptr", "K"])
 def filter_trim_kernel(cand_ptr, cand_len_ptr, stride_cr, K, CAP: tl.constexpr,
                        BLK: tl.constexpr):
@@ -520,7 +518,7 @@ def filter_trim_kernel(cand_ptr, cand_len_ptr, stride_cr, K, CAP: tl.constexpr,
                 lo = tl.where(big, mid, lo)
                 hi = tl.where(big, hi, mid)
         t = lo.to(tl.int32)
-        k_eq = K - tl.sum((key > t).to(tl.int32), 0)  # keys equal to t taken, first first
+        k_eq = K - tl.sum((key > t).to(tl.int32), 0)  # keys equal to t taken, lowest positions
         taken = tl.zeros((), tl.int32)
         eqs = tl.zeros((), tl.int32)
         for b0 in range(0, n, BLK):  # compaction to the left: a block is read whole before
