@@ -433,10 +433,11 @@ SELECT_SWEEP = {"select_sample": (256, 512, 2048), "select_margin": (2.0, 3.0, 4
 
 
 def sweep_select(args, base, ceil):
-    """One tunable at a time around the defaults (the select alone, first prefill case)."""
+    """One segment-path tunable at a time around the defaults (the select alone, first prefill
+    case, its rows through the segment path as before ``filter_short_rows``)."""
     for name, values in SELECT_SWEEP.items():
         for v in values:
-            t = dataclasses.replace(base, **{name: v})
+            t = dataclasses.replace(base, filter_short_rows=False, **{name: v})
             prefill_parts(args, t, ceil, None, f"select {name} {v}")
 
 
