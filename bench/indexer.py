@@ -22,7 +22,8 @@ equal to the default), the query quantisation and the plane split alone, and pla
 6.2-8.9 ms for the first case, bench/RESULTS.md); each decode case times the whole decode
 indexer, its logits and its select, eager and replayed from a CUDA graph (``do_bench_cudagraph``:
 eager decode figures are host-launch-bound), and select variants (graph; ``DECODE_SELECTS``).
-``planar`` times the planar logits tiles alone (``--planar-tiles``); ``sort`` times
+``planar`` times the planar logits tiles alone (``--planar-tiles``) and the opt-in Gluon
+logits (``GLUON_TILES``); ``sort`` times
 ``tl.sort`` of 4096 values as segments; ``decode-sweep`` the decode tiles
 (graph); ``select-sweep`` the select tunables (first prefill case); ``--planar-sweep`` the
 planar tiles; ``--sweep`` tile variants of the first prefill case and of the decode cases.
@@ -383,6 +384,37 @@ def planar_logits(args, ceil, flops, sweep_tiles=False):
                 ceil, f"== default tiles: {eq}")
         except FAILS as e:
             print(f"  planar bq {bq} bk {bk} w {warps} s {stages}: failed ({type(e).__name__}: "
+                  f"{str(e)[:80]})", flush=True)
+    ok &= gluon_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops)
+    return ok
+
+
+GLUON_TILES = ((4, 4), (3, 2), (4, 8))  # (ring stages, unroll) of the Gluon logits
+
+
+def gluon_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops):
+    """The opt-in Gluon prefill logits (``IndexerTiles.logits_gluon``: products overlapped
+    with epilogues), each checked equal to the default Triton tiles' keys; a Triton without
+    Gluon, or a variant that does not build or run, prints one line."""
+    try:
+        from cpplan.runtime.kernels.gluon import logits as gl_logits
+    except ImportError as e:
+        print(f"  gluon logits: not available ({e})", flush=True)
+        return True
+    ok = True
+    for stages, unroll in GLUON_TILES:
+        def fn(stages=stages, unroll=unroll):
+            gl_logits.launch(q8, w8, kp, ks, got, N, key_len, pcu, N, 1, 1, stages=stages,
+                             unroll=unroll)
+        try:
+            got.fill_(0)
+            fn()
+            eq = torch.equal(torch.where(valid, got, 0), torch.where(valid, want, 0))
+            ok &= eq
+            row(f"  gluon fp8 logits, ring {stages}, unroll {unroll}", bench(fn), flops, ceil,
+                f"== default tiles: {eq}")
+        except FAILS + (ValueError,) as e:
+            print(f"  gluon ring {stages} unroll {unroll}: failed ({type(e).__name__}: "
                   f"{str(e)[:80]})", flush=True)
     return ok
 

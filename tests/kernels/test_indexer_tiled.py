@@ -289,6 +289,27 @@ def test_gpu_prefill_matches_old_kernel():
     _check(got, ref.indexer_topk_prefill(q.float(), w, k, key_len, pcu, N, 1, 1, topk, max_keys=N))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("W,I,nreq,stages,unroll", [(1, 1, 1, 4, 4), (1, 1, 3, 3, 2),
+                                                    (2, 64, 2, 4, 3)])
+def test_gpu_gluon_logits(W, I, nreq, stages, unroll):
+    """The opt-in Gluon prefill logits (IndexerTiles.logits_gluon): the whole prefill indexer
+    against the reference, with request boundaries inside query blocks (nreq > 1), an odd
+    query count (a half block), rows shorter than topk, and unrolled loops that run past the
+    last key tile."""
+    pytest.importorskip("triton.experimental.gluon")
+    it = _it()
+    T, Hi, PT, topk = 255, 64, 8192, 2048
+    q, w, k = _inputs("cuda", T, Hi, W * PT, 7)
+    key_len, pcu = _prefill_case("cuda", T, PT, topk, W, 3, nreq)
+    tiles = it.IndexerTiles(logits_gluon=True, gluon_stages=stages, gluon_unroll=unroll)
+    got = it.indexer_topk_prefill(q, w, k, key_len, pcu, PT, W, I, topk, max_keys=PT,
+                                  tiles=tiles)
+    _check(got, ref.indexer_topk_prefill(q.cpu().double(), w.cpu(), k.cpu(), key_len.cpu(),
+                                         pcu.cpu(), PT, W, I, topk, max_keys=PT))
+
+
 @pytest.mark.parametrize("env", ENVS)
 def test_zero_queries(env):
     """No query (a rank whose step has no token of that kind): [0, topk] results from every

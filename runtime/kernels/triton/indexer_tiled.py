@@ -19,7 +19,10 @@ have the most keys: the longest programs start first). H200, T 4096 x N 32768
 capped at 128 registers: two programs a SM; the cap applies to tiles of at most 128
 query-head columns), 2.36 ms at 4 warps uncapped, against 2.49 ms for the two-loop kernel in
 the same call; the byte-row kernel below takes 6.23 ms (4 warps; 8.90 at 8) on the same
-quantised inputs; the int32 keys are equal.
+quantised inputs; the int32 keys are equal. Within a program each product is waited on as
+soon as it is issued, so its epilogue never overlaps its products; the opt-in Gluon kernel
+(``logits_gluon``, ``gluon/logits_jit.py``) issues the next tile's products before this
+tile's epilogue (compiled offline, not yet run on a GPU).
 
 Decode and explicit-row logits (``indexer_logits_jit.logits_kernel``) read the packed 132-byte
 rows of the paged cache (not 16-byte aligned: at most 4-byte vectors). The key tile is the A
@@ -143,6 +146,11 @@ class IndexerTiles:
     logits_stages: int = 3
     logits_maxnreg: int = 128  # prefill logits: registers per thread capped (0: no cap); 8
     # warps at 128: two programs per SM
+    logits_gluon: bool = False  # prefill logits by the Gluon kernel (gluon/logits.py: the next
+    # tile's products under this tile's epilogue; CUDA, at most 64 padded heads; compiled
+    # offline, not yet run on a GPU)
+    gluon_stages: int = 4  # ... key tiles in its ring
+    gluon_unroll: int = 4  # ... tiles an iteration of its overlapped loop
     decode_block_k: int = 128
     few_rows: int = 16  # decode batches of at most this many rows use few_rows_block_k
     few_rows_block_k: int = 64  # (8 x 128k logits 53.5 us against 62.5 at 128; 64 rows of
@@ -533,12 +541,20 @@ def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_loc
     key_len, region_pcu = key_len.contiguous(), region_pcu.contiguous()
     step = max(1, logits_budget_bytes // (4 * L))
     keys = _keys_buffer(min(step, T), L, q.device)
+    gluon = None
+    if tiles.logits_gluon and gpu and q.shape[1] <= 64:
+        from ..gluon import logits as gluon  # needs a Triton with Gluon (tested: 3.6)
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
-        _logits_planar(q8[t0:t1], w8[t0:t1], kp, ks, keys[: t1 - t0], L, key_len[t0:t1],
-                       region_pcu[t0:t1], padded_local_total, dcp_size, interleave,
-                       bq=tiles.block_q, bk=tiles.block_k, warps=tiles.logits_warps,
-                       stages=tiles.logits_stages, maxnreg=tiles.logits_maxnreg)
+        if gluon is not None:
+            gluon.launch(q8[t0:t1], w8[t0:t1], kp, ks, keys[: t1 - t0], L, key_len[t0:t1],
+                         region_pcu[t0:t1], padded_local_total, dcp_size, interleave,
+                         stages=tiles.gluon_stages, unroll=tiles.gluon_unroll)
+        else:
+            _logits_planar(q8[t0:t1], w8[t0:t1], kp, ks, keys[: t1 - t0], L, key_len[t0:t1],
+                           region_pcu[t0:t1], padded_local_total, dcp_size, interleave,
+                           bq=tiles.block_q, bk=tiles.block_k, warps=tiles.logits_warps,
+                           stages=tiles.logits_stages, maxnreg=tiles.logits_maxnreg)
         _select(keys[: t1 - t0], key_len[t0:t1], topk, top_s[t0:t1], top_i[t0:t1], tiles)
     return top_s, top_i
 
