@@ -28,6 +28,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .jit import jit_unspecialised
+
 
 @gluon.jit
 def _prefill_rows(c, pcu, PT, W: gl.constexpr, I: gl.constexpr):
@@ -93,7 +95,7 @@ def _epilogue(acc0, acc1, j, hi, pq, PT, ks_ptr, out_ptr, r0, r1, w0, w1, n0, n1
 
 # One program's whole schedule (queries in, the ring prologue, the overlapped loop) is the
 # kernel: over 50 lines on purpose. Step-varying ints and index pointers are not specialised.
-@gluon.jit(do_not_specialize=["len_ptr", "pcu_ptr", "T", "L", "PT"])
+@jit_unspecialised("len_ptr", "pcu_ptr", "T", "L", "PT")
 def gluon_logits_fwd(q_ptr, w_ptr, kp_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
                      stride_qt, stride_qh, stride_wt, stride_ot, T, HI, L, PT,
                      W: gl.constexpr, I: gl.constexpr, HP: gl.constexpr, BK: gl.constexpr,
