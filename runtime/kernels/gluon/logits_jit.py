@@ -10,7 +10,9 @@ program's tensor cores idle through its epilogue and its CUDA cores through its 
   of shared memory, swizzled for the products;
 - per tile, two products ``K [BK, 128] @ Q_j^T [128, HP]``, one per query of the block (BQ 2),
   are issued asynchronously; the program then waits only for the previous tile's pair and runs
-  its epilogue while the new pair is on the tensor cores (two pairs of accumulators live);
+  its epilogue while the new pair is on the tensor cores (two pairs of accumulators live), U
+  tiles an iteration of straight-line code (U - 1 of U epilogues overlapped: a product in
+  flight across iterations made ptxas serialise every ``wgmma``);
 - a block of queries across a request boundary (rare) takes one pass per query, as in the
   Triton kernel.
 
