@@ -34,8 +34,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.runtime.jit import constexpr_function
 
-from .jit import jit_unspecialised
-
 
 @constexpr_function
 def _layouts(W, HP):
@@ -50,6 +48,16 @@ def _layouts(W, HP):
             gl.BlockedLayout([1, 8], [2, 16], [W, 1], [1, 0]),
             gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, W // 4],
                                       instr_shape=[16, HP // (W // 4), 16]))
+
+
+def _jit_unspecialised(*names):
+    """``gluon.jit`` with ``names`` left unspecialised (the lse split stride is T * H: a new
+    "multiple of 16" class, hence a compile, whenever T changes class; bench/jit_variants.py);
+    plain ``gluon.jit`` where this Triton's gluon.jit takes no ``do_not_specialize``."""
+    try:
+        return gluon.jit(do_not_specialize=list(names))
+    except TypeError:
+        return gluon.jit
 
 
 @gluon.jit
@@ -210,7 +218,7 @@ def _epilogue(out_ptr, lse_ptr, split, t, stride_os, stride_ot, stride_oh, strid
 
 # Over 50 lines on purpose: one program's software pipeline (issue, wait, dequantise, two
 # products, softmax) reads as one schedule; its stages are already helpers above.
-@jit_unspecialised("stride_ls")
+@_jit_unspecialised("stride_ls")
 def gluon_decode_fwd_ring(
     q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
     stride_qt, stride_qh, stride_kv, stride_it,
@@ -296,7 +304,7 @@ def _dequantise_in_place(raw, scales, tile, CONV: gl.constexpr, SC: gl.constexpr
 
 
 # Over 50 lines on purpose: the in-place variant's schedule, kept whole like the ring kernel.
-@jit_unspecialised("stride_ls")
+@_jit_unspecialised("stride_ls")
 def gluon_decode_fwd_small(
     q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr,
     stride_qt, stride_qh, stride_kv, stride_it,

@@ -30,7 +30,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .jit import jit_unspecialised
+try:  # step-varying ints and index pointers unspecialised (bench/jit_variants.py)
+    _jit_unspecialised = gluon.jit(do_not_specialize=["len_ptr", "pcu_ptr", "T", "L", "PT"])
+except TypeError:  # a Triton whose gluon.jit takes no do_not_specialize
+    _jit_unspecialised = gluon.jit
 
 
 @gluon.jit
@@ -96,8 +99,8 @@ def _epilogue(acc0, acc1, j, hi, pq, PT, ks_ptr, out_ptr, r0, r1, w0, w1, n0, n1
 
 
 # One program's whole schedule (queries in, the ring prologue, the overlapped loop) is the
-# kernel: over 50 lines on purpose. Step-varying ints and index pointers are not specialised.
-@jit_unspecialised("len_ptr", "pcu_ptr", "T", "L", "PT")
+# kernel: over 50 lines on purpose.
+@_jit_unspecialised
 def gluon_logits_fwd(q_ptr, w_ptr, kp_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
                      stride_qt, stride_qh, stride_wt, stride_ot, T, HI, L, PT,
                      W: gl.constexpr, I: gl.constexpr, HP: gl.constexpr, BK: gl.constexpr,
