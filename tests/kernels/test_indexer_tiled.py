@@ -291,16 +291,16 @@ def test_gpu_prefill_matches_old_kernel():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("W,I,nreq,stages,unroll", [(1, 1, 1, 4, 4), (1, 1, 3, 3, 2),
-                                                    (2, 64, 2, 4, 3)])
-def test_gpu_gluon_logits(W, I, nreq, stages, unroll):
+@pytest.mark.parametrize("W,I,nreq,stages,unroll,Hi", [(1, 1, 1, 4, 4, 64), (1, 1, 3, 3, 2, 64),
+                                                       (2, 64, 2, 4, 3, 64), (1, 1, 2, 4, 4, 6)])
+def test_gpu_gluon_logits(W, I, nreq, stages, unroll, Hi):
     """The opt-in Gluon prefill logits (IndexerTiles.logits_gluon): the whole prefill indexer
     against the reference, with request boundaries inside query blocks (nreq > 1), an odd
-    query count (a half block), rows shorter than topk, and unrolled loops that run past the
-    last key tile."""
+    query count (a half block), rows shorter than topk, unrolled loops that run past the last
+    key tile, and padded heads (6 of 16)."""
     pytest.importorskip("triton.experimental.gluon")
     it = _it()
-    T, Hi, PT, topk = 255, 64, 8192, 2048
+    T, PT, topk = 255, 8192, 2048
     q, w, k = _inputs("cuda", T, Hi, W * PT, 7)
     key_len, pcu = _prefill_case("cuda", T, PT, topk, W, 3, nreq)
     tiles = it.IndexerTiles(logits_gluon=True, gluon_stages=stages, gluon_unroll=unroll)
