@@ -542,8 +542,11 @@ def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_loc
     step = max(1, logits_budget_bytes // (4 * L))
     keys = _keys_buffer(min(step, T), L, q.device)
     gluon = None
-    if tiles.logits_gluon and gpu and q.shape[1] <= 64:
+    if tiles.logits_gluon and gpu:
         from ..gluon import logits as gluon  # needs a Triton with Gluon (tested: 3.6)
+
+        if max(16, triton.next_power_of_2(q.shape[1])) > gluon.MAX_HEADS:
+            gluon = None  # more heads than its accumulators hold: the Triton kernel
     for t0 in range(0, T, step):
         t1 = min(T, t0 + step)
         if gluon is not None:
