@@ -196,10 +196,16 @@ PREFILL_FILTERS = {
     "filter path, trim in 4 warps": {"trim_warps": 4},
     "filter path, counted by the threshold programs": {"filter_fused_count": True},
     "filter path, threshold in 4 warps": {"filter_warps": 4},
-    "filter path, rank chunk 512": {"rank_chunk": 512},
+    "filter path, rank chunk 256 (before)": {"filter_rank_chunk": 256},
     "filter path, margin 5": {"filter_margin": 5.0},
-    "filter path, chunk 1024": {"filter_chunk": 1024},
+    "filter path, chunk 2048 (before)": {"filter_chunk": 2048},
     "filter path, chunk 4096": {"filter_chunk": 4096},
+    "filter path, trim over all slots (before)": {"trim_halved": False},
+    "filter path, threshold by sorting the sample (before)": {"filter_bisect": False},
+    "filter path, gathering in 8 warps": {"filter_scatter_warps": 8},
+    "filter path, gathering in 2 warps": {"filter_scatter_warps": 2},
+    "filter path, as before this session": {"filter_rank_chunk": 256, "filter_chunk": 2048,
+                                            "filter_bisect": False, "trim_halved": False},
 }
 # select variants timed beside the default for decode (each checked equal to the default)
 DECODE_SELECTS = {
@@ -210,9 +216,12 @@ DECODE_SELECTS = {
     "long rows: 4 segment items per SM (before)": {"programs_per_sm": 4},
     "long rows: segment path only (long_filter off, before)": {"long_filter": False},
     "long rows: filter sample 2048": {"filter_sample": 2048},
-    "long rows: filter chunk 4096 (before)": {"filter_chunk": 4096},
+    "long rows: filter chunk 4096": {"filter_chunk": 4096},
     "long rows: filter trim": {"trim_rows": 0},
     "long rows: filter threshold in 16 warps": {"filter_warps": 16},
+    "long rows: filter threshold by sorting the sample (before)": {"filter_bisect": False},
+    "long rows: filter chunk 2048, rank chunk 256 (before)": {"filter_chunk": 2048,
+                                                              "filter_rank_chunk": 256},
     "long rows: all candidates ordered (no exact top K)": {"select_exact": False},
     "split: at most 8 runs, of up to 1024 (before)": {"split_runs": 8, "split_run_max": 1024},
 }
@@ -389,7 +398,8 @@ def planar_logits(args, ceil, flops, sweep_tiles=False):
     return ok
 
 
-GLUON_TILES = ((4, 4), (3, 2), (4, 8))  # (ring stages, unroll) of the Gluon logits
+GLUON_TILES = ((4, 4, False), (4, 4, True), (3, 4, True), (4, 2, True), (5, 4, True))
+# (ring stages, unroll, one product of both queries) of the Gluon logits
 
 
 def gluon_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops):
@@ -402,16 +412,16 @@ def gluon_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops)
         print(f"  gluon logits: not available ({e})", flush=True)
         return True
     ok = True
-    for stages, unroll in GLUON_TILES:
-        def fn(stages=stages, unroll=unroll):
+    for stages, unroll, pair in GLUON_TILES:
+        def fn(stages=stages, unroll=unroll, pair=pair):
             gl_logits.launch(q8, w8, kp, ks, got, N, key_len, pcu, N, 1, 1, stages=stages,
-                             unroll=unroll)
+                             unroll=unroll, pair=pair)
         try:
             got.fill_(0)
             fn()
             eq = torch.equal(torch.where(valid, got, 0), torch.where(valid, want, 0))
             ok &= eq
-            row(f"  gluon fp8 logits, ring {stages}, unroll {unroll}", bench(fn), flops, ceil,
+            row(f"  gluon fp8 logits, ring {stages}, unroll {unroll}{', pair' * pair}", bench(fn), flops, ceil,
                 f"== default tiles: {eq}")
         except FAILS + (ValueError,) as e:
             print(f"  gluon ring {stages} unroll {unroll}: failed ({type(e).__name__}: "

@@ -33,7 +33,7 @@ def _tiles(env, **kw):
         # longer than the candidate cap, so the sampled threshold is exercised
         kw = {"block_k": 32, "decode_block_k": 32, "few_rows_block_k": 16, "select_block": 64,
               "select_cap": 64,
-              "select_sample": 64, "split_run": 64, "rank_chunk": 32, "rank_runs": 4, **kw}
+              "select_sample": 64, "split_run": 64, "rank_chunk": 32, "filter_rank_chunk": 32, "rank_runs": 4, **kw}
     return it.IndexerTiles(**kw)
 
 
@@ -210,6 +210,7 @@ SELECT_VARIANTS = {
     # long rows: the filter path (a sampled row threshold, candidates gathered by chunks, then
     # runs + ranks; "filter-no-trim": every candidate ordered; "filter-batches": rows in
     # batches of two; "filter-fused-count": counted by the threshold programs;
+    # "filter-bisect": the threshold by bisection, trims over all slots, 2-warp gathering;
     # "filter-auto-cap": the slots from the row width), the segment path for the rows it
     # misses (ties past its cap; a threshold sampled too high: "filter-missed")
     "filter": {"programs_per_sm": 8, "radix_bits": 8, "long_filter": True, "filter_chunk": 64,
@@ -223,6 +224,10 @@ SELECT_VARIANTS = {
     "filter-auto-cap": {"programs_per_sm": 8, "radix_bits": 8, "long_filter": True,
                         "filter_chunk": 64, "filter_cap": 0, "filter_sample": 256,
                         "filter_margin": 3.0},
+    "filter-bisect": {"programs_per_sm": 8, "radix_bits": 8, "long_filter": True,
+                      "filter_chunk": 64, "filter_cap": 128, "filter_sample": 256,
+                      "filter_margin": 3.0, "trim_rows": 0, "filter_bisect": True,
+                      "trim_halved": False, "filter_scatter_warps": 2},
     "filter-no-trim": {"programs_per_sm": 8, "radix_bits": 8, "long_filter": True,
                        "filter_trim": False, "filter_chunk": 64, "filter_cap": 128,
                        "filter_sample": 256, "filter_margin": 3.0},
@@ -291,19 +296,21 @@ def test_gpu_prefill_matches_old_kernel():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("pair", [False, True])
 @pytest.mark.parametrize("W,I,nreq,stages,unroll,Hi", [(1, 1, 1, 4, 4, 64), (1, 1, 3, 3, 2, 64),
                                                        (2, 64, 2, 4, 3, 64), (1, 1, 2, 4, 4, 6)])
-def test_gpu_gluon_logits(W, I, nreq, stages, unroll, Hi):
+def test_gpu_gluon_logits(W, I, nreq, stages, unroll, Hi, pair):
     """The opt-in Gluon prefill logits (IndexerTiles.logits_gluon): the whole prefill indexer
     against the reference, with request boundaries inside query blocks (nreq > 1), an odd
     query count (a half block), rows shorter than topk, unrolled loops that run past the last
-    key tile, and padded heads (6 of 16)."""
+    key tile, and padded heads (6 of 16); one product per query or one of both (pair)."""
     pytest.importorskip("triton.experimental.gluon")
     it = _it()
     T, PT, topk = 255, 8192, 2048
     q, w, k = _inputs("cuda", T, Hi, W * PT, 7)
     key_len, pcu = _prefill_case("cuda", T, PT, topk, W, 3, nreq)
-    tiles = it.IndexerTiles(logits_gluon=True, gluon_stages=stages, gluon_unroll=unroll)
+    tiles = it.IndexerTiles(logits_gluon=True, gluon_stages=stages, gluon_unroll=unroll,
+                             gluon_pair=pair)
     got = it.indexer_topk_prefill(q, w, k, key_len, pcu, PT, W, I, topk, max_keys=PT,
                                   tiles=tiles)
     _check(got, ref.indexer_topk_prefill(q.cpu().double(), w.cpu(), k.cpu(), key_len.cpu(),
@@ -325,6 +332,62 @@ def test_zero_queries(env):
         assert s.shape == ids.shape == (0, 16)
         s, ids = mod.indexer_topk_prefill(q, w, k, none, none, 128, 1, 1, 16)
         assert s.shape == ids.shape == (0, 16)
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_filter_trim_keeps_the_exact_top_k(env):
+    """filter_trim_kernel alone against a sort: rows of candidates (int64 composites whose
+    high 32 bits are the key, in position order) of at most K (left alone), of at most CAP / 2
+    (bisected over half the slots) and of more, with ties at the K-th key; a trimmed row keeps
+    its K largest keys, the lowest positions first among those equal to the K-th, in position
+    order, and its count becomes K."""
+    import numpy as np
+    from cpplan.runtime.kernels.triton import indexer_select_jit as sjit
+
+    K, CAP = 24, 128
+    rng = np.random.default_rng(5)
+    counts = [0, 10, K, K + 1, 40, CAP // 2, CAP // 2 + 1, 100, CAP]
+    cand = np.full((len(counts), CAP), np.iinfo(np.int64).min, dtype=np.int64)
+    for r, n in enumerate(counts):  # few distinct keys, some negative: ties at the threshold
+        keys = rng.integers(-6, 7, n, dtype=np.int64) * 1000003
+        cand[r, :n] = (keys << 32) | np.arange(n, dtype=np.int64)
+    dev = _dev(env)
+    got = torch.from_numpy(cand.copy()).to(dev)
+    lens = torch.tensor(counts, dtype=torch.int32, device=dev)
+    sjit.filter_trim_kernel[(len(counts),)](got, lens, got.stride(0), K, CAP=CAP, BLK=32)
+    got, lens = got.cpu().numpy(), lens.cpu().tolist()
+    for r, n in enumerate(counts):
+        row = cand[r, :n]
+        if n <= K:
+            assert lens[r] == n and np.array_equal(got[r], cand[r])
+            continue
+        order = sorted(range(n), key=lambda i: (-(row[i] >> 32), i))  # key desc, position asc
+        want = row[np.sort(np.array(order[:K]))]
+        assert lens[r] == K and np.array_equal(got[r, :K], want), (r, n)
+
+
+@pytest.mark.parametrize("env", ENVS)
+def test_filter_threshold_bisection_equals_the_sorted_sample(env):
+    """filter_threshold_kernel's BISECT (the sample's key at the threshold rank by bisection)
+    gives the key the sorted sample gives, row by row (ties, negative keys, short rows)."""
+    from cpplan.runtime.kernels.triton import indexer_select_jit as sjit
+
+    dev = _dev(env)
+    R, N, K, S = 12, 3000, 40, 256
+    g = torch.Generator().manual_seed(3)
+    keys = (torch.randint(-50, 50, (R, N), generator=g) * 7919).to(torch.int32)
+    keys[3] = 5  # one key everywhere
+    lens = torch.randint(0, N + 1, (R,), generator=g).to(torch.int32)
+    lens[0], lens[1], lens[2] = 0, 2 * K, N
+    keys, lens = keys.to(dev), lens.to(dev)
+    thr = {}
+    for bisect in (False, True):
+        thr[bisect] = torch.zeros(R, dtype=torch.int32, device=dev)
+        sjit.filter_threshold_kernel[(R,)](keys, lens, thr[bisect], thr[bisect], keys.stride(0),
+                                           N, K, 3.0, 1, CAP=64, S=S, COUNT=False, CH=64,
+                                           BISECT=bisect)
+    assert torch.equal(thr[True], thr[False])
+    assert int((thr[False] > -2147483647).sum()) >= R - 2  # the sampled rows: all but two
 
 
 @pytest.mark.parametrize("L", [4096, 32768, 131072])

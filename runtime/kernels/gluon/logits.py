@@ -17,12 +17,13 @@ MAX_HEADS = 64  # padded heads (the N of a product): two accumulator pairs in re
 
 
 def launch(q, weights, kp, ks, out, L: int, lens, pcu, PT: int, W: int, I: int, *,
-           stages: int = 4, unroll: int = 4) -> None:
+           stages: int = 4, unroll: int = 4, pair: bool = False) -> None:
     """Prefill int32 keys ``out [T, L]`` (``triton.indexer_tiled._logits_planar``'s contract):
     q ``[T, HI, 128]`` float8_e4m3fn, weights ``[T, HI]`` float32, the key planes ``kp [R, 128]``
     float8_e4m3fn and ``ks [R]`` float32, key_len ``lens [T]``, region starts ``pcu [T]``.
     Two queries a program; ``stages`` key tiles in the ring (>= 3), ``unroll`` tiles an
-    iteration of the overlapped loop."""
+    iteration of the overlapped loop; ``pair``: one product of both queries a tile (N = 2 HP)
+    instead of one per query."""
     T, HI, _ = q.shape
     hp = max(16, triton.next_power_of_2(HI))
     if hp > MAX_HEADS or stages < 3 or unroll < 1:
@@ -31,7 +32,8 @@ def launch(q, weights, kp, ks, out, L: int, lens, pcu, PT: int, W: int, I: int, 
                          f"unroll >= 1")
     if T == 0:
         return
-    logits_jit.gluon_logits_fwd[(triton.cdiv(T, 2),)](
+    fwd = logits_jit.gluon_logits_pair_fwd if pair else logits_jit.gluon_logits_fwd
+    fwd[(triton.cdiv(T, 2),)](
         q, weights, kp, ks, out, lens, pcu, q.stride(0), q.stride(1), weights.stride(0),
         out.stride(0), T, HI, L, PT, W=W, I=I, HP=hp, BK=BLOCK_K, NS=stages, U=unroll,
         num_warps=4)

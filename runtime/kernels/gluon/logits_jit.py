@@ -172,3 +172,97 @@ def gluon_logits_fwd(q_ptr, w_ptr, kp_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
                     cur1 = nxt1
         async_copy.wait_group(0)
         gl.thread_barrier()  # every warp is done with the ring before the next pass refills it
+
+
+@gluon.jit
+def _step_pair(kp_ptr, ring, q_smem, zero, j, hi, pq, PT, W: gl.constexpr, I: gl.constexpr,
+               LD: gl.constexpr, BK: gl.constexpr, NS: gl.constexpr):
+    """Tile j's one product of both queries ``K [BK, 128] @ [Q_0; Q_1]^T [128, 2 HP]``,
+    issued asynchronously once its keys have landed (the copy first, as in ``_step``)."""
+    _issue_tile(kp_ptr, ring, (j + NS - 2) % NS, (j + NS - 2) * BK, hi, pq, PT, W, I, LD, BK)
+    async_copy.commit_group()
+    async_copy.wait_group(NS - 2)
+    fence_async_shared()
+    gl.thread_barrier()
+    return warpgroup_mma(ring.index(j % NS), q_smem.permute((1, 0)), zero, use_acc=False,
+                         is_async=True)
+
+
+@gluon.jit
+def _epilogue_pair(acc, w, j, hi, pq, PT, ks_ptr, out_ptr, r0, r1, n0, n1, go0, go1,
+                   W: gl.constexpr, I: gl.constexpr, BK: gl.constexpr, HP: gl.constexpr):
+    """Tile j's int32 keys of both queries from their one finished product [BK, 2 HP]."""
+    s = gl.sum(gl.reshape(gl.maximum(acc, 0.0) * w[None, :], [BK, 2, HP]), 2)
+    s0, s1 = gl.split(s)
+    KEY: gl.constexpr = s0.type.layout
+    c = j * BK + gl.arange(0, BK, layout=KEY)
+    kvalid = c < hi
+    rows = gl.where(kvalid, _prefill_rows(c, pq, PT, W, I), 0)
+    scale = gl.load(ks_ptr + rows, mask=kvalid, other=0.0)
+    _store_keys(out_ptr, r0, c, s0 * scale, n0, go0)
+    _store_keys(out_ptr, r1, c, s1 * scale, n1, go1)
+
+
+@_jit_unspecialised
+def gluon_logits_pair_fwd(q_ptr, w_ptr, kp_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
+                          stride_qt, stride_qh, stride_wt, stride_ot, T, HI, L, PT,
+                          W: gl.constexpr, I: gl.constexpr, HP: gl.constexpr, BK: gl.constexpr,
+                          NS: gl.constexpr, U: gl.constexpr):
+    LD: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+    QL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 2 * HP, 32])
+    COL: gl.constexpr = gl.SliceLayout(0, MMA)
+    j0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * 2
+    ring = gl.allocate_shared_memory(gl.float8e4nv, [NS, BK, 128],
+                                     gl.NVMMASharedLayout.get_default_for([BK, 128], gl.float8e4nv))
+    q_smem = gl.allocate_shared_memory(
+        gl.float8e4nv, [2 * HP, 128], gl.NVMMASharedLayout.get_default_for([2 * HP, 128],
+                                                                            gl.float8e4nv))
+    r = gl.arange(0, 2 * HP, layout=gl.SliceLayout(1, QL))
+    dq = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
+    jr = j0 + r // HP
+    hr = r % HP
+    q = gl.load(q_ptr + jr.to(gl.int64)[:, None] * stride_qt + hr[:, None] * stride_qh
+                + dq[None, :], mask=((hr < HI) & (jr < T))[:, None], other=0.0)
+    q_smem.store(q)
+    rw = gl.arange(0, 2 * HP, layout=COL)
+    jw = j0 + rw // HP
+    hw = rw % HP
+    w = gl.load(w_ptr + jw.to(gl.int64) * stride_wt + hw, mask=(hw < HI) & (jw < T), other=0.0)
+    ok0 = j0 < T
+    ok1 = j0 + 1 < T
+    n0 = gl.where(ok0, gl.load(len_ptr + j0, mask=ok0, other=0).to(gl.int32), 0)
+    n1 = gl.where(ok1, gl.load(len_ptr + j0 + 1, mask=ok1, other=0).to(gl.int32), 0)
+    p0 = gl.load(pcu_ptr + j0, mask=ok0, other=0).to(gl.int64)
+    p1 = gl.load(pcu_ptr + j0 + 1, mask=ok1, other=0).to(gl.int64)
+    hi = gl.maximum(n0, n1)
+    shared = (n1 == 0) | (n0 == 0) | (p0 == p1)
+    r0 = j0.to(gl.int64) * stride_ot
+    r1 = (j0 + 1).to(gl.int64) * stride_ot
+    fence_async_shared()
+    gl.thread_barrier()
+    zero = gl.zeros([BK, 2 * HP], gl.float32, layout=MMA)
+    num_tiles = gl.cdiv(hi, BK)
+    for qi in range(gl.where(shared, 1, 2)):
+        pq = gl.where(shared, gl.where(n0 > 0, p0, p1), gl.where(qi == 0, p0, p1))
+        go0 = shared | (qi == 0)
+        go1 = shared | (qi == 1)
+        for t in gl.static_range(NS - 2):
+            _issue_tile(kp_ptr, ring, t, t * BK, hi, pq, PT, W, I, LD, BK)
+            async_copy.commit_group()
+        for i in range(0, num_tiles, U):
+            cur = _step_pair(kp_ptr, ring, q_smem, zero, i, hi, pq, PT, W, I, LD, BK, NS)
+            for u in gl.static_range(U):
+                if u < U - 1:
+                    nxt = _step_pair(kp_ptr, ring, q_smem, zero, i + u + 1, hi, pq, PT, W, I,
+                                     LD, BK, NS)
+                    cur = warpgroup_mma_wait(num_outstanding=1, deps=(cur,))
+                else:
+                    cur = warpgroup_mma_wait(num_outstanding=0, deps=(cur,))
+                _epilogue_pair(cur, w, i + u, hi, pq, PT, ks_ptr, out_ptr, r0, r1, n0, n1,
+                               go0, go1, W, I, BK, HP)
+                if u < U - 1:
+                    cur = nxt
+        async_copy.wait_group(0)
+        gl.thread_barrier()

@@ -141,16 +141,18 @@ class IndexerTiles:
     """Launch parameters (the bench's ``--sweep`` varies them; results do not depend on them)."""
 
     block_q: int = 2  # prefill queries per logits program (N = block_q * padded heads)
-    block_k: int = 128  # prefill keys per product (M)
-    logits_warps: int = 8
+    block_k: int = 64  # prefill keys per product (M)
+    logits_warps: int = 4
     logits_stages: int = 3
-    logits_maxnreg: int = 128  # prefill logits: registers per thread capped (0: no cap); 8
-    # warps at 128: two programs per SM
+    logits_maxnreg: int = 128  # prefill logits: registers per thread capped (0: no cap); 4
+    # warps at 128: four programs per SM. H200, T 4096 x N 32768: 2.20 ms against 2.23-2.25
+    # for 128-key tiles in 8 warps (two programs per SM)
     logits_gluon: bool = False  # prefill logits by the Gluon kernel (gluon/logits.py: the next
     # tile's products under this tile's epilogue; CUDA, at most 64 padded heads; compiled
     # offline, not yet run on a GPU)
     gluon_stages: int = 4  # ... key tiles in its ring
     gluon_unroll: int = 4  # ... tiles an iteration of its overlapped loop
+    gluon_pair: bool = False  # ... one product of both queries a tile (N = 2 x padded heads)
     decode_block_k: int = 128
     few_rows: int = 16  # decode batches of at most this many rows use few_rows_block_k
     few_rows_block_k: int = 64  # (8 x 128k logits 53.5 us against 62.5 at 128; 64 rows of
@@ -190,17 +192,24 @@ class IndexerTiles:
     filter_short_rows: bool = True  # ... and rows one select item handles (a prefill's). H200:
     # T 4096 x N 32768 select 1.53 ms against 2.16 by segments; the 32k step's indexer 23.3 ms
     # a layer, 26.8 by segments (bench/RESULTS.md, 2026-12-01 seventh session)
-    filter_chunk: int = 2048  # keys per gathering program (T 4096 x N 32768: 398 us
-    # against 610 at 4096, when a counting pass came first)
+    filter_chunk: int = 1024  # keys per gathering program (T 4096 x N 32768: 372 us
+    # against 394 at 2048 and 610 at 4096)
+    filter_rank_chunk: int = 512  # composites placed per rank program of the filter path
+    # (T 4096 x N 32768: ranks 281 against 317 us at 256)
     filter_cap: int = 0  # candidate slots per row (a power of two >= topk; runs of
     # split_run, at most rank_runs of them); 0: from the widest row (``filter_slots``)
     filter_warps: int = 8  # the threshold program of a row (sorts the sample)
+    filter_bisect: bool = True  # ... finds the sample's key at the threshold rank by
+    # bisection instead of sorting the sample (the same key). H200, T 4096 x N 32768: 88
+    # against 167 us
+    filter_scatter_warps: int = 4  # gathering programs
     filter_trim: bool = True  # rows with more than topk candidates keep their exact top K
     # before the run sorts and ranks (fewer runs to sort and search), for more than
     # trim_rows rows. H200, T 4096 x N 32768: select 1.53 ms against 1.72 untrimmed (ranks
     # 319 against 660 us); 8 x 128k (graph) 55.1 against 47.6 us, so few rows are not trimmed
     trim_rows: int = 16
     trim_warps: int = 8
+    trim_halved: bool = True  # rows of at most half the slots trimmed over half of them
     filter_budget_bytes: int = 1 << 28  # candidate slots of one launch (rows in batches)
     filter_fused_count: bool = False  # the threshold program counts its row too (no counting
     # launch; not measured yet)
@@ -351,11 +360,11 @@ def _split_shape(R: int, L: int, tiles: IndexerTiles) -> tuple[int, int] | None:
 
 
 def _rank_launch(sorted_runs, top_s, top_i, topk, run, runs, tiles, ids, *, lens=None, n=0,
-                 skip=None, run_keys=None):
+                 skip=None, run_keys=None, chunk=0):
     """Top-k of each row's ``runs`` sorted runs of ``run`` composites, placed by ranks; with
     ``lens``, runs past a row's first min(lens[r], n) keys are pads, not searched; rows whose
-    ``skip`` flag is set are left alone."""
-    chunk = min(run, triton.next_power_of_2(tiles.rank_chunk))
+    ``skip`` flag is set are left alone. ``chunk``: composites a program (0: rank_chunk)."""
+    chunk = min(run, triton.next_power_of_2(chunk or tiles.rank_chunk))
     grid = (sorted_runs.shape[0], runs, run // chunk)
     sjit.rank_runs_kernel[grid](sorted_runs, lens if lens is not None else sorted_runs,
                                 skip if skip is not None else sorted_runs, top_s, top_i,
@@ -428,6 +437,7 @@ def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
                                            float(tiles.filter_margin), C, CAP=cap,
                                            S=triton.next_power_of_2(max(tiles.filter_sample, 16)),
                                            COUNT=tiles.filter_fused_count, CH=ch,
+                                           BISECT=tiles.filter_bisect,
                                            num_warps=tiles.filter_warps)
         if not tiles.filter_fused_count:
             sjit.filter_count_kernel[(n, C)](k, ln, thr, cnt, k.stride(0), L, CH=ch,
@@ -435,16 +445,18 @@ def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
         sjit.filter_scatter_kernel[(n, C)](k, ln, thr, cnt, cand, cand_len, ok[r0:r0 + n],
                                            k.stride(0), cand.stride(0), L, topk, CAP=cap, CH=ch,
                                            CB=triton.next_power_of_2(C),
-                                           num_warps=tiles.split_warps)
+                                           num_warps=tiles.filter_scatter_warps)
         if trim:
             sjit.filter_trim_kernel[(n,)](cand, cand_len, cand.stride(0), topk, CAP=cap,
-                                          BLK=min(cap, 1024), num_warps=tiles.trim_warps)
+                                          BLK=min(cap, 1024), HALF=tiles.trim_halved,
+                                          num_warps=tiles.trim_warps)
         # in place: each run's program reads its run before it writes it back sorted
         sjit.sort_runs_kernel[(n, runs)](cand, cand_len, cand, s, i, cand.stride(0),
                                          cand.stride(0), s.stride(0), cap, topk,
                                          HAS_LEN=True, SEG=run, COMPOSITE_IN=True,
                                          num_warps=tiles.split_warps)
-        _rank_launch(cand[:n], s, i, topk, run, runs, tiles, ids, lens=cand_len, n=cap)
+        _rank_launch(cand[:n], s, i, topk, run, runs, tiles, ids, lens=cand_len, n=cap,
+                     chunk=tiles.filter_rank_chunk)
     return ok
 
 
@@ -552,7 +564,8 @@ def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_loc
         if gluon is not None:
             gluon.launch(q8[t0:t1], w8[t0:t1], kp, ks, keys[: t1 - t0], L, key_len[t0:t1],
                          region_pcu[t0:t1], padded_local_total, dcp_size, interleave,
-                         stages=tiles.gluon_stages, unroll=tiles.gluon_unroll)
+                         stages=tiles.gluon_stages, unroll=tiles.gluon_unroll,
+                         pair=tiles.gluon_pair)
         else:
             _logits_planar(q8[t0:t1], w8[t0:t1], kp, ks, keys[: t1 - t0], L, key_len[t0:t1],
                            region_pcu[t0:t1], padded_local_total, dcp_size, interleave,
