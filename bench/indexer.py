@@ -198,6 +198,8 @@ PREFILL_FILTERS = {
     "filter path, threshold in 4 warps": {"filter_warps": 4},
     "filter path, rank chunk 256 (before)": {"filter_rank_chunk": 256},
     "filter path, margin 5": {"filter_margin": 5.0},
+    "filter path, margin 3.5": {"filter_margin": 3.5},
+    "filter path, sample 512": {"filter_sample": 512},
     "filter path, chunk 2048 (before)": {"filter_chunk": 2048},
     "filter path, chunk 4096": {"filter_chunk": 4096},
     "filter path, trim over all slots (before)": {"trim_halved": False},
@@ -398,8 +400,7 @@ def planar_logits(args, ceil, flops, sweep_tiles=False):
     return ok
 
 
-GLUON_TILES = ((4, 4, False), (4, 4, True), (3, 4, True), (4, 2, True), (5, 4, True))
-# (ring stages, unroll, one product of both queries) of the Gluon logits
+GLUON_TILES = ((4, 4), (3, 4), (4, 2), (5, 4))  # (ring stages, unroll) of the Gluon logits
 
 
 def gluon_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops):
@@ -412,16 +413,16 @@ def gluon_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops)
         print(f"  gluon logits: not available ({e})", flush=True)
         return True
     ok = True
-    for stages, unroll, pair in GLUON_TILES:
-        def fn(stages=stages, unroll=unroll, pair=pair):
+    for stages, unroll in GLUON_TILES:
+        def fn(stages=stages, unroll=unroll):
             gl_logits.launch(q8, w8, kp, ks, got, N, key_len, pcu, N, 1, 1, stages=stages,
-                             unroll=unroll, pair=pair)
+                             unroll=unroll)
         try:
             got.fill_(0)
             fn()
             eq = torch.equal(torch.where(valid, got, 0), torch.where(valid, want, 0))
             ok &= eq
-            row(f"  gluon fp8 logits, ring {stages}, unroll {unroll}{', pair' * pair}", bench(fn), flops, ceil,
+            row(f"  gluon fp8 logits, ring {stages}, unroll {unroll}", bench(fn), flops, ceil,
                 f"== default tiles: {eq}")
         except FAILS + (ValueError,) as e:
             print(f"  gluon ring {stages} unroll {unroll}: failed ({type(e).__name__}: "

@@ -1,9 +1,12 @@
 """Launcher of the Gluon prefill indexer logits (body in ``logits_jit.py``).
 
-Opt-in (``IndexerTiles.logits_gluon``): compiled for sm_90 offline with Triton 3.6 (ptxas: no
-spills, 242 registers, 48 KB of shared memory at the defaults, every product chain issued back
-to back), not yet run on a GPU. Importing this module fails with ImportError on a Triton
-without Gluon.
+Opt-in (``IndexerTiles.logits_gluon``). H200, T 4096 x N 32768 (``bench/indexer.py --only
+planar``): 2.41 ms (2.49 with one product per query instead of one of both queries a tile)
+against 2.19-2.21 for the Triton kernel; the int32 keys are equal. Offline sm_90 compile with
+Triton 3.6: 241 registers (two programs a SM), no spills, 48 KB of shared memory. Why it
+does not win is not profiled: two one-warpgroup programs a SM leave each scheduler two warps
+for the epilogues, against four for the Triton kernel. Importing this module fails with
+ImportError on a Triton without Gluon.
 """
 
 from __future__ import annotations
@@ -13,17 +16,16 @@ import triton
 from . import logits_jit
 
 BLOCK_K = 64  # keys per tile: the M of the wgmma products (one warpgroup)
-MAX_HEADS = 64  # padded heads (the N of a product): two accumulator pairs in registers
+MAX_HEADS = 64  # padded heads (half the N of a product): two tiles of accumulators in registers
 
 
 def launch(q, weights, kp, ks, out, L: int, lens, pcu, PT: int, W: int, I: int, *,
-           stages: int = 4, unroll: int = 4, pair: bool = False) -> None:
+           stages: int = 4, unroll: int = 4) -> None:
     """Prefill int32 keys ``out [T, L]`` (``triton.indexer_tiled._logits_planar``'s contract):
     q ``[T, HI, 128]`` float8_e4m3fn, weights ``[T, HI]`` float32, the key planes ``kp [R, 128]``
     float8_e4m3fn and ``ks [R]`` float32, key_len ``lens [T]``, region starts ``pcu [T]``.
     Two queries a program; ``stages`` key tiles in the ring (>= 3), ``unroll`` tiles an
-    iteration of the overlapped loop; ``pair``: one product of both queries a tile (N = 2 HP)
-    instead of one per query."""
+    iteration of the overlapped loop."""
     T, HI, _ = q.shape
     hp = max(16, triton.next_power_of_2(HI))
     if hp > MAX_HEADS or stages < 3 or unroll < 1:
@@ -32,8 +34,7 @@ def launch(q, weights, kp, ks, out, L: int, lens, pcu, PT: int, W: int, I: int, 
                          f"unroll >= 1")
     if T == 0:
         return
-    fwd = logits_jit.gluon_logits_pair_fwd if pair else logits_jit.gluon_logits_fwd
-    fwd[(triton.cdiv(T, 2),)](
+    logits_jit.gluon_logits_fwd[(triton.cdiv(T, 2),)](
         q, weights, kp, ks, out, lens, pcu, q.stride(0), q.stride(1), weights.stride(0),
         out.stride(0), T, HI, L, PT, W=W, I=I, HP=hp, BK=BLOCK_K, NS=stages, U=unroll,
         num_warps=4)

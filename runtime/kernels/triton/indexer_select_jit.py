@@ -551,22 +551,15 @@ def _trim_bisect(dst, n, K, WIDTH: tl.constexpr):
 @triton.jit
 def _kth_largest(key, lo, R):
     """The R-th largest of the int32 keys: the largest t with #(key >= t) >= R, by bisection
-    between lo (#(key >= lo) >= R) and the largest key (at most 32 halvings). A halving point
-    with exactly R keys at or above it ends the search: t is the least of those keys (once
-    the interval holds t alone, the next point at or below t is one: about half the halvings
-    on spread scores)."""
+    between lo (#(key >= lo) >= R) and the largest key (at most 32 halvings; stopping early
+    where a halving point has exactly R keys at or above it was slower on the H200: trim 266
+    against 205 us at T 4096 x N 32768)."""
     lo = lo.to(tl.int64)
     hi = tl.max(key, 0).to(tl.int64) + 1
     for _ in tl.static_range(32):  # #(key >= lo) >= R > #(key >= hi)
         if hi - lo > 1:
             mid = lo + ((hi - lo) >> 1)
-            ge = key >= mid.to(tl.int32)
-            cnt = tl.sum(ge.to(tl.int32), 0)
-            if cnt == R:
-                lo = tl.min(tl.where(ge, key, 2147483647), 0).to(tl.int64)
-                hi = lo + 1
-            else:
-                big = cnt > R
-                lo = tl.where(big, mid, lo)
-                hi = tl.where(big, hi, mid)
+            big = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), 0) >= R
+            lo = tl.where(big, mid, lo)
+            hi = tl.where(big, hi, mid)
     return lo.to(tl.int32)

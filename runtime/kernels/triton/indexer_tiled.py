@@ -15,14 +15,14 @@ block (its queries one request's: one key tile for all) and a block across a req
 (one pass per query): a second loop had its own pipeline buffers, and 115 KB of shared memory
 kept the kernel at one program per SM. Query blocks run last first (a prefill's later queries
 have the most keys: the longest programs start first). H200, T 4096 x N 32768
-(``bench/indexer.py --only planar``): 2.21 ms, 930 TFLOP/s of logits (BQ 2, BK 128, 8 warps
-capped at 128 registers: two programs a SM; the cap applies to tiles of at most 128
-query-head columns), 2.36 ms at 4 warps uncapped, against 2.49 ms for the two-loop kernel in
-the same call; the byte-row kernel below takes 6.23 ms (4 warps; 8.90 at 8) on the same
+(``bench/indexer.py --only planar``): 2.19-2.21 ms, 935 TFLOP/s of logits (BQ 2, BK 64, 4 warps
+capped at 128 registers: four programs a SM; the cap applies to tiles of at most 128
+query-head columns), 2.23-2.25 ms for BK 128 in 8 warps under the same cap, 2.35 ms for BK 128
+in 4 warps uncapped; the byte-row kernel below takes 6.23 ms (4 warps; 8.90 at 8) on the same
 quantised inputs; the int32 keys are equal. Within a program each product is waited on as
-soon as it is issued, so its epilogue never overlaps its products; the opt-in Gluon kernel
+soon as it is issued, so its epilogue never overlaps its products. The opt-in Gluon kernel
 (``logits_gluon``, ``gluon/logits_jit.py``) issues the next tile's products before this
-tile's epilogue (compiled offline, not yet run on a GPU).
+tile's epilogue; on the H200 it is correct but slower (2.41 ms).
 
 Decode and explicit-row logits (``indexer_logits_jit.logits_kernel``) read the packed 132-byte
 rows of the paged cache (not 16-byte aligned: at most 4-byte vectors). The key tile is the A
@@ -110,12 +110,16 @@ composites go after the earlier chunks', in position order), ``filter_trim_kerne
 than ``trim_rows`` rows: a row's exact top K kept in place, by bisection on int32 keys), then
 the split path's run sorts (in place) and ranks with composites in. Rows whose threshold
 missed get no candidates and are selected by the segment path, which skips the others
-(``HAS_SKIP``); ``sort_runs_kernel`` has written every row's pads. H200, T 4096 x N 32768
-(``bench/indexer.py --quick --only prefill --profile``): select 1.53 ms against 2.16 by
-segments (scatter 397 us, ranks 319, trim 261, run sorts 230, threshold 167, counting 131);
-without the trim 1.72 ms (ranks 660, sorts 346); one gathering pass with atomic reservations
-instead of counting first cost 850 us; ``torch.sort`` of the slots 5.5 ms. Decode, replayed:
-8 x 128k select 44.4 us (96.7 by segments in the sixth session).
+(``HAS_SKIP``); ``sort_runs_kernel`` has written every row's pads. The threshold and the
+trim find a rank's key by bisection (``_kth_largest``: no sort of the sample; a row with at
+most half its slots filled bisects over half of them). H200, T 4096 x N 32768
+(``bench/indexer.py --quick --only prefill --profile``): select 1.34 ms against 2.15 by
+segments (gathering 372 us, ranks 281, run sorts 230, trim 205, counting 135, threshold 87)
+and 1.53 ms with the tunables before (threshold by sorting the sample 167 us, trims over
+all slots 261, 2048-key gathering chunks 394, 256-composite ranks 317); without the trim
+1.60 ms (ranks 640, sorts 346); one gathering pass with atomic reservations instead of
+counting first cost 850 us; ``torch.sort`` of the slots 5.5 ms. Decode, replayed: 8 x 128k
+select 48 us (97 by segments).
 """
 
 from __future__ import annotations
@@ -148,11 +152,10 @@ class IndexerTiles:
     # warps at 128: four programs per SM. H200, T 4096 x N 32768: 2.20 ms against 2.23-2.25
     # for 128-key tiles in 8 warps (two programs per SM)
     logits_gluon: bool = False  # prefill logits by the Gluon kernel (gluon/logits.py: the next
-    # tile's products under this tile's epilogue; CUDA, at most 64 padded heads; compiled
-    # offline, not yet run on a GPU)
+    # tile's products under this tile's epilogue; CUDA, at most 64 padded heads). H200, T 4096
+    # x N 32768: 2.41 ms against 2.21 for the Triton kernel, so off
     gluon_stages: int = 4  # ... key tiles in its ring
     gluon_unroll: int = 4  # ... tiles an iteration of its overlapped loop
-    gluon_pair: bool = False  # ... one product of both queries a tile (N = 2 x padded heads)
     decode_block_k: int = 128
     few_rows: int = 16  # decode batches of at most this many rows use few_rows_block_k
     few_rows_block_k: int = 64  # (8 x 128k logits 53.5 us against 62.5 at 128; 64 rows of
@@ -190,8 +193,8 @@ class IndexerTiles:
     # programs, then ordered as split-path runs; the segment path selects only the rows whose
     # threshold missed. H200, graph: select 8 x 128k 45.4 us against 96.7 by segments
     filter_short_rows: bool = True  # ... and rows one select item handles (a prefill's). H200:
-    # T 4096 x N 32768 select 1.53 ms against 2.16 by segments; the 32k step's indexer 23.3 ms
-    # a layer, 26.8 by segments (bench/RESULTS.md, 2026-12-01 seventh session)
+    # T 4096 x N 32768 select 1.34 ms against 2.15 by segments (bench/RESULTS.md, 2026-12-01
+    # eighth session)
     filter_chunk: int = 1024  # keys per gathering program (T 4096 x N 32768: 372 us
     # against 394 at 2048 and 610 at 4096)
     filter_rank_chunk: int = 512  # composites placed per rank program of the filter path
@@ -205,14 +208,16 @@ class IndexerTiles:
     filter_scatter_warps: int = 4  # gathering programs
     filter_trim: bool = True  # rows with more than topk candidates keep their exact top K
     # before the run sorts and ranks (fewer runs to sort and search), for more than
-    # trim_rows rows. H200, T 4096 x N 32768: select 1.53 ms against 1.72 untrimmed (ranks
-    # 319 against 660 us); 8 x 128k (graph) 55.1 against 47.6 us, so few rows are not trimmed
+    # trim_rows rows. H200, T 4096 x N 32768: select 1.34 ms against 1.60 untrimmed (ranks
+    # 281 against 640 us); 8 x 128k (graph) 55.1 against 47.6 us, so few rows are not trimmed
     trim_rows: int = 16
     trim_warps: int = 8
     trim_halved: bool = True  # rows of at most half the slots trimmed over half of them
+    # (T 4096 x N 32768: trim 205 against 261 us)
     filter_budget_bytes: int = 1 << 28  # candidate slots of one launch (rows in batches)
     filter_fused_count: bool = False  # the threshold program counts its row too (no counting
-    # launch; not measured yet)
+    # launch). H200, T 4096 x N 32768, with the sorted-sample threshold: select 1531.6 against
+    # 1531.0 us (threshold 301 against 167 + counting 130)
     filter_sample: int = 1024  # keys sampled per row for its threshold, taken at the sample
     filter_margin: float = 4.0  # rank m + margin * sqrt(m): at 128k keys and topk 2048 about
     # 4100 candidates expected (m 16), inside the cap and above topk. H200, graph: select 8 x
@@ -564,8 +569,7 @@ def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_loc
         if gluon is not None:
             gluon.launch(q8[t0:t1], w8[t0:t1], kp, ks, keys[: t1 - t0], L, key_len[t0:t1],
                          region_pcu[t0:t1], padded_local_total, dcp_size, interleave,
-                         stages=tiles.gluon_stages, unroll=tiles.gluon_unroll,
-                         pair=tiles.gluon_pair)
+                         stages=tiles.gluon_stages, unroll=tiles.gluon_unroll)
         else:
             _logits_planar(q8[t0:t1], w8[t0:t1], kp, ks, keys[: t1 - t0], L, key_len[t0:t1],
                            region_pcu[t0:t1], padded_local_total, dcp_size, interleave,
