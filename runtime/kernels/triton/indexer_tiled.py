@@ -113,10 +113,11 @@ missed get no candidates and are selected by the segment path, which skips the o
 (``HAS_SKIP``); ``sort_runs_kernel`` has written every row's pads. The threshold and the
 trim find a rank's key by bisection (``_kth_largest``: no sort of the sample; a row with at
 most half its slots filled bisects over half of them). H200, T 4096 x N 32768
-(``bench/indexer.py --quick --only prefill --profile``): select 1.34 ms against 2.15 by
-segments (gathering 372 us, ranks 281, run sorts 230, trim 205, counting 135, threshold 87)
+(``bench/indexer.py --quick --only prefill --profile``): select 1.29 ms against 2.15 by
+segments (gathering 326 us, ranks 281, run sorts 230, trim 205, counting 135, threshold 87)
 and 1.53 ms with the tunables before (threshold by sorting the sample 167 us, trims over
-all slots 261, 2048-key gathering chunks 394, 256-composite ranks 317); without the trim
+all slots 261, 2048-key gathering chunks in 4 warps 394, 256-composite ranks 317); whole
+indexer (logits + select) 3.49 ms; without the trim
 1.60 ms (ranks 640, sorts 346); one gathering pass with atomic reservations instead of
 counting first cost 850 us; ``torch.sort`` of the slots 5.5 ms. Decode, replayed: 8 x 128k
 select 48 us (97 by segments).
@@ -193,7 +194,7 @@ class IndexerTiles:
     # programs, then ordered as split-path runs; the segment path selects only the rows whose
     # threshold missed. H200, graph: select 8 x 128k 45.4 us against 96.7 by segments
     filter_short_rows: bool = True  # ... and rows one select item handles (a prefill's). H200:
-    # T 4096 x N 32768 select 1.34 ms against 2.15 by segments (bench/RESULTS.md, 2026-12-01
+    # T 4096 x N 32768 select 1.29 ms against 2.15 by segments (bench/RESULTS.md, 2026-12-01
     # eighth session)
     filter_chunk: int = 1024  # keys per gathering program (T 4096 x N 32768: 372 us
     # against 394 at 2048 and 610 at 4096)
@@ -205,7 +206,9 @@ class IndexerTiles:
     filter_bisect: bool = True  # ... finds the sample's key at the threshold rank by
     # bisection instead of sorting the sample (the same key). H200, T 4096 x N 32768: 88
     # against 167 us
-    filter_scatter_warps: int = 4  # gathering programs
+    filter_scatter_warps: int = 2  # gathering programs (1024-key chunks, T 4096 x N 32768: 326
+    # us against 372 in 4 warps and 473 in 8)
+    filter_sort_warps: int = 4  # run sorts of the filter path
     filter_trim: bool = True  # rows with more than topk candidates keep their exact top K
     # before the run sorts and ranks (fewer runs to sort and search), for more than
     # trim_rows rows. H200, T 4096 x N 32768: select 1.34 ms against 1.60 untrimmed (ranks
@@ -459,7 +462,7 @@ def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
         sjit.sort_runs_kernel[(n, runs)](cand, cand_len, cand, s, i, cand.stride(0),
                                          cand.stride(0), s.stride(0), cap, topk,
                                          HAS_LEN=True, SEG=run, COMPOSITE_IN=True,
-                                         num_warps=tiles.split_warps)
+                                         num_warps=tiles.filter_sort_warps)
         _rank_launch(cand[:n], s, i, topk, run, runs, tiles, ids, lens=cand_len, n=cap,
                      chunk=tiles.filter_rank_chunk)
     return ok
