@@ -9,13 +9,12 @@ the H200 it is still slower than the Triton kernel: 2.41 against 2.21 ms, bench/
 
 - key tiles of BK keys are copied with ``cp.async`` (16 bytes a copy) into a ring of NS slots
   of shared memory, swizzled for the products;
-- per tile, two products ``K [BK, 128] @ Q_j^T [128, HP]``, one per query of the block (BQ 2;
-  ``gluon_logits_fwd``), or one of both queries ``K @ [Q_0; Q_1]^T [128, 2 HP]`` (half the
-  key-tile reads from shared memory; ``gluon_logits_fwd``), are issued asynchronously;
-  the program then waits only for the previous tile's products and runs their epilogue while
-  the new ones are on the tensor cores (two tiles of accumulators live), U tiles an
-  iteration of straight-line code (U - 1 of U epilogues overlapped: a product in flight
-  across iterations made ptxas serialise every ``wgmma``);
+- per tile, one product of both queries of the block (BQ 2), ``K [BK, 128] @ [Q_0; Q_1]^T
+  [128, 2 HP]`` (one product per query read each key tile twice from shared memory: 2.49
+  against 2.41 ms), is issued asynchronously; the program then waits only for the previous
+  tile's product and runs its epilogue while the new one is on the tensor cores (two tiles of
+  accumulators live), U tiles an iteration of straight-line code (U - 1 of U epilogues
+  overlapped: a product in flight across iterations made ptxas serialise every ``wgmma``);
 - a block of queries across a request boundary (rare) takes one pass per query, as in the
   Triton kernel.
 
@@ -101,9 +100,9 @@ def _epilogue(acc, w, j, hi, pq, PT, ks_ptr, out_ptr, r0, r1, n0, n1, go0, go1,
 # kernel: over 50 lines on purpose.
 @_jit_unspecialised
 def gluon_logits_fwd(q_ptr, w_ptr, kp_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
-                          stride_qt, stride_qh, stride_wt, stride_ot, T, HI, L, PT,
-                          W: gl.constexpr, I: gl.constexpr, HP: gl.constexpr, BK: gl.constexpr,
-                          NS: gl.constexpr, U: gl.constexpr):
+                     stride_qt, stride_qh, stride_wt, stride_ot, T, HI, L, PT,
+                     W: gl.constexpr, I: gl.constexpr, HP: gl.constexpr, BK: gl.constexpr,
+                     NS: gl.constexpr, U: gl.constexpr):
     LD: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # 16-byte copies
     QL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -161,12 +160,12 @@ def gluon_logits_fwd(q_ptr, w_ptr, kp_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
             for u in gl.static_range(U):
                 if u < U - 1:
                     nxt = _step(kp_ptr, ring, q_smem, zero, i + u + 1, hi, pq, PT, W, I,
-                                     LD, BK, NS)
+                                LD, BK, NS)
                     cur = warpgroup_mma_wait(num_outstanding=1, deps=(cur,))
                 else:
                     cur = warpgroup_mma_wait(num_outstanding=0, deps=(cur,))
-                _epilogue(cur, w, i + u, hi, pq, PT, ks_ptr, out_ptr, r0, r1, n0, n1,
-                               go0, go1, W, I, BK, HP)
+                _epilogue(cur, w, i + u, hi, pq, PT, ks_ptr, out_ptr, r0, r1, n0, n1, go0, go1,
+                          W, I, BK, HP)
                 if u < U - 1:
                     cur = nxt
         async_copy.wait_group(0)

@@ -136,18 +136,23 @@ def _bracket_pass(src, gt_buf, eq_buf, lo, hi, thr, K, CAP: tl.constexpr,
 
 @triton.jit
 def _sample_threshold(src, lo, hi, K, MARGIN, COMPOSITE_IN: tl.constexpr, S: tl.constexpr):
-    """A strided sample of S keys of [lo, hi), sorted descending, and the key at the sample rank
-    ``m + MARGIN * sqrt(m)`` (m = K * S / n, where the K-th key is expected): returns (that
-    threshold key, its sample rank, the sorted sample)."""
-    n = hi - lo
-    si = tl.arange(0, S)
-    pos = lo + ((si.to(tl.int64) * n) // S).to(tl.int32)
-    key, _ = _load_keys(src, pos, hi, COMPOSITE_IN)
+    """A strided sample of S keys of [lo, hi), sorted descending, and the key at its threshold
+    rank (``_sample_rank``): returns (that threshold key, its sample rank, the sorted sample)."""
+    key, idx = _sample_rank(src, lo, hi, K, MARGIN, COMPOSITE_IN, S)
     smp = tl.sort(key, 0, descending=True)
-    m = (K * 1.0) * S / (n * 1.0)  # the sample rank of the K-th key, expected
-    idx = tl.minimum(tl.maximum(m + MARGIN * tl.sqrt(m), -1.0).to(tl.int32) + 1, S - 1)
-    thr = tl.maximum(tl.max(tl.where(si == idx, smp, -2147483648), 0), -2147483647)
+    thr = tl.maximum(tl.max(tl.where(tl.arange(0, S) == idx, smp, -2147483648), 0), -2147483647)
     return thr, idx, smp
+
+
+@triton.jit
+def _sample_rank(src, lo, hi, K, MARGIN, COMPOSITE_IN: tl.constexpr, S: tl.constexpr):
+    """A strided sample of S keys of [lo, hi) (unsorted) and the 0-based threshold rank in it,
+    ``m + MARGIN * sqrt(m)`` (m = K * S / n: where the K-th key is expected)."""
+    n = hi - lo
+    pos = lo + ((tl.arange(0, S).to(tl.int64) * n) // S).to(tl.int32)
+    key, _ = _load_keys(src, pos, hi, COMPOSITE_IN)
+    m = (K * 1.0) * S / (n * 1.0)
+    return key, tl.minimum(tl.maximum(m + MARGIN * tl.sqrt(m), -1.0).to(tl.int32) + 1, S - 1)
 
 
 @triton.jit
@@ -433,12 +438,8 @@ def filter_threshold_kernel(keys_ptr, len_ptr, thr_ptr, cnt_ptr, stride_kr, N, K
     n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
     thr = tl.zeros((), tl.int32) - 2147483647
     if n > tl.minimum(CAP, 2 * K):
-        if BISECT:
-            si = tl.arange(0, S)
-            key, _ = _load_keys(keys_ptr + row * stride_kr, ((si.to(tl.int64) * n) // S).to(tl.int32),
-                                n, False)
-            m = (K * 1.0) * S / (n * 1.0)  # as _sample_threshold: the (idx + 1)-th largest
-            idx = tl.minimum(tl.maximum(m + MARGIN * tl.sqrt(m), -1.0).to(tl.int32) + 1, S - 1)
+        if BISECT:  # the sorted sample's key at rank idx is its (idx + 1)-th largest
+            key, idx = _sample_rank(keys_ptr + row * stride_kr, 0, n, K, MARGIN, False, S)
             thr = tl.maximum(_kth_largest(key, tl.min(key, 0), idx + 1), -2147483647)
         else:
             thr, _, _ = _sample_threshold(keys_ptr + row * stride_kr, 0, n, K, MARGIN, False, S)
