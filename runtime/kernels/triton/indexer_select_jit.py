@@ -444,8 +444,8 @@ def filter_threshold_kernel(keys_ptr, len_ptr, thr_ptr, cnt_ptr, stride_kr, N, K
         else:
             thr, _, _ = _sample_threshold(keys_ptr + row * stride_kr, 0, n, K, MARGIN, False, S)
     tl.store(thr_ptr + row, thr)
-    if COUNT:
-        for chunk in range(0, C):
+    if COUNT:  # the chunks holding keys (the gathering reads no count past the row's end)
+        for chunk in range(0, (n + CH - 1) // CH):
             _count_chunk(keys_ptr + row * stride_kr, n, thr, cnt_ptr, row, chunk, R, C, CH)
 
 
@@ -462,11 +462,14 @@ def _count_chunk(src, n, thr, cnt_ptr, row, chunk, R, C, CH: tl.constexpr):
 @triton.jit(do_not_specialize=["len_ptr", "N"])
 def filter_count_kernel(keys_ptr, len_ptr, thr_ptr, cnt_ptr, stride_kr, N, CH: tl.constexpr):
     """Program (row, chunk) of the filter path: the chunk's count of keys >= the row's
-    threshold to cnt[0, row, chunk] and of live keys to cnt[1, row, chunk]."""
+    threshold to cnt[0, row, chunk] and of live keys to cnt[1, row, chunk]; a chunk past the
+    row's end writes nothing (the gathering reads no count there): a prefill chunk's causal
+    rows are short for most of its launch width."""
     row = tl.program_id(0).to(tl.int64)
     n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
-    _count_chunk(keys_ptr + row * stride_kr, n, tl.load(thr_ptr + row), cnt_ptr, row,
-                 tl.program_id(1), tl.num_programs(0), tl.num_programs(1), CH)
+    if tl.program_id(1) * CH < n:
+        _count_chunk(keys_ptr + row * stride_kr, n, tl.load(thr_ptr + row), cnt_ptr, row,
+                     tl.program_id(1), tl.num_programs(0), tl.num_programs(1), CH)
 
 
 @triton.jit(do_not_specialize=["len_ptr", "N", "K"])
@@ -477,28 +480,38 @@ def filter_scatter_kernel(keys_ptr, len_ptr, thr_ptr, cnt_ptr, cand_ptr, cand_le
     are at least min(K, live keys) of them and at most CAP (ok); then the chunk's composites of
     those keys go to cand[row, before : ...], ``before`` = the count in the earlier chunks
     (position order kept). Chunk 0 stores ok[row] and cand_len[row] (the row's count if ok,
-    else 0). CB: a power of two >= the chunks of a row."""
+    else 0). CB: a power of two >= the chunks of a row. Chunks past the row's end were not
+    counted and gather nothing: their programs return at once (chunk 0 excepted)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     C = tl.num_programs(1)
     R = tl.num_programs(0)
-    j = tl.arange(0, CB)
-    ge = tl.load(cnt_ptr + row * C + j, mask=j < C, other=0)
-    live = tl.load(cnt_ptr + (R + row) * C + j, mask=j < C, other=0)
-    total = tl.sum(ge, 0)
-    ok = (total >= tl.minimum(tl.sum(live, 0), K)) & (total <= CAP)
-    if chunk == 0:
-        tl.store(ok_ptr + row, ok.to(tl.int32))
-        tl.store(cand_len_ptr + row, tl.where(ok, total, 0))
-    if ok:
-        before = tl.sum(tl.where(j < chunk, ge, 0), 0)
-        n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
-        thr = tl.load(thr_ptr + row)
-        c = chunk * CH + tl.arange(0, CH)
-        key, v = _load_keys(keys_ptr + row * stride_kr, c, n, False)
-        take = key >= thr
-        ti = take.to(tl.int32)
-        tl.store(cand_ptr + row * stride_cr + before + tl.cumsum(ti, 0) - ti, v, mask=take)
+    n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
+    if (chunk == 0) | (chunk * CH < n):
+        j = tl.arange(0, CB)
+        counted = (j < C) & (j * CH < n)
+        ge = tl.load(cnt_ptr + row * C + j, mask=counted, other=0)
+        live = tl.load(cnt_ptr + (R + row) * C + j, mask=counted, other=0)
+        total = tl.sum(ge, 0)
+        ok = (total >= tl.minimum(tl.sum(live, 0), K)) & (total <= CAP)
+        if chunk == 0:
+            tl.store(ok_ptr + row, ok.to(tl.int32))
+            tl.store(cand_len_ptr + row, tl.where(ok, total, 0))
+        if ok:
+            _gather_chunk(keys_ptr + row * stride_kr, cand_ptr + row * stride_cr,
+                          tl.sum(tl.where(j < chunk, ge, 0), 0), n, tl.load(thr_ptr + row),
+                          chunk, CH)
+
+
+@triton.jit
+def _gather_chunk(src, dst, before, n, thr, chunk, CH: tl.constexpr):
+    """The composites of chunk ``chunk``'s keys >= thr (of a row of n keys at src) to
+    dst[before:], in position order."""
+    c = chunk * CH + tl.arange(0, CH)
+    key, v = _load_keys(src, c, n, False)
+    take = key >= thr
+    ti = take.to(tl.int32)
+    tl.store(dst + before + tl.cumsum(ti, 0) - ti, v, mask=take)
 
 
 @triton.jit(do_not_specialize=["cand_len_ptr", "K"])
