@@ -405,7 +405,8 @@ def planar_logits(args, ceil, flops, sweep_tiles=False):
     return ok
 
 
-GLUON_TILES = ((4, 4), (3, 4), (4, 2), (5, 4))  # (ring stages, unroll) of the Gluon logits
+# (ring stages, unroll, register cap) of the Gluon logits; 168 registers: three programs a SM
+GLUON_TILES = ((4, 4, 0), (4, 2, 0), (4, 2, 168), (4, 3, 168), (5, 2, 168))
 
 
 def gluon_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops):
@@ -418,16 +419,17 @@ def gluon_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops)
         print(f"  gluon logits: not available ({e})", flush=True)
         return True
     ok = True
-    for stages, unroll in GLUON_TILES:
-        def fn(stages=stages, unroll=unroll):
+    for stages, unroll, regs in GLUON_TILES:
+        def fn(stages=stages, unroll=unroll, regs=regs):
             gl_logits.launch(q8, w8, kp, ks, got, N, key_len, pcu, N, 1, 1, stages=stages,
-                             unroll=unroll)
+                             unroll=unroll, maxnreg=regs)
         try:
             got.fill_(0)
             fn()
             eq = torch.equal(torch.where(valid, got, 0), torch.where(valid, want, 0))
             ok &= eq
-            row(f"  gluon fp8 logits, ring {stages}, unroll {unroll}", bench(fn), flops, ceil,
+            row(f"  gluon fp8 logits, ring {stages}, unroll {unroll}{f', regs {regs}' * bool(regs)}",
+                bench(fn), flops, ceil,
                 f"== default tiles: {eq}")
         except FAILS + (ValueError,) as e:
             print(f"  gluon ring {stages} unroll {unroll}: failed ({type(e).__name__}: "

@@ -296,19 +296,21 @@ def test_gpu_prefill_matches_old_kernel():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("W,I,nreq,stages,unroll,Hi", [(1, 1, 1, 4, 4, 64), (1, 1, 3, 3, 2, 64),
-                                                       (2, 64, 2, 4, 3, 64), (1, 1, 2, 4, 4, 6)])
-def test_gpu_gluon_logits(W, I, nreq, stages, unroll, Hi):
+@pytest.mark.parametrize("W,I,nreq,stages,unroll,Hi,regs", [
+    (1, 1, 1, 4, 4, 64, 0), (1, 1, 3, 3, 2, 64, 0), (2, 64, 2, 4, 3, 64, 0), (1, 1, 2, 4, 4, 6, 0),
+    (2, 64, 2, 4, 2, 64, 168)])
+def test_gpu_gluon_logits(W, I, nreq, stages, unroll, Hi, regs):
     """The opt-in Gluon prefill logits (IndexerTiles.logits_gluon): the whole prefill indexer
     against the reference, with request boundaries inside query blocks (nreq > 1), an odd
     query count (a half block), rows shorter than topk, unrolled loops that run past the last
-    key tile, and padded heads (6 of 16)."""
+    key tile, padded heads (6 of 16), and registers capped (168: a small spill)."""
     pytest.importorskip("triton.experimental.gluon")
     it = _it()
     T, PT, topk = 255, 8192, 2048
     q, w, k = _inputs("cuda", T, Hi, W * PT, 7)
     key_len, pcu = _prefill_case("cuda", T, PT, topk, W, 3, nreq)
-    tiles = it.IndexerTiles(logits_gluon=True, gluon_stages=stages, gluon_unroll=unroll)
+    tiles = it.IndexerTiles(logits_gluon=True, gluon_stages=stages, gluon_unroll=unroll,
+                             gluon_maxnreg=regs)
     got = it.indexer_topk_prefill(q, w, k, key_len, pcu, PT, W, I, topk, max_keys=PT,
                                   tiles=tiles)
     _check(got, ref.indexer_topk_prefill(q.cpu().double(), w.cpu(), k.cpu(), key_len.cpu(),

@@ -20,12 +20,13 @@ MAX_HEADS = 64  # padded heads (half the N of a product): two tiles of accumulat
 
 
 def launch(q, weights, kp, ks, out, L: int, lens, pcu, PT: int, W: int, I: int, *,
-           stages: int = 4, unroll: int = 4) -> None:
+           stages: int = 4, unroll: int = 4, maxnreg: int = 0) -> None:
     """Prefill int32 keys ``out [T, L]`` (``triton.indexer_tiled._logits_planar``'s contract):
     q ``[T, HI, 128]`` float8_e4m3fn, weights ``[T, HI]`` float32, the key planes ``kp [R, 128]``
     float8_e4m3fn and ``ks [R]`` float32, key_len ``lens [T]``, region starts ``pcu [T]``.
     Two queries a program; ``stages`` key tiles in the ring (>= 3), ``unroll`` tiles an
-    iteration of the overlapped loop."""
+    iteration of the overlapped loop; ``maxnreg``: registers a thread capped (0: none; 168
+    fits three programs a SM, with a 24-byte spill at unroll 2 in an offline compile)."""
     T, HI, _ = q.shape
     hp = max(16, triton.next_power_of_2(HI))
     if hp > MAX_HEADS or stages < 3 or unroll < 1:
@@ -37,4 +38,4 @@ def launch(q, weights, kp, ks, out, L: int, lens, pcu, PT: int, W: int, I: int, 
     logits_jit.gluon_logits_fwd[(triton.cdiv(T, 2),)](
         q, weights, kp, ks, out, lens, pcu, q.stride(0), q.stride(1), weights.stride(0),
         out.stride(0), T, HI, L, PT, W=W, I=I, HP=hp, BK=BLOCK_K, NS=stages, U=unroll,
-        num_warps=4)
+        num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}))

@@ -157,6 +157,7 @@ class IndexerTiles:
     # x N 32768: 2.41 ms against 2.21 for the Triton kernel, so off
     gluon_stages: int = 4  # ... key tiles in its ring
     gluon_unroll: int = 4  # ... tiles an iteration of its overlapped loop
+    gluon_maxnreg: int = 0  # ... registers a thread capped (0: none)
     decode_block_k: int = 128
     few_rows: int = 16  # decode batches of at most this many rows use few_rows_block_k
     few_rows_block_k: int = 64  # (8 x 128k logits 53.5 us against 62.5 at 128; 64 rows of
@@ -572,7 +573,8 @@ def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_loc
         if gluon is not None:
             gluon.launch(q8[t0:t1], w8[t0:t1], kp, ks, keys[: t1 - t0], L, key_len[t0:t1],
                          region_pcu[t0:t1], padded_local_total, dcp_size, interleave,
-                         stages=tiles.gluon_stages, unroll=tiles.gluon_unroll)
+                         stages=tiles.gluon_stages, unroll=tiles.gluon_unroll,
+                         maxnreg=tiles.gluon_maxnreg)
         else:
             _logits_planar(q8[t0:t1], w8[t0:t1], kp, ks, keys[: t1 - t0], L, key_len[t0:t1],
                            region_pcu[t0:t1], padded_local_total, dcp_size, interleave,
