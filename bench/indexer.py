@@ -6,6 +6,7 @@ bf16 matmul ceiling.
                             [--decode-cases 8x131072,64x65536-131072] [--variants filter] [--profile]
                             [--sweep]
                             [--planar-sweep] [--planar-tiles 2:128:4:3,2:64:8:3:128] [--json out.json]
+                            [--inputs integer|normal]
 
 Prefill cases: the last T tokens of an N-token context (query i has keys 0 .. N - T + i),
 64 heads x 128 dims, topk 2048, one rank. Decode cases: B requests of one context each (and 64
@@ -85,11 +86,22 @@ def _ints(shape, lo, hi, g):
     return torch.randint(lo, hi + 1, shape, device="cuda", generator=g)
 
 
+INPUTS = "integer"  # --inputs: prefill inputs integer-valued (exact scores, ties) or normal
+
+
 def prefill_inputs(T, N, seed=0):
+    """Integer-valued inputs (exact scores, ties at every threshold: the select's worst case,
+    and old == new bit for bit) or, with ``--inputs normal``, normal draws (continuous scores,
+    as a model's: the old kernel's may then differ in the last bits, another summation order)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q = _ints((T, HI, 128), -2, 2, g).to(torch.bfloat16)
-    w = _ints((T, HI), -2, 2, g).float()
-    k = ref.quantize_indexer_k(_ints((N, 128), -3, 3, g).float())
+    if INPUTS == "normal":
+        q = torch.randn((T, HI, 128), device="cuda", generator=g).to(torch.bfloat16)
+        w = torch.randn((T, HI), device="cuda", generator=g)
+        k = ref.quantize_indexer_k(torch.randn((N, 128), device="cuda", generator=g))
+    else:
+        q = _ints((T, HI, 128), -2, 2, g).to(torch.bfloat16)
+        w = _ints((T, HI), -2, 2, g).float()
+        k = ref.quantize_indexer_k(_ints((N, 128), -3, 3, g).float())
     key_len = torch.arange(N - T + 1, N + 1, device="cuda")
     pcu = torch.zeros(T, dtype=torch.int64, device="cuda")
     args = (q, w, k, key_len, pcu, N, 1, 1, TOPK)
@@ -211,6 +223,7 @@ PREFILL_FILTERS = {
     "filter path, threshold by sorting the sample (before)": {"filter_bisect": False},
     "filter path, gathering in 8 warps": {"filter_scatter_warps": 8},
     "filter path, gathering in 4 warps (before)": {"filter_scatter_warps": 4},
+    "filter path, bisections stop at an exact count": {"bisect_exit": True},
     "filter path, as before this session": {"filter_rank_chunk": 256, "filter_chunk": 2048,
                                             "filter_bisect": False, "trim_halved": False},
 }
@@ -539,9 +552,13 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="device time per kernel: of the whole decode call (default tiles and "
                          "each timed variant), of each timed prefill select")
+    ap.add_argument("--inputs", choices=("integer", "normal"), default="integer",
+                    help="prefill inputs: integer-valued (exact, tied scores; the default) or "
+                         "normal draws (continuous scores)")
     a = ap.parse_args()
-    global VARIANTS, PROFILE, PLANAR_DEFAULT_TILES
+    global VARIANTS, PROFILE, PLANAR_DEFAULT_TILES, INPUTS
     PROFILE = a.profile
+    INPUTS = a.inputs
     PLANAR_DEFAULT_TILES = a.planar_tiles
     if a.variants is not None:
         VARIANTS = [v for v in a.variants.split(",") if v]

@@ -335,12 +335,15 @@ def test_zero_queries(env):
 
 
 @pytest.mark.parametrize("env", ENVS)
-def test_filter_trim_keeps_the_exact_top_k(env):
+@pytest.mark.parametrize("exit_early", [False, True])
+@pytest.mark.parametrize("distinct", [False, True])
+def test_filter_trim_keeps_the_exact_top_k(env, exit_early, distinct):
     """filter_trim_kernel alone against a sort: rows of candidates (int64 composites whose
     high 32 bits are the key, in position order) of at most K (left alone), of at most CAP / 2
     (bisected over half the slots) and of more, with ties at the K-th key; a trimmed row keeps
     its K largest keys, the lowest positions first among those equal to the K-th, in position
-    order, and its count becomes K."""
+    order, and its count becomes K; the bisection plain or stopping at an exact count
+    (exit_early), over tied or distinct keys."""
     import numpy as np
     from cpplan.runtime.kernels.triton import indexer_select_jit as sjit
 
@@ -349,12 +352,14 @@ def test_filter_trim_keeps_the_exact_top_k(env):
     counts = [0, 10, K, K + 1, 40, CAP // 2, CAP // 2 + 1, 100, CAP]
     cand = np.full((len(counts), CAP), np.iinfo(np.int64).min, dtype=np.int64)
     for r, n in enumerate(counts):  # few distinct keys, some negative: ties at the threshold
-        keys = rng.integers(-6, 7, n, dtype=np.int64) * 1000003
+        keys = (rng.permutation(n).astype(np.int64) - n // 3) * 7919 if distinct else \
+            rng.integers(-6, 7, n, dtype=np.int64) * 1000003
         cand[r, :n] = (keys << 32) | np.arange(n, dtype=np.int64)
     dev = _dev(env)
     got = torch.from_numpy(cand.copy()).to(dev)
     lens = torch.tensor(counts, dtype=torch.int32, device=dev)
-    sjit.filter_trim_kernel[(len(counts),)](got, lens, got.stride(0), K, CAP=CAP, BLK=32)
+    sjit.filter_trim_kernel[(len(counts),)](got, lens, got.stride(0), K, CAP=CAP, BLK=32,
+                                            EXIT=exit_early)
     got, lens = got.cpu().numpy(), lens.cpu().tolist()
     for r, n in enumerate(counts):
         row = cand[r, :n]
@@ -368,8 +373,9 @@ def test_filter_trim_keeps_the_exact_top_k(env):
 
 @pytest.mark.parametrize("env", ENVS)
 def test_filter_threshold_bisection_equals_the_sorted_sample(env):
-    """filter_threshold_kernel's BISECT (the sample's key at the threshold rank by bisection)
-    gives the key the sorted sample gives, row by row (ties, negative keys, short rows)."""
+    """filter_threshold_kernel's BISECT (the sample's key at the threshold rank by bisection,
+    plain or stopping at an exact count) gives the key the sorted sample gives, row by row
+    (ties, negative keys, short rows, distinct keys)."""
     from cpplan.runtime.kernels.triton import indexer_select_jit as sjit
 
     dev = _dev(env)
@@ -377,17 +383,19 @@ def test_filter_threshold_bisection_equals_the_sorted_sample(env):
     g = torch.Generator().manual_seed(3)
     keys = (torch.randint(-50, 50, (R, N), generator=g) * 7919).to(torch.int32)
     keys[3] = 5  # one key everywhere
+    keys[4:8] = torch.randperm(4 * N, generator=g).reshape(4, N).to(torch.int32) - N  # distinct
     lens = torch.randint(0, N + 1, (R,), generator=g).to(torch.int32)
     lens[0], lens[1], lens[2] = 0, 2 * K, N
     keys, lens = keys.to(dev), lens.to(dev)
     thr = {}
-    for bisect in (False, True):
-        thr[bisect] = torch.zeros(R, dtype=torch.int32, device=dev)
-        sjit.filter_threshold_kernel[(R,)](keys, lens, thr[bisect], thr[bisect], keys.stride(0),
-                                           N, K, 3.0, 1, CAP=64, S=S, COUNT=False, CH=64,
-                                           BISECT=bisect)
-    assert torch.equal(thr[True], thr[False])
-    assert int((thr[False] > -2147483647).sum()) >= R - 2  # the sampled rows: all but two
+    for bisect, exit_early in ((False, False), (True, False), (True, True)):
+        thr[bisect, exit_early] = t = torch.zeros(R, dtype=torch.int32, device=dev)
+        sjit.filter_threshold_kernel[(R,)](keys, lens, t, t, keys.stride(0), N, K, 3.0, 1,
+                                           CAP=64, S=S, COUNT=False, CH=64, BISECT=bisect,
+                                           EXIT=exit_early)
+    assert torch.equal(thr[True, False], thr[False, False])
+    assert torch.equal(thr[True, True], thr[False, False])
+    assert int((thr[False, False] > -2147483647).sum()) >= R - 2  # sampled rows: all but two
 
 
 @pytest.mark.parametrize("L", [4096, 32768, 131072])
@@ -423,8 +431,9 @@ def test_filter_slots_hold_the_sampled_candidates(L):
 
 def test_bench_indexer_case_arguments(monkeypatch):
     """bench/indexer.py's --planar-tiles and --decode-cases: their values, and one argparse
-    error line (got / expected) for a bad item."""
+    error line (got / expected) for a bad item; its variant tables name IndexerTiles fields."""
     import argparse
+    import dataclasses
     import importlib.util
     import sys
     from pathlib import Path
@@ -437,6 +446,10 @@ def test_bench_indexer_case_arguments(monkeypatch):
     spec.loader.exec_module(mod)
     assert mod._planar_tiles("2:128:8:3:128,2:64:4:3") == [(2, 128, 8, 3, 128), (2, 64, 4, 3, 0)]
     assert mod._decode_cases("8x131072,64x65536-131072") == [(8, 131072), (64, 131072, 65536)]
+    fields = {f.name for f in dataclasses.fields(_it().IndexerTiles)}  # no typo costs a GPU run
+    for table in (mod.PREFILL_FILTERS, mod.DECODE_SELECTS, mod.DECODE_WHOLES):
+        for name, kw in table.items():
+            assert set(kw) <= fields, (name, set(kw) - fields)
     for parse, bad, said in ((mod._planar_tiles, "2:128:8", "expected BQ:BK:WARPS:STAGES"),
                              (mod._planar_tiles, "2:x:8:3", "planar tile '2:x:8:3'"),
                              (mod._decode_cases, "8by4096", "expected BxCTX")):

@@ -425,14 +425,15 @@ def rank_runs_kernel(runs_ptr, len_ptr, skip_ptr, s_ptr, i_ptr, stride_rr, strid
 @triton.jit(do_not_specialize=["len_ptr", "N", "K", "C"])
 def filter_threshold_kernel(keys_ptr, len_ptr, thr_ptr, cnt_ptr, stride_kr, N, K, MARGIN, C,
                             CAP: tl.constexpr, S: tl.constexpr, COUNT: tl.constexpr,
-                            CH: tl.constexpr, BISECT: tl.constexpr):
+                            CH: tl.constexpr, BISECT: tl.constexpr,
+                            EXIT: tl.constexpr = False):
     """Program row of the filter path: the row's sampled threshold to thr[row] (rows of at
     most min(CAP, 2K) keys: below every key, all taken). One program a row, so the sample is
     sorted once, not by every chunk's program (8 x 128k: 61 us of counting with 32 sorts a
     row). COUNT: it also counts the row, as ``filter_count_kernel`` does for each of its C
     chunks of CH keys (one launch fewer, the row read by one program). BISECT: the sample's
     key at the threshold rank found by bisection instead of by sorting the sample (the same
-    key)."""
+    key); EXIT: ``_kth_largest``'s."""
     row = tl.program_id(0).to(tl.int64)
     R = tl.num_programs(0)
     n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
@@ -440,7 +441,7 @@ def filter_threshold_kernel(keys_ptr, len_ptr, thr_ptr, cnt_ptr, stride_kr, N, K
     if n > tl.minimum(CAP, 2 * K):
         if BISECT:  # the sorted sample's key at rank idx is its (idx + 1)-th largest
             key, idx = _sample_rank(keys_ptr + row * stride_kr, 0, n, K, MARGIN, False, S)
-            thr = tl.maximum(_kth_largest(key, tl.min(key, 0), idx + 1), -2147483647)
+            thr = tl.maximum(_kth_largest(key, tl.min(key, 0), idx + 1, EXIT), -2147483647)
         else:
             thr, _, _ = _sample_threshold(keys_ptr + row * stride_kr, 0, n, K, MARGIN, False, S)
     tl.store(thr_ptr + row, thr)
@@ -516,7 +517,8 @@ def _gather_chunk(src, dst, before, n, thr, chunk, CH: tl.constexpr):
 
 @triton.jit(do_not_specialize=["cand_len_ptr", "K"])
 def filter_trim_kernel(cand_ptr, cand_len_ptr, stride_cr, K, CAP: tl.constexpr,
-                       BLK: tl.constexpr, HALF: tl.constexpr = True):
+                       BLK: tl.constexpr, HALF: tl.constexpr = True,
+                       EXIT: tl.constexpr = False):
     """Program row of the filter path, between the gathering and the run sorts: a row with
     more than K candidates (in position order) keeps its exact top K in place, the keys above
     the K-th largest key t, then the first of those equal to t, and its count becomes K; the
@@ -525,15 +527,15 @@ def filter_trim_kernel(cand_ptr, cand_len_ptr, stride_cr, K, CAP: tl.constexpr,
     held as int32 and compacted BLK at a time, so a program is small enough for several a SM
     (``_keep_top`` bisects int64 composites: one 8-warp program a SM, 962 us at T 4096 x N
     32768). HALF: a row of at most CAP / 2 candidates (the usual: slots are 1.5x the expected
-    count) bisects over CAP / 2 slots, half the work a halving."""
+    count) bisects over CAP / 2 slots, half the work a halving. EXIT: ``_kth_largest``'s."""
     row = tl.program_id(0).to(tl.int64)
     n = tl.load(cand_len_ptr + row)
     if n > K:
         dst = cand_ptr + row * stride_cr
         if HALF and n <= CAP // 2:
-            t, above = _trim_bisect(dst, n, K, CAP // 2)
+            t, above = _trim_bisect(dst, n, K, CAP // 2, EXIT)
         else:
-            t, above = _trim_bisect(dst, n, K, CAP)
+            t, above = _trim_bisect(dst, n, K, CAP, EXIT)
         k_eq = K - above  # keys equal to t taken, lowest positions
         taken = tl.zeros((), tl.int32)
         eqs = tl.zeros((), tl.int32)
@@ -552,28 +554,40 @@ def filter_trim_kernel(cand_ptr, cand_len_ptr, stride_cr, K, CAP: tl.constexpr,
 
 
 @triton.jit
-def _trim_bisect(dst, n, K, WIDTH: tl.constexpr):
+def _trim_bisect(dst, n, K, WIDTH: tl.constexpr, EXIT: tl.constexpr):
     """The K-th largest int32 key t of the n (<= WIDTH, > K) candidates at dst and #(key > t)."""
     slot = tl.arange(0, WIDTH)
     # candidates are keys > NO_KEY_BITS (the threshold is above it), so the pads' key
     # NO_KEY_BITS is below every bisection point: no mask in the counts
     key = (tl.load(dst + slot, mask=slot < n, other=-9223372036854775808) >> 32).to(tl.int32)
-    t = _kth_largest(key, tl.min(tl.where(slot < n, key, 2147483647), 0), K)
+    t = _kth_largest(key, tl.min(tl.where(slot < n, key, 2147483647), 0), K, EXIT)
     return t, tl.sum((key > t).to(tl.int32), 0)
 
 
 @triton.jit
-def _kth_largest(key, lo, R):
+def _kth_largest(key, lo, R, EXIT: tl.constexpr = False):
     """The R-th largest of the int32 keys: the largest t with #(key >= t) >= R, by bisection
-    between lo (#(key >= lo) >= R) and the largest key (at most 32 halvings; stopping early
-    where a halving point has exactly R keys at or above it was slower on the H200: trim 266
+    between lo (#(key >= lo) >= R) and the largest key (at most 32 halvings). EXIT: a halving
+    point with exactly R keys at or above it ends the search, t being the least of those keys.
+    That needs distinct keys near t: on continuous scores it halves the halvings (about 14
+    against 23 for 3100 candidates, simulated in numpy), on the bench's integer-valued scores,
+    tied at the threshold, it never fires, and there it was slower on the H200 (trim 266
     against 205 us at T 4096 x N 32768)."""
     lo = lo.to(tl.int64)
     hi = tl.max(key, 0).to(tl.int64) + 1
     for _ in tl.static_range(32):  # #(key >= lo) >= R > #(key >= hi)
         if hi - lo > 1:
             mid = lo + ((hi - lo) >> 1)
-            big = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), 0) >= R
-            lo = tl.where(big, mid, lo)
-            hi = tl.where(big, hi, mid)
+            ge = key >= mid.to(tl.int32)
+            cnt = tl.sum(ge.to(tl.int32), 0)
+            if EXIT:  # (a compile-time branch: without EXIT the loop is the plain bisection)
+                if cnt == R:
+                    lo = tl.min(tl.where(ge, key, 2147483647), 0).to(tl.int64)
+                    hi = lo + 1
+                else:
+                    lo = tl.where(cnt > R, mid, lo)
+                    hi = tl.where(cnt > R, hi, mid)
+            else:
+                lo = tl.where(cnt >= R, mid, lo)
+                hi = tl.where(cnt >= R, hi, mid)
     return lo.to(tl.int32)

@@ -218,6 +218,9 @@ class IndexerTiles:
     trim_warps: int = 8
     trim_halved: bool = True  # rows of at most half the slots trimmed over half of them
     # (T 4096 x N 32768: trim 205 against 261 us)
+    bisect_exit: bool = False  # the threshold's and the trim's bisections stop at a point
+    # with exactly the rank's count at or above it (fires on continuous scores only; 266
+    # against 205 us of trim on the bench's tied integer scores; continuous: not timed)
     filter_budget_bytes: int = 1 << 28  # candidate slots of one launch (rows in batches)
     filter_fused_count: bool = False  # the threshold program counts its row too (no counting
     # launch). H200, T 4096 x N 32768, with the sorted-sample threshold: select 1531.6 against
@@ -447,6 +450,7 @@ def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
                                            S=triton.next_power_of_2(max(tiles.filter_sample, 16)),
                                            COUNT=tiles.filter_fused_count, CH=ch,
                                            BISECT=tiles.filter_bisect,
+                                           EXIT=tiles.bisect_exit,
                                            num_warps=tiles.filter_warps)
         if not tiles.filter_fused_count:
             sjit.filter_count_kernel[(n, C)](k, ln, thr, cnt, k.stride(0), L, CH=ch,
@@ -458,7 +462,7 @@ def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
         if trim:
             sjit.filter_trim_kernel[(n,)](cand, cand_len, cand.stride(0), topk, CAP=cap,
                                           BLK=min(cap, 1024), HALF=tiles.trim_halved,
-                                          num_warps=tiles.trim_warps)
+                                          EXIT=tiles.bisect_exit, num_warps=tiles.trim_warps)
         # in place: each run's program reads its run before it writes it back sorted
         sjit.sort_runs_kernel[(n, runs)](cand, cand_len, cand, s, i, cand.stride(0),
                                          cand.stride(0), s.stride(0), cap, topk,
