@@ -117,10 +117,10 @@ most half its slots filled bisects over half of them). H200, T 4096 x N 32768
 segments (gathering 326 us, ranks 281, run sorts 230, trim 205, counting 135, threshold 87)
 and 1.53 ms with the tunables before (threshold by sorting the sample 167 us, trims over
 all slots 261, 2048-key gathering chunks in 4 warps 394, 256-composite ranks 317); whole
-indexer (logits + select) 3.49 ms; without the trim
-1.60 ms (ranks 640, sorts 346); one gathering pass with atomic reservations instead of
-counting first cost 850 us; ``torch.sort`` of the slots 5.5 ms. Decode, replayed: 8 x 128k
-select 48 us (97 by segments).
+indexer (logits + select) 3.49 ms; without the trim 1.60 ms (ranks 640, sorts 346); one
+gathering pass with atomic reservations instead of counting first cost 850 us;
+``torch.sort`` of the slots 5.5 ms. Decode, replayed: 8 x 128k select 48 us (97 by
+segments).
 """
 
 from __future__ import annotations
@@ -207,9 +207,10 @@ class IndexerTiles:
     filter_bisect: bool = True  # ... finds the sample's key at the threshold rank by
     # bisection instead of sorting the sample (the same key). H200, T 4096 x N 32768: 88
     # against 167 us
-    filter_scatter_warps: int = 2  # gathering programs (1024-key chunks, T 4096 x N 32768: 326
-    # us against 372 in 4 warps and 473 in 8)
-    filter_sort_warps: int = 4  # run sorts of the filter path
+    filter_scatter_warps: int = 2  # gathering programs (1024-key chunks, T 4096 x N 32768:
+    # 326 us against 372 in 4 warps and 473 in 8)
+    filter_sort_warps: int = 4  # run sorts of the filter path (T 4096 x N 32768: select
+    # 1337 us against 1362 in 2 warps and 1355 in 8)
     filter_trim: bool = True  # rows with more than topk candidates keep their exact top K
     # before the run sorts and ranks (fewer runs to sort and search), for more than
     # trim_rows rows. H200, T 4096 x N 32768: select 1.34 ms against 1.60 untrimmed (ranks
