@@ -34,19 +34,25 @@ def median_us(fn, repeat: int, warmup: int = 0) -> float:
     return statistics.median(times) / 1e3
 
 
-def kernel_device_times(fn, calls: int) -> list[tuple[str, float, float]]:
+def kernel_device_times(fn, calls: int, timeline: str | None = None
+                        ) -> list[tuple[str, float, float]]:
     """Device time per kernel name of ``fn()`` (torch.profiler, CUDA activity; one warm-up
     call first): rows (name, launches per call, us per call) over ``calls`` calls, largest
-    first. Device durations, so a host-bound call's rows still say what its kernels cost."""
+    first. Device durations, so a host-bound call's rows still say what its kernels cost.
+    timeline: also profile the host (CPU activity) and write a Chrome trace of the calls to
+    this path (chrome://tracing or ui.perfetto.dev: where the device waits on the host)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if timeline else [])
+    with profile(activities=acts) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
+    if timeline:
+        prof.export_chrome_trace(timeline)
     rows = [(ev.key, ev.count / calls, (ev.self_device_time_total or 0) / calls)
             for ev in prof.key_averages()]
     return sorted((r for r in rows if r[2] > 0), key=lambda r: -r[2])

@@ -210,6 +210,7 @@ class Rank:
     merge_kernels: object = None  # --merge both: the kernel set with the torch decode merge
     prefill_both: bool = False  # --prefill-keys both: also time the gathered W == 1 prefill
     trace: int = 0  # --trace: steps profiled for the per-kernel table
+    timeline: str | None = None  # --timeline: Chrome trace of the eager profiled steps
 
 
 def setup_rank(args, dims: dict, groups: Groups) -> Rank:
@@ -253,6 +254,8 @@ def setup_rank(args, dims: dict, groups: Groups) -> Rank:
         rank.merge_kernels = merge_kernels
     rank.prefill_both = args.prefill_keys == "both"
     rank.trace = args.trace
+    rank.timeline = args.timeline and (args.timeline if groups.rank == 0
+                                       else f"{args.timeline}.{groups.rank}")
     if args.graphs:
         rank.graphs = StepGraphs(ex, lambda bound, *xs: layers_body(rank, bound, *xs))
     return rank
@@ -491,7 +494,7 @@ def measure(r: Rank, repeat: int) -> dict:
         steps.update(time_gathered_prefill(r, repeat))
     per_layer, step_level = time_phases(r, repeat)
     if r.trace and r.groups.device.type == "cuda":
-        steps["trace"] = {"eager": trace_kernels(r, r.trace)}
+        steps["trace"] = {"eager": trace_kernels(r, r.trace, timeline=r.timeline)}
         if r.graphs is not None:
             steps["trace"]["replayed"] = trace_kernels(r, r.trace, r.graphs)
     res = {**steps, **verify_costs(r, repeat), **bind_parts(r, repeat), "per_layer_ms": per_layer,
@@ -502,12 +505,13 @@ def measure(r: Rank, repeat: int) -> dict:
     return res
 
 
-def trace_kernels(r: Rank, steps: int, graphs: StepGraphs | None = None) -> list[tuple]:
+def trace_kernels(r: Rank, steps: int, graphs: StepGraphs | None = None, *,
+                  timeline: str | None = None) -> list[tuple]:
     """Device time per kernel name over ``steps`` steps: rows (name, launches per step, us per
     step), largest first (``common.kernel_device_times``)."""
     from common import kernel_device_times  # bench/common.py, beside this script
 
-    return kernel_device_times(lambda: run_step(r, _NoLog(), graphs), steps)
+    return kernel_device_times(lambda: run_step(r, _NoLog(), graphs), steps, timeline)
 
 
 def max_over_ranks(r: Rank, res: dict) -> dict:
@@ -567,6 +571,9 @@ def parse_args(argv=None):
     ap.add_argument("--trace", type=int, default=0, metavar="STEPS",
                     help="CUDA: profile STEPS eager steps (and, with --graphs, STEPS replays) "
                          "and print device time per kernel name and step (rank 0's)")
+    ap.add_argument("--timeline", metavar="FILE",
+                    help="with --trace: also write the profiled eager steps' host and device "
+                         "activity as a Chrome trace (rank r > 0 writes FILE.r)")
     ap.add_argument("--tiny", action="store_true", help="toy sizes (runs on a CPU)")
     ap.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     args = ap.parse_args(argv)
@@ -574,6 +581,8 @@ def parse_args(argv=None):
     if args.context is not None:
         dims["context"] = args.context
     args.context = dims["context"]
+    if args.timeline and not args.trace:
+        ap.error("--timeline needs --trace STEPS (the steps it records)")
     if args.prompt is not None and args.prompt < 0:
         ap.error(f"--prompt must be >= 0: got {args.prompt}")
     for name in ("prompt", "decodes", "layers"):

@@ -369,13 +369,27 @@ class StepExecutor:
         # W == 1 with prefill_keys="gather": the prefill tokens [nd, hi) score a contiguous
         # copy of their requests' keys with the prefill indexer (a key tile per query block)
         mid = max(lo, bound.meta.num_decode_tokens) if self._gathers_prefill(bound) else hi
-        if mid > lo:
-            scores, top = k.indexer_topk_decode(index_q[lo:mid], index_w[lo:mid], cache.index_k,
-                                                t.local_len[lo:mid], bt[: mid - lo], bs, w_size,
-                                                self.dcp_rank, inter, cfg.topk, max_keys=width)
-        if mid < hi:
-            pre = self._prefill_topk(bound, cache, index_q, index_w, mid, hi, width)
-            top = torch.cat([top, pre]) if mid > lo else pre
+
+        def decode_topk():
+            return k.indexer_topk_decode(index_q[lo:mid], index_w[lo:mid], cache.index_k,
+                                         t.local_len[lo:mid], bt[: mid - lo], bs, w_size,
+                                         self.dcp_rank, inter, cfg.topk, max_keys=width)
+
+        if mid == hi:
+            scores, top = decode_topk()
+        elif mid == lo:
+            top = self._prefill_topk(bound, cache, index_q, index_w, mid, hi, width)
+        else:  # one buffer: the decode rows' top-k, then the prefill rows' (no cat). The
+            # prefill is launched first: at a step's start the device runs its long kernels
+            # while the host launches the decode's short ones (the other order left the device
+            # idle for about 2 ms of layer 0: bench/step_gpu.py --trace 1 --timeline)
+            scores = torch.empty(hi - lo, cfg.topk, dtype=torch.float32, device=q.device)
+            top = torch.empty(hi - lo, cfg.topk, dtype=torch.int32, device=q.device)
+            self._prefill_topk(bound, cache, index_q, index_w, mid, hi, width,
+                               out=(scores[mid - lo:], top[mid - lo:]))
+            dec_s, dec_i = decode_topk()
+            scores[: mid - lo].copy_(dec_s)
+            top[: mid - lo].copy_(dec_i)
         if bound.meta.decode_merge:
             all_s, all_i = coll.topk_candidates(bound.channel, scores, top)
             top = k.merge_topk_candidates(all_s, all_i, cfg.topk, w_size)
@@ -392,16 +406,19 @@ class StepExecutor:
         return (self.prefill_keys == "gather" and self.config.dcp_size == 1
                 and m.num_tokens > m.num_decode_tokens)
 
-    def _prefill_topk(self, bound, cache, index_q, index_w, lo: int, hi: int, width: int):
+    def _prefill_topk(self, bound, cache, index_q, index_w, lo: int, hi: int, width: int, *,
+                      out=None):
         """W == 1 prefill tokens [lo, hi) (all past the decodes): their requests' keys copied
         into one buffer (``bound.local_prefill``, 132 B a key), then the prefill indexer over it,
-        as for a gather chunk with W = 1; ids are token positions, as the decode path's are."""
+        as for a gather chunk with W = 1; ids are token positions, as the decode path's are.
+        out: (scores, ids) views the indexer writes into."""
         src, pcu = bound.local_prefill
         nd = bound.meta.num_decode_tokens
         keys = gather_indexer_k(cache.index_k, src)
         return self.kernels.indexer_topk_prefill(
             index_q[lo:hi], index_w[lo:hi], keys, bound.tables.key_len[lo:hi],
-            pcu[lo - nd: hi - nd], src.shape[0], 1, 1, self.config.topk, max_keys=width)[1]
+            pcu[lo - nd: hi - nd], src.shape[0], 1, 1, self.config.topk, max_keys=width,
+            out=out)[1]
 
     def _attend_chunk(self, bound, cache, q, index_q, index_w, c: int, out) -> None:
         """Prefill tokens of gather chunk c: all-gather the chunk's indexer K and KV shards

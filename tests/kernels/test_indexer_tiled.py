@@ -103,6 +103,37 @@ def test_prefill(env, W, I, block_q, nreq, sms):
 
 
 @pytest.mark.parametrize("env", ENVS)
+@pytest.mark.parametrize("backend", ["tiled", "old", "reference"])
+def test_prefill_out_rows_of_a_larger_buffer(env, backend):
+    """``out=``: the top-k lands in the given views (rows of a buffer that holds other rows
+    before them, as the executor's decode rows), equal to the returned tensors of a call
+    without it; the other rows are untouched; a wrong out is a ValueError."""
+    from cpplan.runtime.kernels.triton import indexer as old
+
+    it = _it()
+    T, Hi, PT, topk = (9, 4, 240, 24) if env == "interp" else (64, 64, 4096, 2048)
+    q, w, k = _inputs(env, T, Hi, PT, 11)
+    key_len, pcu = _prefill_case(env, T, PT, topk, 1, 5, 2)
+    if backend == "reference":
+        q, w, k, key_len, pcu = (x.cpu() for x in (q.double(), w, k, key_len, pcu))
+    fn = {"tiled": lambda **kw: it.indexer_topk_prefill(*args, tiles=_tiles(env), **kw),
+          "old": lambda **kw: old.indexer_topk_prefill(*args, **kw),
+          "reference": lambda **kw: ref.indexer_topk_prefill(*args, **kw)}[backend]
+    args = (q, w, k, key_len, pcu, PT, 1, 1, topk)
+    want = fn(max_keys=PT)
+    lead = 3
+    buf = (torch.full((lead + T, topk), 7.5, device=q.device),
+           torch.full((lead + T, topk), 77, dtype=torch.int32, device=q.device))
+    got = fn(max_keys=PT, out=(buf[0][lead:], buf[1][lead:]))
+    assert got[0].data_ptr() == buf[0][lead:].data_ptr()
+    _check((buf[0][lead:], buf[1][lead:]), want)
+    assert (buf[0][:lead] == 7.5).all() and (buf[1][:lead] == 77).all()
+    for bad in [(buf[0][lead + 1:], buf[1][lead + 1:]), (buf[1][lead:], buf[1][lead:]), buf[0]]:
+        with pytest.raises(ValueError, match="indexer_topk_prefill out"):
+            fn(max_keys=PT, out=bad)
+
+
+@pytest.mark.parametrize("env", ENVS)
 @pytest.mark.parametrize("W,rank,I", [(1, 0, 1), (4, 2, 1), (2, 1, 64)])
 @pytest.mark.parametrize("sms", [0, 8])
 @pytest.mark.parametrize("fp8", [False, True])
@@ -211,7 +242,8 @@ SELECT_VARIANTS = {
     # runs + ranks; "filter-no-trim": every candidate ordered; "filter-batches": rows in
     # batches of two; "filter-fused-count": counted by the threshold programs;
     # "filter-bisect": the threshold by bisection, trims over all slots, 2-warp gathering;
-    # "filter-auto-cap": the slots from the row width), the segment path for the rows it
+    # "filter-auto-cap": the slots from the row width; "filter-group": three chunks a
+    # counting / gathering program, the last program's two), the segment path for the rows it
     # misses (ties past its cap; a threshold sampled too high: "filter-missed")
     "filter": {"programs_per_sm": 8, "radix_bits": 8, "long_filter": True, "filter_chunk": 64,
                "filter_cap": 128, "filter_sample": 256, "filter_margin": 3.0, "trim_rows": 0},
@@ -228,6 +260,10 @@ SELECT_VARIANTS = {
                       "filter_chunk": 64, "filter_cap": 128, "filter_sample": 256,
                       "filter_margin": 3.0, "trim_rows": 0, "filter_bisect": True,
                       "trim_halved": False, "filter_scatter_warps": 2},
+    "filter-group": {"programs_per_sm": 8, "radix_bits": 8, "long_filter": True,
+                     "filter_chunk": 64, "filter_cap": 128, "filter_sample": 256,
+                     "filter_margin": 3.0, "trim_rows": 0, "filter_group": 3,
+                     "filter_group_programs": 0},
     "filter-no-trim": {"programs_per_sm": 8, "radix_bits": 8, "long_filter": True,
                        "filter_trim": False, "filter_chunk": 64, "filter_cap": 128,
                        "filter_sample": 256, "filter_margin": 3.0},
@@ -337,9 +373,11 @@ def test_zero_queries(env):
 @pytest.mark.parametrize("env", ENVS)
 @pytest.mark.parametrize("exit_early", [False, True])
 @pytest.mark.parametrize("distinct", [False, True])
-def test_filter_trim_keeps_the_exact_top_k(env, exit_early, distinct):
+@pytest.mark.parametrize("three_q", [False, True])
+def test_filter_trim_keeps_the_exact_top_k(env, exit_early, distinct, three_q):
     """filter_trim_kernel alone against a sort: rows of candidates (int64 composites whose
-    high 32 bits are the key, in position order) of at most K (left alone), of at most CAP / 2
+    high 32 bits are the key, in position order) of at most K (left alone), of at most 3 CAP /
+    8 (three_q: bisected over CAP / 4 + CAP / 8 slots, two tensors), of at most CAP / 2
     (bisected over half the slots) and of more, with ties at the K-th key; a trimmed row keeps
     its K largest keys, the lowest positions first among those equal to the K-th, in position
     order, and its count becomes K; the bisection plain or stopping at an exact count
@@ -349,7 +387,8 @@ def test_filter_trim_keeps_the_exact_top_k(env, exit_early, distinct):
 
     K, CAP = 24, 128
     rng = np.random.default_rng(5)
-    counts = [0, 10, K, K + 1, 40, CAP // 2, CAP // 2 + 1, 100, CAP]
+    counts = [0, 10, K, K + 1, 33, 40, 3 * CAP // 8, 3 * CAP // 8 + 1, CAP // 2, CAP // 2 + 1,
+              100, CAP]
     cand = np.full((len(counts), CAP), np.iinfo(np.int64).min, dtype=np.int64)
     for r, n in enumerate(counts):  # few distinct keys, some negative: ties at the threshold
         keys = (rng.permutation(n).astype(np.int64) - n // 3) * 7919 if distinct else \
@@ -359,7 +398,7 @@ def test_filter_trim_keeps_the_exact_top_k(env, exit_early, distinct):
     got = torch.from_numpy(cand.copy()).to(dev)
     lens = torch.tensor(counts, dtype=torch.int32, device=dev)
     sjit.filter_trim_kernel[(len(counts),)](got, lens, got.stride(0), K, CAP=CAP, BLK=32,
-                                            EXIT=exit_early)
+                                            EXIT=exit_early, THREE_Q=three_q)
     got, lens = got.cpu().numpy(), lens.cpu().tolist()
     for r, n in enumerate(counts):
         row = cand[r, :n]

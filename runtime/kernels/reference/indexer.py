@@ -151,17 +151,43 @@ def decode_key_slots(local_len, block_table, block_size: int, dcp_size: int, dcp
     return slots, ids
 
 
+def topk_out(out, T: int, topk: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` of ``indexer_topk_prefill`` checked: (scores ``[T, topk]`` float32, ids
+    ``[T, topk]`` int32) on ``device``, views allowed (ValueError, got / expected)."""
+    want = ((T, topk), torch.float32), ((T, topk), torch.int32)
+    if not (isinstance(out, (tuple, list)) and len(out) == 2
+            and all(isinstance(x, torch.Tensor) for x in out)):
+        raise ValueError(f"indexer_topk_prefill out: got {type(out).__name__}, expected "
+                         f"(scores [{T}, {topk}] float32, ids [{T}, {topk}] int32)")
+    for x, (shape, dtype), name in zip(out, want, ("scores", "ids")):
+        if tuple(x.shape) != shape or x.dtype != dtype or x.device != torch.device(device) \
+                or (x.numel() and x.stride(-1) != 1):
+            raise ValueError(f"indexer_topk_prefill out {name}: got {tuple(x.shape)} {x.dtype} "
+                             f"on {x.device} (last stride {x.stride(-1)}), expected "
+                             f"[{T}, {topk}] {dtype} on {device}, last stride 1")
+    return out[0], out[1]
+
+
 def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_local_total: int,
                          dcp_size: int, interleave: int, topk: int, *,
-                         max_keys: int | None = None):
+                         max_keys: int | None = None, out=None):
     """Prefill top-k over a gather chunk. Returns ``(top_scores [T, topk], top_ids [T, topk]
     int32)``, ids = token positions in the request (feed them to ``remap_to_gathered`` for the
     attention rows). k_gathered: ``[W * PT, 132]`` uint8. Other args: ``prefill_key_rows``
     (pass ``max_keys`` from the plan: without it the width is read from the device, a sync).
+    out: optional (scores, ids) to write them into and return (``topk_out``), e.g. rows of a
+    larger buffer that also holds the decode rows' top-k (no concatenation afterwards).
     """
+    if out is not None:
+        out = topk_out(out, q.shape[0], topk, q.device)
     rows, ids = prefill_key_rows(key_len, region_pcu, padded_local_total, dcp_size, interleave,
                                  max_keys)
-    return indexer_topk(q, weights, k_gathered, rows, ids, topk)
+    top = indexer_topk(q, weights, k_gathered, rows, ids, topk)
+    if out is None:
+        return top
+    out[0].copy_(top[0])
+    out[1].copy_(top[1])
+    return out
 
 
 def indexer_topk_decode(q, weights, k_cache, local_len, block_table, block_size: int,

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..reference.formats import INDEXER_K_BYTES, NO_KEY
-from ..reference.indexer import topk_reference_order
+from ..reference.indexer import topk_out, topk_reference_order
 from .indexer_jit import indexer_kernel
 from .pack import quantize_indexer_q
 
@@ -80,10 +80,15 @@ def _decode_keys(keys, topk):
     return scores, c, ~torch.isneginf(scores)
 
 
-def _chunked_topk(q, topk, L, budget, launch, to_ids):
+def _chunked_topk(q, topk, L, budget, launch, to_ids, out=None):
     T = q.shape[0]
-    top_s = torch.full((T, topk), float("-inf"), dtype=torch.float32, device=q.device)
-    top_i = torch.full((T, topk), NO_KEY, dtype=torch.int32, device=q.device)
+    if out is None:
+        top_s = torch.empty((T, topk), dtype=torch.float32, device=q.device)
+        top_i = torch.empty((T, topk), dtype=torch.int32, device=q.device)
+    else:
+        top_s, top_i = topk_out(out, T, topk, q.device)
+    top_s.fill_(float("-inf"))
+    top_i.fill_(NO_KEY)
     if T == 0 or L == 0:
         return top_s, top_i
     step = max(1, budget // (8 * L))
@@ -100,7 +105,7 @@ def _chunked_topk(q, topk, L, budget, launch, to_ids):
 
 def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_local_total: int,
                          dcp_size: int, interleave: int, topk: int, *, max_keys: int | None = None,
-                         logits_budget_bytes: int = LOGITS_BUDGET_BYTES):
+                         logits_budget_bytes: int = LOGITS_BUDGET_BYTES, out=None):
     """Triton ``indexer_topk_prefill`` (contract in ``reference.indexer``); scores float32.
 
     max_keys: the widest key_len (from the plan; default ``max(key_len)``, which syncs).
@@ -113,7 +118,7 @@ def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_loc
                 lens=key_len[t0:t1], pcu=region_pcu[t0:t1], PT=padded_local_total,
                 W=dcp_size, I=interleave)
 
-    return _chunked_topk(q, topk, L, logits_budget_bytes, launch, lambda c: c)
+    return _chunked_topk(q, topk, L, logits_budget_bytes, launch, lambda c: c, out)
 
 
 def indexer_topk_decode(q, weights, k_cache, local_len, block_table, block_size: int,

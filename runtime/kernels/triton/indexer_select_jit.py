@@ -289,13 +289,24 @@ def select_kernel(keys_ptr, len_ptr, skip_ptr, buf_ptr, dst_ptr, s_ptr, i_ptr,
     FINAL (one segment): scores / ids (NO_KEY pads) go to s / i. Either output holds its pads
     before the launch: empty segments are skipped. buf: this program's scratch,
     CAP + KP composites. HAS_SKIP: the items of rows whose skip flag is set are not processed
-    (rows another path has already selected).
+    (rows another path has already selected); a program first reads its items' flags, 64 a
+    load, and one with nothing to do ends there (the usual case: the filter path selected
+    every row, and this launch costs about one load a program).
     """
     pid = tl.program_id(0)
+    P = tl.num_programs(0)
     gt_buf = buf_ptr + pid.to(tl.int64) * (CAP + KP)
     eq_buf = gt_buf + CAP
     slot = tl.arange(0, CAP)
-    for item in range(pid, ITEMS, tl.num_programs(0)):
+    end = ITEMS
+    if HAS_SKIP:
+        todo = tl.zeros((), tl.int32)
+        for j0 in range(pid, ITEMS, 64 * P):
+            it = j0 + P * tl.arange(0, 64)
+            flag = tl.load(skip_ptr + it // SEGS, mask=it < ITEMS, other=1)
+            todo += tl.sum((flag == 0).to(tl.int32), 0)
+        end = tl.where(todo > 0, ITEMS, 0)
+    for item in range(pid, end, P):
         row = (item // SEGS).to(tl.int64)
         seg = item % SEGS
         n = N
@@ -388,8 +399,10 @@ def rank_runs_kernel(runs_ptr, len_ptr, skip_ptr, s_ptr, i_ptr, stride_rr, strid
     """Program (row, g, chunk): the place of each composite of run g (CHUNK of them) among the
     row's NRUNS <= RUNS sorted runs of SEG is the count of composites ahead of it in every run (binary
     searches; runs before g win ties, so the NO_COMPOSITE pads would get distinct places): a
-    one-round merge of all runs, whose searches run in parallel. Live composites placed before K
-    are written as scores / ids (the outputs hold their pads already). HAS_LEN: run t of a row
+    one-round merge of all runs, whose searches run in parallel. In its own run a live
+    composite's count is its index (composites are distinct): that run is not searched. Live
+    composites placed before K are written as scores / ids (the outputs hold their pads
+    already). HAS_LEN: run t of a row
     of n = min(len, N) keys holds keys from t*RUN_KEYS on (sort_runs_kernel: RUN_KEYS = SEG; a
     long row's segments: the segment length), so runs past n are pads and are not searched.
     HAS_SKIP: rows whose skip flag is set are left alone."""
@@ -407,9 +420,9 @@ def rank_runs_kernel(runs_ptr, len_ptr, skip_ptr, s_ptr, i_ptr, stride_rr, strid
         v = tl.load(base + g * SEG + tl.program_id(2) * CHUNK + tl.arange(0, CHUNK))
         live = v != -9223372036854775808
         if tl.max(live.to(tl.int32), 0) > 0:  # a chunk of pads only: nothing to place
-            place = tl.zeros((CHUNK,), tl.int32)
+            place = tl.program_id(2) * CHUNK + tl.arange(0, CHUNK)  # its index in run g
             for t in tl.static_range(RUNS):  # unrolled: the searches are independent; RUNS is
-                if t < live_runs:  # a bound, so one compile serves every run count
+                if (t < live_runs) & (t != g):  # a bound, so one compile serves every count
                     run = base + t * SEG
                     before = t < g
                     cnt = tl.zeros((CHUNK,), tl.int32)
@@ -460,65 +473,73 @@ def _count_chunk(src, n, thr, cnt_ptr, row, chunk, R, C, CH: tl.constexpr):
     tl.store(cnt_ptr + (R + row) * C + chunk, tl.sum((key != -2147483648).to(tl.int32), 0))
 
 
-@triton.jit(do_not_specialize=["len_ptr", "N"])
-def filter_count_kernel(keys_ptr, len_ptr, thr_ptr, cnt_ptr, stride_kr, N, CH: tl.constexpr):
-    """Program (row, chunk) of the filter path: the chunk's count of keys >= the row's
-    threshold to cnt[0, row, chunk] and of live keys to cnt[1, row, chunk]; a chunk past the
-    row's end writes nothing (the gathering reads no count there): a prefill chunk's causal
-    rows are short for most of its launch width."""
+@triton.jit(do_not_specialize=["len_ptr", "N", "C"])
+def filter_count_kernel(keys_ptr, len_ptr, thr_ptr, cnt_ptr, stride_kr, N, C,
+                        CH: tl.constexpr, G: tl.constexpr = 1):
+    """Program (row, p) of the filter path, chunks p*G .. p*G + G - 1 of the row's C chunks
+    of CH keys: each chunk's count of keys >= the row's threshold to cnt[0, row, chunk] and
+    of live keys to cnt[1, row, chunk]; chunks past the row's end write nothing (the gathering
+    reads no count there): a prefill chunk's causal rows are short for most of its launch
+    width, and G > 1 makes fewer of those programs."""
     row = tl.program_id(0).to(tl.int64)
     n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
-    if tl.program_id(1) * CH < n:
-        _count_chunk(keys_ptr + row * stride_kr, n, tl.load(thr_ptr + row), cnt_ptr, row,
-                     tl.program_id(1), tl.num_programs(0), tl.num_programs(1), CH)
+    c0 = tl.program_id(1) * G
+    if c0 * CH < n:
+        thr = tl.load(thr_ptr + row)
+        for chunk in range(c0, tl.minimum(c0 + G, (n + CH - 1) // CH)):
+            _count_chunk(keys_ptr + row * stride_kr, n, thr, cnt_ptr, row, chunk,
+                         tl.num_programs(0), C, CH)
 
 
-@triton.jit(do_not_specialize=["len_ptr", "N", "K"])
+@triton.jit(do_not_specialize=["len_ptr", "N", "K", "C"])
 def filter_scatter_kernel(keys_ptr, len_ptr, thr_ptr, cnt_ptr, cand_ptr, cand_len_ptr, ok_ptr,
-                          stride_kr, stride_cr, N, K, CAP: tl.constexpr, CH: tl.constexpr,
-                          CB: tl.constexpr):
-    """Program (row, chunk): the row holds its top K in the keys >= its threshold when there
-    are at least min(K, live keys) of them and at most CAP (ok); then the chunk's composites of
-    those keys go to cand[row, before : ...], ``before`` = the count in the earlier chunks
-    (position order kept). Chunk 0 stores ok[row] and cand_len[row] (the row's count if ok,
-    else 0). CB: a power of two >= the chunks of a row. Chunks past the row's end were not
-    counted and gather nothing: their programs return at once (chunk 0 excepted)."""
+                          stride_kr, stride_cr, N, K, C, CAP: tl.constexpr, CH: tl.constexpr,
+                          CB: tl.constexpr, G: tl.constexpr = 1):
+    """Program (row, p), chunks p*G .. p*G + G - 1 of the row's C chunks of CH keys: the row
+    holds its top K in the keys >= its threshold when there are at least min(K, live keys)
+    of them and at most CAP (ok); then each chunk's composites of those keys go to
+    cand[row, before : ...], ``before`` = the count in the earlier chunks (position order
+    kept). Program 0 stores ok[row] and cand_len[row] (the row's count if ok, else 0). CB: a
+    power of two >= C. Chunks past the row's end were not counted and gather nothing: their
+    programs return at once (program 0 excepted)."""
     row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    C = tl.num_programs(1)
+    c0 = tl.program_id(1) * G
     R = tl.num_programs(0)
     n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
-    if (chunk == 0) | (chunk * CH < n):
+    if (c0 == 0) | (c0 * CH < n):
         j = tl.arange(0, CB)
         counted = (j < C) & (j * CH < n)
         ge = tl.load(cnt_ptr + row * C + j, mask=counted, other=0)
         live = tl.load(cnt_ptr + (R + row) * C + j, mask=counted, other=0)
         total = tl.sum(ge, 0)
         ok = (total >= tl.minimum(tl.sum(live, 0), K)) & (total <= CAP)
-        if chunk == 0:
+        if c0 == 0:
             tl.store(ok_ptr + row, ok.to(tl.int32))
             tl.store(cand_len_ptr + row, tl.where(ok, total, 0))
         if ok:
-            _gather_chunk(keys_ptr + row * stride_kr, cand_ptr + row * stride_cr,
-                          tl.sum(tl.where(j < chunk, ge, 0), 0), n, tl.load(thr_ptr + row),
-                          chunk, CH)
+            thr = tl.load(thr_ptr + row)
+            before = tl.sum(tl.where(j < c0, ge, 0), 0)
+            for chunk in range(c0, tl.minimum(c0 + G, (n + CH - 1) // CH)):
+                before = _gather_chunk(keys_ptr + row * stride_kr, cand_ptr + row * stride_cr,
+                                       before, n, thr, chunk, CH)
 
 
 @triton.jit
 def _gather_chunk(src, dst, before, n, thr, chunk, CH: tl.constexpr):
     """The composites of chunk ``chunk``'s keys >= thr (of a row of n keys at src) to
-    dst[before:], in position order."""
+    dst[before:], in position order; returns ``before`` plus their count."""
     c = chunk * CH + tl.arange(0, CH)
     key, v = _load_keys(src, c, n, False)
     take = key >= thr
     ti = take.to(tl.int32)
     tl.store(dst + before + tl.cumsum(ti, 0) - ti, v, mask=take)
+    return before + tl.sum(ti, 0)
 
 
 @triton.jit(do_not_specialize=["cand_len_ptr", "K"])
 def filter_trim_kernel(cand_ptr, cand_len_ptr, stride_cr, K, CAP: tl.constexpr,
                        BLK: tl.constexpr, HALF: tl.constexpr = True,
-                       EXIT: tl.constexpr = False):
+                       EXIT: tl.constexpr = False, THREE_Q: tl.constexpr = False):
     """Program row of the filter path, between the gathering and the run sorts: a row with
     more than K candidates (in position order) keeps its exact top K in place, the keys above
     the K-th largest key t, then the first of those equal to t, and its count becomes K; the
@@ -527,12 +548,16 @@ def filter_trim_kernel(cand_ptr, cand_len_ptr, stride_cr, K, CAP: tl.constexpr,
     held as int32 and compacted BLK at a time, so a program is small enough for several a SM
     (``_keep_top`` bisects int64 composites: one 8-warp program a SM, 962 us at T 4096 x N
     32768). HALF: a row of at most CAP / 2 candidates (the usual: slots are 1.5x the expected
-    count) bisects over CAP / 2 slots, half the work a halving. EXIT: ``_kth_largest``'s."""
+    count) bisects over CAP / 2 slots, half the work a halving; THREE_Q: one of at most
+    3 CAP / 8 (most rows of a causal prefill: 2600-3100 candidates in 8192 slots) over
+    CAP / 4 + CAP / 8 slots. EXIT: ``_kth_largest``'s."""
     row = tl.program_id(0).to(tl.int64)
     n = tl.load(cand_len_ptr + row)
     if n > K:
         dst = cand_ptr + row * stride_cr
-        if HALF and n <= CAP // 2:
+        if THREE_Q and n <= 3 * CAP // 8:
+            t, above = _trim_bisect(dst, n, K, CAP // 4, EXIT, CAP // 8)
+        elif HALF and n <= CAP // 2:
             t, above = _trim_bisect(dst, n, K, CAP // 2, EXIT)
         else:
             t, above = _trim_bisect(dst, n, K, CAP, EXIT)
@@ -554,35 +579,53 @@ def filter_trim_kernel(cand_ptr, cand_len_ptr, stride_cr, K, CAP: tl.constexpr,
 
 
 @triton.jit
-def _trim_bisect(dst, n, K, WIDTH: tl.constexpr, EXIT: tl.constexpr):
-    """The K-th largest int32 key t of the n (<= WIDTH, > K) candidates at dst and #(key > t)."""
+def _trim_bisect(dst, n, K, WIDTH: tl.constexpr, EXIT: tl.constexpr, TAIL: tl.constexpr = 0):
+    """The K-th largest int32 key t of the n (<= WIDTH + TAIL, > K) candidates at dst and
+    #(key > t). TAIL: slots WIDTH .. WIDTH + TAIL - 1 held as a second tensor (so the slots
+    bisected need not be a power of two)."""
     slot = tl.arange(0, WIDTH)
     # candidates are keys > NO_KEY_BITS (the threshold is above it), so the pads' key
     # NO_KEY_BITS is below every bisection point: no mask in the counts
     key = (tl.load(dst + slot, mask=slot < n, other=-9223372036854775808) >> 32).to(tl.int32)
-    t = _kth_largest(key, tl.min(tl.where(slot < n, key, 2147483647), 0), K, EXIT)
+    lo = tl.min(tl.where(slot < n, key, 2147483647), 0)
+    if TAIL > 0:
+        slot2 = WIDTH + tl.arange(0, TAIL)
+        key2 = (tl.load(dst + slot2, mask=slot2 < n, other=-9223372036854775808)
+                >> 32).to(tl.int32)
+        lo = tl.minimum(lo, tl.min(tl.where(slot2 < n, key2, 2147483647), 0))
+        t = _kth_largest(key, lo, K, EXIT, key2)
+        return t, tl.sum((key > t).to(tl.int32), 0) + tl.sum((key2 > t).to(tl.int32), 0)
+    t = _kth_largest(key, lo, K, EXIT)
     return t, tl.sum((key > t).to(tl.int32), 0)
 
 
 @triton.jit
-def _kth_largest(key, lo, R, EXIT: tl.constexpr = False):
+def _kth_largest(key, lo, R, EXIT: tl.constexpr = False, key2=None):
     """The R-th largest of the int32 keys: the largest t with #(key >= t) >= R, by bisection
     between lo (#(key >= lo) >= R) and the largest key (at most 32 halvings). EXIT: a halving
     point with exactly R keys at or above it ends the search, t being the least of those keys.
     That needs distinct keys near t: on continuous scores it halves the halvings (about 14
     against 23 for 3100 candidates, simulated in numpy), on the bench's integer-valued scores,
     tied at the threshold, it never fires, and there it was slower on the H200 (trim 266
-    against 205 us at T 4096 x N 32768)."""
+    against 205 us at T 4096 x N 32768). key2: more keys (a second tensor), or None."""
     lo = lo.to(tl.int64)
     hi = tl.max(key, 0).to(tl.int64) + 1
+    if key2 is not None:
+        hi = tl.maximum(hi, tl.max(key2, 0).to(tl.int64) + 1)
     for _ in tl.static_range(32):  # #(key >= lo) >= R > #(key >= hi)
         if hi - lo > 1:
             mid = lo + ((hi - lo) >> 1)
             ge = key >= mid.to(tl.int32)
             cnt = tl.sum(ge.to(tl.int32), 0)
+            if key2 is not None:
+                ge2 = key2 >= mid.to(tl.int32)
+                cnt += tl.sum(ge2.to(tl.int32), 0)
             if EXIT:  # (a compile-time branch: without EXIT the loop is the plain bisection)
                 if cnt == R:
                     lo = tl.min(tl.where(ge, key, 2147483647), 0).to(tl.int64)
+                    if key2 is not None:
+                        lo = tl.minimum(lo, tl.min(tl.where(ge2, key2, 2147483647),
+                                                   0).to(tl.int64))
                     hi = lo + 1
                 else:
                     lo = tl.where(cnt > R, mid, lo)

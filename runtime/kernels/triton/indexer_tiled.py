@@ -136,6 +136,7 @@ from . import indexer_logits_jit as ljit
 from . import indexer_select_jit as sjit
 from . import pack
 from ..reference.formats import INDEXER_K_BYTES, NO_KEY
+from ..reference.indexer import topk_out
 
 LOGITS_BUDGET_BYTES = 1 << 29  # int32 keys of a prefill chunk: 4096 queries x 32k keys
 _DOT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -199,6 +200,10 @@ class IndexerTiles:
     # eighth session)
     filter_chunk: int = 1024  # keys per gathering program (T 4096 x N 32768: 372 us
     # against 394 at 2048 and 610 at 4096)
+    filter_group: int = 4  # chunks a counting / gathering program at most (fewer programs
+    # past a causal row's end). H200, 32k step: counting 2.48 ms a step against 3.57 at 1;
+    # T 4096 x N 32768 (full rows) unchanged
+    filter_group_programs: int = 16  # ... while that leaves at least this many programs a SM
     filter_rank_chunk: int = 512  # composites placed per rank program of the filter path
     # (T 4096 x N 32768: ranks 281 against 317 us at 256)
     filter_cap: int = 0  # candidate slots per row (a power of two >= topk; runs of
@@ -207,8 +212,8 @@ class IndexerTiles:
     filter_bisect: bool = True  # ... finds the sample's key at the threshold rank by
     # bisection instead of sorting the sample (the same key). H200, T 4096 x N 32768: 88
     # against 167 us
-    filter_scatter_warps: int = 2  # gathering programs (1024-key chunks, T 4096 x N 32768:
-    # 326 us against 372 in 4 warps and 473 in 8)
+    filter_scatter_warps: int = 1  # gathering programs (1024-key chunks, T 4096 x N 32768:
+    # 266 us against 365 in 2 warps, 372 in 4 and 473 in 8)
     filter_sort_warps: int = 4  # run sorts of the filter path (T 4096 x N 32768: select
     # 1337 us against 1362 in 2 warps and 1355 in 8)
     filter_trim: bool = True  # rows with more than topk candidates keep their exact top K
@@ -219,6 +224,8 @@ class IndexerTiles:
     trim_warps: int = 8
     trim_halved: bool = True  # rows of at most half the slots trimmed over half of them
     # (T 4096 x N 32768: trim 205 against 261 us)
+    trim_three_quarters: bool = True  # ... and rows of at most 3/8 of them over 3/8 (T
+    # 4096 x N 32768: trim 200 against 205 us; continuous scores 186 against 189)
     bisect_exit: bool = False  # the threshold's and the trim's bisections stop at a point
     # with exactly the rank's count at or above it (fires on continuous scores only; 266
     # against 205 us of trim on the bench's tied integer scores; continuous: not timed)
@@ -391,7 +398,9 @@ def _rank_launch(sorted_runs, top_s, top_i, topk, run, runs, tiles, ids, *, lens
 def _select_launch(src, lens, dst, top_s, top_i, n, seg_len, segs, topk, tiles, sms, has_len,
                    composite, common, *, final=True, skip=None):
     items = src.shape[0] * segs
-    progs = max(1, min(items, tiles.select_programs_per_sm * sms))
+    # after the filter path (skip flags) most programs read their flags and end: one wave
+    # (a 16-warp program fills a SM's registers: no fewer programs at a time either way)
+    progs = max(1, min(items, (1 if skip is not None else tiles.select_programs_per_sm) * sms))
     buf = torch.empty(progs, common["CAP"] + common["KP"], dtype=torch.int64, device=src.device)
     sjit.select_kernel[(progs,)](src, lens, skip if skip is not None else lens, buf, dst, top_s,
                                 top_i, src.stride(0), dst.stride(0), top_s.stride(0), n, seg_len,
@@ -441,9 +450,19 @@ def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
     cand = torch.empty(batch, cap, dtype=torch.int64, device=dev)
     cand_len = torch.empty(batch, dtype=torch.int32, device=dev)
     trim = tiles.filter_trim and R > tiles.trim_rows
-    runs = cap // run
+    # a trimmed row holds at most topk candidates: the run sorts and ranks launch only the
+    # runs that can hold them, not the slots' (8192 slots at L 32k: 4 runs of 512, not 16)
+    runs = min(cap // run, triton.cdiv(topk, run)) if trim else cap // run
+    sms = _num_sms(dev)
     for r0 in range(0, R, batch):
         n = min(R, r0 + batch) - r0
+        # chunks a counting / gathering program: filter_group where that leaves at least
+        # filter_group_programs a SM (a prefill's rows), else 1 (a few long decode rows);
+        # two values at most, so two compiles of each kernel
+        g = tiles.filter_group
+        if g < 1 or n * C < g * tiles.filter_group_programs * sms:
+            g = 1
+        cg = triton.cdiv(C, g)
         k, ln, s, i = keys[r0:r0 + n], lens[r0:r0 + n], top_s[r0:r0 + n], top_i[r0:r0 + n]
         cnt = cnt_buf[:2 * n * C].view(2, n, C)
         sjit.filter_threshold_kernel[(n,)](k, ln, thr, cnt, k.stride(0), L, topk,
@@ -454,16 +473,18 @@ def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
                                            EXIT=tiles.bisect_exit,
                                            num_warps=tiles.filter_warps)
         if not tiles.filter_fused_count:
-            sjit.filter_count_kernel[(n, C)](k, ln, thr, cnt, k.stride(0), L, CH=ch,
-                                             num_warps=tiles.split_warps)
-        sjit.filter_scatter_kernel[(n, C)](k, ln, thr, cnt, cand, cand_len, ok[r0:r0 + n],
-                                           k.stride(0), cand.stride(0), L, topk, CAP=cap, CH=ch,
-                                           CB=triton.next_power_of_2(C),
-                                           num_warps=tiles.filter_scatter_warps)
+            sjit.filter_count_kernel[(n, cg)](k, ln, thr, cnt, k.stride(0), L, C, CH=ch, G=g,
+                                              num_warps=tiles.split_warps)
+        sjit.filter_scatter_kernel[(n, cg)](k, ln, thr, cnt, cand, cand_len, ok[r0:r0 + n],
+                                            k.stride(0), cand.stride(0), L, topk, C, CAP=cap,
+                                            CH=ch, CB=triton.next_power_of_2(C), G=g,
+                                            num_warps=tiles.filter_scatter_warps)
         if trim:
             sjit.filter_trim_kernel[(n,)](cand, cand_len, cand.stride(0), topk, CAP=cap,
                                           BLK=min(cap, 1024), HALF=tiles.trim_halved,
-                                          EXIT=tiles.bisect_exit, num_warps=tiles.trim_warps)
+                                          EXIT=tiles.bisect_exit,
+                                          THREE_Q=tiles.trim_three_quarters and cap >= 64,
+                                          num_warps=tiles.trim_warps)
         # in place: each run's program reads its run before it writes it back sorted
         sjit.sort_runs_kernel[(n, runs)](cand, cand_len, cand, s, i, cand.stride(0),
                                          cand.stride(0), s.stride(0), cap, topk,
@@ -546,7 +567,7 @@ def indexer_topk(q, weights, k_packed, key_rows, key_ids, topk: int, *,
 def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_local_total: int,
                          dcp_size: int, interleave: int, topk: int, *, max_keys: int | None = None,
                          logits_budget_bytes: int = LOGITS_BUDGET_BYTES,
-                         tiles: IndexerTiles | None = None):
+                         tiles: IndexerTiles | None = None, out=None):
     """Tiled ``indexer_topk_prefill`` (contract in ``reference/indexer.py``); scores float32.
 
     max_keys: the widest key_len (from the plan; default ``max(key_len)``, which syncs).
@@ -555,9 +576,16 @@ def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_loc
     tiles = tiles or IndexerTiles()
     T = q.shape[0]
     L = (int(key_len.max()) if T else 0) if max_keys is None else max_keys
+    if out is not None:
+        out = topk_out(out, T, topk, q.device)
     if T == 0 or L == 0 or topk == 0:
-        return _outputs(T, topk, q.device)
-    top_s, top_i = _outputs(T, topk, q.device, fill=False)  # every row goes through _select
+        if out is None:
+            return _outputs(T, topk, q.device)
+        out[0].fill_(float("-inf"))
+        out[1].fill_(NO_KEY)
+        return out
+    # every row goes through _select, which writes every slot
+    top_s, top_i = out if out is not None else _outputs(T, topk, q.device, fill=False)
     # fp8 products on the GPU; the interpreter multiplies the same fp8 values in q's dtype
     gpu = q.is_cuda
     q8, w8 = _query(q, weights, torch.float8_e4m3fn if gpu else None)
@@ -573,7 +601,9 @@ def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_loc
 
         if max(16, triton.next_power_of_2(q.shape[1])) > gluon.MAX_HEADS:
             gluon = None  # more heads than its accumulators hold: the Triton kernel
-    for t0 in range(0, T, step):
+    # the last chunk first: a causal prefill's later queries have the most keys, so the
+    # longest launches are queued first and the host runs ahead of the device sooner
+    for t0 in reversed(range(0, T, step)):
         t1 = min(T, t0 + step)
         if gluon is not None:
             gluon.launch(q8[t0:t1], w8[t0:t1], kp, ks, keys[: t1 - t0], L, key_len[t0:t1],
