@@ -108,19 +108,26 @@ rows of at most min(slots, 2K) keys take every key), ``filter_count_kernel`` (pe
 at least min(K, live keys) and at most the row's slots, ``filter_slots``; if so the chunk's
 composites go after the earlier chunks', in position order), ``filter_trim_kernel`` (more
 than ``trim_rows`` rows: a row's exact top K kept in place, by bisection on int32 keys), then
-the split path's run sorts (in place) and ranks with composites in. Rows whose threshold
-missed get no candidates and are selected by the segment path, which skips the others
-(``HAS_SKIP``); ``sort_runs_kernel`` has written every row's pads. The threshold and the
-trim find a rank's key by bisection (``_kth_largest``: no sort of the sample; a row with at
-most half its slots filled bisects over half of them). H200, T 4096 x N 32768
-(``bench/indexer.py --quick --only prefill --profile``): select 1.29 ms against 2.15 by
-segments (gathering 326 us, ranks 281, run sorts 230, trim 205, counting 135, threshold 87)
-and 1.53 ms with the tunables before (threshold by sorting the sample 167 us, trims over
-all slots 261, 2048-key gathering chunks in 4 warps 394, 256-composite ranks 317); whole
-indexer (logits + select) 3.49 ms; without the trim 1.60 ms (ranks 640, sorts 346); one
-gathering pass with atomic reservations instead of counting first cost 850 us;
-``torch.sort`` of the slots 5.5 ms. Decode, replayed: 8 x 128k select 48 us (97 by
-segments).
+the split path's run sorts (in place) and ranks with composites in; a trimmed row holds at
+most K composites, so only the runs that can hold them are launched. Counting and gathering
+programs take ``filter_group`` chunks each where rows are many: a causal prefill chunk's rows
+end early in its launch width, and programs past a row's end return at once. Rows whose
+threshold missed get no candidates and are selected by the segment path, which skips the
+others (``HAS_SKIP``: a program reads its rows' flags first, so the launch costs about 2 us
+when every row was selected); ``sort_runs_kernel`` has written every row's pads. The
+threshold and the trim find a rank's key by bisection (``_kth_largest``: no sort of the
+sample; a row with at most half its slots filled bisects over half of them, at most 3/8 over
+3/8). The ranks do not search a composite's own run (its index there is its count). H200, T
+4096 x N 32768 (``bench/indexer.py --quick --only prefill --profile``): select 1.16 ms
+against 2.15 by segments (gathering 266 us, ranks 243, run sorts 207, trim 199, counting
+130, threshold 88) and 1.29 ms a session earlier (gathering in 2 warps 365, ranks searching
+every run 262, all slots' runs launched: sorts 230); whole indexer (logits + select) 3.35
+ms; without the trim 1.60 ms (ranks 640, sorts 346, before the changes above); one gathering
+pass with atomic reservations instead of counting first cost 850 us; ``torch.sort`` of the
+slots 5.5 ms. Runs of 1024 composites (two a trimmed row) cost more than four of 512: sorts
+342-475 us, ranks 148. The 32k-prompt step (``bench/step_gpu.py``), a layer's indexer: 19.0
+ms (logits 9.3-10.4 of it, the clock falling as the step runs). Decode, replayed: 8 x 128k
+select 47 us (97 by segments).
 """
 
 from __future__ import annotations
@@ -196,8 +203,8 @@ class IndexerTiles:
     # programs, then ordered as split-path runs; the segment path selects only the rows whose
     # threshold missed. H200, graph: select 8 x 128k 45.4 us against 96.7 by segments
     filter_short_rows: bool = True  # ... and rows one select item handles (a prefill's). H200:
-    # T 4096 x N 32768 select 1.29 ms against 2.15 by segments (bench/RESULTS.md, 2026-12-01
-    # eighth session)
+    # T 4096 x N 32768 select 1.16 ms against 2.15 by segments (bench/RESULTS.md, 2026-12-01
+    # ninth session)
     filter_chunk: int = 1024  # keys per gathering program (T 4096 x N 32768: 372 us
     # against 394 at 2048 and 610 at 4096)
     filter_group: int = 4  # chunks a counting / gathering program at most (fewer programs
@@ -221,7 +228,7 @@ class IndexerTiles:
     # trim_rows rows. H200, T 4096 x N 32768: select 1.34 ms against 1.60 untrimmed (ranks
     # 281 against 640 us); 8 x 128k (graph) 55.1 against 47.6 us, so few rows are not trimmed
     trim_rows: int = 16
-    trim_warps: int = 8
+    trim_warps: int = 8  # (T 4096 x N 32768: trim 205 us against 301 in 16 warps)
     trim_halved: bool = True  # rows of at most half the slots trimmed over half of them
     # (T 4096 x N 32768: trim 205 against 261 us)
     trim_three_quarters: bool = True  # ... and rows of at most 3/8 of them over 3/8 (T
