@@ -34,6 +34,30 @@ def median_us(fn, repeat: int, warmup: int = 0) -> float:
     return statistics.median(times) / 1e3
 
 
+def device_idle(trace: dict, long_us: float = 1000.0) -> dict:
+    """Where the device waited, from a Chrome trace (``kernel_device_times``' timeline, read
+    with ``json.load``): the span from the first device activity (kernels, copies, sets) to
+    the last, the time some activity ran (overlaps counted once), the rest (idle), and the idle
+    before the first activity of at least ``long_us`` (at a step's start the device waits on
+    the host until a long kernel is queued). Milliseconds."""
+    acts = sorted((e["ts"], e["ts"] + e["dur"]) for e in trace.get("traceEvents", ())
+                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
+    if not acts:
+        return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "idle_before_long_ms": 0.0}
+    start, busy, end, before_long, seen_long = acts[0][0], 0.0, acts[0][0], 0.0, False
+    for t0, t1 in acts:
+        if t0 > end:  # a gap no activity covers
+            if not seen_long:
+                before_long += t0 - end
+            end = t0
+        if t1 > end:
+            busy += t1 - end
+            end = t1
+        seen_long = seen_long or t1 - t0 >= long_us
+    return {"span_ms": (end - start) / 1e3, "busy_ms": busy / 1e3,
+            "idle_ms": (end - start - busy) / 1e3, "idle_before_long_ms": before_long / 1e3}
+
+
 def kernel_device_times(fn, calls: int, timeline: str | None = None
                         ) -> list[tuple[str, float, float]]:
     """Device time per kernel name of ``fn()`` (torch.profiler, CUDA activity; one warm-up

@@ -495,6 +495,11 @@ def measure(r: Rank, repeat: int) -> dict:
     per_layer, step_level = time_phases(r, repeat)
     if r.trace and r.groups.device.type == "cuda":
         steps["trace"] = {"eager": trace_kernels(r, r.trace, timeline=r.timeline)}
+        if r.timeline:
+            from common import device_idle  # bench/common.py, beside this script
+
+            with open(r.timeline) as f:
+                steps["timeline"] = device_idle(json.load(f))
         if r.graphs is not None:
             steps["trace"]["replayed"] = trace_kernels(r, r.trace, r.graphs)
     res = {**steps, **verify_costs(r, repeat), **bind_parts(r, repeat), "per_layer_ms": per_layer,
@@ -668,6 +673,11 @@ def report(args, r: Rank, res: dict, stream) -> dict:
         w(f"peak device memory {res['peak_gib']:.1f} GiB\n")
     for name, plan in r.attention.items():
         w(f"attention {name}: {plan}\n")
+    if "timeline" in res:
+        t = res["timeline"]
+        w(f"\ntimeline {r.timeline}: device busy {t['busy_ms']:.2f} of {t['span_ms']:.2f} ms, "
+          f"idle {t['idle_ms']:.2f} ms, of which {t['idle_before_long_ms']:.2f} before the "
+          f"first kernel of 1 ms or more\n")
     for how, rows in res.get("trace", {}).items():
         total = sum(us for _, _, us in rows)
         w(f"\nkernels of a step ({how}, rank 0, torch.profiler device time): {total:.1f} us\n")
