@@ -577,8 +577,9 @@ def parse_args(argv=None):
                     help="CUDA: profile STEPS eager steps (and, with --graphs, STEPS replays) "
                          "and print device time per kernel name and step (rank 0's)")
     ap.add_argument("--timeline", metavar="FILE",
-                    help="with --trace: also write the profiled eager steps' host and device "
-                         "activity as a Chrome trace (rank r > 0 writes FILE.r)")
+                    help="CUDA, with --trace: also write the profiled eager steps' host and "
+                         "device activity as a Chrome trace (rank r > 0 writes FILE.r) and "
+                         "print the device's idle time")
     ap.add_argument("--tiny", action="store_true", help="toy sizes (runs on a CPU)")
     ap.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     args = ap.parse_args(argv)
