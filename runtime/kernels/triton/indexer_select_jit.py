@@ -402,10 +402,10 @@ def rank_runs_kernel(runs_ptr, len_ptr, skip_ptr, s_ptr, i_ptr, stride_rr, strid
     one-round merge of all runs, whose searches run in parallel. In its own run a live
     composite's count is its index (composites are distinct): that run is not searched. Live
     composites placed before K are written as scores / ids (the outputs hold their pads
-    already). HAS_LEN: run t of a row
-    of n = min(len, N) keys holds keys from t*RUN_KEYS on (sort_runs_kernel: RUN_KEYS = SEG; a
-    long row's segments: the segment length), so runs past n are pads and are not searched.
-    HAS_SKIP: rows whose skip flag is set are left alone."""
+    already). HAS_LEN: run t of a row of n = min(len, N) keys holds keys from t*RUN_KEYS on
+    (sort_runs_kernel: RUN_KEYS = SEG; a long row's segments: the segment length), so runs
+    past n are pads and are not searched. HAS_SKIP: rows whose skip flag is set are left
+    alone."""
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     live_runs = NRUNS
@@ -606,8 +606,10 @@ def _kth_largest(key, lo, R, EXIT: tl.constexpr = False, key2=None):
     point with exactly R keys at or above it ends the search, t being the least of those keys.
     That needs distinct keys near t: on continuous scores it halves the halvings (about 14
     against 23 for 3100 candidates, simulated in numpy), on the bench's integer-valued scores,
-    tied at the threshold, it never fires, and there it was slower on the H200 (trim 266
-    against 205 us at T 4096 x N 32768). key2: more keys (a second tensor), or None."""
+    tied at the threshold, it never fires. On the H200 it was slower both ways (T 4096 x N
+    32768: trim 266 against 205 us on integer scores; 198.8 against 189.2 on continuous ones,
+    where only the threshold gained, 81.7 against 89.1). key2: more keys (a second tensor), or
+    None."""
     lo = lo.to(tl.int64)
     hi = tl.max(key, 0).to(tl.int64) + 1
     if key2 is not None:
