@@ -491,6 +491,7 @@ def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
             sjit.filter_trim_kernel[(n,)](cand, cand_len, cand.stride(0), topk, CAP=cap,
                                           BLK=min(cap, 1024), HALF=tiles.trim_halved,
                                           EXIT=tiles.bisect_exit,
+                                          # (tensors of CAP / 4 and CAP / 8 slots)
                                           THREE_Q=tiles.trim_three_quarters and cap >= 64,
                                           num_warps=tiles.trim_warps)
         # in place: each run's program reads its run before it writes it back sorted
