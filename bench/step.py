@@ -2,11 +2,13 @@
 
     python bench/step.py [--repeat 50] [--worlds 2 4 8]
     python bench/step.py --issue15 [--repeat 50]    # only the host bind cases of issue 15
+    python bench/step.py --digest-only [--repeat 50] [--worlds 2 4 8]
 
 1. bind (tables + arena pack, no device copy on CPU) per step, median, for 64 / 512 / 4096
    requests (P = W = 2, a mix of decodes and prefills; compile time shown for scale);
-2. the digest check (xxh3-128 of the plan + async 16-byte gloo all-gather, awaited) at world
-   2 / 4 / 8, next to one typical kv_insert (gloo all-gather of [T - nd, 656] uint8 per rank,
+2. the digest check (xxh3-128 of the plan + the 17-byte exchange: the shared-memory board and
+   the gloo all-gather, each awaited, after a barrier) at world 2 / 4 / 8, next to one
+   typical kv_insert (gloo all-gather of [T - nd, 656] uint8 per rank,
    T = 512) in the same world. Worlds are spawned processes on this host: on a 2-core machine
    a world of 8 is oversubscribed, so its figures are an upper bound.
 3. (``--issue15``) host bind at full model dims (128 heads, topk 2048, fp8_ds_mla,
@@ -233,18 +235,21 @@ def print_issue15(repeat: int) -> None:
               f"{n_ops} | {n_exp} | {calls} | {tb:.3f} | {ts:.3f} |")
 
 
-def _collective_costs(ctx, repeat: int) -> tuple[float, float]:
+def _collective_costs(ctx, repeat: int) -> tuple[float, float, float]:
+    """Digest check with the shared-memory board, with gloo (ms), one kv_insert (ms)."""
     w = ctx.world_size
     cfg = _config(w)
     groups = Groups.build(cfg, store=ctx.store)
-    check = DigestCheck(groups, "every")
     plan = compile(cfg, _step(512))
-    t_digest = []
-    for _ in range(repeat):
-        dist.barrier(group=groups.control)
-        t0 = time.perf_counter()
-        check.start(plan).wait()
-        t_digest.append(time.perf_counter() - t0)
+    t_digest = {}
+    for kind in ("shm", "gloo"):
+        check, t_digest[kind] = DigestCheck(groups, "every", exchange=kind), []
+        for _ in range(repeat):
+            dist.barrier(group=groups.control)
+            t0 = time.perf_counter()
+            check.start(plan).wait()
+            t_digest[kind].append(time.perf_counter() - t0)
+        check.close()
     inp = torch.zeros(512, cfg.kv_bytes_per_token, dtype=torch.uint8)
     out = torch.empty(w * 512, cfg.kv_bytes_per_token, dtype=torch.uint8)
     from cpplan.runtime.collectives import all_gather_tensor
@@ -255,7 +260,17 @@ def _collective_costs(ctx, repeat: int) -> tuple[float, float]:
         t0 = time.perf_counter()
         all_gather_tensor(out, inp, group=groups.pcp)
         t_kv.append(time.perf_counter() - t0)
-    return statistics.median(t_digest) * 1e3, statistics.median(t_kv) * 1e3
+    return (statistics.median(t_digest["shm"]) * 1e3, statistics.median(t_digest["gloo"]) * 1e3,
+            statistics.median(t_kv) * 1e3)
+
+
+def print_bind(repeat: int) -> None:
+    print("## bind (per rank, CPU: tables + arena pack)\n")
+    print("| requests | T per rank | gather chunks | compile ms | host tables ms | "
+          "bind ms (CPU: incl. device-side expansion) |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for n, t, ch, tc, th, tb in bench_bind(repeat):
+        print(f"| {n} | {t} | {ch} | {tc:.3f} | {th:.3f} | {tb:.3f} |")
 
 
 def main() -> None:
@@ -263,26 +278,25 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=50)
     ap.add_argument("--worlds", type=int, nargs="*", default=[2, 4, 8])
     ap.add_argument("--issue15", action="store_true", help="only the issue 15 bind cases")
+    ap.add_argument("--digest-only", action="store_true", help="only the digest-check table")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.issue15:
         print_issue15(args.repeat)
         return
-    print("## bind (per rank, CPU: tables + arena pack)\n")
-    print("| requests | T per rank | gather chunks | compile ms | host tables ms | "
-          "bind ms (CPU: incl. device-side expansion) |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    for n, t, ch, tc, th, tb in bench_bind(args.repeat):
-        print(f"| {n} | {t} | {ch} | {tc:.3f} | {th:.3f} | {tb:.3f} |")
-    print("\n## digest check vs one kv_insert (gloo, spawned ranks on this host)\n")
-    print("| world | digest check ms (median) | kv_insert [512, 656] u8 ms (median) |")
-    print("|---:|---:|---:|")
+    if not args.digest_only:
+        print_bind(args.repeat)
+    print("\n## digest check vs one kv_insert (spawned ranks on this host)\n")
+    print("| world | digest check, shared-memory board ms | digest check, gloo all-gather ms "
+          "| gloo / board | kv_insert [512, 656] u8 ms (gloo) |")
+    print("|---:|---:|---:|---:|---:|")
     for w in args.worlds:
         with World(w, timeout_s=120) as world:
             res = world.run(_collective_costs, args.repeat)
         vals = [r.value for r in res]
         assert all(r.ok for r in res), [r.tb for r in res]
-        print(f"| {w} | {max(v[0] for v in vals):.3f} | {max(v[1] for v in vals):.3f} |")
+        shm, gloo, kv = (max(v[k] for v in vals) for k in range(3))
+        print(f"| {w} | {shm:.4f} | {gloo:.3f} | {gloo / shm:.0f}x | {kv:.3f} |")
 
 
 if __name__ == "__main__":

@@ -161,13 +161,16 @@ class StepExecutor:
 
     @classmethod
     def from_groups(cls, config: ParallelConfig, groups, *, verify: str = "every",
-                    verify_every: int = 1, **kwargs) -> "StepExecutor":
+                    verify_every: int = 1, digest_exchange: str = "auto",
+                    **kwargs) -> "StepExecutor":
+        """A collective call on ``groups`` (the digest exchange is set up here).
+        digest_exchange: "auto", "shm" or "gloo" (runtime/exchange.py)."""
         from cpplan.runtime.verify import DigestCheck
 
         board = FaultBoard(groups)
+        check = DigestCheck(groups, verify, verify_every, board, exchange=digest_exchange)
         ex = cls(config, pcp_rank=groups.pcp_rank, dcp_rank=groups.dcp_rank,
-                 comm=coll.DistComm(groups), device=groups.device,
-                 check=DigestCheck(groups, verify, verify_every, board), faults=board,
+                 comm=coll.DistComm(groups), device=groups.device, check=check, faults=board,
                  data_timeout_s=groups.timeout_s, **kwargs)
         if groups.device.type == "cuda" and board.store is not None:
             ex.watchdog = Watchdog(board, groups)  # the host never blocks in an NCCL call

@@ -103,6 +103,8 @@ class FaultBoard:
                    exc: BaseException) -> RankLostError:
         """Name the ranks that did not reach ``what`` of step ``seq`` (via "alive" marks)."""
         missing = self._missing(f"{what}/{seq}")
+        if missing is None:  # no store: the transport may still know (the shm digest board)
+            missing = getattr(exc, "ranks", None)
         named = f"ranks {missing}" if missing else "a rank (unknown: no store)"
         return RankLostError(f"{named} did not take part in the {what} of step {step_id} "
                              f"(check #{seq}) within {timeout_s:g} s: {one_line(exc)}")

@@ -1,7 +1,9 @@
 """The digest check: every rank's plan digest compared over the gloo control group.
 
-``DigestCheck.start(plan)`` (at bind) issues an async all-gather of the 16-byte digest and a
-status byte; ``PendingCheck.wait()`` (just before the step's first data collective) awaits it.
+``DigestCheck.start(plan)`` (at bind) hands this rank's 16-byte digest and a status byte to the
+exchange (runtime/exchange.py: a board in shared memory when every rank runs on one host, else
+an async gloo all-gather); ``PendingCheck.wait()`` (just before the step's first data
+collective) awaits every rank's row.
 On a mismatch every rank exchanges its encoded plan (bytes through the same gloo group, no
 pickle), finds the first differing field and raises the same :class:`PlanMismatchError` (when
 no digest has a majority it says the ranks disagree instead of blaming some). A rank whose bind
@@ -10,8 +12,9 @@ and every peer raises :class:`PeerFailedError` naming it. A rank that does not t
 the check on the others within ``control_timeout_s`` (:class:`RankLostError`, naming it through
 the store when one is available).
 
-Cost (bench/step.py): one 16-byte gloo all-gather per checked step; modes ``every`` (default),
-``sampled`` (every N-th bind of this executor, counted locally so all ranks agree) and ``off``.
+Cost (bench/step.py): one exchange of 17 bytes a rank per checked step; modes ``every``
+(default), ``sampled`` (every N-th bind of this executor, counted locally so all ranks agree)
+and ``off``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch.distributed as dist
 
 from cpplan.schemas.arrays import Array
 from cpplan.schemas.codec import decode_plan, digest, encode_plan
+from cpplan.runtime.exchange import ExchangeTimeout, open_exchange
 from cpplan.runtime.faults import FaultBoard
 from cpplan.schemas.errors import ConfigError, PlanMismatchError
 from cpplan.schemas.plan import StepPlan
@@ -38,13 +42,17 @@ class DigestCheck:
     """Per-executor digest verification state (one per rank)."""
 
     def __init__(self, groups, mode: str = "every", every_n: int = 1,
-                 board: FaultBoard | None = None) -> None:
+                 board: FaultBoard | None = None, exchange: str = "auto") -> None:
+        """A collective call on the control group (the exchange is set up here, on every
+        rank). exchange: "auto" (shared memory when every rank is on this host, else gloo),
+        "shm" or "gloo" (runtime/exchange.py)."""
         if mode not in VERIFY_MODES:
             raise ConfigError(f"verify mode must be one of {VERIFY_MODES}: got {mode!r}")
         if every_n < 1:
             raise ConfigError(f"verify every_n must be >= 1: got {every_n}")
         self.groups, self.mode, self.every_n = groups, mode, every_n
         self.board = board if board is not None else FaultBoard(groups)
+        self.exchange = open_exchange(groups, exchange) if mode != "off" else None
         self.seq = 0  # binds seen by this rank: the same on every rank
         self.passed = 0  # checks that passed
 
@@ -53,30 +61,31 @@ class DigestCheck:
         ``failed``: this rank's bind failed (its error already announced for this bind)."""
         self.seq += 1
         due = self.mode == "every" or (self.mode == "sampled" and self.seq % self.every_n == 0)
-        if not due or self.groups.control is None:
+        if not due or self.exchange is None:
             return None
         status = STATUS_FAILED if failed else STATUS_OK
-        mine = torch.frombuffer(bytearray(digest(plan) + bytes([status])), dtype=torch.uint8)
-        outs = [torch.empty(DIGEST_BYTES + 1, dtype=torch.uint8)
-                for _ in range(self.groups.control_size)]
-        work = dist.all_gather(outs, mine, group=self.groups.control, async_op=True)
-        return PendingCheck(self, plan, outs, work, self.seq)
+        pending = self.exchange.start(digest(plan) + bytes([status]))
+        return PendingCheck(self, plan, pending, self.seq)
+
+    def close(self) -> None:
+        """Unmap the shared-memory board (if any); the check is unusable afterwards."""
+        if self.exchange is not None:
+            self.exchange.close()
 
 
 class PendingCheck:
-    def __init__(self, owner: DigestCheck, plan: StepPlan, outs, work, seq: int):
-        self.owner, self.plan, self.outs, self.work, self.seq = owner, plan, outs, work, seq
+    def __init__(self, owner: DigestCheck, plan: StepPlan, pending, seq: int):
+        self.owner, self.plan, self.pending, self.seq = owner, plan, pending, seq
 
     def wait(self) -> None:
         """Await the exchange; raise PlanMismatchError / PeerFailedError / RankLostError (the
         same on every rank; a rank whose own bind failed returns, to raise its own error)."""
         g, board, step_id = self.owner.groups, self.owner.board, self.plan.step_id
         try:
-            self.work.wait()
-        except RuntimeError as exc:  # gloo: timeout or a peer gone
+            rows = self.pending.wait(g.control_timeout_s)
+        except ExchangeTimeout as exc:  # a peer silent for the timeout, or gone
             raise board.lost_error(self.seq, step_id, "digest check", g.control_timeout_s,
                                    exc) from None
-        rows = [t.numpy().tobytes() for t in self.outs]
         digests = [r[:DIGEST_BYTES] for r in rows]
         if len(set(digests)) > 1:
             raise _mismatch_error(g, self.plan, digests, self.seq)

@@ -53,6 +53,9 @@ def register(sub) -> None:
     p.add_argument("--verify", choices=("every", "sampled", "off"), default="every")
     p.add_argument("--verify-every", type=bounded_int(0, 10**6), default=4, metavar="N",
                    help="with --verify sampled: check every N-th step (default 4)")
+    p.add_argument("--digest-exchange", choices=("auto", "shm", "gloo"), default="auto",
+                   help="how the ranks' plan digests meet: a shared-memory board when every "
+                        "rank is on this host (auto, shm), or a gloo all-gather (default auto)")
     p.add_argument("--timeout", type=float, default=30.0, metavar="S",
                    help="seconds before a rank missing from the digest check is declared lost")
     p.add_argument("--record", metavar="DIR", help="write step-N.msgpack + replay.json")
@@ -118,7 +121,8 @@ def _options(args):
     return SimOptions(pcp=args.pcp, dcp=args.dcp, interleave=args.interleave,
                       kv_cache_dtype=args.kv_cache_dtype, steps=args.steps, seed=args.seed,
                       layers=args.layers, backend=args.backend, verify=args.verify,
-                      verify_every=args.verify_every, record=args.record, inject=inject,
+                      verify_every=args.verify_every, digest_exchange=args.digest_exchange,
+                      record=args.record, inject=inject,
                       timeout_s=args.timeout, graphs=args.graphs, warmup=args.warmup)
 
 

@@ -63,6 +63,7 @@ class SimOptions:
     backend: str = "gloo"
     verify: str = "every"
     verify_every: int = 4
+    digest_exchange: str = "auto"  # runtime/exchange.py: "auto", "shm" or "gloo"
     record: str | None = None
     inject: Inject | None = None
     timeout_s: float = 30.0
@@ -140,6 +141,7 @@ class _RankSim:
         num_blocks = 1 + MAX_RUNNING * self.blocks_per_req
         self.executor = StepExecutor.from_groups(
             config, groups, verify=opts.verify, verify_every=opts.verify_every,
+            digest_exchange=opts.digest_exchange,
             max_tokens=TOKEN_BUDGET + MAX_RUNNING, max_requests=MAX_RUNNING)
         self.alloc = BlockAllocator(num_blocks, config.block_size, config.dcp_size,
                                     groups.dcp_rank, config.interleave_size)
@@ -253,7 +255,8 @@ class _RankSim:
                 "max_abs_err": float(allr[:, 2].max()), "collectives": int(allr[:, 1].sum()),
                 "digest_checks": int(allr[0, 4]), "gather_chunks": int(allr[0, 5]),
                 "preempted": int(allr[0, 6]), "finished": int(allr[0, 7]),
-                "graph_steps": int(allr[0, 8]), "replayed": int(allr[0, 9])}
+                "graph_steps": int(allr[0, 8]), "replayed": int(allr[0, 9]),
+                "digest_exchange": getattr(self.executor.check.exchange, "kind", None)}
 
 
 def _die(kind: str, timeout_s: float) -> None:

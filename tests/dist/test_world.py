@@ -75,10 +75,11 @@ def test_warmup_runs_on_every_rank_before_the_steps(worlds):
     assert s["digest_checks"] == 4 + 4  # the four warm-up steps, then the four real ones
 
 
+@pytest.mark.parametrize("exchange", ["auto", "gloo"])  # auto: the shared-memory board here
 @pytest.mark.parametrize("kind", INJECT_KINDS)
-def test_divergence_stops_every_rank_before_any_collective(worlds, kind):
+def test_divergence_stops_every_rank_before_any_collective(worlds, kind, exchange):
     opts = SimOptions(pcp=2, dcp=2, steps=3, layers=1, progress=False, timeout_s=20,
-                      inject=Inject(step=2, rank=1, kind=kind))
+                      inject=Inject(step=2, rank=1, kind=kind), digest_exchange=exchange)
     t0 = time.monotonic()
     results = worlds(2).run(rank_main, opts, timeout_s=120)
     assert time.monotonic() - t0 < 60
@@ -102,13 +103,14 @@ def test_divergence_majority_names_the_odd_rank(worlds):
         assert "num_scheduled_tokens" in str(err) and r.value["ledger"] == 0
 
 
+@pytest.mark.parametrize("exchange", ["auto", "gloo"])
 @pytest.mark.parametrize("fault", ["exit", "hang"])
-def test_killed_rank_is_named_within_timeout(fault):
-    """exit: the process dies (its sockets close); hang: it stays alive and silent with its
-    connections open, so only the control timeout can catch it."""
+def test_killed_rank_is_named_within_timeout(fault, exchange):
+    """exit: the process dies (its sockets close; its pid ends); hang: it stays alive and silent
+    with its connections open, so only the control timeout can catch it."""
     timeout = 5.0
     opts = SimOptions(pcp=3, dcp=3, steps=4, layers=1, progress=False, timeout_s=timeout,
-                      kill=Inject(step=2, rank=1, kind=fault))
+                      kill=Inject(step=2, rank=1, kind=fault), digest_exchange=exchange)
     with World(3, timeout_s=60) as world:
         t0 = time.monotonic()
         results = world.run(rank_main, opts, timeout_s=120)
@@ -119,6 +121,6 @@ def test_killed_rank_is_named_within_timeout(fault):
         err = r.value["error"]
         assert isinstance(err, RankLostError), err
         assert "ranks [1]" in str(err)
-        assert r.value["elapsed_s"] < timeout + 3.0  # the gloo timeout + the naming grace
+        assert r.value["elapsed_s"] < timeout + 3.0  # the control timeout + the naming grace
         assert r.value["ledger"] == 0
     assert took < 60

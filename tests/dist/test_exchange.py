@@ -1,0 +1,165 @@
+"""The digest exchange (runtime/exchange.py): the shared-memory board and the gloo all-gather
+hand every rank every rank's row, exchange after exchange, under skewed arrival; a torn or
+stale slot is never taken; a dead peer ends the wait at once and a silent one at the timeout;
+ranks that cannot share a board fall back to gloo (auto) or refuse (shm), leaving nothing in
+/dev/shm.
+
+The reference for the rows is the job's own formula for what rank r sends at exchange i,
+computed independently on every rank."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import xxhash
+
+from cpplan.runtime import exchange as xch
+from cpplan.schemas.config import ParallelConfig
+from cpplan.schemas.errors import ConfigError
+from cpplan.sim.launch import World
+
+ROUNDS = 300
+
+
+def _row(rank: int, i: int) -> bytes:
+    return xxhash.xxh3_128_digest(f"{rank}/{i}".encode()) + bytes([(rank + i) % 256])
+
+
+def _groups(ctx):
+    from cpplan.runtime.groups import Groups
+
+    cfg = ParallelConfig(pcp_size=ctx.world_size, dcp_size=ctx.world_size)
+    return Groups.build(cfg, store=ctx.store, control_timeout_s=20.0)
+
+
+def _exchange_rounds(ctx, kind: str):
+    g = _groups(ctx)
+    ex = xch.open_exchange(g, kind)
+    rng = random.Random(ctx.rank)
+    bad = []
+    for i in range(ROUNDS):
+        if rng.random() < 0.3:  # arrive late by up to 2 ms: the others poll, then sleep
+            time.sleep(rng.random() * 2e-3)
+        rows = ex.start(_row(ctx.rank, i)).wait(20.0)
+        if rows != [_row(r, i) for r in range(ctx.world_size)]:
+            bad.append(i)
+    ex.close()
+    return ex.kind, bad
+
+
+@pytest.fixture(scope="module")
+def world3():
+    with World(3, timeout_s=60) as w:
+        yield w
+
+
+@pytest.mark.parametrize("kind,want", [("auto", "shm"), ("shm", "shm"), ("gloo", "gloo")])
+def test_every_rank_gets_every_row_under_skew(world3, kind, want):
+    before = _leftovers()
+    for r in world3.run(_exchange_rounds, kind, timeout_s=120):
+        assert r.ok, r.tb
+        got_kind, bad = r.value
+        assert got_kind == want and bad == [], (r.rank, got_kind, bad[:5])
+    assert _leftovers() == before  # the board was unlinked once mapped
+
+
+def _leftovers() -> set[str]:
+    return {n for n in os.listdir(xch.SHM_DIR) if n.startswith("cpplan-digest-")}
+
+
+def _no_board_on_rank_1(ctx, kind: str):
+    g = _groups(ctx)
+    if ctx.rank == 1:
+        def refuse(*a, **k):
+            raise OSError("not this host's memory")
+
+        xch.mmap.mmap = refuse  # a spawned worker: patched in this job only
+    try:
+        ex = xch.open_exchange(g, kind)
+    except ConfigError as exc:
+        return "ConfigError", str(exc)
+    finally:
+        xch.mmap.mmap = mmap.mmap
+    rows = ex.start(_row(ctx.rank, 0)).wait(20.0)
+    return ex.kind, rows == [_row(r, 0) for r in range(ctx.world_size)]
+
+
+def test_ranks_without_a_shared_board_fall_back_or_refuse(world3):
+    before = _leftovers()
+    for r in world3.run(_no_board_on_rank_1, "auto", timeout_s=120):
+        assert r.ok, r.tb
+        assert r.value == ("gloo", True), r.value
+    for r in world3.run(_no_board_on_rank_1, "shm", timeout_s=120):
+        assert r.ok, r.tb
+        kind, msg = r.value
+        assert kind == "ConfigError" and "expected all ranks of the control group on one host" \
+            in msg, r.value
+    assert _leftovers() == before
+
+
+# ---------------------------------------------------------------------------- one process
+def _board(size: int, pids: list[int], check_pids: bool = True) -> xch.SharedMemoryExchange:
+    nbytes = size * (xch.HEADER_BYTES + 2 * xch.SLOT_BYTES)
+    return xch.SharedMemoryExchange(mmap.mmap(-1, nbytes), 0, size, pids, check_pids)
+
+
+def _write(ex, rank: int, count: int, row: bytes, good_hash: bool = True) -> None:
+    body = count.to_bytes(8, "little") + row
+    h = xxhash.xxh64_digest(body if good_hash else body + b"x")
+    at = ex._slot(count % 2, rank)
+    ex.board[at: at + len(body) + 8] = body + h
+
+
+def test_a_torn_or_stale_slot_is_not_taken():
+    ex = _board(2, [os.getpid()] * 2)
+    row = _row(1, 5)
+    assert ex.read(5, 1, len(row)) is None  # nothing written yet
+    _write(ex, 1, 5, row, good_hash=False)  # torn: the hash does not match the bytes read
+    assert ex.read(5, 1, len(row)) is None
+    _write(ex, 1, 3, row)  # stale: the same parity two exchanges ago
+    assert ex.read(5, 1, len(row)) is None
+    _write(ex, 1, 5, row)
+    assert ex.read(5, 1, len(row)) == row
+
+
+def test_a_dead_peer_ends_the_wait_at_once_a_silent_one_at_the_timeout():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # reaped: its pid no longer exists
+    ex = _board(2, [os.getpid(), proc.pid])
+    t0 = time.monotonic()
+    with pytest.raises(xch.ExchangeTimeout) as info:
+        ex.start(_row(0, 0)).wait(30.0)
+    assert time.monotonic() - t0 < 2.0
+    assert info.value.ranks == [1] and info.value.gone
+    assert "ranks [1] exited" in str(info.value)
+
+    ex = _board(3, [os.getpid()] * 3)  # alive (our own pid) but silent
+    _write(ex, 2, 1, _row(2, 0))  # rank 2 answered, rank 1 never does
+    t0 = time.monotonic()
+    with pytest.raises(xch.ExchangeTimeout) as info:
+        ex.start(_row(0, 0)).wait(0.3)
+    took = time.monotonic() - t0
+    assert 0.3 <= took < 2.0, took
+    assert info.value.ranks == [1] and not info.value.gone
+    assert "within 0.3 s" in str(info.value)
+
+
+def test_a_zombie_counts_as_gone():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 10
+    while xch._process_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)  # exited, not yet reaped: state Z in /proc
+    assert not xch._process_alive(proc.pid)
+    assert xch._process_alive(os.getpid())
+    proc.wait()
+
+
+def test_unknown_kind_is_a_config_error():
+    with pytest.raises(ConfigError, match="expected one of"):
+        xch.open_exchange(None, "nccl")
