@@ -223,6 +223,9 @@ def setup_rank(args, dims: dict, groups: Groups) -> Rank:
         alloc.ensure(rid, int(extent))
     num_blocks = 1 + sum(len(b) for b in alloc.blocks.values())
     tables = alloc.table(plan.req_ids, per_req)
+    if args.fragmented:  # a long-running server's cache: each request's blocks scattered
+        perm = np.concatenate([[0], 1 + np.random.default_rng(7).permutation(num_blocks - 1)])
+        tables = perm[tables].astype(tables.dtype)  # 0 (reserved / unused) stays 0
     kernels = with_indexer_tiles(get_kernels(dev.type, args.kernels), args.indexer_tiles)
     merge_kernels = None
     if args.merge != "kernel":  # the torch merge (two sorts, unfused LSE scaling) to compare
@@ -571,6 +574,10 @@ def parse_args(argv=None):
     ap.add_argument("--indexer-tiles", type=_indexer_tiles, default={}, metavar="F=V,...",
                     help="launch the tiled indexer with these IndexerTiles fields, e.g. "
                          "long_filter=0 (Triton kernel set only)")
+    ap.add_argument("--fragmented", action="store_true",
+                    help="scatter the allocated cache blocks (a random permutation of the block "
+                         "ids), as in a long-running server; default: each request's blocks "
+                         "in a row")
     ap.add_argument("--graphs", action="store_true",
                     help="CUDA-graph sizes in the config; time the step eager and replayed")
     ap.add_argument("--trace", type=int, default=0, metavar="STEPS",

@@ -172,6 +172,7 @@ class IndexerTiles:
     # 2k-6k or 64k-128k are slower at 64: 17.3 / 379 against 14.5 / 331)
     decode_warps: int = 4
     decode_stages: int = 3
+    decode_maxnreg: int = 0  # decode logits: registers per thread capped (0: no cap)
     select_block: int = 8192  # keys per select step (< 2**16; 8192: 2.15 ms against 2.23 at 4096)
     select_warps: int = 16
     select_sample: int = 1024  # keys sampled per row for the threshold (power of two)
@@ -254,7 +255,7 @@ def _num_sms(device) -> int:
 
 
 def _logits(q, weights, k, out, mode, out_keys, L, *, bk, warps, stages, splits=1, rows=None,
-            lens=None, bt=None, B=1):
+            lens=None, bt=None, B=1, maxnreg=0):
     """Byte-row logits, one query per program: MODE 0 over explicit packed rows (float32
     scores), MODE 2 over the block-planar paged cache through the block table (int32 keys;
     B tokens a block). q float8_e4m3fn: fp8 products; else q's dtype holding the fp8 query's
@@ -272,7 +273,7 @@ def _logits(q, weights, k, out, mode, out_keys, L, *, bk, warps, stages, splits=
         HP=max(16, triton.next_power_of_2(HI)), BK=bk, BLOCK=B if mode == 2 else 1,
         DOT_DTYPE=tl.float8e4nv if q.dtype == torch.float8_e4m3fn else _DOT[q.dtype],
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps,
-        num_stages=stages)
+        num_stages=stages, **({"maxnreg": maxnreg} if maxnreg and q.is_cuda else {}))
 
 
 def decode_block_k(T: int, tiles: IndexerTiles) -> int:
@@ -652,7 +653,7 @@ def indexer_topk_decode(q, weights, k_cache, local_len, block_table, block_size:
     splits = decode_splits(T, L, tiles, _num_sms(q.device))
     _logits(q, weights, k_cache, keys, 2, True, L, bk=bk, warps=tiles.decode_warps,
             stages=tiles.decode_stages, splits=splits, lens=local_len, bt=block_table,
-            B=block_size)
+            B=block_size, maxnreg=tiles.decode_maxnreg)
     _select(keys, local_len, topk, top_s, top_i, tiles, decode_ids=True, W=dcp_size, I=interleave,
             rank=dcp_rank)
     return top_s, top_i
