@@ -187,6 +187,8 @@ def build_step(args, dims: dict) -> StepInput:
     lo, hi = dims["context"]
     n = args.decodes
     ctx = lo + (np.arange(n, dtype=np.int64) * 1543) % max(hi - lo, 1)
+    if args.context_order == "random":  # a batch's rows in no particular order of length
+        ctx = np.random.default_rng(11).permutation(ctx)
     prompts = [args.prompt] if args.prompt > 0 else []
     ids = [f"d{i}" for i in range(n)] + ["prompt"] * len(prompts)
     c = np.concatenate([ctx, np.zeros(len(prompts), np.int64)])
@@ -574,6 +576,9 @@ def parse_args(argv=None):
     ap.add_argument("--indexer-tiles", type=_indexer_tiles, default={}, metavar="F=V,...",
                     help="launch the tiled indexer with these IndexerTiles fields, e.g. "
                          "long_filter=0 (Triton kernel set only)")
+    ap.add_argument("--context-order", choices=("spread", "random"), default="spread",
+                    help="the decodes' contexts: spread (a rising sawtooth over the range, the "
+                         "default) or the same contexts in a random order")
     ap.add_argument("--fragmented", action="store_true",
                     help="scatter the allocated cache blocks (a random permutation of the block "
                          "ids), as in a long-running server; default: each request's blocks "
