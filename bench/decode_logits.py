@@ -11,8 +11,10 @@ block-planar paged cache) and write a 4-byte score, so the launch is bandwidth-b
   (cache blocks through the table, values and scales), keys xor-reduced, no products: the
   ceiling for this access pattern;
 - ``logits``: ``indexer_tiled._logits`` (MODE 2) with the default tiles and with each
-  ``(block_k, warps, stages, programs per SM[, register cap])`` of ``--tiles``; every variant's
-  keys are checked equal to the default's.
+  ``(block_k, warps, stages, programs per SM[, register cap])`` of ``--tiles``, and the
+  balanced launch (``_logits_balanced``: the batch's key tiles split evenly over the programs)
+  with its default tunables and ``BALANCED``'s; every variant's keys are checked equal to the
+  default's.
 
 Figures are TB/s of bytes read and written (keys x 136), and the ratio against the paged read of
 the same run.
@@ -38,6 +40,11 @@ from cpplan.runtime.kernels.triton import indexer_tiled as it
 
 HI, BLOCK, KEY_BYTES = 64, 64, 132
 CASES = "64x131072,64x65536-131072,8x131072,64x32768-65536"
+BALANCED = {"": {}, ", 2 programs/SM, no cap": {"decode_balanced_programs_per_sm": 2,
+                                                 "decode_balanced_maxnreg": 0},
+            ", 4 programs/SM, 128 registers": {"decode_balanced_programs_per_sm": 4,
+                                               "decode_balanced_maxnreg": 128},
+            ", 3 stages": {"decode_balanced_stages": 3}}
 TILES = ("128:4:3:4,128:4:4:4,128:4:5:4,128:8:5:4,128:4:5:2,128:4:5:3,128:4:5:6,"
          "64:4:5:4,64:4:5:8,256:8:3:4,256:8:5:2,256:8:5:3")
 
@@ -118,6 +125,17 @@ def logits_fn(q8, w8, k, lens, bt, L, tiles: it.IndexerTiles):
     return run, keys, splits
 
 
+def balanced_fn(q8, w8, k, lens, bt, L, tiles: it.IndexerTiles):
+    """The balanced launch (``indexer_tiled._logits_balanced``) as a call; ``.keys`` its output."""
+    keys = it._keys_buffer(q8.shape[0], L, q8.device)
+
+    def run():
+        it._logits_balanced(q8, w8, k, keys, lens, bt, bk=tiles.decode_block_k, tiles=tiles,
+                            B=BLOCK)
+    run.keys = keys
+    return run
+
+
 def _valid(keys, lens):
     cols = torch.arange(keys.shape[1], device=keys.device)
     return torch.where(cols[None, :] < lens[:, None], keys, 0)
@@ -173,6 +191,12 @@ def run_case(B, ctx, lo, tile_list, shuffled=True, timer="graph"):
     t0 = bench_ms(run)
     line(f"logits, default ({base.decode_block_k}:{base.decode_warps}:{base.decode_stages}:"
          f"{base.decode_programs_per_sm})", t0, t_paged)
+    for name, kw in BALANCED.items():  # the balanced launch: tiles split evenly over programs
+        t = dataclasses.replace(base, decode_balanced_keys=1, **kw)
+        fn = balanced_fn(q8, w8, k, lens, bt, ctx, t)
+        fn()
+        ok = torch.equal(_valid(fn.keys, lens), want)
+        line(f"logits balanced{name}", bench_ms(fn), t_paged, f"keys == default: {ok}")
     for bk, warps, stages, pps, *regs in tile_list:
         t = dataclasses.replace(base, decode_block_k=bk, few_rows=0, decode_warps=warps,
                                 decode_stages=stages, decode_programs_per_sm=pps,

@@ -138,9 +138,12 @@ def test_prefill_out_rows_of_a_larger_buffer(env, backend):
 @pytest.mark.parametrize("sms", [0, 8])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("filt", [False, True], ids=["segments", "filter"])
-def test_decode(env, W, rank, I, sms, fp8, filt):
+@pytest.mark.parametrize("balanced", [False, True], ids=["per-row", "balanced"])
+def test_decode(env, W, rank, I, sms, fp8, filt, balanced):
     """fp8: logits on fp8 tensor cores (CUDA only; the interpreter has no fp8 products).
-    filter: long rows through the filter path (``long_filter``), global ids mapped alike."""
+    filter: long rows through the filter path (``long_filter``), global ids mapped alike.
+    balanced: the logits' balanced launch (the batch's key tiles split evenly over programs;
+    rows of every length, one with no key, straddle the programs)."""
     if fp8 and env == "interp":
         pytest.skip("fp8 products need CUDA")
     it = _it()
@@ -153,9 +156,13 @@ def test_decode(env, W, rank, I, sms, fp8, filt):
     local_len[-1] = 5  # fewer keys than topk
     if filt:
         local_len[0] = nblk * B  # rows long enough for segments, hence for the filter path
+    if balanced and T > 2:
+        local_len[1] = 0  # a row without keys: no tiles in the balanced launch
     bt, local_len = bt.to(dev), local_len.to(dev)
     filt_kw = ({"long_filter": True, "filter_chunk": 32, "filter_cap": 64, "filter_sample": 64,
                 "filter_margin": 2.0, "split_rows": 0} if filt else {"long_filter": False})
+    if balanced:  # sms 0 -> the interpreter's 4 "SMs" at 3 programs: 12 programs, 3 rows
+        filt_kw["decode_balanced_keys"] = 1
     k = block_planar(k, B)
     got = it.indexer_topk_decode(q, w, k, local_len, bt, B, W, rank, I, topk,
                                  tiles=_tiles(env, programs_per_sm=sms, decode_fp8=fp8, **filt_kw))

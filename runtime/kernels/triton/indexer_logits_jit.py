@@ -193,3 +193,61 @@ def logits_planar_kernel(q_ptr, w_ptr, kp_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr
                                False)
             valid = (c[:, None] < n[None, :]) & mine[None, :]
             _store(optr + c[:, None], s, valid, valid, True)
+
+
+@triton.jit(do_not_specialize=["T"])
+def tile_offsets_kernel(len_ptr, cum_ptr, T, BK: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: ``cum[0] = 0``, ``cum[r + 1]`` = the BK-key tiles of rows 0 .. r
+    (``cdiv(len, BK)`` each), int32."""
+    carry = tl.sum(tl.zeros([CHUNK], tl.int32), 0)
+    tl.store(cum_ptr, carry)
+    for c0 in range(0, T, CHUNK):
+        r = c0 + tl.arange(0, CHUNK)
+        tiles = (tl.load(len_ptr + r, mask=r < T, other=0).to(tl.int32) + BK - 1) // BK
+        tl.store(cum_ptr + 1 + r, tl.cumsum(tiles, 0) + carry, mask=r < T)
+        carry += tl.sum(tiles, 0)
+
+
+# Over 50 lines on purpose, as the kernels above: the balanced split and the key loop are one.
+@triton.jit(do_not_specialize=["len_ptr", "bt_ptr", "cum_ptr", "stride_bt", "T"])
+def logits_balanced_kernel(q_ptr, w_ptr, k_ptr, out_ptr, len_ptr, bt_ptr, cum_ptr,
+                           stride_qt, stride_qh, stride_wt, stride_ot, stride_bt, T, HI,
+                           HP: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                           PRECISION: tl.constexpr, BLOCK: tl.constexpr):
+    """Decode keys over the block-planar paged cache, the batch's key tiles split evenly over
+    the programs whatever the rows' lengths: program p of P takes tiles
+    [p * total / P, (p + 1) * total / P) of the rows' tiles laid end to end (``cum``: their
+    prefix sums), a row at a time (its query loaded once per row). int32 keys, as MODE 2 of
+    ``logits_kernel`` writes them."""
+    p = tl.program_id(0).to(tl.int64)
+    total = tl.load(cum_ptr + T).to(tl.int64)  # tiles (int32: < 2**31); their product, int64
+    g = ((p * total) // tl.num_programs(0)).to(tl.int32)
+    g_end = (((p + 1) * total) // tl.num_programs(0)).to(tl.int32)
+    lo = tl.program_id(0) * 0  # the last row r with cum[r] <= g: bisection over [0, T)
+    hi = lo + T
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        below = tl.load(cum_ptr + mid) <= g
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    r = lo
+    while g < g_end:
+        c_r = tl.load(cum_ptr + r)
+        stop = tl.minimum(g_end, tl.load(cum_ptr + r + 1))
+        if stop > g:  # rows without keys have no tiles: passed over
+            qT, w = _query_tile(q_ptr, w_ptr, r, T, HI, stride_qt, stride_qh, stride_wt, 1, HP)
+            qT = qT.to(DOT_DTYPE)
+            n = tl.load(len_ptr + r).to(tl.int32)
+            optr = out_ptr + r.to(tl.int64) * stride_ot
+            bt_row = bt_ptr + r.to(tl.int64) * stride_bt
+            for kb in range((g - c_r) * BK, (stop - c_r) * BK, BK):
+                c = kb + tl.arange(0, BK)
+                kvalid = c < n
+                # past the row's keys: block 0 (a real block; those scores are never stored)
+                blk = tl.load(bt_row + c // BLOCK, mask=kvalid, other=0)
+                base = blk.to(tl.int64) * (BLOCK * 132)
+                s = _planar_scores(k_ptr + base, k_ptr + base + BLOCK * 128, c % BLOCK, kvalid,
+                                   qT, w, 1, HP, DOT_DTYPE, PRECISION, True)
+                _store(optr + c[:, None], s, kvalid[:, None], kvalid[:, None], True)
+            g = stop
+        r += 1

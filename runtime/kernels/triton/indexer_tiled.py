@@ -173,6 +173,12 @@ class IndexerTiles:
     decode_warps: int = 4
     decode_stages: int = 3
     decode_maxnreg: int = 0  # decode logits: registers per thread capped (0: no cap)
+    decode_balanced_keys: int = 0  # decode logits over at least this many keys a row: the
+    # balanced launch (the batch's key tiles split evenly over the programs; 0: never)
+    decode_balanced_stages: int = 5  # ... its pipeline stages (5: two key tiles in flight)
+    decode_balanced_programs_per_sm: int = 3  # ... its programs a SM
+    decode_balanced_maxnreg: int = 168  # ... its registers a thread capped: 3 programs of 4
+    # warps fit a SM (uncapped: 175 registers, 2 programs; sm_90 at 168: no spill)
     select_block: int = 8192  # keys per select step (< 2**16; 8192: 2.15 ms against 2.23 at 4096)
     select_warps: int = 16
     select_sample: int = 1024  # keys sampled per row for the threshold (power of two)
@@ -274,6 +280,25 @@ def _logits(q, weights, k, out, mode, out_keys, L, *, bk, warps, stages, splits=
         DOT_DTYPE=tl.float8e4nv if q.dtype == torch.float8_e4m3fn else _DOT[q.dtype],
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps,
         num_stages=stages, **({"maxnreg": maxnreg} if maxnreg and q.is_cuda else {}))
+
+
+def _logits_balanced(q, weights, k, out, lens, bt, *, bk, tiles, B):
+    """MODE 2's int32 keys from ``ljit.logits_balanced_kernel``: the rows' BK-key tiles laid end
+    to end (prefix sums by ``tile_offsets_kernel``, on the device) and split evenly over
+    ``decode_balanced_programs_per_sm`` x SMs programs, so a batch of mixed lengths leaves no
+    second wave of long programs (bench/decode_logits.py)."""
+    T, HI, _ = q.shape
+    cum = torch.empty(T + 1, dtype=torch.int32, device=q.device)
+    ljit.tile_offsets_kernel[(1,)](lens, cum, T, BK=bk, CHUNK=1024, num_warps=4)
+    programs = tiles.decode_balanced_programs_per_sm * _num_sms(q.device)
+    ljit.logits_balanced_kernel[(programs,)](
+        q, weights, k, out, lens, bt, cum, q.stride(0), q.stride(1), weights.stride(0),
+        out.stride(0), bt.stride(0), T, HI, HP=max(16, triton.next_power_of_2(HI)), BK=bk,
+        DOT_DTYPE=tl.float8e4nv if q.dtype == torch.float8_e4m3fn else _DOT[q.dtype],
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", BLOCK=B,
+        num_warps=tiles.decode_warps, num_stages=tiles.decode_balanced_stages,
+        **({"maxnreg": tiles.decode_balanced_maxnreg}
+           if tiles.decode_balanced_maxnreg and q.is_cuda else {}))
 
 
 def decode_block_k(T: int, tiles: IndexerTiles) -> int:
@@ -650,10 +675,14 @@ def indexer_topk_decode(q, weights, k_cache, local_len, block_table, block_size:
     local_len, block_table = local_len.contiguous(), block_table.contiguous()
     keys = _keys_buffer(T, L, q.device)
     bk = decode_block_k(T, tiles)
-    splits = decode_splits(T, L, tiles, _num_sms(q.device))
-    _logits(q, weights, k_cache, keys, 2, True, L, bk=bk, warps=tiles.decode_warps,
-            stages=tiles.decode_stages, splits=splits, lens=local_len, bt=block_table,
-            B=block_size, maxnreg=tiles.decode_maxnreg)
+    if tiles.decode_balanced_keys and L >= tiles.decode_balanced_keys:
+        _logits_balanced(q, weights, k_cache, keys, local_len, block_table, bk=bk, tiles=tiles,
+                         B=block_size)
+    else:
+        splits = decode_splits(T, L, tiles, _num_sms(q.device))
+        _logits(q, weights, k_cache, keys, 2, True, L, bk=bk, warps=tiles.decode_warps,
+                stages=tiles.decode_stages, splits=splits, lens=local_len, bt=block_table,
+                B=block_size, maxnreg=tiles.decode_maxnreg)
     _select(keys, local_len, topk, top_s, top_i, tiles, decode_ids=True, W=dcp_size, I=interleave,
             rank=dcp_rank)
     return top_s, top_i
