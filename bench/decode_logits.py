@@ -10,7 +10,8 @@ block-planar paged cache) and write a 4-byte score, so the launch is bandwidth-b
 - ``read, paged``: the same split of work and the same block-table gather as the logits launch
   (cache blocks through the table, values and scales), keys xor-reduced, no products: the
   ceiling for this access pattern;
-- ``logits``: ``indexer_tiled._logits`` (MODE 2) with the default tiles and with each
+- ``logits``: the per-row launch ``indexer_tiled._logits`` (MODE 2: each row's keys split into
+  equal programs) with the default tiles and with each
   ``(block_k, warps, stages, programs per SM[, register cap])`` of ``--tiles``, and the
   balanced launch (``_logits_balanced``: the batch's key tiles split evenly over the programs)
   with its default tunables and ``BALANCED``'s; every variant's keys are checked equal to the
@@ -189,19 +190,19 @@ def run_case(B, ctx, lo, tile_list, shuffled=True, timer="graph"):
     run()
     want = _valid(want, lens).clone()
     t0 = bench_ms(run)
-    line(f"logits, default ({base.decode_block_k}:{base.decode_warps}:{base.decode_stages}:"
+    line(f"logits per row, default tiles ({base.decode_block_k}:{base.decode_warps}:{base.decode_stages}:"
          f"{base.decode_programs_per_sm})", t0, t_paged)
     for name, kw in BALANCED.items():  # the balanced launch: tiles split evenly over programs
-        t = dataclasses.replace(base, decode_balanced_keys=1, **kw)
+        t = dataclasses.replace(base, decode_balanced_keys=1, decode_balanced_rows=1, **kw)
         fn = balanced_fn(q8, w8, k, lens, bt, ctx, t)
         fn()
         ok = torch.equal(_valid(fn.keys, lens), want)
         line(f"logits balanced{name}", bench_ms(fn), t_paged, f"keys == default: {ok}")
-    for bk, warps, stages, pps, *regs in tile_list:
+    for bk, warps, stages, pps, *regs in tile_list:  # the per-row launch
         t = dataclasses.replace(base, decode_block_k=bk, few_rows=0, decode_warps=warps,
                                 decode_stages=stages, decode_programs_per_sm=pps,
                                 decode_maxnreg=regs[0] if regs else 0)
-        name = f"logits {bk}:{warps}:{stages}:{pps}" + (f":{regs[0]}" if regs else "")
+        name = f"logits per row {bk}:{warps}:{stages}:{pps}" + (f":{regs[0]}" if regs else "")
         try:
             fn, got, _ = logits_fn(q8, w8, k, lens, bt, ctx, t)
             fn()

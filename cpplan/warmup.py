@@ -25,13 +25,20 @@ from cpplan.schemas.step import StepInput
 
 
 
+# Decode rows of at least this many keys on a rank take other indexer variants (the Triton
+# set's balanced logits launch, ``IndexerTiles.decode_balanced_keys``; the filter path of the
+# long-row select): where ``max_model_len`` allows such rows, a warm-up step has two of them.
+LONG_DECODE_KEYS = 16384
+
+
 def warmup_steps(config: ParallelConfig, max_tokens: int, max_requests: int) -> list[StepInput]:
     """The synthetic global steps (see the module docstring), sized to fit ``max_tokens`` per
     rank (and the largest graph size within it), ``max_requests`` and ``max_model_len``: one
     decode; several decodes (the largest graph size that fits, else 8); one long prompt (about
     4 x topk tokens per rank: dequantise-once attention); one decode with a short prompt (rows
-    read in the kernel). Steps of two or more requests are left out when ``max_requests`` is 1
-    (no step of that executor has them)."""
+    read in the kernel); where ``max_model_len`` exceeds ``LONG_DECODE_KEYS``, two decodes of
+    ``LONG_DECODE_KEYS`` keys a rank (or as many as it allows). Steps of two or more requests
+    are left out when ``max_requests`` is 1 (no step of that executor has them)."""
     p_size, mml = config.pcp_size, config.max_model_len
     ctx = max(1, min(mml - 1, 2 * config.topk))
     fits = [g for g in config.cudagraph_token_sizes if g <= max_tokens]
@@ -43,6 +50,9 @@ def warmup_steps(config: ParallelConfig, max_tokens: int, max_requests: int) -> 
     steps = [([ctx], [1], [False]), ([0], [long], [True])]
     if max_requests >= 2:
         steps += [([ctx] * many, [1] * many, [False] * many), ([ctx, 0], [1, short], [False, True])]
+        if mml - 1 > LONG_DECODE_KEYS:
+            far = min(mml - 1, LONG_DECODE_KEYS * config.dcp_size)
+            steps.append(([far] * 2, [1, 1], [False, False]))
     out = []
     for i, (c, q, pre) in enumerate(steps):
         ids = [f"cpplan-warmup-{i}-{j}" for j in range(len(c))]

@@ -188,3 +188,28 @@ def test_warmup_steps_fit_the_executor(max_tokens, max_requests, graphs):
     for step in steps:
         plan = compile_plan(cfg, step)
         assert plan.padded_num_tokens <= max_tokens and plan.num_requests <= max_requests
+
+
+@pytest.mark.parametrize("mml,dcp", [(1024, 2), (16385, 1), (20000, 1), (131072, 2), (40000, 4)])
+def test_warmup_has_long_decode_rows_where_the_config_allows_them(mml, dcp):
+    """Rows of LONG_DECODE_KEYS keys a rank take other indexer variants: the warm-up has two such
+    decodes (or as long as max_model_len allows) exactly when max_model_len exceeds that, and
+    the threshold is the Triton set's balanced-logits one."""
+    from cpplan.planner.compile import compile as compile_plan
+    from cpplan.runtime.kernels.triton.indexer_tiled import IndexerTiles
+    from cpplan.schemas import ParallelConfig
+    from cpplan.warmup import LONG_DECODE_KEYS, warmup_steps
+
+    assert LONG_DECODE_KEYS == IndexerTiles().decode_balanced_keys
+    cfg = ParallelConfig(pcp_size=dcp, dcp_size=dcp, num_heads=8, topk=64, index_num_heads=4,
+                         max_model_len=mml, block_size=64, activation_dtype="float32",
+                         num_layers=1, hidden_size=8 * 512)
+    steps = warmup_steps(cfg, 8192, 64)
+    longest = max(int(s.num_computed_tokens.np().max()) for s in steps)
+    if mml - 1 > LONG_DECODE_KEYS:
+        assert len(steps) == 5 and longest == min(mml - 1, LONG_DECODE_KEYS * dcp)
+        plan = compile_plan(cfg, steps[-1])
+        local = plan.dcp_local_lens.np().max()
+        assert local >= min(LONG_DECODE_KEYS, (mml - 1) // dcp)
+    else:
+        assert len(steps) == 4 and longest < LONG_DECODE_KEYS

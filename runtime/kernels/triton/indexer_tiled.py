@@ -36,7 +36,14 @@ cache (reference/formats.py) with 16-byte loads. H200, replayed from a CUDA grap
 (``bench/indexer.py --only decode``): 64 x 4k logits 14.9 us (26.7 from packed 132-byte rows,
 which allow only 4-byte loads; 48.8 with bf16 products), 8 x 128k 62.5 (94.7), 64 x 64k-128k
 331 (563); BK 64 is faster at 64 x 4k and 8 x 128k (12.0, 53.5 us) but slower at 64 x 2k-6k
-and 64 x 64k-128k (17.3, 379 us).
+and 64 x 64k-128k (17.3, 379 us). Long rows (``decode_balanced_keys``, two or more of them) take
+the balanced launch instead (``logits_balanced_kernel``): the batch's key tiles laid end to
+end and split evenly over one wave of programs, whatever the rows' lengths, two key tiles in
+flight each (5 stages). The per-row split's time depends on the mix of lengths (a second wave
+of long programs for some batches: 64 x 64k-128k 328 us for one draw of lengths, 259 for
+another); the balanced launch took 240 us for the first (the paged read of the same bytes:
+225; ``bench/decode_logits.py``), and in the 64 x 64k-128k decode step 873 us a step against
+1060 (``bench/step_gpu.py --prompt 0 --graphs --context 65536:131072 --trace 2``).
 
 Both epilogues (ReLU, head weights, the sum over each query's heads, the per-key power-of-two
 scale) reduce along N, which in the MMA accumulator layout is mostly within a thread plus a quad
@@ -173,8 +180,11 @@ class IndexerTiles:
     decode_warps: int = 4
     decode_stages: int = 3
     decode_maxnreg: int = 0  # decode logits: registers per thread capped (0: no cap)
-    decode_balanced_keys: int = 0  # decode logits over at least this many keys a row: the
-    # balanced launch (the batch's key tiles split evenly over the programs; 0: never)
+    decode_balanced_keys: int = 16384  # decode logits over at least this many keys a row
+    # (the launch's width) and decode_balanced_rows rows: the balanced launch, the batch's key
+    # tiles split evenly over the programs (0: never). H200, 64 x 64k-128k: 240 us against 328
+    # (shuffled table, bench/decode_logits.py); in the step 873 against 1060 us a step
+    decode_balanced_rows: int = 2  # (one row of 128k: 9.6 us against 7.2 per row)
     decode_balanced_stages: int = 5  # ... its pipeline stages (5: two key tiles in flight)
     decode_balanced_programs_per_sm: int = 3  # ... its programs a SM
     decode_balanced_maxnreg: int = 168  # ... its registers a thread capped: 3 programs of 4
@@ -675,7 +685,8 @@ def indexer_topk_decode(q, weights, k_cache, local_len, block_table, block_size:
     local_len, block_table = local_len.contiguous(), block_table.contiguous()
     keys = _keys_buffer(T, L, q.device)
     bk = decode_block_k(T, tiles)
-    if tiles.decode_balanced_keys and L >= tiles.decode_balanced_keys:
+    if tiles.decode_balanced_keys and L >= tiles.decode_balanced_keys \
+            and T >= tiles.decode_balanced_rows:
         _logits_balanced(q, weights, k_cache, keys, local_len, block_table, bk=bk, tiles=tiles,
                          B=block_size)
     else:
