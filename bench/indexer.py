@@ -302,10 +302,17 @@ def decode_parts(args, tiles, ceil, flops):
     fp8 = tiles.decode_fp8 and q.is_cuda  # the query as indexer_topk_decode quantises it
     qq, ww = pack.quantize_indexer_q(q, w, torch.float8_e4m3fn if fp8 else q.dtype)
 
+    balanced = (tiles.decode_balanced_keys and ctx >= tiles.decode_balanced_keys
+                and q.shape[0] >= tiles.decode_balanced_rows)
+
     def logits(bk=it.decode_block_k(q.shape[0], tiles), warps=tiles.decode_warps,
-               stages=tiles.decode_stages):
-        it._logits(qq, ww, k, keys, 2, True, ctx, bk=bk, warps=warps, stages=stages,
-                   splits=splits, lens=local_len, bt=bt, B=block)
+               stages=tiles.decode_stages, per_row=False):
+        """The launch the whole call makes (balanced for long rows), or the per-row one."""
+        if balanced and not per_row:
+            it._logits_balanced(qq, ww, k, keys, local_len, bt, bk=bk, tiles=tiles, B=block)
+        else:
+            it._logits(qq, ww, k, keys, 2, True, ctx, bk=bk, warps=warps, stages=stages,
+                       splits=splits, lens=local_len, bt=bt, B=block)
 
     def select(t=tiles):
         it._select(keys, local_len, topk, top_s, top_i, t, decode_ids=True, W=W, I=I, rank=rank)
@@ -319,8 +326,8 @@ def decode_parts(args, tiles, ceil, flops):
         row(f"  parts {part}, graph", gbench(fn), fl, ceil)
     for bk, warps, stages in LOGITS_TILES:  # other tiles of the logits alone
         if VARIANTS is None or any(v in "logits tiles" for v in VARIANTS):
-            row(f"  parts logits, bk {bk} w {warps} s {stages}, graph",
-                gbench(lambda: logits(bk, warps, stages)), flops, ceil)
+            row(f"  parts logits per row, bk {bk} w {warps} s {stages}, graph",
+                gbench(lambda: logits(bk, warps, stages, per_row=True)), flops, ceil)
     want = it.indexer_topk_decode(*args, max_keys=ctx)
     if PROFILE:
         kernel_table("whole (default tiles)", whole)
