@@ -14,7 +14,9 @@ over a 262,144-slot fp8_ds_mla cache (medians of ``do_bench_cudagraph``, replaye
   (rounded up to 64), no topk_length.
 
 Each variant's output is compared with the masked one (max abs difference; the kernels sum in
-a different order, so small differences are expected, not zero).
+a different order, so small differences are expected, not zero); the runtime's ``now`` rows
+with the matching ``before`` row (``runtime_variants``: the executor's W > 1 decode attention
+through cpplan's ops, before and after the compaction).
 
     python bench/dcp_attention.py [--tokens 64] [--topk 2048] [--dcp 2]
 """
@@ -79,18 +81,67 @@ def main():
         "compacted + topk_length, stale metadata": lambda: call(compact, stale, count),
         f"compacted, trimmed to {width}": lambda: fixed("trim", compact[:, :width].contiguous()),
     }
+    variants.update(runtime_variants(a, q, kv, scale))
     want = variants[f"masked (W={a.dcp} rank, today)"]()[0].float()
     print(f"tokens {T}, heads {H}, topk {K}, DCP {a.dcp}: local per row {int(count.min())}-"
           f"{int(count.max())}")
     print("| variant | us | max abs diff vs masked |\n|---|---:|---:|")
+    refs = {}
     for name, fn in variants.items():
         try:
-            out = fn()[0].float()
-            diff = (out - want).abs().max().item() if "all valid" not in name else float("nan")
+            out = fn()[0].float().reshape(want.shape)
+            pair, _, which = name.partition(" | ")
+            if which.startswith("before"):
+                refs[pair] = out
+            # runtime rows: other ids than the rows above; "now" against its "before"
+            base = refs.get(pair) if which.startswith("now") else None if which else want
+            diff = (float("nan") if "all valid" in name or base is None
+                    else (out - base).abs().max().item())
             us = do_bench_cudagraph(fn) * 1000
             print(f"| {name} | {us:.1f} | {diff:.3g} |", flush=True)
         except Exception as e:  # noqa: BLE001 (a variant the package refuses: report, go on)
             print(f"| {name} | failed: {type(e).__name__}: {str(e)[:100]} | |", flush=True)
+
+
+def runtime_variants(a, q, kv, scale):
+    """The runtime's own W > 1 decode attention (FlashMLA kernel set), from the merged global
+    top-k ids of a rank-0 view (interleave 1, an identity block table: rank 0 owns the even
+    ids, slot = id // 2): filter + attention over all topk columns (before), and compact +
+    attention over ``compact_width`` columns + the overflow pass (now), without and with 8
+    rows whose every key is rank 0's (count topk: the overflow pass does work)."""
+    from cpplan.runtime.kernels import get_kernels
+    from cpplan.runtime.kernels import reference as ref
+
+    k = get_kernels("cuda", "flashmla")
+    T, K, W = q.shape[0], a.topk, a.dcp
+    width = ref.compact_width(K, W)
+    qh = q.view(T, -1, 576)
+    ids = torch.stack([torch.randperm(W * a.slots, device="cuda")[:K] for _ in range(T)])
+    skew = ids.clone()
+    skew[:8] = skew[:8] - skew[:8] % W  # 8 rows: every key on rank 0
+    bt = torch.arange(a.slots // PAGE, device="cuda", dtype=torch.int32).repeat(T, 1)
+
+    def plan(width_):
+        return k.plan_attention(num_tokens=T, num_heads=qh.shape[1], topk=width_,
+                                kv_format="fp8_ds_mla", num_kv_rows=kv.shape[0],
+                                q_dtype=qh.dtype, device=qh.device)
+
+    p_full, p_narrow = plan(K), plan(width)
+
+    def before(ids_=ids):
+        slots = k.filter_local_slots(ids_, bt, PAGE, W, 0, 1)
+        return k.sparse_mla_attention(qh, kv, slots, scale, "fp8_ds_mla", plan=p_full)
+
+    def now(ids_=ids):
+        main, over, count = k.compact_local_slots(ids_, bt, PAGE, W, 0, 1, width)
+        out, lse = k.sparse_mla_attention(qh, kv, main, scale, "fp8_ds_mla", plan=p_narrow)
+        k.sparse_mla_overflow(qh, kv, over, count, width, out, lse, scale, "fp8_ds_mla")
+        return out, lse
+
+    b, n = f"before (filter + FlashMLA over {K})", f"now (compact + FlashMLA over {width} + overflow)"
+    return {f"runtime, keys spread | {b}": before, f"runtime, keys spread | {n}": now,
+            f"runtime, 8 rows all local | {b}": lambda: before(skew),
+            f"runtime, 8 rows all local | {n}": lambda: now(skew)}
 
 
 if __name__ == "__main__":

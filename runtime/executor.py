@@ -28,6 +28,7 @@ from cpplan.runtime import collectives as coll
 from cpplan.runtime.arena import ArenaRing, arena_words
 from cpplan.runtime.faults import FaultBoard, StepWatch, Watchdog
 from cpplan.runtime.kernels import gather_indexer_k, get_kernels, scatter_indexer_k
+from cpplan.runtime.kernels import reference as kref
 from cpplan.runtime.segments import (build_tables, check_block_tables, compile_host_kernels,
                                      local_prefill_keys)
 from cpplan.runtime.tables import TABLE_NAMES, Layout, StepMeta, StepTables, local_prefill_rows
@@ -136,10 +137,15 @@ class StepExecutor:
                  max_requests: int = 1024, max_blocks_per_request: int | None = None,
                  max_kv_tokens: int | None = None, arena_depth: int = 2,
                  debug: bool = True, faults: FaultBoard | None = None,
-                 data_timeout_s: float = 0.0, prefill_keys: str = "gather") -> None:
+                 data_timeout_s: float = 0.0, prefill_keys: str = "gather",
+                 dcp_compact: bool = True) -> None:
         if prefill_keys not in PREFILL_KEYS:
             raise ConfigError(f"prefill_keys must be one of {PREFILL_KEYS}: got {prefill_keys!r}")
         self.prefill_keys = prefill_keys
+        # W > 1 decode attention over the rank's slots packed into compact_width(topk, W)
+        # columns (plus an overflow pass for rows holding more), not topk columns mostly -1
+        self.decode_width = (kref.compact_width(config.topk, config.dcp_size)
+                             if dcp_compact and config.dcp_size > 1 else config.topk)
         self.config, self.pcp_rank, self.dcp_rank = config, pcp_rank, dcp_rank
         self.comm, self.check, self.debug = comm, check, debug
         self.faults, self.data_timeout_s = faults, data_timeout_s
@@ -396,8 +402,19 @@ class StepExecutor:
         if bound.meta.decode_merge:
             all_s, all_i = coll.topk_candidates(bound.channel, scores, top)
             top = k.merge_topk_candidates(all_s, all_i, cfg.topk, w_size)
-        kv_slots = k.filter_local_slots(top, bt, bs, w_size, self.dcp_rank, inter)
         kv = self._kv_view(cache.kv)
+        if self.decode_width < cfg.topk:  # W > 1: this rank's slots packed into a narrower
+            # index; rows holding more of their top-k take the overflow pass
+            main, over, count = k.compact_local_slots(top, bt, bs, w_size, self.dcp_rank, inter,
+                                                      self.decode_width)
+            plan = self._attention_plan(bound, "decode", q, lo, hi, kv.shape[0],
+                                        topk=self.decode_width)
+            out, lse = k.sparse_mla_attention(q[lo:hi], kv, main, self.sm_scale,
+                                              kv_format=cfg.kv_cache_dtype, plan=plan)
+            k.sparse_mla_overflow(q[lo:hi], kv, over, count, self.decode_width, out, lse,
+                                  self.sm_scale, kv_format=cfg.kv_cache_dtype)
+            return out, lse
+        kv_slots = k.filter_local_slots(top, bt, bs, w_size, self.dcp_rank, inter)
         plan = self._attention_plan(bound, "local" if cfg.dcp_size == 1 else "decode", q, lo, hi,
                                     kv.shape[0])
         return k.sparse_mla_attention(q[lo:hi], kv, kv_slots, self.sm_scale,
@@ -511,12 +528,13 @@ class StepExecutor:
         return kv_bytes.view(torch.bfloat16)
 
     def _attention_plan(self, bound: BoundStep, key: str, q: torch.Tensor, lo: int, hi: int,
-                        num_kv_rows: int):
-        """The pass's kernel plan, made once per bound step (host shapes only, no sync)."""
+                        num_kv_rows: int, topk: int | None = None):
+        """The pass's kernel plan, made once per bound step (host shapes only, no sync);
+        ``topk``: the pass's index width (default the config's)."""
         plan = bound.attention.get(key)
         if plan is None:
             plan = self.kernels.plan_attention(
-                num_tokens=hi - lo, num_heads=q.shape[1], topk=self.config.topk,
+                num_tokens=hi - lo, num_heads=q.shape[1], topk=topk or self.config.topk,
                 kv_format=self.config.kv_cache_dtype, num_kv_rows=num_kv_rows, q_dtype=q.dtype,
                 device=self.device)
             bound.attention[key] = plan

@@ -49,6 +49,8 @@ class KernelSet:
     lse_scale: Callable
     remap_to_gathered: Callable
     filter_local_slots: Callable
+    compact_local_slots: Callable
+    sparse_mla_overflow: Callable
     deinterleave_index_select: Callable
     indexer_scores: Callable
     topk_reference_order: Callable

@@ -587,3 +587,81 @@ def test_lse_scale_equals_the_reference(env, w_size, dtype):
                               else 1e-2, atol=1e-6)
         assert torch.all(got[2] == 0)
     assert torch.all(tmerge.lse_scale(out.to(dev), lse.to(dev), 1).cpu()[0] == 0)
+
+
+# ------------------------------------------------------------------ compacted DCP decode
+def _naive_compact(slots, width):
+    """Per-row loops: the local slots in order, split at width, NO_KEY after."""
+    T, K = slots.shape
+    main = torch.full((T, width), ref.NO_KEY, dtype=torch.int32)
+    over = torch.full((T, K - width), ref.NO_KEY, dtype=torch.int32)
+    count = torch.zeros(T, dtype=torch.int32)
+    for j in range(T):
+        mine = [int(s) for s in slots[j].tolist() if s >= 0]
+        count[j] = len(mine)
+        for p, s in enumerate(mine):
+            if p < width:
+                main[j, p] = s
+            else:
+                over[j, p - width] = s
+    return main, over, count
+
+
+@pytest.mark.parametrize("env", ["reference"] + ENVS)
+@pytest.mark.parametrize("W,rank,I", [(2, 1, 1), (4, 3, 2), (2, 0, 64), (1, 0, 1)])
+@pytest.mark.parametrize("width_of", ["share", "all", "none"])
+def test_compact_local_slots_equals_per_row_loops(env, W, rank, I, width_of):
+    from cpplan.runtime.kernels.triton import index as ti
+
+    dev = "cpu" if env == "reference" else _dev(env)
+    T, K = (4, 1100) if env != "cuda" else (64, 2048)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(-1, 5000, (T, K), generator=g)
+    ids[0] = ref.NO_KEY  # a row without keys
+    bt = torch.randint(0, 1000, (T, 80), generator=g, dtype=torch.int32)
+    width = {"share": ref.compact_width(K, W), "all": K, "none": 0}[width_of]
+    want = _naive_compact(ref.filter_local_slots(ids, bt, 64, W, rank, I), width)
+    fn = ref.compact_local_slots if env == "reference" else ti.compact_local_slots
+    got = fn(ids.to(dev), bt.to(dev), 64, W, rank, I, width)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.int32 and torch.equal(a.cpu(), b)
+
+
+def test_compact_width():
+    assert ref.compact_width(2048, 2) == 1152 and ref.compact_width(2048, 4) == 576
+    assert ref.compact_width(2048, 1) == 2048 and ref.compact_width(64, 2) == 48
+    assert ref.compact_width(16, 8) == 16
+
+
+@pytest.mark.parametrize("env", ["reference"] + ENVS)
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
+def test_main_pass_plus_overflow_equals_one_pass(env, kv_format):
+    """A DCP rank's decode attention over its compacted slots: the pass over main (width) then
+    sparse_mla_overflow equals one pass over all its slots (reference attention), rows with and
+    without overflow and without any key alike."""
+    from cpplan.runtime.kernels.triton.attention import sparse_mla_attention, sparse_mla_overflow
+
+    T, H, K, N = (5, 20, 96, 300) if env != "cuda" else (64, 128, 2048, 8192)
+    q, kv, _ = _case("cuda" if env == "cuda" else "interp", T, H, K, N, 9,
+                     torch.float32 if env == "reference" else None)
+    dev = q.device
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, N, (T, K), generator=g)
+    ids[1, 5:] = ref.NO_KEY  # a short row
+    ids[2] = ref.NO_KEY  # no key at all
+    ids[3] = 2 * torch.randperm(N // 2, generator=g)[:K]  # every key on rank 0: overflow
+    bt = torch.arange(N // 16 + 1, dtype=torch.int32).repeat(T, 1)  # identity table, block 16
+    W, rank, width = 2, 0, ref.compact_width(K, 2)
+    buf = ref.quantize_fp8_ds_mla(kv) if kv_format == "fp8_ds_mla" else kv.to(q.dtype)
+    full = ref.filter_local_slots(ids, bt, 16, W, rank, 1)
+    want_o, want_l = ref.sparse_mla_attention(q.float().cpu(), buf.cpu(), full, 576**-0.5, kv_format)
+    main, over, count = ref.compact_local_slots(ids, bt, 16, W, rank, 1, width)
+    assert int(count[3]) > width and int(count[1]) <= width  # both kinds of rows
+    if env == "reference":
+        out, lse = ref.sparse_mla_attention(q, buf, main, 576**-0.5, kv_format)
+        ref.sparse_mla_overflow(q, buf, over, count, width, out, lse, 576**-0.5, kv_format)
+    else:
+        out, lse = sparse_mla_attention(q, buf.to(dev), main.to(dev), 576**-0.5, kv_format)
+        sparse_mla_overflow(q, buf.to(dev), over.to(dev), count.to(dev), width, out, lse,
+                            576**-0.5, kv_format)
+    _check_attention(out.cpu(), lse.cpu(), want_o, want_l, q.dtype)

@@ -15,6 +15,7 @@ from .attention import (
     lse_scale,
     plan_attention,
     sparse_mla_attention,
+    sparse_mla_overflow,
 )
 from .formats import (
     D_INDEXER,
@@ -38,7 +39,13 @@ from .formats import (
     quantize_indexer_q,
     scatter_indexer_k,
 )
-from .index import deinterleave_index_select, filter_local_slots, remap_to_gathered
+from .index import (
+    compact_local_slots,
+    compact_width,
+    deinterleave_index_select,
+    filter_local_slots,
+    remap_to_gathered,
+)
 from .indexer import (
     decode_key_slots,
     indexer_scores,
@@ -52,11 +59,12 @@ from .indexer import (
 
 __all__ = [
     "D_INDEXER", "D_QK", "D_ROPE", "D_V", "FP8_DS_MLA_BYTES", "FP8_GROUP", "FP8_MAX",
-    "INDEXER_K_BYTES", "NO_KEY", "decode_key_slots", "deinterleave_index_select",
-    "dequantize_fp8_ds_mla", "dequantize_indexer_k", "filter_local_slots", "fp8_scale_exponent",
-    "gather_indexer_k", "indexer_k_planes", "indexer_scores", "indexer_topk", "indexer_topk_decode",
-    "indexer_topk_prefill", "lse_merge", "lse_merge_weight", "lse_scale", "merge_topk_candidates",
-    "pack_fp8_ds_mla_into", "pack_indexer_k_into", "plan_attention", "prefill_key_rows",
-    "quantize_fp8_ds_mla", "quantize_indexer_k", "quantize_indexer_q", "remap_to_gathered",
-    "scatter_indexer_k", "sparse_mla_attention", "topk_reference_order",
+    "INDEXER_K_BYTES", "NO_KEY", "compact_local_slots", "compact_width", "decode_key_slots",
+    "deinterleave_index_select", "dequantize_fp8_ds_mla", "dequantize_indexer_k",
+    "filter_local_slots", "fp8_scale_exponent", "gather_indexer_k", "indexer_k_planes",
+    "indexer_scores", "indexer_topk", "indexer_topk_decode", "indexer_topk_prefill", "lse_merge",
+    "lse_merge_weight", "lse_scale", "merge_topk_candidates", "pack_fp8_ds_mla_into",
+    "pack_indexer_k_into", "plan_attention", "prefill_key_rows", "quantize_fp8_ds_mla",
+    "quantize_indexer_k", "quantize_indexer_q", "remap_to_gathered", "scatter_indexer_k",
+    "sparse_mla_attention", "sparse_mla_overflow", "topk_reference_order",
 ]

@@ -133,3 +133,23 @@ def lse_scale(out_part: torch.Tensor, lse_all: torch.Tensor, rank: int) -> torch
     merged output."""
     weight = lse_merge_weight(lse_all, rank)
     return (out_part.float() * weight[..., None]).to(out_part.dtype).contiguous()
+
+
+def sparse_mla_overflow(q: torch.Tensor, kv: torch.Tensor, over: torch.Tensor,
+                        count: torch.Tensor, width: int, out: torch.Tensor, lse: torch.Tensor,
+                        sm_scale: float, kv_format: str = "bf16") -> None:
+    """The rest of a compacted decode attention (``compact_local_slots``): rows with
+    ``count > width`` attend over ``over[t, :count - width]`` and that part is LSE-merged into
+    ``out [T, H, 512]`` / ``lse [T, H]`` float32 in place (they hold the pass over ``main``);
+    other rows are left as they are. Exact: the merge of the two parts equals one pass over
+    all the row's slots up to float rounding."""
+    if over.shape[1] == 0 or q.shape[0] == 0:
+        return
+    cols = torch.arange(over.shape[1], device=over.device)
+    idx = torch.where(cols[None, :] < (count.long() - width)[:, None], over, -1)
+    o2, lse2 = sparse_mla_attention(q, kv, idx, sm_scale, kv_format)
+    merged, merged_lse = lse_merge(torch.stack([out.float(), o2.float()]),
+                                   torch.stack([lse.float(), lse2.float()]))
+    extra = (count.long() > width)[:, None]
+    out.copy_(torch.where(extra[..., None], merged.to(out.dtype), out))
+    lse.copy_(torch.where(extra, merged_lse, lse.float()).to(lse.dtype))

@@ -57,3 +57,35 @@ def filter_local_slots(
 def deinterleave_index_select(gathered: torch.Tensor, deinterleave: torch.Tensor) -> torch.Tensor:
     """The plain copy: ``gathered [W*PT, bytes]`` rows in global order, ``[L, bytes]``."""
     return gathered.index_select(0, deinterleave.long())
+
+
+def compact_width(topk: int, dcp_size: int) -> int:
+    """Index width of a DCP rank's compacted decode attention: 9/8 of its expected share of
+    the top-k (``topk / dcp_size``), rounded up to 64 slots (16 below topk 256), at most
+    ``topk``. Rows holding more of their top-k than this take the overflow pass."""
+    unit = 64 if topk >= 256 else 16
+    want = -(-topk * 9 // (8 * dcp_size))
+    return min(topk, -(-want // unit) * unit)
+
+
+def compact_local_slots(
+    token_ids: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    dcp_size: int,
+    dcp_rank: int,
+    interleave: int,
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`filter_local_slots`, this rank's slots packed to the front of each row in the
+    row's order: ``(main [T, width], over [T, K - width], count [T])`` int32, where the row's
+    ``count`` local slots fill ``main`` then ``over`` and every other entry is NO_KEY. A DCP
+    rank attends over ``main`` (a narrower index than K) and only rows with ``count > width``
+    over ``over`` (``sparse_mla_overflow``)."""
+    slots = filter_local_slots(token_ids, block_table, block_size, dcp_size, dcp_rank,
+                               interleave)
+    mine = slots >= 0
+    order = torch.argsort((~mine).to(torch.int8), dim=1, stable=True)
+    packed = torch.gather(slots, 1, order)
+    count = mine.sum(dim=1, dtype=torch.int32)
+    return (packed[:, :width].contiguous(), packed[:, width:].contiguous(), count)

@@ -128,3 +128,26 @@ def run_splits(plan: AttentionPlan, q, topk: int, launch):
     final_lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     lse_merge_into(out, lse, final, final_lse)
     return final, final_lse
+
+
+def sparse_mla_overflow(q, kv, over, count, width: int, out, lse, sm_scale: float,
+                        kv_format: str = "bf16") -> None:
+    """Triton ``sparse_mla_overflow`` (contract: the reference's): one program per (16 heads,
+    token); a token without overflow (``count <= width``, the common case) costs a load of its
+    count. ``out`` / ``lse`` are updated in place."""
+    check_kv_format(kv_format)
+    if kv.dim() == 3:
+        kv = kv.reshape(-1, kv.shape[-1])
+    T, H, _ = q.shape
+    if T == 0 or over.shape[1] == 0:
+        return
+    assert q.stride(-1) == 1 and kv.stride(-1) == 1 and out.stride(-1) == 1
+    assert lse.stride(-1) == 1 and lse.dtype == torch.float32
+    over = over.contiguous()
+    block_h = 16
+    attention_jit.sparse_mla_overflow_kernel[(triton.cdiv(H, block_h), T)](
+        q, kv, over, count, out, lse, q.stride(0), q.stride(1), kv.stride(0), over.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0), H, width, sm_scale * _LOG2E,
+        KV_FP8=kv_format == "fp8_ds_mla", BLOCK_H=block_h, BLOCK_K=32,
+        DOT_DTYPE=_DOT_DTYPES[q.dtype], PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2)

@@ -234,3 +234,56 @@ def sparse_mla_fwd_scaled(
     _store_group(o_ptr, acc2, inv_l, 2, hmask)
     _store_group(o_ptr, acc3, inv_l, 3, hmask)
     tl.store(lse_ptr + split.to(tl.int64) * stride_ls + t.to(tl.int64) * stride_lt + heads, lse, mask=hmask)
+
+
+@triton.jit(do_not_specialize=["count_ptr", "WIDTH"])
+def sparse_mla_overflow_kernel(
+    q_ptr, kv_ptr, idx_ptr, count_ptr, out_ptr, lse_ptr,
+    stride_qt, stride_qh, stride_kv, stride_it, stride_ot, stride_oh, stride_lt,
+    H, WIDTH, qk_scale_log2,
+    KV_FP8: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """The overflow of a compacted decode pass (``sparse_mla_overflow``): a row holding more
+    than WIDTH local slots attends over the ``count - WIDTH`` in ``idx`` and LSE-merges the
+    result into its (out, lse) in place; any other row's programs end at once."""
+    pid_h = tl.program_id(0)
+    t = tl.program_id(1)
+    n = tl.load(count_ptr + t) - WIDTH
+    if n > 0:
+        heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = heads < H
+        q_base = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+        q_lat = tl.load(q_base + tl.arange(0, 512)[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+        q_rope = tl.load(q_base + 512 + tl.arange(0, 64)[None, :], mask=hmask[:, None], other=0.0).to(DOT_DTYPE)
+        m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_H,), tl.float32)
+        acc = tl.zeros((BLOCK_H, 512), tl.float32)
+        for k0 in tl.range(0, n, BLOCK_K):
+            rows, valid = block_rows(idx_ptr, t, stride_it, k0, n, 0, 0, 1, 1, False, BLOCK_K)
+            raw, scale, rope = gather_raw(kv_ptr, rows, valid, stride_kv, KV_FP8)
+            lat, rp = dequant(raw, scale, rope, KV_FP8, BLOCK_K, DOT_DTYPE)
+            m_i, l_i, acc = _softmax_step(q_lat, q_rope, lat, rp, valid, m_i, l_i, acc,
+                                          qk_scale_log2, DOT_DTYPE, PRECISION)
+        has = l_i > 0.0
+        m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+        lse2 = tl.where(has, (m_safe + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453,
+                        float("-inf"))
+        o2 = acc / tl.where(has, l_i, 1.0)[:, None]
+        d = tl.arange(0, 512)
+        o_ptrs = out_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :]
+        l_ptrs = lse_ptr + t.to(tl.int64) * stride_lt + heads
+        lse1 = tl.load(l_ptrs, mask=hmask, other=float("-inf"))
+        o1 = tl.load(o_ptrs, mask=hmask[:, None], other=0.0).to(tl.float32)
+        m = tl.maximum(lse1, lse2)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        e1 = tl.exp(lse1 - m)
+        e2 = tl.exp(lse2 - m)
+        tot = e1 + e2
+        some = tot > 0.0
+        w1 = tl.where(some, e1 / tl.where(some, tot, 1.0), 0.0)
+        w2 = tl.where(some, e2 / tl.where(some, tot, 1.0), 0.0)
+        o = o1 * w1[:, None] + o2 * w2[:, None]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+        tl.store(l_ptrs, tl.where(some, m + tl.log(tl.where(some, tot, 1.0)), float("-inf")),
+                 mask=hmask)

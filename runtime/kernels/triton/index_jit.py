@@ -31,3 +31,36 @@ def filter_kernel(ids_ptr, bt_ptr, out_ptr, K, stride_i, stride_b, stride_o, B, 
     blk = tl.load(bt_ptr + j.to(tl.int64) * stride_b + local // B, mask=m & mine, other=0).to(tl.int64)
     slot = tl.where(mine, blk * B + local % B, -1)
     tl.store(out_ptr + j.to(tl.int64) * stride_o + offs, slot.to(tl.int32), mask=m)
+
+
+@triton.jit(do_not_specialize=["bt_ptr", "stride_b"])
+def compact_kernel(ids_ptr, bt_ptr, main_ptr, over_ptr, count_ptr, K, WIDTH, stride_i,
+                   stride_b, stride_m, stride_v, B, W, rank, I, BLOCK: tl.constexpr):
+    """One row: ``filter_kernel``'s local slots packed to the front in the row's order (a
+    running prefix sum), the first WIDTH into ``main``, the rest into ``over``; the count; -1
+    in every other entry of both."""
+    j = tl.program_id(0).to(tl.int64)
+    carry = tl.sum(tl.zeros([BLOCK], tl.int32), 0)
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        m = offs < K
+        t = tl.load(ids_ptr + j * stride_i + offs, mask=m, other=-1).to(tl.int64)
+        g = t // I
+        mine = (t >= 0) & ((g % W) == rank)
+        local = tl.where(mine, (g // W) * I + t % I, 0)
+        blk = tl.load(bt_ptr + j * stride_b + local // B, mask=m & mine, other=0).to(tl.int64)
+        slot = (blk * B + local % B).to(tl.int32)
+        flag = mine.to(tl.int32)
+        pos = carry + tl.cumsum(flag, 0) - 1
+        tl.store(main_ptr + j * stride_m + pos, slot, mask=mine & (pos < WIDTH))
+        tl.store(over_ptr + j * stride_v + (pos - WIDTH), slot, mask=mine & (pos >= WIDTH))
+        carry += tl.sum(flag, 0)
+    tl.store(count_ptr + j, carry)
+    for k0 in range(0, WIDTH, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        tl.store(main_ptr + j * stride_m + offs, tl.full([BLOCK], -1, tl.int32),
+                 mask=(offs >= carry) & (offs < WIDTH))
+    for k0 in range(0, K - WIDTH, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        tl.store(over_ptr + j * stride_v + offs, tl.full([BLOCK], -1, tl.int32),
+                 mask=(offs >= carry - WIDTH) & (offs < K - WIDTH))
