@@ -241,7 +241,7 @@ def setup_rank(args, dims: dict, groups: Groups) -> Rank:
                                   max_tokens=plan.padded_num_tokens,
                                   max_requests=plan.num_requests,
                                   prefill_keys="paged" if args.prefill_keys == "both"
-                                  else args.prefill_keys)
+                                  else args.prefill_keys, dcp_compact=args.dcp_compact)
     gen = torch.Generator(device=dev).manual_seed(1000 + groups.rank)
     caches = [_random_cache(cfg, num_blocks, dev, kernels, gen) for _ in range(cfg.num_layers)]
     act, t = coll.ACT_DTYPES[cfg.activation_dtype], plan.padded_num_tokens
@@ -576,6 +576,9 @@ def parse_args(argv=None):
     ap.add_argument("--indexer-tiles", type=_indexer_tiles, default={}, metavar="F=V,...",
                     help="launch the tiled indexer with these IndexerTiles fields, e.g. "
                          "long_filter=0 (Triton kernel set only)")
+    ap.add_argument("--dcp-compact", action="store_true",
+                    help="W > 1: decode attention over each rank's slots packed into a narrower "
+                         "index plus an overflow pass (StepExecutor dcp_compact; off by default)")
     ap.add_argument("--context-order", choices=("spread", "random"), default="spread",
                     help="the decodes' contexts: spread (a rising sawtooth over the range, the "
                          "default) or the same contexts in a random order")

@@ -138,14 +138,22 @@ class StepExecutor:
                  max_kv_tokens: int | None = None, arena_depth: int = 2,
                  debug: bool = True, faults: FaultBoard | None = None,
                  data_timeout_s: float = 0.0, prefill_keys: str = "gather",
-                 dcp_compact: bool = True) -> None:
+                 dcp_compact: bool | int = False) -> None:
         if prefill_keys not in PREFILL_KEYS:
             raise ConfigError(f"prefill_keys must be one of {PREFILL_KEYS}: got {prefill_keys!r}")
         self.prefill_keys = prefill_keys
-        # W > 1 decode attention over the rank's slots packed into compact_width(topk, W)
-        # columns (plus an overflow pass for rows holding more), not topk columns mostly -1
-        self.decode_width = (kref.compact_width(config.topk, config.dcp_size)
-                             if dcp_compact and config.dcp_size > 1 else config.topk)
+        # dcp_compact: W > 1 decode attention over the rank's slots packed into
+        # compact_width(topk, W) columns plus an overflow pass for rows holding more, not topk
+        # columns mostly -1. Off: on one H200 (bench/dcp_attention.py, 64 x 128 heads, W = 2)
+        # 77.5 us against 91.9, but 198.1 against 95.9 when 8 rows hold all their keys on one
+        # rank (the overflow pass is slow), and the P = W = 2 step is not timed with it
+        # (an int: that width, e.g. to force the overflow pass in tests)
+        width = (dcp_compact if type(dcp_compact) is int
+                 else kref.compact_width(config.topk, config.dcp_size))
+        if dcp_compact is not False and not 0 <= width <= config.topk:
+            raise ConfigError(f"dcp_compact width: got {width}, expected 0..{config.topk} (topk)")
+        self.decode_width = width if dcp_compact is not False and config.dcp_size > 1 \
+            else config.topk
         self.config, self.pcp_rank, self.dcp_rank = config, pcp_rank, dcp_rank
         self.comm, self.check, self.debug = comm, check, debug
         self.faults, self.data_timeout_s = faults, data_timeout_s

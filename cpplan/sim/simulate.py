@@ -64,6 +64,7 @@ class SimOptions:
     verify: str = "every"
     verify_every: int = 4
     digest_exchange: str = "auto"  # runtime/exchange.py: "auto", "shm" or "gloo"
+    dcp_compact: bool | int = False  # StepExecutor(dcp_compact=): W > 1 decode over packed slots
     record: str | None = None
     inject: Inject | None = None
     timeout_s: float = 30.0
@@ -141,7 +142,7 @@ class _RankSim:
         num_blocks = 1 + MAX_RUNNING * self.blocks_per_req
         self.executor = StepExecutor.from_groups(
             config, groups, verify=opts.verify, verify_every=opts.verify_every,
-            digest_exchange=opts.digest_exchange,
+            digest_exchange=opts.digest_exchange, dcp_compact=opts.dcp_compact,
             max_tokens=TOKEN_BUDGET + MAX_RUNNING, max_requests=MAX_RUNNING)
         self.alloc = BlockAllocator(num_blocks, config.block_size, config.dcp_size,
                                     groups.dcp_rank, config.interleave_size)

@@ -66,6 +66,20 @@ def test_steps_match_oracle_and_plan(worlds, world_size, pwi, kv):
         assert s["gather_chunks"] >= STEPS
 
 
+@pytest.mark.parametrize("world_size,pwi,compact", [(2, (2, 2, 1), True), (3, (3, 3, 2), True),
+                                                     (2, (2, 2, 1), 16), (3, (3, 3, 2), 8)])
+def test_compacted_dcp_decode_matches_oracle(worlds, world_size, pwi, compact):
+    """StepExecutor(dcp_compact=...): each rank's decode attention over its slots packed into
+    compact_width(64, W) = 48 / 32 columns (True; rows holding more are rare here) or 16 / 8
+    (most rows hold more: the overflow pass runs), plus the overflow pass, equals the
+    single-device oracle."""
+    p, w, i = pwi
+    opts = SimOptions(pcp=p, dcp=w, interleave=i, steps=STEPS, layers=1, progress=False,
+                      timeout_s=20, dcp_compact=compact)
+    s = _ok_values(worlds(world_size).run(rank_main, opts, timeout_s=240))[0]
+    assert s["steps"] == STEPS and s["max_abs_err"] <= TOLERANCE
+
+
 def test_warmup_runs_on_every_rank_before_the_steps(worlds):
     """cpplan.warmup's synthetic steps are collective steps like any other (digest-checked,
     ledger-checked) on scratch caches: the real steps after them still match the oracle."""
