@@ -40,8 +40,9 @@ into the graph's buffers every step, as an engine without static buffers would),
 run. The phase table is the eager step's (a replay has no per-op marks).
 
 The verify cost next to it: the plan digest on the host (encode + xxh3-128), and with more
-than one rank the digest exchange over the gloo control group, awaited, measured alone after a
-barrier (in a step it starts at bind and is awaited before the first collective).
+than one rank the digest exchange (``--digest-exchange``: the shared-memory board where the
+ranks share a host, else the gloo all-gather), awaited, measured alone after a barrier (in a
+step it starts at bind and is awaited before the first collective).
 Several ranks: every figure is the maximum over ranks (a step ends with its slowest rank).
 """
 
@@ -238,6 +239,7 @@ def setup_rank(args, dims: dict, groups: Groups) -> Rank:
         if args.merge == "sort":
             kernels = merge_kernels
     ex = StepExecutor.from_groups(cfg, groups, verify="every", kernels=kernels,
+                                  digest_exchange=args.digest_exchange,
                                   max_tokens=plan.padded_num_tokens,
                                   max_requests=plan.num_requests,
                                   prefill_keys="paged" if args.prefill_keys == "both"
@@ -470,12 +472,13 @@ def verify_costs(r: Rank, repeat: int) -> dict:
     out = {"digest_us": statistics.median(t), "exchange_ms": None}
     if r.groups.control is None:
         return out
-    check, ex = DigestCheck(r.groups, "every"), []
+    check, ex = DigestCheck(r.groups, "every", exchange=r.ex.check.exchange.kind), []
     for _ in range(max(10, repeat)):
         dist.barrier(group=r.groups.control)
         t0 = time.perf_counter()
         check.start(r.plan).wait()
         ex.append((time.perf_counter() - t0) * 1e3)
+    check.close()
     out["exchange_ms"] = statistics.median(ex)
     return out
 
@@ -576,6 +579,8 @@ def parse_args(argv=None):
     ap.add_argument("--indexer-tiles", type=_indexer_tiles, default={}, metavar="F=V,...",
                     help="launch the tiled indexer with these IndexerTiles fields, e.g. "
                          "long_filter=0 (Triton kernel set only)")
+    ap.add_argument("--digest-exchange", choices=("auto", "shm", "gloo"), default="auto",
+                    help="how the ranks' plan digests meet (runtime/exchange.py)")
     ap.add_argument("--dcp-compact", action="store_true",
                     help="W > 1: decode attention over each rank's slots packed into a narrower "
                          "index plus an overflow pass (StepExecutor dcp_compact; off by default)")
