@@ -93,7 +93,7 @@ class _GlooPending:
             self.work.wait()
         except RuntimeError as exc:  # gloo: timeout or a peer gone
             raise ExchangeTimeout(str(exc)) from None
-        return [t.numpy().tobytes() for t in self.outs]
+        return [t.numpy().tobytes() for t in self.outs]  # CPU tensors (gloo): no device sync
 
 
 class SharedMemoryExchange:
@@ -220,7 +220,7 @@ def _gather_ints(values: list[int], groups) -> list[list[int]]:
     mine = torch.tensor(values, dtype=torch.int64)
     outs = [torch.empty_like(mine) for _ in range(groups.control_size)]
     dist.all_gather(outs, mine, group=groups.control)
-    return [o.tolist() for o in outs]
+    return [o.tolist() for o in outs]  # CPU tensors of the gloo group, once at set-up
 
 
 def _open_board(groups) -> SharedMemoryExchange | None:

@@ -150,8 +150,8 @@ class StepExecutor:
         # (an int: that width, e.g. to force the overflow pass in tests)
         width = (dcp_compact if type(dcp_compact) is int
                  else kref.compact_width(config.topk, config.dcp_size))
-        if dcp_compact is not False and not 0 <= width <= config.topk:
-            raise ConfigError(f"dcp_compact width: got {width}, expected 0..{config.topk} (topk)")
+        if dcp_compact is not False and not 1 <= width <= config.topk:
+            raise ConfigError(f"dcp_compact width: got {width}, expected 1..{config.topk} (topk)")
         self.decode_width = width if dcp_compact is not False and config.dcp_size > 1 \
             else config.topk
         self.config, self.pcp_rank, self.dcp_rank = config, pcp_rank, dcp_rank

@@ -1,4 +1,4 @@
-"""The digest check: every rank's plan digest compared over the gloo control group.
+"""The digest check: every rank's plan digest compared across the control group.
 
 ``DigestCheck.start(plan)`` (at bind) hands this rank's 16-byte digest and a status byte to the
 exchange (runtime/exchange.py: a board in shared memory when every rank runs on one host, else

@@ -213,3 +213,13 @@ def test_warmup_has_long_decode_rows_where_the_config_allows_them(mml, dcp):
         assert local >= min(LONG_DECODE_KEYS, (mml - 1) // dcp)
     else:
         assert len(steps) == 4 and longest < LONG_DECODE_KEYS
+
+
+@pytest.mark.parametrize("bad", [0, -3, 65])
+def test_dcp_compact_width_out_of_range_is_a_config_error(bad):
+    from cpplan.runtime.executor import StepExecutor
+    from cpplan.schemas.errors import ConfigError
+
+    cfg = _config(p=2, w=2)  # topk 64
+    with pytest.raises(ConfigError, match=r"dcp_compact width: got -?\d+, expected 1\.\.64"):
+        StepExecutor(cfg, pcp_rank=0, dcp_rank=0, comm=None, device="cpu", dcp_compact=bad)
