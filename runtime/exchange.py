@@ -18,12 +18,16 @@ the others'.
 
 The board (created by control rank 0, mapped by every rank, unlinked as soon as all have mapped
 it, so nothing is left in ``/dev/shm`` whatever happens to the processes): a header of one
-16-byte entry per rank (pid, setup nonce), then two rows of slots, one 64-byte slot per rank in
-each. Exchange ``n`` (counted per exchange object, the same on every rank) writes
-``[n u64][row][xxh64 of n and row]`` into row ``n % 2`` of this rank's slot; a reader takes a
-slot once its count is ``n`` and its hash matches, so a torn or reordered read (any memory
-model) is never taken. Two rows suffice: a rank writes exchange ``n + 2`` only after it read
-every rank's ``n + 1``, which each rank writes only after reading all of ``n``.
+24-byte entry per rank (pid, setup nonce, the last exchange up to which it has read every
+row), then ``ROWS`` rows of slots, one 64-byte slot per rank in each. Exchange ``n`` (counted
+per exchange object, the same on every rank) writes ``[n u64][row][xxh64 of n and row]`` into
+row ``n % ROWS`` of this rank's slot; a reader takes a slot once its count is ``n`` and its
+hash matches, so a torn or reordered read (any memory model) is never taken. A slot is
+rewritten ``ROWS`` exchanges later, and only once every rank has acknowledged reading the row
+it held (in normal running it has long since: checks start at bind and are awaited by the
+step's first collective). A rank may have at most ``ROWS - 1`` exchanges started and not yet
+awaited (``UsageError`` otherwise): the executor's bound steps in flight, its
+``arena_depth``, which it keeps below that.
 
 Waiting spins briefly, then yields, then sleeps in growing slices. A rank whose process is gone
 (or a zombie) ends the wait at once; a rank that is alive but silent ends it at the control
@@ -43,12 +47,13 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from cpplan.schemas.errors import ConfigError
+from cpplan.schemas.errors import ConfigError, UsageError
 
 EXCHANGE_KINDS = ("auto", "shm", "gloo")
 SHM_DIR = "/dev/shm"
 SLOT_BYTES = 64
-HEADER_BYTES = 16  # per rank: pid u64, setup nonce u64
+ROWS = 16  # rows of slots: fewer than ROWS - 1 exchanges outstanding (module docstring)
+HEADER_BYTES = 24  # per rank: pid u64, setup nonce u64, acknowledged exchange u64
 _COUNT = struct.Struct("<Q")
 _SPIN = 64  # tight polls before yielding
 _YIELD_S = 1e-3  # then sched_yield polls for this long, then sleeps
@@ -102,27 +107,35 @@ class SharedMemoryExchange:
     kind = "shm"
 
     def __init__(self, board: mmap.mmap, rank: int, size: int, pids: list[int],
-                 check_pids: bool) -> None:
+                 check_pids: bool, timeout_s: float = 30.0) -> None:
         self.board, self.rank, self.size = board, rank, size
-        self.pids, self.check_pids = pids, check_pids
+        self.pids, self.check_pids, self.timeout_s = pids, check_pids, timeout_s
         self.count = 0  # exchanges started: the same on every rank
+        self.acked, self.done = 0, set()  # this rank read every row of exchanges <= acked
 
-    def _slot(self, parity: int, rank: int) -> int:
-        return self.size * HEADER_BYTES + (parity * self.size + rank) * SLOT_BYTES
+    def _slot(self, row: int, rank: int) -> int:
+        return self.size * HEADER_BYTES + (row * self.size + rank) * SLOT_BYTES
 
     def start(self, row: bytes) -> "_ShmPending":
         if len(row) > SLOT_BYTES - 16:
             raise ValueError(f"exchange row of {len(row)} bytes: expected at most "
                              f"{SLOT_BYTES - 16}")
-        self.count += 1
-        body = _COUNT.pack(self.count) + row
-        at = self._slot(self.count % 2, self.rank)
+        n = self.count + 1
+        if n > ROWS:  # this rank's slot for n last held n - ROWS: read by every rank yet?
+            if self.acked < n - ROWS:
+                raise UsageError(f"digest exchange #{n} started with #{self.acked + 1} not yet "
+                                 f"awaited here: expected at most {ROWS - 1} outstanding")
+            _poll(self, lambda: [r for r in range(self.size) if self._acked(r) < n - ROWS],
+                  self.timeout_s, f"acknowledged exchange #{n - ROWS}")
+        self.count = n
+        body = _COUNT.pack(n) + row
+        at = self._slot(n % ROWS, self.rank)
         self.board[at: at + len(body) + 8] = body + xxhash.xxh64_digest(body)
-        return _ShmPending(self, self.count, len(row))
+        return _ShmPending(self, n, len(row))
 
     def read(self, count: int, rank: int, row_bytes: int) -> bytes | None:
         """Rank ``rank``'s row of exchange ``count``, or None if it is not (wholly) there."""
-        at = self._slot(count % 2, rank)
+        at = self._slot(count % ROWS, rank)
         if _COUNT.unpack_from(self.board, at)[0] != count:
             return None
         data = self.board[at: at + 16 + row_bytes]
@@ -130,6 +143,18 @@ class SharedMemoryExchange:
         if xxhash.xxh64_digest(body) != data[8 + row_bytes:] or _COUNT.unpack_from(body)[0] != count:
             return None  # written while we read: poll again
         return body[8:]
+
+    def _acked(self, rank: int) -> int:
+        return _COUNT.unpack_from(self.board, rank * HEADER_BYTES + 16)[0]
+
+    def ack(self, count: int) -> None:
+        """This rank has read every row of exchange ``count``: publish the highest count up to
+        which it has read them all (an aligned 8-byte store; a stale read only delays)."""
+        self.done.add(count)
+        while self.acked + 1 in self.done:
+            self.acked += 1
+            self.done.discard(self.acked)
+        _COUNT.pack_into(self.board, self.rank * HEADER_BYTES + 16, self.acked)
 
     def gone(self, ranks: list[int]) -> list[int]:
         """Those of ``ranks`` whose process no longer runs (never any when pids are foreign)."""
@@ -147,35 +172,44 @@ class _ShmPending:
     def wait(self, timeout_s: float) -> list[bytes]:
         """Every rank's row in rank order, polled from the board."""
         ex, rows = self.ex, [None] * self.ex.size
-        start = time.monotonic()
-        polls, nap, next_liveness = 0, 2e-5, start + _LIVENESS_S
-        while True:
-            missing = []
+
+        def missing() -> list[int]:
             for r in range(ex.size):
                 if rows[r] is None:
                     rows[r] = ex.read(self.count, r, self.row_bytes)
-                    if rows[r] is None:
-                        missing.append(r)
-            if not missing:
-                return rows
-            polls += 1
-            if polls <= _SPIN:
-                continue
-            now = time.monotonic()
-            if now >= next_liveness:
-                next_liveness = now + _LIVENESS_S
-                dead = ex.gone(missing)
-                if dead:
-                    raise ExchangeTimeout(f"ranks {dead} exited before writing their digest "
-                                          f"row (exchange #{self.count})", dead, gone=True)
-            if now - start > timeout_s:
-                raise ExchangeTimeout(f"ranks {missing} wrote no digest row within "
-                                      f"{timeout_s:g} s (exchange #{self.count})", missing)
-            if now - start < _YIELD_S:
-                os.sched_yield()
-            else:
-                time.sleep(nap)
-                nap = min(nap * 2, _SLEEP_MAX_S)
+            return [r for r in range(ex.size) if rows[r] is None]
+
+        _poll(ex, missing, timeout_s, f"wrote their digest row (exchange #{self.count})")
+        ex.ack(self.count)
+        return rows
+
+
+def _poll(ex: SharedMemoryExchange, missing, timeout_s: float, what: str) -> None:
+    """Until ``missing()`` (the ranks not there yet) is empty: spin, then yield, then sleep in
+    growing slices; ``ExchangeTimeout`` for ranks whose process is gone (at once) or that stay
+    missing for ``timeout_s``."""
+    start = time.monotonic()
+    polls, nap, next_liveness = 0, 2e-5, start + _LIVENESS_S
+    while True:
+        late = missing()
+        if not late:
+            return
+        polls += 1
+        if polls <= _SPIN:
+            continue
+        now = time.monotonic()
+        if now >= next_liveness:
+            next_liveness = now + _LIVENESS_S
+            dead = ex.gone(late)
+            if dead:
+                raise ExchangeTimeout(f"ranks {dead} exited before they {what}", dead, gone=True)
+        if now - start > timeout_s:
+            raise ExchangeTimeout(f"ranks {late} never {what} within {timeout_s:g} s", late)
+        if now - start < _YIELD_S:
+            os.sched_yield()
+        else:
+            time.sleep(nap)
+            nap = min(nap * 2, _SLEEP_MAX_S)
 
 
 def _process_alive(pid: int) -> bool:
@@ -227,7 +261,7 @@ def _open_board(groups) -> SharedMemoryExchange | None:
     """Rank 0 creates the board, every rank maps it and proves it sees the others' writes;
     None on every rank unless all succeeded. Three small gloo all-gathers, once."""
     rank, size = groups.control_rank, groups.control_size
-    nbytes = size * (HEADER_BYTES + 2 * SLOT_BYTES)
+    nbytes = size * (HEADER_BYTES + ROWS * SLOT_BYTES)
     path = ""
     if rank == 0:
         path = os.path.join(SHM_DIR, f"cpplan-digest-{os.getpid()}-{uuid.uuid4().hex}")
@@ -251,7 +285,7 @@ def _open_board(groups) -> SharedMemoryExchange | None:
             finally:
                 os.close(fd)
             board[rank * HEADER_BYTES: (rank + 1) * HEADER_BYTES] = struct.pack(
-                "<QQ", os.getpid(), nonce)
+                "<QQQ", os.getpid(), nonce, 0)
         except (OSError, ValueError):
             board = None
     marks = _gather_ints([board is not None, os.getpid(), nonce], groups)
@@ -270,4 +304,4 @@ def _open_board(groups) -> SharedMemoryExchange | None:
         return None
     pids = [m[1] for m in marks]
     check_pids = all(_process_alive(p) for p in pids)  # False in separate pid namespaces
-    return SharedMemoryExchange(board, rank, size, pids, check_pids)
+    return SharedMemoryExchange(board, rank, size, pids, check_pids, groups.control_timeout_s)

@@ -26,6 +26,7 @@ import torch
 
 from cpplan.runtime import collectives as coll
 from cpplan.runtime.arena import ArenaRing, arena_words
+from cpplan.runtime.exchange import ROWS
 from cpplan.runtime.faults import FaultBoard, StepWatch, Watchdog
 from cpplan.runtime.kernels import gather_indexer_k, get_kernels, scatter_indexer_k
 from cpplan.runtime.kernels import reference as kref
@@ -169,6 +170,8 @@ class StepExecutor:
                                        // config.block_size)
         words = arena_words(max_tokens, max_requests, max_blocks_per_request, config.pcp_size,
                             config.dcp_size, config.cudagraph_token_sizes)
+        if arena_depth >= ROWS - 1:  # the shared-memory digest board's bound (exchange.py)
+            raise ConfigError(f"arena_depth: got {arena_depth}, expected at most {ROWS - 2}")
         self.arena = ArenaRing(words, self.device, arena_depth)
         compile_host_kernels()  # bind's host kernels, compiled (or loaded) now rather than at step 1
         self.sm_scale = 1.0 / math.sqrt(config.qk_head_dim)

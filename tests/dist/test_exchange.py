@@ -53,6 +53,25 @@ def _exchange_rounds(ctx, kind: str):
     return ex.kind, bad
 
 
+def _outstanding_rounds(ctx, ahead: int):
+    """Every rank starts ``ahead`` exchanges before it waits for the first (bound steps in
+    flight), rank 1 late, then keeps that distance: rows must still meet."""
+    g = _groups(ctx)
+    ex = xch.open_exchange(g, "shm")
+    pending, bad = [], []
+    for i in range(60 + ahead):
+        if i < 60:
+            if ctx.rank == 1 and i % 7 == 0:
+                time.sleep(2e-3)
+            pending.append((i, ex.start(_row(ctx.rank, i))))
+        if len(pending) > ahead or i >= 60:
+            j, p = pending.pop(0)
+            if p.wait(20.0) != [_row(r, j) for r in range(ctx.world_size)]:
+                bad.append(j)
+    ex.close()
+    return bad
+
+
 @pytest.fixture(scope="module")
 def world3():
     with World(3, timeout_s=60) as w:
@@ -75,17 +94,18 @@ def _leftovers() -> set[str]:
 
 def _no_board_on_rank_1(ctx, kind: str):
     g = _groups(ctx)
+    original = xch.mmap.mmap  # the mmap module's own: the worker outlives this job
     if ctx.rank == 1:
         def refuse(*a, **k):
             raise OSError("not this host's memory")
 
-        xch.mmap.mmap = refuse  # a spawned worker: patched in this job only
+        xch.mmap.mmap = refuse
     try:
         ex = xch.open_exchange(g, kind)
     except ConfigError as exc:
         return "ConfigError", str(exc)
     finally:
-        xch.mmap.mmap = mmap.mmap
+        xch.mmap.mmap = original
     rows = ex.start(_row(ctx.rank, 0)).wait(20.0)
     return ex.kind, rows == [_row(r, 0) for r in range(ctx.world_size)]
 
@@ -105,27 +125,28 @@ def test_ranks_without_a_shared_board_fall_back_or_refuse(world3):
 
 # ---------------------------------------------------------------------------- one process
 def _board(size: int, pids: list[int], check_pids: bool = True) -> xch.SharedMemoryExchange:
-    nbytes = size * (xch.HEADER_BYTES + 2 * xch.SLOT_BYTES)
+    nbytes = size * (xch.HEADER_BYTES + xch.ROWS * xch.SLOT_BYTES)
     return xch.SharedMemoryExchange(mmap.mmap(-1, nbytes), 0, size, pids, check_pids)
 
 
 def _write(ex, rank: int, count: int, row: bytes, good_hash: bool = True) -> None:
     body = count.to_bytes(8, "little") + row
     h = xxhash.xxh64_digest(body if good_hash else body + b"x")
-    at = ex._slot(count % 2, rank)
+    at = ex._slot(count % xch.ROWS, rank)
     ex.board[at: at + len(body) + 8] = body + h
 
 
 def test_a_torn_or_stale_slot_is_not_taken():
     ex = _board(2, [os.getpid()] * 2)
-    row = _row(1, 5)
-    assert ex.read(5, 1, len(row)) is None  # nothing written yet
-    _write(ex, 1, 5, row, good_hash=False)  # torn: the hash does not match the bytes read
-    assert ex.read(5, 1, len(row)) is None
-    _write(ex, 1, 3, row)  # stale: the same parity two exchanges ago
-    assert ex.read(5, 1, len(row)) is None
-    _write(ex, 1, 5, row)
-    assert ex.read(5, 1, len(row)) == row
+    n = 5 + xch.ROWS
+    row = _row(1, n)
+    assert ex.read(n, 1, len(row)) is None  # nothing written yet
+    _write(ex, 1, n, row, good_hash=False)  # torn: the hash does not match the bytes read
+    assert ex.read(n, 1, len(row)) is None
+    _write(ex, 1, n - xch.ROWS, row)  # stale: the same row of slots ROWS exchanges ago
+    assert ex.read(n, 1, len(row)) is None
+    _write(ex, 1, n, row)
+    assert ex.read(n, 1, len(row)) == row
 
 
 def test_a_dead_peer_ends_the_wait_at_once_a_silent_one_at_the_timeout():
@@ -163,3 +184,18 @@ def test_a_zombie_counts_as_gone():
 def test_unknown_kind_is_a_config_error():
     with pytest.raises(ConfigError, match="expected one of"):
         xch.open_exchange(None, "nccl")
+
+
+def test_exchanges_outstanding_up_to_the_arena_bound(world3):
+    for r in world3.run(_outstanding_rounds, xch.ROWS - 2, timeout_s=120):
+        assert r.ok, r.tb
+        assert r.value == [], r.value
+
+
+def test_arena_depth_beyond_the_board_is_refused():
+    from cpplan.runtime.executor import StepExecutor
+    from cpplan.schemas.config import ParallelConfig
+
+    with pytest.raises(ConfigError, match=f"arena_depth: got {xch.ROWS - 1}, expected at most"):
+        StepExecutor(ParallelConfig(), pcp_rank=0, dcp_rank=0, comm=None, device="cpu",
+                     arena_depth=xch.ROWS - 1)
