@@ -64,7 +64,11 @@ class DigestCheck:
         if not due or self.exchange is None:
             return None
         status = STATUS_FAILED if failed else STATUS_OK
-        pending = self.exchange.start(digest(plan) + bytes([status]))
+        try:
+            pending = self.exchange.start(digest(plan) + bytes([status]))
+        except ExchangeTimeout as exc:  # the board's slot still unread by a silent or dead rank
+            raise self.board.lost_error(self.seq, plan.step_id, "digest check",
+                                        self.groups.control_timeout_s, exc) from None
         return PendingCheck(self, plan, pending, self.seq)
 
     def close(self) -> None:

@@ -199,3 +199,49 @@ def test_arena_depth_beyond_the_board_is_refused():
     with pytest.raises(ConfigError, match=f"arena_depth: got {xch.ROWS - 1}, expected at most"):
         StepExecutor(ParallelConfig(), pcp_rank=0, dcp_rank=0, comm=None, device="cpu",
                      arena_depth=xch.ROWS - 1)
+
+
+def _lost_before_the_row_is_reread(ctx):
+    """Rank 1 stops taking part after exchange 1 (it never awaits it); rank 0 keeps binding:
+    when its slot would be rewritten it waits for rank 1's acknowledgement and, rank 1 being
+    silent, gets a RankLostError from the check's start (bind) naming it, not a hang."""
+    from cpplan.planner.compile import compile as compile_plan
+    from cpplan.runtime.faults import FaultBoard
+    from cpplan.runtime.verify import DigestCheck
+    from cpplan.schemas.errors import RankLostError
+    from cpplan.schemas.step import StepInput
+
+    g = _groups(ctx)
+    g.control_timeout_s = 1.0
+    check = DigestCheck(g, "every", board=FaultBoard(g), exchange="shm")
+    plan = compile_plan(g.config, StepInput.build(1, ["a"], [10], [1], [False]))
+    first = check.start(plan)
+    if ctx.rank == 1:
+        time.sleep(6)  # silent: never awaits exchange 1, never starts another
+        return "silent"
+    first.wait()
+    try:
+        for _ in range(xch.ROWS):
+            check.start(plan)  # rank 0 alone: its slot for #1 is still unread by rank 1
+    except RankLostError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_rank_that_never_reads_ends_the_writer_s_wait_with_rank_lost():
+    with World(2, timeout_s=60) as w:
+        res = w.run(_lost_before_the_row_is_reread, timeout_s=60)
+    assert res[1].ok and res[1].value == "silent", res[1]
+    assert res[0].ok, res[0].tb
+    assert "ranks [1]" in res[0].value and "digest check" in res[0].value, res[0].value
+
+
+def test_more_checks_outstanding_than_the_board_holds_is_a_usage_error():
+    from cpplan.schemas.errors import UsageError
+
+    ex = _board(1, [os.getpid()])
+    pending = [ex.start(_row(0, i)) for i in range(xch.ROWS)]
+    with pytest.raises(UsageError, match=f"expected at most {xch.ROWS - 1} outstanding"):
+        ex.start(_row(0, xch.ROWS))
+    assert pending[0].wait(1.0) == [_row(0, 0)]  # awaiting the oldest makes room
+    assert ex.start(_row(0, xch.ROWS)).wait(1.0) == [_row(0, xch.ROWS)]
