@@ -52,7 +52,7 @@ from cpplan.schemas.errors import ConfigError, UsageError
 EXCHANGE_KINDS = ("auto", "shm", "gloo")
 SHM_DIR = "/dev/shm"
 SLOT_BYTES = 64
-ROWS = 16  # rows of slots: fewer than ROWS - 1 exchanges outstanding (module docstring)
+ROWS = 16  # rows of slots: at most ROWS - 1 exchanges outstanding a rank (module docstring)
 HEADER_BYTES = 24  # per rank: pid u64, setup nonce u64, acknowledged exchange u64
 _COUNT = struct.Struct("<Q")
 _SPIN = 64  # tight polls before yielding
@@ -62,8 +62,9 @@ _LIVENESS_S = 0.05  # between checks that the silent ranks' processes still exis
 
 
 class ExchangeTimeout(RuntimeError):
-    """Some ranks wrote no row for this exchange: they went silent (``gone`` False) or their
-    process ended (``gone`` True). ``ranks`` lists them (None: gloo cannot tell)."""
+    """Some ranks wrote no row for this exchange (or never acknowledged reading the row a slot
+    held before it could be rewritten): they went silent (``gone`` False) or their process
+    ended (``gone`` True). ``ranks`` lists them (None: gloo cannot tell)."""
 
     def __init__(self, message: str, ranks: list[int] | None = None, gone: bool = False):
         super().__init__(message)
