@@ -302,8 +302,7 @@ def decode_parts(args, tiles, ceil, flops):
     fp8 = tiles.decode_fp8 and q.is_cuda  # the query as indexer_topk_decode quantises it
     qq, ww = pack.quantize_indexer_q(q, w, torch.float8_e4m3fn if fp8 else q.dtype)
 
-    balanced = (tiles.decode_balanced_keys and ctx >= tiles.decode_balanced_keys
-                and q.shape[0] >= tiles.decode_balanced_rows)
+    balanced = it.decode_balanced(q.shape[0], ctx, tiles)
 
     def logits(bk=it.decode_block_k(q.shape[0], tiles), warps=tiles.decode_warps,
                stages=tiles.decode_stages, per_row=False):

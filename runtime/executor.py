@@ -149,12 +149,15 @@ class StepExecutor:
         # 77.5 us against 91.9, but 198.1 against 95.9 when 8 rows hold all their keys on one
         # rank (the overflow pass is slow), and the P = W = 2 step is not timed with it
         # (an int: that width, e.g. to force the overflow pass in tests)
-        width = (dcp_compact if type(dcp_compact) is int
-                 else kref.compact_width(config.topk, config.dcp_size))
-        if dcp_compact is not False and not 1 <= width <= config.topk:
-            raise ConfigError(f"dcp_compact width: got {width}, expected 1..{config.topk} (topk)")
-        self.decode_width = width if dcp_compact is not False and config.dcp_size > 1 \
-            else config.topk
+        self.decode_width = config.topk
+        if dcp_compact is not False:
+            width = (dcp_compact if type(dcp_compact) is int
+                     else kref.compact_width(config.topk, config.dcp_size))
+            if not 1 <= width <= config.topk:
+                raise ConfigError(f"dcp_compact width: got {width}, expected 1..{config.topk} "
+                                  "(topk)")
+            if config.dcp_size > 1:
+                self.decode_width = width
         self.config, self.pcp_rank, self.dcp_rank = config, pcp_rank, dcp_rank
         self.comm, self.check, self.debug = comm, check, debug
         self.faults, self.data_timeout_s = faults, data_timeout_s

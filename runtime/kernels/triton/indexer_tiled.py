@@ -311,6 +311,12 @@ def _logits_balanced(q, weights, k, out, lens, bt, *, bk, tiles, B):
            if tiles.decode_balanced_maxnreg and q.is_cuda else {}))
 
 
+def decode_balanced(T: int, L: int, tiles: IndexerTiles) -> bool:
+    """Whether the decode logits of T rows over a width of L keys take the balanced launch."""
+    return bool(tiles.decode_balanced_keys) and L >= tiles.decode_balanced_keys \
+        and T >= tiles.decode_balanced_rows
+
+
 def decode_block_k(T: int, tiles: IndexerTiles) -> int:
     """Keys per product of the decode logits for T rows."""
     return tiles.few_rows_block_k if T <= tiles.few_rows else tiles.decode_block_k
@@ -685,8 +691,7 @@ def indexer_topk_decode(q, weights, k_cache, local_len, block_table, block_size:
     local_len, block_table = local_len.contiguous(), block_table.contiguous()
     keys = _keys_buffer(T, L, q.device)
     bk = decode_block_k(T, tiles)
-    if tiles.decode_balanced_keys and L >= tiles.decode_balanced_keys \
-            and T >= tiles.decode_balanced_rows:
+    if decode_balanced(T, L, tiles):
         _logits_balanced(q, weights, k_cache, keys, local_len, block_table, bk=bk, tiles=tiles,
                          B=block_size)
     else:
