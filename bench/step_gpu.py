@@ -14,7 +14,8 @@ The work (issue 7): one prompt of ``--prompt`` tokens (32k, nothing cached) plus
 decodes (64) whose contexts are a few thousand tokens, at full model dims (128 heads, topk 2048,
 576/512, fp8_ds_mla, indexer 64 x 128, bf16 activations) over ``--layers`` layers (4), with the
 default kernels of the device (Triton on CUDA). Caches and inputs are random (timing only; the
-oracle comparison is ``cpplan simulate``'s job), each rank fills its own shard.
+oracle comparison is ``cpplan simulate``'s job), each rank fills its own shard; the queries are
+the same on every rank, as a replicated decode row's are.
 
 How the phases are timed. A plain step (``bind``, per layer ``insert`` + ``attend``,
 ``restore``, ``finish``; the executor and kernels untouched) is timed with two device events
@@ -37,7 +38,10 @@ With ``--graphs`` the config gets CUDA-graph sizes (powers of two up to 512), so
 step is graph-replayable (docs/design.md §5.6): the plain step is timed both eagerly and through
 ``runtime.graphs.StepGraphs`` (the per-layer ``insert`` + ``attend`` replayed; its inputs copied
 into the graph's buffers every step, as an engine without static buffers would), same plan, same
-run. The phase table is the eager step's (a replay has no per-op marks).
+run. The phase table is the eager step's (a replay has no per-op marks). Each timed step starts
+from an idle device (so its time includes the host's bind); on CUDA the same steps are also
+timed back to back, as an engine's loop runs them (the host binds step i + 1 while the device
+runs step i), and the host time of each call (bind, the layers, restore, finish) is printed.
 
 The verify cost next to it: the plan digest on the host (encode + xxh3-128), and with more
 than one rank the digest exchange (``--digest-exchange``: the shared-memory board where the
@@ -247,14 +251,18 @@ def setup_rank(args, dims: dict, groups: Groups) -> Rank:
     gen = torch.Generator(device=dev).manual_seed(1000 + groups.rank)
     caches = [_random_cache(cfg, num_blocks, dev, kernels, gen) for _ in range(cfg.num_layers)]
     act, t = coll.ACT_DTYPES[cfg.activation_dtype], plan.padded_num_tokens
+    # the queries from one seed on every rank: a decode row is replicated on every rank
+    # (docs/design.md §3.6), so its DCP ranks score their shards with the same query (drawn
+    # per rank, a row's merged top-k came mostly from the rank whose query scored higher)
+    shared = torch.Generator(device=dev).manual_seed(999)
 
-    def rnd(*shape, dtype=torch.float32):
-        return torch.randn(*shape, generator=gen, device=dev, dtype=dtype)
+    def rnd(*shape, dtype=torch.float32, g=gen):
+        return torch.randn(*shape, generator=g, device=dev, dtype=dtype)
 
-    x = {"q": rnd(t, cfg.num_heads, cfg.qk_head_dim, dtype=act), "kv": rnd(t, cfg.qk_head_dim),
-         "index_k": rnd(t, cfg.index_head_dim),
-         "index_q": rnd(t, cfg.index_num_heads, cfg.index_head_dim, dtype=act),
-         "index_w": rnd(t, cfg.index_num_heads).abs(),
+    x = {"q": rnd(t, cfg.num_heads, cfg.qk_head_dim, dtype=act, g=shared),
+         "kv": rnd(t, cfg.qk_head_dim), "index_k": rnd(t, cfg.index_head_dim),
+         "index_q": rnd(t, cfg.index_num_heads, cfg.index_head_dim, dtype=act, g=shared),
+         "index_w": rnd(t, cfg.index_num_heads, g=shared).abs(),
          "hidden": torch.zeros(t, cfg.hidden_size, dtype=act, device=dev)}
     rank = Rank(groups, cfg, plan, ex, tables, caches, x)
     if args.merge == "both":
@@ -331,26 +339,34 @@ def _random_cache(cfg, num_blocks: int, dev, kernels, gen, chunk: int = 1 << 16)
     return cache
 
 
-def run_step(r: Rank, log, graphs: StepGraphs | None = None) -> float:
+def run_step(r: Rank, log, graphs: StepGraphs | None = None, host: dict | None = None) -> float:
     """One step exactly as an engine runs it (embedding API); ``log`` marks phase ends;
-    ``graphs``: the per-layer work goes through it (replayed when the step has a graph key).
+    ``graphs``: the per-layer work goes through it (replayed when the step has a graph key);
+    ``host``: receives the host time of each call (ms: bind, layers, restore, finish).
     Returns the host time of ``bind`` in ms."""
     ex, x = r.ex, r.x
     t0 = time.perf_counter()
     bound = ex.bind(r.plan, r.tables)
-    bind_host_ms = (time.perf_counter() - t0) * 1e3
+    t1 = time.perf_counter()
     log.point("bind")
     inputs = (x["kv"], x["index_k"], x["q"], x["index_q"], x["index_w"])
     if graphs is not None:
         graphs.run(bound, *inputs)
     else:
         layers_body(r, bound, *inputs, log=log)
+    t2 = time.perf_counter()
     log.layer = None
     ex.restore(bound, x["hidden"])
+    t3 = time.perf_counter()
     ex.finish(bound)
+    t4 = time.perf_counter()
     log.point("restore")
     r.attention = {k: p.describe() for k, p in bound.attention.items()}
-    return bind_host_ms
+    if host is not None:
+        for key, a, b in (("bind", t0, t1), ("layers", t1, t2), ("restore", t2, t3),
+                          ("finish", t3, t4)):
+            host.setdefault(key, []).append((b - a) * 1e3)
+    return (t1 - t0) * 1e3
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -361,20 +377,35 @@ def _barrier(r: Rank, clock: Clock) -> None:
 
 
 def time_steps(r: Rank, repeat: int, graphs: StepGraphs | None = None) -> dict:
-    """Plain steps: device-event time bind..finish and host wall time (medians, ms)."""
+    """Plain steps: device-event time bind..finish and host wall time (medians, ms), each
+    step started from an idle device (synchronised, ranks at a barrier); the host time of
+    each call of the step (medians, ms); and, on CUDA, ``repeat`` steps back to back (no
+    synchronisation between them, as an engine's loop runs them: the host binds and
+    launches step i + 1 while the device runs step i): the device time from the first
+    bind to the last finish over the steps."""
     clock = Clock(r.groups.device)
-    gpu, wall, bind_host = [], [], []
+    gpu, wall, host = [], [], {}
     for _ in range(repeat):
         _barrier(r, clock)
         t0 = time.perf_counter()
         a = clock.mark()
-        bind_host.append(run_step(r, _NoLog(), graphs))
+        run_step(r, _NoLog(), graphs, host)
         b = clock.mark()
         clock.sync()
         wall.append((time.perf_counter() - t0) * 1e3)
         gpu.append(clock.ms(a, b))
-    return {"step_ms": statistics.median(gpu), "step_wall_ms": statistics.median(wall),
-            "bind_host_ms": statistics.median(bind_host)}
+    out = {"step_ms": statistics.median(gpu), "step_wall_ms": statistics.median(wall),
+           "bind_host_ms": statistics.median(host["bind"])}
+    out.update({f"host_{k}_ms": statistics.median(v) for k, v in host.items()})
+    if r.groups.device.type == "cuda":
+        _barrier(r, clock)
+        a = clock.mark()
+        for _ in range(repeat):
+            run_step(r, _NoLog(), graphs)
+        b = clock.mark()
+        clock.sync()
+        out["back_to_back_ms"] = clock.ms(a, b) / repeat
+    return out
 
 
 def time_phases(r: Rank, repeat: int) -> tuple[np.ndarray, dict]:
@@ -503,13 +534,16 @@ def measure(r: Rank, repeat: int) -> dict:
     per_layer, step_level = time_phases(r, repeat)
     if r.trace and r.groups.device.type == "cuda":
         steps["trace"] = {"eager": trace_kernels(r, r.trace, timeline=r.timeline)}
+        replayed = r.timeline and f"{r.timeline}.replayed"
+        if r.graphs is not None:
+            steps["trace"]["replayed"] = trace_kernels(r, r.trace, r.graphs, timeline=replayed)
         if r.timeline:
             from common import device_idle  # bench/common.py, beside this script
 
-            with open(r.timeline) as f:
-                steps["timeline"] = device_idle(json.load(f))
-        if r.graphs is not None:
-            steps["trace"]["replayed"] = trace_kernels(r, r.trace, r.graphs)
+            for key, path in (("eager", r.timeline), ("replayed", replayed)):
+                if key == "eager" or r.graphs is not None:
+                    with open(path) as f:
+                        steps.setdefault("timeline", {})[key] = device_idle(json.load(f))
     res = {**steps, **verify_costs(r, repeat), **bind_parts(r, repeat), "per_layer_ms": per_layer,
            "bind_ms": step_level["bind"], "restore_ms": step_level["restore"],
            "instrumented_ms": float(per_layer.sum()) + sum(step_level.values())}
@@ -598,8 +632,9 @@ def parse_args(argv=None):
                          "and print device time per kernel name and step (rank 0's)")
     ap.add_argument("--timeline", metavar="FILE",
                     help="CUDA, with --trace: also write the profiled eager steps' host and "
-                         "device activity as a Chrome trace (rank r > 0 writes FILE.r) and "
-                         "print the device's idle time")
+                         "device activity as a Chrome trace (rank r > 0 writes FILE.r; with "
+                         "--graphs the replayed steps' to FILE.replayed) and print the "
+                         "device's idle time")
     ap.add_argument("--tiny", action="store_true", help="toy sizes (runs on a CPU)")
     ap.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     args = ap.parse_args(argv)
@@ -644,6 +679,17 @@ def make_groups(args, dims: dict):
     return Groups.build(config), True
 
 
+def _host_line(label: str, res: dict, prefix: str) -> str:
+    """The host time of each call of a step, and the step's period back to back."""
+    calls = ", ".join(f"{k} {res[f'{prefix}host_{k}_ms']:.3f}"
+                      for k in ("bind", "layers", "restore", "finish")
+                      if f"{prefix}host_{k}_ms" in res)
+    b2b = res.get(f"{prefix}back_to_back_ms")
+    return (f"{label}: host ms per call: {calls}"
+            + (f"; back to back (no sync between steps) {b2b:.2f} ms a step" if b2b else "")
+            + "\n")
+
+
 def report(args, r: Rank, res: dict, stream) -> dict:
     cfg, g = r.config, r.groups
     dev = torch.cuda.get_device_name(g.device) if g.device.type == "cuda" else "cpu"
@@ -670,6 +716,7 @@ def report(args, r: Rank, res: dict, stream) -> dict:
         w(f"step through StepGraphs ({how}, device events bind..finish): "
           f"{res['graph_step_ms']:.2f} ms; host wall {res['graph_step_wall_ms']:.2f} ms; "
           f"eager / graph {res['step_ms'] / res['graph_step_ms']:.2f}x\n")
+        w(_host_line("  replayed", res, "graph_"))
     if "gather_step_ms" in res:
         w(f"the same step with the prefill keys gathered (--prefill-keys both): "
           f"{res['gather_step_ms']:.2f} ms (paged: {res['step_ms']:.2f}); indexer "
@@ -685,6 +732,7 @@ def report(args, r: Rank, res: dict, stream) -> dict:
     w(f"step (plain, device events bind..finish): {res['step_ms']:.2f} ms; host wall "
       f"{res['step_wall_ms']:.2f} ms; instrumented {res['instrumented_ms']:.2f} ms "
       f"(bind {res['bind_ms']:.2f}, restore+finish {res['restore_ms']:.2f})\n")
+    w(_host_line("  plain", res, ""))
     w(f"verify: digest on host {res['digest_us']:.1f} us; exchange "
       + (f"{exch:.3f} ms" if exch is not None else "none (world 1)")
       + f"; bind on host {res['bind_host_ms']:.3f} ms (alone, us: check "
@@ -694,11 +742,11 @@ def report(args, r: Rank, res: dict, stream) -> dict:
         w(f"peak device memory {res['peak_gib']:.1f} GiB\n")
     for name, plan in r.attention.items():
         w(f"attention {name}: {plan}\n")
-    if "timeline" in res:
-        t = res["timeline"]
-        w(f"\ntimeline {r.timeline}: device busy {t['busy_ms']:.2f} of {t['span_ms']:.2f} ms, "
-          f"idle {t['idle_ms']:.2f} ms, of which {t['idle_before_long_ms']:.2f} before the "
-          f"first kernel of 1 ms or more\n")
+    for how, t in res.get("timeline", {}).items():
+        path = r.timeline if how == "eager" else f"{r.timeline}.{how}"
+        w(f"\ntimeline {path} ({how}, {args.trace} steps): device busy {t['busy_ms']:.2f} of "
+          f"{t['span_ms']:.2f} ms, idle {t['idle_ms']:.2f} ms, of which "
+          f"{t['idle_before_long_ms']:.2f} before the first kernel of 1 ms or more\n")
     for how, rows in res.get("trace", {}).items():
         total = sum(us for _, _, us in rows)
         w(f"\nkernels of a step ({how}, rank 0, torch.profiler device time): {total:.1f} us\n")
