@@ -77,6 +77,7 @@ from cpplan.schemas.errors import ConfigError
 from cpplan.sim.allocator import BlockAllocator
 from cpplan.sim.launch import join_torchrun, leave_torchrun, torchrun_env
 
+COMPACT_CHOICES = {"auto": "auto", "on": True, "off": False}  # --dcp-compact -> StepExecutor
 PHASES = ("insert", "gather", "indexer", "attention", "merge", "other")
 KERNEL_PHASE = {"quantize_fp8_ds_mla": "insert", "quantize_indexer_k": "insert",
                 "indexer_topk_prefill": "indexer", "indexer_topk_decode": "indexer",
@@ -247,7 +248,8 @@ def setup_rank(args, dims: dict, groups: Groups) -> Rank:
                                   max_tokens=plan.padded_num_tokens,
                                   max_requests=plan.num_requests,
                                   prefill_keys="paged" if args.prefill_keys == "both"
-                                  else args.prefill_keys, dcp_compact=args.dcp_compact)
+                                  else args.prefill_keys,
+                                  dcp_compact=COMPACT_CHOICES[args.dcp_compact])
     gen = torch.Generator(device=dev).manual_seed(1000 + groups.rank)
     caches = [_random_cache(cfg, num_blocks, dev, kernels, gen) for _ in range(cfg.num_layers)]
     act, t = coll.ACT_DTYPES[cfg.activation_dtype], plan.padded_num_tokens
@@ -615,9 +617,10 @@ def parse_args(argv=None):
                          "long_filter=0 (Triton kernel set only)")
     ap.add_argument("--digest-exchange", choices=("auto", "shm", "gloo"), default="auto",
                     help="how the ranks' plan digests meet (runtime/exchange.py)")
-    ap.add_argument("--dcp-compact", action="store_true",
+    ap.add_argument("--dcp-compact", choices=("auto", "on", "off"), default="auto",
                     help="W > 1: decode attention over each rank's slots packed into a narrower "
-                         "index plus an overflow pass (StepExecutor dcp_compact; off by default)")
+                         "index plus an overflow pass (StepExecutor dcp_compact; auto: where "
+                         "interleave_size == 1)")
     ap.add_argument("--context-order", choices=("spread", "random"), default="spread",
                     help="the decodes' contexts: spread (a rising sawtooth over the range, the "
                          "default) or the same contexts in a random order")

@@ -23,7 +23,7 @@ from cpplan.schemas.plan import EAGER, Collective, GatherChunk, StepPlan
 from cpplan.schemas.step import StepInput
 
 ACTIVATION_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
-TOPK_CANDIDATE_BYTES = 4 + 8
+TOPK_CANDIDATE_BYTES = 4 + 4  # float32 score, int32 global token id
 
 
 def compile(config: ParallelConfig, step: StepInput) -> StepPlan:  # noqa: A001 (the API name)

@@ -211,25 +211,21 @@ def topk_candidates(ch: StepChannel, scores: torch.Tensor,
                     ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """dcp all-gather of the decode rows' local top-k: scores ``[nd, topk]`` (sent as float32;
     the reference indexer's scores are integers, exact in float32) and global ids ``[nd, topk]``
-    int64, packed into one uint8 buffer ``[nd, topk * 12]`` so it is one collective.
-    Returns ``(scores [nd, W, topk] float32, ids [nd, W, topk] int64)``: views of the received
-    buffer (no copy; list w = rank w's), unit last stride."""
+    int32 (a plan's token ids fit), packed into one uint8 buffer ``[nd, topk * 8]`` so it is
+    one collective. Returns ``(scores [nd, W, topk] float32, ids [nd, W, topk] int32)``: views
+    of the received buffer (no copy; list w = rank w's), unit last stride."""
     nd, topk = ids.shape
     packed = torch.cat([scores.float().contiguous().view(torch.uint8),
-                        ids.long().contiguous().view(torch.uint8)], dim=1)
+                        ids.int().contiguous().view(torch.uint8)], dim=1)
     size = ch.size(Group.DCP)
-    out = torch.empty(size * nd, topk * 12, dtype=torch.uint8, device=packed.device)
+    out = torch.empty(size * nd, topk * 8, dtype=torch.uint8, device=packed.device)
     ch.await_plan_verified()
     kind = names.TOPK_CANDIDATES
     ch.ledger.record(kind.name, kind.op.value, kind.group.value, TOPK_CANDIDATE_DTYPE, (nd, topk))
     ch.issue(kind.name, ch.comm.all_gather, Group.DCP, out, packed)
-    out = out.view(size, nd, topk * 12)
-    if topk % 2:  # the ids' bytes start off an 8-byte boundary: copies
-        all_scores = out[..., : 4 * topk].contiguous().view(torch.float32)
-        all_ids = out[..., 4 * topk :].contiguous().view(torch.int64)
-    else:
-        all_scores = out[..., : 4 * topk].view(torch.float32)
-        all_ids = out[..., 4 * topk :].view(torch.int64)
+    out = out.view(size, nd, topk * 8)
+    all_scores = out[..., : 4 * topk].view(torch.float32)
+    all_ids = out[..., 4 * topk :].view(torch.int32)
     return all_scores.permute(1, 0, 2), all_ids.permute(1, 0, 2)
 
 

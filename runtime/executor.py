@@ -139,16 +139,25 @@ class StepExecutor:
                  max_kv_tokens: int | None = None, arena_depth: int = 2,
                  debug: bool = True, faults: FaultBoard | None = None,
                  data_timeout_s: float = 0.0, prefill_keys: str = "gather",
-                 dcp_compact: bool | int = False) -> None:
+                 dcp_compact: bool | int | str = "auto") -> None:
         if prefill_keys not in PREFILL_KEYS:
             raise ConfigError(f"prefill_keys must be one of {PREFILL_KEYS}: got {prefill_keys!r}")
         self.prefill_keys = prefill_keys
         # dcp_compact: W > 1 decode attention over the rank's slots packed into
         # compact_width(topk, W) columns plus an overflow pass for rows holding more, not topk
-        # columns mostly -1. Off: on one H200 (bench/dcp_attention.py, 64 x 128 heads, W = 2)
-        # 77.5 us against 91.9, but 198.1 against 95.9 when 8 rows hold all their keys on one
-        # rank (the overflow pass is slow), and the P = W = 2 step is not timed with it
-        # (an int: that width, e.g. to force the overflow pass in tests)
+        # columns mostly -1 (True; an int: that width, e.g. to force the overflow pass in
+        # tests). "auto" (the default): on where interleave_size == 1, where a row's keys
+        # alternate over the ranks token by token, so its top-k splits evenly unless its scores
+        # follow the token's parity: on two H200s the P = W = 2 decode step (64 x 2k-6k)
+        # 0.96 against 1.03 ms back to back (bench/step_gpu.py --dcp-compact on|off). Larger
+        # interleaves keep whole runs of a row's keys on one rank, and a row holding most of
+        # its top-k on one rank takes the overflow pass, which is slow (198.1 against 95.9 us
+        # when 8 of 64 rows hold all their keys on one rank: bench/dcp_attention.py).
+        if dcp_compact == "auto":
+            dcp_compact = config.interleave_size == 1
+        elif not (type(dcp_compact) in (bool, int)):
+            raise ConfigError(f"dcp_compact: got {dcp_compact!r}, expected 'auto', True, False "
+                              "or a width")
         self.decode_width = config.topk
         if dcp_compact is not False:
             width = (dcp_compact if type(dcp_compact) is int

@@ -47,7 +47,7 @@ _COLLECTIVE_NAME = re.compile(
     r"(kv_insert|indexer_k_insert|topk_candidates|decode_lse|decode_out|restore"
     r"|(indexer_k|kv)_gather\[(0|[1-9][0-9]{0,8})\])")
 _COLLECTIVE_ITEMSIZE = {"uint8": 1, "float32": 4, "bfloat16": 2, "float16": 2,
-                        "float32+int64": 12}
+                        "float32+int32": 8, "float32+int64": 12}
 
 
 def _fail(rule: str) -> None:

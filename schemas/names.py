@@ -60,7 +60,9 @@ RESTORE = CollectiveKind("restore", Op.ALL_GATHER, Group.PCP, per_layer=False)
 COLLECTIVE_KINDS = (KV_INSERT, INDEXER_K_INSERT, INDEXER_K_GATHER, KV_GATHER, TOPK_CANDIDATES,
                     DECODE_LSE, DECODE_OUT, RESTORE)
 
-TOPK_CANDIDATE_DTYPE = "float32+int64"  # one packed entry: (score, global token id)
+TOPK_CANDIDATE_DTYPE = "float32+int32"  # one packed entry: (score, global token id)
+# (ids fit int32: every token count of a plan does, config.MAX_SUPPORTED_TOKENS; plans recorded
+# before 2026-12-01 list "float32+int64", 12 B an entry, and still decode)
 
 
 def kind_of(label: str) -> CollectiveKind:

@@ -27,7 +27,7 @@ class Collective(msgspec.Struct, frozen=True, kw_only=True):
     """One collective the step issues, per rank, in issue order (docs/design.md §3.8).
 
     ``shape`` is the per-rank input; ``bytes`` = prod(shape) * itemsize (summed over the dtypes
-    of a packed entry such as ``topk_candidates``: ``float32+int64``). ``per_layer`` entries are
+    of a packed entry such as ``topk_candidates``: ``float32+int32``). ``per_layer`` entries are
     issued once per layer, the others once per step.
     """
 

@@ -64,7 +64,7 @@ class SimOptions:
     verify: str = "every"
     verify_every: int = 4
     digest_exchange: str = "auto"  # runtime/exchange.py: "auto", "shm" or "gloo"
-    dcp_compact: bool | int = False  # StepExecutor(dcp_compact=): W > 1 decode over packed slots
+    dcp_compact: bool | int | str = "auto"  # StepExecutor(dcp_compact=): W > 1 decode over packed slots
     record: str | None = None
     inject: Inject | None = None
     timeout_s: float = 30.0

@@ -421,21 +421,21 @@ def test_merge_topk_candidates_equals_the_reference_sort(env, lists, valid, ties
 @pytest.mark.parametrize("env", ENVS)
 @pytest.mark.parametrize("lists", [2, 3])
 def test_merge_reads_the_packed_all_gather_buffer_in_place(env, lists):
-    """The lists as the candidate all-gather leaves them (rank-major ``[W, nd, topk * 12]``
-    bytes: float32 scores, then int64 ids), passed as strided ``[nd, W, topk]`` views: the
+    """The lists as the candidate all-gather leaves them (rank-major ``[W, nd, topk * 8]``
+    bytes: float32 scores, then int32 ids), passed as strided ``[nd, W, topk]`` views: the
     same ids as the reference over the unpacked lists, pads (NO_KEY) written by the kernel
     into an unfilled output."""
     from cpplan.runtime.kernels.triton import merge as tmerge
 
     nd, topk = 5, 64
     scores, ids = _sorted_candidate_lists(nd, lists, topk, 40, seed=lists, tie_scores=True)
-    packed = torch.empty(lists, nd, topk * 12, dtype=torch.uint8)
+    packed = torch.empty(lists, nd, topk * 8, dtype=torch.uint8)
     for r in range(lists):
         packed[r, :, : 4 * topk] = scores[:, r * topk:(r + 1) * topk].contiguous().view(torch.uint8)
-        packed[r, :, 4 * topk:] = ids[:, r * topk:(r + 1) * topk].contiguous().view(torch.uint8)
+        packed[r, :, 4 * topk:] = ids[:, r * topk:(r + 1) * topk].int().contiguous().view(torch.uint8)
     packed = packed.to(_dev(env))
     s_view = packed[..., : 4 * topk].view(torch.float32).permute(1, 0, 2)
-    i_view = packed[..., 4 * topk:].view(torch.int64).permute(1, 0, 2)
+    i_view = packed[..., 4 * topk:].view(torch.int32).permute(1, 0, 2)
     want = ref.merge_topk_candidates(scores, ids, topk, lists)
     assert torch.equal(tmerge.merge_topk_candidates(s_view, i_view, topk, lists).cpu(), want)
     assert torch.equal(ref.merge_topk_candidates(s_view.cpu(), i_view.cpu(), topk, lists), want)

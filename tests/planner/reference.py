@@ -120,8 +120,8 @@ def reference_collectives(config: ParallelConfig, t_pad: int, nd: int, has_prefi
                     pt * 132, True))
         out.append((f"kv_gather[{c}]", "all_gather", "dcp", "uint8", (pt, kv), pt * kv, True))
     if w > 1 and nd > 0:
-        out.append(("topk_candidates", "all_gather", "dcp", "float32+int64",
-                    (nd, config.topk), nd * config.topk * (4 + 8), True))
+        out.append(("topk_candidates", "all_gather", "dcp", "float32+int32",
+                    (nd, config.topk), nd * config.topk * (4 + 4), True))
         out.append(("decode_lse", "all_gather", "dcp", "float32", (nd, h), nd * h * 4, True))
         out.append(("decode_out", "all_reduce", "dcp", act, (nd, h, config.v_head_dim),
                     nd * h * config.v_head_dim * ACT_BYTES[act], True))

@@ -131,7 +131,7 @@ def test_collective_order_interleaves_chunks():
     restore = plan.collectives[-1]
     assert restore.per_layer is False and restore.shape == (plan.padded_num_tokens, 7168)
     topk = plan.collectives[6]
-    assert topk.dtype == "float32+int64" and topk.bytes == 1 * 2048 * 12
+    assert topk.dtype == "float32+int32" and topk.bytes == 1 * 2048 * 8
 
 
 def test_decode_only_step_has_no_insert():

@@ -215,6 +215,28 @@ def test_warmup_has_long_decode_rows_where_the_config_allows_them(mml, dcp):
         assert len(steps) == 4 and longest < LONG_DECODE_KEYS
 
 
+@pytest.mark.parametrize("w,i,want", [(2, 1, 48), (2, 2, 64), (1, 1, 64), (3, 1, 32)])
+def test_dcp_compact_auto_packs_where_keys_alternate_token_by_token(w, i, want):
+    """dcp_compact="auto" (the default): the decode pass's index width is compact_width(topk,
+    W) where W > 1 and interleave_size == 1, topk (the masked pass) otherwise."""
+    from cpplan.runtime.executor import StepExecutor
+
+    cfg = _config(p=max(w, 2), w=w, i=i)  # topk 64
+    ex = StepExecutor(cfg, pcp_rank=0, dcp_rank=0, comm=None, device="cpu")
+    assert ex.decode_width == want
+    assert StepExecutor(cfg, pcp_rank=0, dcp_rank=0, comm=None, device="cpu",
+                        dcp_compact=False).decode_width == 64
+
+
+def test_dcp_compact_unknown_value_is_a_config_error():
+    from cpplan.runtime.executor import StepExecutor
+    from cpplan.schemas.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"dcp_compact: got 'yes', expected 'auto'"):
+        StepExecutor(_config(p=2, w=2), pcp_rank=0, dcp_rank=0, comm=None, device="cpu",
+                     dcp_compact="yes")
+
+
 @pytest.mark.parametrize("bad", [0, -3, 65])
 def test_dcp_compact_width_out_of_range_is_a_config_error(bad):
     from cpplan.runtime.executor import StepExecutor
