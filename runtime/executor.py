@@ -155,7 +155,7 @@ class StepExecutor:
         # when 8 of 64 rows hold all their keys on one rank: bench/dcp_attention.py).
         if dcp_compact == "auto":
             dcp_compact = config.interleave_size == 1
-        elif not (type(dcp_compact) in (bool, int)):
+        elif type(dcp_compact) not in (bool, int):
             raise ConfigError(f"dcp_compact: got {dcp_compact!r}, expected 'auto', True, False "
                               "or a width")
         self.decode_width = config.topk
