@@ -104,11 +104,14 @@ def main():
 
 
 def runtime_variants(a, q, kv, scale):
-    """The runtime's own W > 1 decode attention (FlashMLA kernel set), from the merged global
-    top-k ids of a rank-0 view (interleave 1, an identity block table: rank 0 owns the even
-    ids, slot = id // 2): filter + attention over all topk columns (before), and compact +
-    attention over ``compact_width`` columns + the overflow pass (now), without and with 8
-    rows whose every key is rank 0's (count topk: the overflow pass does work)."""
+    """The runtime's own W > 1 decode attention (FlashMLA kernel set), from the W ranks'
+    candidate lists of a rank-0 view (interleave 1, an identity block table: rank r owns the
+    ids ``W * l + r``, slot ``l``), each in the reference order: the merge + filter +
+    attention over all topk columns (before, ``dcp_compact=False``), and the rank's share of
+    the merge packed + attention over ``compact_width`` columns + the overflow pass (now),
+    without and with 8 rows whose whole top-k is rank 0's (the overflow pass does work). The
+    "merge + compact" rows time the previous compacted path (a merged list, then a packing
+    pass) where the kernel set still has ``compact_local_slots``."""
     from cpplan.runtime.kernels import get_kernels
     from cpplan.runtime.kernels import reference as ref
 
@@ -116,10 +119,22 @@ def runtime_variants(a, q, kv, scale):
     T, K, W = q.shape[0], a.topk, a.dcp
     width = ref.compact_width(K, W)
     qh = q.view(T, -1, 576)
-    ids = torch.stack([torch.randperm(W * a.slots, device="cuda")[:K] for _ in range(T)])
-    skew = ids.clone()
-    skew[:8] = skew[:8] - skew[:8] % W  # 8 rows: every key on rank 0
     bt = torch.arange(a.slots // PAGE, device="cuda", dtype=torch.int32).repeat(T, 1)
+
+    def lists(skew_rows):
+        s_all, i_all = [], []
+        for r in range(W):
+            local = torch.stack([torch.randperm(a.slots // W, device="cuda")[:K]
+                                 for _ in range(T)])
+            s = torch.randn(T, K, device="cuda")
+            if r == 0:
+                s[:skew_rows] += 100.0
+            s_sorted, i_sorted = ref.topk_reference_order(s, W * local + r, K)
+            s_all.append(s_sorted)
+            i_all.append(i_sorted)
+        return torch.stack(s_all, 1), torch.stack(i_all, 1)  # [T, W, K]
+
+    spread, skew = lists(0), lists(8)
 
     def plan(width_):
         return k.plan_attention(num_tokens=T, num_heads=qh.shape[1], topk=width_,
@@ -128,20 +143,32 @@ def runtime_variants(a, q, kv, scale):
 
     p_full, p_narrow = plan(K), plan(width)
 
-    def before(ids_=ids):
-        slots = k.filter_local_slots(ids_, bt, PAGE, W, 0, 1)
-        return k.sparse_mla_attention(qh, kv, slots, scale, "fp8_ds_mla", plan=p_full)
-
-    def now(ids_=ids):
-        main, over, count = k.compact_local_slots(ids_, bt, PAGE, W, 0, 1, width)
+    def narrow(main, over, count):
         out, lse = k.sparse_mla_attention(qh, kv, main, scale, "fp8_ds_mla", plan=p_narrow)
         k.sparse_mla_overflow(qh, kv, over, count, width, out, lse, scale, "fp8_ds_mla")
         return out, lse
 
-    b, n = f"before (filter + FlashMLA over {K})", f"now (compact + FlashMLA over {width} + overflow)"
-    return {f"runtime, keys spread | {b}": before, f"runtime, keys spread | {n}": now,
-            f"runtime, 8 rows all local | {b}": lambda: before(skew),
-            f"runtime, 8 rows all local | {n}": lambda: now(skew)}
+    def before(c):
+        top = k.merge_topk_candidates(*c, K, W)
+        slots = k.filter_local_slots(top, bt, PAGE, W, 0, 1)
+        return k.sparse_mla_attention(qh, kv, slots, scale, "fp8_ds_mla", plan=p_full)
+
+    def now(c):
+        return narrow(*k.merge_local_slots(*c, K, W, 0, bt, PAGE, 1, width))
+
+    def merge_then_compact(c):  # the kernel sets of 2026-12-01 before the fused op
+        top = k.merge_topk_candidates(*c, K, W)
+        return narrow(*k.compact_local_slots(top, bt, PAGE, W, 0, 1, width))
+
+    b = f"before (merge + filter + FlashMLA over {K})"
+    n = f"now (rank's share of the merge + FlashMLA over {width} + overflow)"
+    m = f"now, as merge + compact (FlashMLA over {width} + overflow)"
+    out = {}
+    for label, c in (("keys spread", spread), ("8 rows all local", skew)):
+        out[f"runtime, {label} | {b}"] = lambda c=c: before(c)
+        out[f"runtime, {label} | {n}"] = lambda c=c: now(c)
+        out[f"runtime, {label} | {m}"] = lambda c=c: merge_then_compact(c)
+    return out
 
 
 if __name__ == "__main__":

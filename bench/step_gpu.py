@@ -82,8 +82,9 @@ PHASES = ("insert", "gather", "indexer", "attention", "merge", "other")
 KERNEL_PHASE = {"quantize_fp8_ds_mla": "insert", "quantize_indexer_k": "insert",
                 "indexer_topk_prefill": "indexer", "indexer_topk_decode": "indexer",
                 "topk_reference_order": "merge", "merge_topk_candidates": "merge",
-                "filter_local_slots": "attention", "remap_to_gathered": "attention",
-                "sparse_mla_attention": "attention"}
+                "merge_local_slots": "merge", "filter_local_slots": "attention",
+                "remap_to_gathered": "attention", "sparse_mla_attention": "attention",
+                "sparse_mla_overflow": "attention"}
 COLLECTIVE_PHASE = {"kv_insert": "insert", "indexer_k_insert": "insert",
                     "indexer_k_gather": "gather", "kv_gather": "gather",
                     "topk_candidates": "merge", "decode_lse": "merge", "decode_out": "merge",
@@ -240,7 +241,8 @@ def setup_rank(args, dims: dict, groups: Groups) -> Rank:
         from cpplan.runtime.kernels import reference as ref
 
         merge_kernels = dataclasses.replace(
-            kernels, merge_topk_candidates=ref.merge_topk_candidates, lse_scale=ref.lse_scale)
+            kernels, merge_topk_candidates=ref.merge_topk_candidates,
+            merge_local_slots=ref.merge_local_slots, lse_scale=ref.lse_scale)
         if args.merge == "sort":
             kernels = merge_kernels
     ex = StepExecutor.from_groups(cfg, groups, verify="every", kernels=kernels,

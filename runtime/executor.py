@@ -422,21 +422,22 @@ class StepExecutor:
             dec_s, dec_i = decode_topk()
             scores[: mid - lo].copy_(dec_s)
             top[: mid - lo].copy_(dec_i)
-        if bound.meta.decode_merge:
-            all_s, all_i = coll.topk_candidates(bound.channel, scores, top)
-            top = k.merge_topk_candidates(all_s, all_i, cfg.topk, w_size)
         kv = self._kv_view(cache.kv)
-        if self.decode_width < cfg.topk:  # W > 1: this rank's slots packed into a narrower
-            # index; rows holding more of their top-k take the overflow pass
-            main, over, count = k.compact_local_slots(top, bt, bs, w_size, self.dcp_rank, inter,
-                                                      self.decode_width)
-            plan = self._attention_plan(bound, "decode", q, lo, hi, kv.shape[0],
-                                        topk=self.decode_width)
-            out, lse = k.sparse_mla_attention(q[lo:hi], kv, main, self.sm_scale,
-                                              kv_format=cfg.kv_cache_dtype, plan=plan)
-            k.sparse_mla_overflow(q[lo:hi], kv, over, count, self.decode_width, out, lse,
-                                  self.sm_scale, kv_format=cfg.kv_cache_dtype)
-            return out, lse
+        if bound.meta.decode_merge:  # W > 1: the decode rows' candidates from every rank
+            all_s, all_i = coll.topk_candidates(bound.channel, scores, top)
+            if self.decode_width < cfg.topk:  # this rank's share of the merged top-k, packed
+                # into a narrower index (no merged list); rows holding more: the overflow pass
+                main, over, count = k.merge_local_slots(all_s, all_i, cfg.topk, w_size,
+                                                        self.dcp_rank, bt, bs, inter,
+                                                        self.decode_width)
+                plan = self._attention_plan(bound, "decode", q, lo, hi, kv.shape[0],
+                                            topk=self.decode_width)
+                out, lse = k.sparse_mla_attention(q[lo:hi], kv, main, self.sm_scale,
+                                                  kv_format=cfg.kv_cache_dtype, plan=plan)
+                k.sparse_mla_overflow(q[lo:hi], kv, over, count, self.decode_width, out, lse,
+                                      self.sm_scale, kv_format=cfg.kv_cache_dtype)
+                return out, lse
+            top = k.merge_topk_candidates(all_s, all_i, cfg.topk, w_size)
         kv_slots = k.filter_local_slots(top, bt, bs, w_size, self.dcp_rank, inter)
         plan = self._attention_plan(bound, "local" if cfg.dcp_size == 1 else "decode", q, lo, hi,
                                     kv.shape[0])

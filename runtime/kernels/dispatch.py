@@ -49,12 +49,12 @@ class KernelSet:
     lse_scale: Callable
     remap_to_gathered: Callable
     filter_local_slots: Callable
-    compact_local_slots: Callable
     sparse_mla_overflow: Callable
     deinterleave_index_select: Callable
     indexer_scores: Callable
     topk_reference_order: Callable
     merge_topk_candidates: Callable
+    merge_local_slots: Callable
     indexer_topk: Callable
     indexer_topk_prefill: Callable
     indexer_topk_decode: Callable

@@ -607,22 +607,67 @@ def _naive_compact(slots, width):
     return main, over, count
 
 
-@pytest.mark.parametrize("env", ["reference"] + ENVS)
 @pytest.mark.parametrize("W,rank,I", [(2, 1, 1), (4, 3, 2), (2, 0, 64), (1, 0, 1)])
 @pytest.mark.parametrize("width_of", ["share", "all", "none"])
-def test_compact_local_slots_equals_per_row_loops(env, W, rank, I, width_of):
-    from cpplan.runtime.kernels.triton import index as ti
-
-    dev = "cpu" if env == "reference" else _dev(env)
-    T, K = (4, 1100) if env != "cuda" else (64, 2048)
+def test_compact_local_slots_equals_per_row_loops(W, rank, I, width_of):
+    T, K = 4, 1100
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(-1, 5000, (T, K), generator=g)
     ids[0] = ref.NO_KEY  # a row without keys
     bt = torch.randint(0, 1000, (T, 80), generator=g, dtype=torch.int32)
     width = {"share": ref.compact_width(K, W), "all": K, "none": 0}[width_of]
     want = _naive_compact(ref.filter_local_slots(ids, bt, 64, W, rank, I), width)
-    fn = ref.compact_local_slots if env == "reference" else ti.compact_local_slots
-    got = fn(ids.to(dev), bt.to(dev), 64, W, rank, I, width)
+    got = ref.compact_local_slots(ids, bt, 64, W, rank, I, width)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.int32 and torch.equal(a.cpu(), b)
+
+
+def _owned_candidate_lists(rows, W, I, topk, valid, seed, ties=False, skew_rows=0):
+    """Per row, W candidate lists in the reference order, NO_KEY pads last, list r holding only
+    ids rank r owns under interleave I (``(id // I) % W == r``), as the decode indexers return
+    them: ``[rows, W * topk]`` float32 scores and int32 ids. The first ``skew_rows`` rows score
+    list 0 above every other list (all its keys make the merged top-k: the overflow case)."""
+    g = torch.Generator().manual_seed(seed)
+    scores, ids = [], []
+    for r in range(W):
+        local = torch.stack([torch.randperm(4 * topk, generator=g)[:topk] for _ in range(rows)])
+        t = ((local // I) * W + r) * I + local % I
+        t = torch.where(torch.arange(topk)[None, :] < valid, t, ref.NO_KEY)
+        s = (torch.randint(0, 3, (rows, topk), generator=g).float() if ties
+             else torch.randn(rows, topk, generator=g))
+        if r == 0:
+            s[:skew_rows] += 100.0
+        s_sorted, i_sorted = ref.topk_reference_order(s, t, topk)
+        scores.append(s_sorted)
+        ids.append(i_sorted)
+    return torch.cat(scores, dim=1), torch.cat(ids, dim=1)
+
+
+@pytest.mark.parametrize("env", ENVS)
+@pytest.mark.parametrize("W,rank,I", [(2, 0, 1), (2, 1, 1), (3, 2, 2), (4, 1, 64)])
+@pytest.mark.parametrize("width_of", ["share", "all", "none"])
+@pytest.mark.parametrize("valid,ties", [("all", False), ("all", True), ("short", False)])
+def test_merge_local_slots_equals_merge_then_compact(env, W, rank, I, width_of, valid, ties):
+    """A rank's packed share of the merged top-k, ranked from its own list alone, equals the
+    reference (the merged top-k of every list, then this rank's slots packed in its order),
+    with ties across lists, short lists, rows without keys, and rows whose top-k is all this
+    rank's or none of it (count > width: overflow entries; count 0)."""
+    from cpplan.runtime.kernels.triton import merge as tmerge
+
+    T, K = (6, 96) if env != "cuda" else (64, 2048)
+    n_valid = K if valid == "all" else K // 3
+    scores, ids = _owned_candidate_lists(T, W, I, K, n_valid, seed=W + rank + I, ties=ties,
+                                         skew_rows=2)
+    ids[-1] = ref.NO_KEY  # a row without keys anywhere
+    g = torch.Generator().manual_seed(11)
+    bt = torch.randint(0, 1000, (T, 4 * K // 16 + 1), generator=g, dtype=torch.int32)
+    width = {"share": ref.compact_width(K, W), "all": K, "none": 0}[width_of]
+    want = ref.merge_local_slots(scores, ids, K, W, rank, bt, 16, I, width)
+    if valid == "all":  # the skewed row: its whole top-k is rank 0's
+        assert int(want[2][0]) == (K if rank == 0 else 0)
+    dev = _dev(env)
+    got = tmerge.merge_local_slots(scores.to(dev), ids.to(dev), K, W, rank, bt.to(dev), 16, I,
+                                   width)
     for a, b in zip(got, want):
         assert a.dtype == torch.int32 and torch.equal(a.cpu(), b)
 

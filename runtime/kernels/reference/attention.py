@@ -138,7 +138,7 @@ def lse_scale(out_part: torch.Tensor, lse_all: torch.Tensor, rank: int) -> torch
 def sparse_mla_overflow(q: torch.Tensor, kv: torch.Tensor, over: torch.Tensor,
                         count: torch.Tensor, width: int, out: torch.Tensor, lse: torch.Tensor,
                         sm_scale: float, kv_format: str = "bf16") -> None:
-    """The rest of a compacted decode attention (``compact_local_slots``): rows with
+    """The rest of a compacted decode attention (``merge_local_slots``): rows with
     ``count > width`` attend over ``over[t, :count - width]`` and that part is LSE-merged into
     ``out [T, H, 512]`` / ``lse [T, H]`` float32 in place (they hold the pass over ``main``);
     other rows are left as they are. Exact: the merge of the two parts equals one pass over

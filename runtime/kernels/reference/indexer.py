@@ -96,6 +96,24 @@ def merge_topk_candidates(scores: torch.Tensor, key_ids: torch.Tensor, topk: int
     return topk_reference_order(s, i, topk)[1]
 
 
+def merge_local_slots(scores: torch.Tensor, key_ids: torch.Tensor, topk: int, num_lists: int,
+                      dcp_rank: int, block_table: torch.Tensor, block_size: int,
+                      interleave: int, width: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A DCP rank's share of the merged decode top-k, packed (docs/design.md §3.6):
+    ``compact_local_slots(merge_topk_candidates(scores, key_ids, topk, num_lists),
+    block_table, block_size, num_lists, dcp_rank, interleave, width)``, i.e. ``(main [T,
+    width], over [T, topk - width], count [T])`` int32. A backend may use that rank
+    ``dcp_rank``'s own list holds exactly its keys, in the merged order: its entries in the
+    merged top-k are the first ``count`` of that list, those whose rank among all the lists'
+    candidates is below topk (no merged list is built)."""
+    from .index import compact_local_slots
+
+    top = merge_topk_candidates(scores, key_ids, topk, num_lists)
+    return compact_local_slots(top, block_table, block_size, num_lists, dcp_rank, interleave,
+                               width)
+
+
 def candidate_lists(x: torch.Tensor, topk: int, num_lists: int) -> torch.Tensor:
     """``merge_topk_candidates``' input ``[T, num_lists * topk]`` or ``[T, num_lists, topk]``
     as a ``[T, num_lists, topk]`` view (ValueError, got / expected, for any other shape)."""

@@ -41,12 +41,12 @@ TRITON = KernelSet(
     lse_scale=merge.lse_scale,
     remap_to_gathered=index.remap_to_gathered,
     filter_local_slots=index.filter_local_slots,
-    compact_local_slots=index.compact_local_slots,
     sparse_mla_overflow=attention.sparse_mla_overflow,
     deinterleave_index_select=ref.deinterleave_index_select,
     indexer_scores=indexer.indexer_scores,
     topk_reference_order=ref.topk_reference_order,
     merge_topk_candidates=merge.merge_topk_candidates,
+    merge_local_slots=merge.merge_local_slots,
     indexer_topk=indexer.indexer_topk,
     # the tiled indexer (fp8 planar prefill logits, sampled-threshold select): T 4096 over
     # N 32768 3.81 ms vs 15.79 for the first kernel, same selection and order (bench/indexer.py

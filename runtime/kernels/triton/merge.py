@@ -1,6 +1,7 @@
 """Triton merges (docs/design.md §3.6): the LSE merge of partial attention results (contract:
-``reference.lse_merge``) and the cross-rank decode top-k merge of sorted candidate lists
-(``reference.merge_topk_candidates``).
+``reference.lse_merge``), the cross-rank decode top-k merge of sorted candidate lists
+(``reference.merge_topk_candidates``) and a rank's packed share of it
+(``reference.merge_local_slots``).
 
 One program per (token, block of heads): reads the R partial lse values and R x 512 outputs once,
 writes the merged output and lse. A row whose parts are all -inf ends as (0, -inf), never NaN.
@@ -12,7 +13,12 @@ import torch
 import triton
 
 from ..reference.indexer import candidate_lists
-from .merge_jit import lse_merge_kernel, lse_scale_kernel, merge_candidates_kernel
+from .merge_jit import (
+    lse_merge_kernel,
+    lse_scale_kernel,
+    merge_candidates_kernel,
+    merge_local_kernel,
+)
 
 
 def lse_merge_into(out_parts, lse_parts, out, lse) -> None:
@@ -61,6 +67,35 @@ def merge_topk_candidates(scores: torch.Tensor, key_ids: torch.Tensor, topk: int
                                   W=num_lists, BLOCK=block, STEPS=max(1, topk.bit_length()),
                                   num_warps=4)
     return out
+
+
+def merge_local_slots(scores: torch.Tensor, key_ids: torch.Tensor, topk: int, num_lists: int,
+                      dcp_rank: int, block_table: torch.Tensor, block_size: int,
+                      interleave: int, width: int):
+    """Triton ``merge_local_slots`` (contract: the reference's): only list ``dcp_rank`` is
+    ranked against the others (1 / W of ``merge_topk_candidates``' searches, no merged list),
+    and its kept candidates' slots are written where they land, so no compaction pass follows.
+    The lists are read in place, as ``merge_topk_candidates`` reads them."""
+    scores, key_ids = (candidate_lists(x, topk, num_lists) for x in (scores, key_ids))
+    T = key_ids.shape[0]
+    dev = key_ids.device
+    main = torch.empty(T, width, dtype=torch.int32, device=dev)
+    over = torch.empty(T, topk - width, dtype=torch.int32, device=dev)
+    count = torch.zeros(T, dtype=torch.int32, device=dev)
+    if T == 0 or topk == 0:
+        return main, over, count
+    if scores.dtype != torch.float32 or scores.stride(2) != 1:
+        scores = scores.float().contiguous()
+    if key_ids.stride(2) != 1:
+        key_ids = key_ids.contiguous()
+    bt = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    block = min(256, triton.next_power_of_2(topk))
+    merge_local_kernel[(T, triton.cdiv(topk, block))](
+        scores, key_ids, bt, main, over, count, scores.stride(0), scores.stride(1),
+        key_ids.stride(0), key_ids.stride(1), bt.stride(0), main.stride(0),
+        max(1, over.stride(0)), topk, width, block_size, interleave, W=num_lists, RANK=dcp_rank,
+        BLOCK=block, STEPS=max(1, topk.bit_length()), num_warps=4)
+    return main, over, count
 
 
 def lse_scale(out_part: torch.Tensor, lse_all: torch.Tensor, rank: int) -> torch.Tensor:

@@ -84,6 +84,51 @@ def merge_candidates_kernel(s_ptr, i_ptr, out_ptr, stride_sr, stride_sw, stride_
                  mask=m & (p >= total))
 
 
+@triton.jit(do_not_specialize=["bt_ptr", "stride_b"])
+def merge_local_kernel(s_ptr, i_ptr, bt_ptr, main_ptr, over_ptr, count_ptr, stride_sr, stride_sw,
+                       stride_ir, stride_iw, stride_b, stride_m, stride_v, K, WIDTH, B, I,
+                       W: tl.constexpr, RANK: tl.constexpr, BLOCK: tl.constexpr,
+                       STEPS: tl.constexpr):
+    """Program (row, block of positions of list RANK, this rank's own candidates): a candidate
+    is in the merged top-K when its rank among all W lists' candidates (its position plus a
+    binary search in each other list, as ``merge_candidates_kernel`` finds it) is below K.
+    Those are a prefix of the list (ranks rise along it, pads are last), so a kept candidate's
+    packed position is its own: its local slot goes to ``main`` (positions < WIDTH) or
+    ``over``, -1 to every other position; each program adds its kept count to ``count``
+    (zeroed by the caller)."""
+    row = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = p < K
+    s_row = s_ptr + row * stride_sr
+    i_row = i_ptr + row * stride_ir
+    xs = tl.load(s_row + RANK * stride_sw + p, mask=m, other=float("-inf"))
+    xi = tl.load(i_row + RANK * stride_iw + p, mask=m, other=-1)
+    rank = p.to(tl.int32)
+    valid = m & (xi >= 0)
+    for q in tl.static_range(W):
+        if q != RANK:
+            lo = tl.zeros((BLOCK,), tl.int32)
+            hi = tl.full((BLOCK,), K, tl.int32)
+            for _ in tl.static_range(STEPS):  # first position of list q not preceding x
+                active = lo < hi
+                mid = (lo + hi) // 2
+                ms = tl.load(s_row + q * stride_sw + mid, mask=active & valid, other=float("-inf"))
+                mi = tl.load(i_row + q * stride_iw + mid, mask=active & valid, other=-1)
+                before = (mi >= 0) & ((ms > xs) | ((ms == xs) & (mi < xi)))
+                lo = tl.where(active & before, mid + 1, lo)
+                hi = tl.where(active & ~before, mid, hi)
+            rank += lo
+    t = xi.to(tl.int64)
+    g = t // I
+    keep = valid & (rank < K) & ((g % W) == RANK)
+    local = tl.where(keep, (g // W) * I + t % I, 0)
+    blk = tl.load(bt_ptr + row * stride_b + local // B, mask=keep, other=0).to(tl.int64)
+    slot = tl.where(keep, blk * B + local % B, -1).to(tl.int32)
+    tl.store(main_ptr + row * stride_m + p, slot, mask=m & (p < WIDTH))
+    tl.store(over_ptr + row * stride_v + (p - WIDTH), slot, mask=m & (p >= WIDTH))
+    tl.atomic_add(count_ptr + row, tl.sum(keep.to(tl.int32), 0))
+
+
 @triton.jit(do_not_specialize=["TH", "RANK", "stride_lw"])
 def lse_scale_kernel(o_ptr, lse_ptr, out_ptr, TH, RANK, stride_lw,
                      W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_ROWS: tl.constexpr,
