@@ -103,10 +103,10 @@ def merge_local_slots(scores: torch.Tensor, key_ids: torch.Tensor, topk: int, nu
     """A DCP rank's share of the merged decode top-k, packed (docs/design.md §3.6):
     ``compact_local_slots(merge_topk_candidates(scores, key_ids, topk, num_lists),
     block_table, block_size, num_lists, dcp_rank, interleave, width)``, i.e. ``(main [T,
-    width], over [T, topk - width], count [T])`` int32. A backend may use that rank
-    ``dcp_rank``'s own list holds exactly its keys, in the merged order: its entries in the
-    merged top-k are the first ``count`` of that list, those whose rank among all the lists'
-    candidates is below topk (no merged list is built)."""
+    width], over [T, topk - width], count [T])`` int32. A backend may rely on list
+    ``dcp_rank`` holding exactly that rank's keys, in the merged order: its keys in the merged
+    top-k are then the first ``count`` of that list, those whose rank among all the lists'
+    candidates is below topk, and no merged list need be built."""
     from .index import compact_local_slots
 
     top = merge_topk_candidates(scores, key_ids, topk, num_lists)
