@@ -151,7 +151,7 @@ class StepExecutor:
         # follow the token's parity: on two H200s the P = W = 2 decode step (64 x 2k-6k)
         # 0.96 against 1.03 ms back to back (bench/step_gpu.py --dcp-compact on|off). Larger
         # interleaves keep whole runs of a row's keys on one rank, and a row holding most of
-        # its top-k on one rank takes the overflow pass, which is slow (183.5 against 105.5 us
+        # its top-k on one rank takes the overflow pass, which is slow (149.0 against 105.4 us
         # when 8 of 64 rows hold all their keys on one rank: bench/dcp_attention.py).
         if dcp_compact == "auto":
             dcp_compact = config.interleave_size == 1
