@@ -136,7 +136,7 @@ def sparse_mla_overflow(q, kv, over, count, width: int, out, lse, sm_scale: floa
     token); a token without overflow (``count <= width``, the common case) costs a load of its
     count. ``out`` / ``lse`` are updated in place. Keys 64 at a time, 8 warps, no software
     pipelining: 65.1 us for 8 of 64 rows x 896 overflow keys x 128 heads on the H200, against
-    95.9 with 32 keys, 4 warps and 2 stages (a sweep of launch sizes: bench/RESULTS.md,
+    95.9 with 32 keys, 4 warps and 2 stages (bench/overflow_sweep.py; bench/RESULTS.md,
     2026-12-01, eleventh session)."""
     check_kv_format(kv_format)
     if kv.dim() == 3:
