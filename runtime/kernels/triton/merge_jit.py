@@ -33,6 +33,24 @@ def lse_merge_kernel(out_parts, lse_parts, out_ptr, lse_ptr, R, TH,
     tl.store(lse_ptr + rows, lse_out, mask=rmask)
 
 
+@triton.jit
+def _preceding(s_list, i_list, xs, xi, valid, K, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+    """How many candidates of one list (scores ``s_list``, ids ``i_list``, K long, in the
+    reference order, NO_KEY pads last) precede each x = (xs, xi), score descending then id
+    ascending: the first position not preceding it, by binary search (``valid`` x only)."""
+    lo = tl.zeros((BLOCK,), tl.int32)
+    hi = tl.full((BLOCK,), K, tl.int32)
+    for _ in tl.static_range(STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        ms = tl.load(s_list + mid, mask=active & valid, other=float("-inf"))
+        mi = tl.load(i_list + mid, mask=active & valid, other=-1)
+        before = (mi >= 0) & ((ms > xs) | ((ms == xs) & (mi < xi)))
+        lo = tl.where(active & before, mid + 1, lo)
+        hi = tl.where(active & ~before, mid, hi)
+    return lo
+
+
 @triton.jit(do_not_specialize=["stride_sr", "stride_sw", "stride_ir", "stride_iw", "stride_o"])
 def merge_candidates_kernel(s_ptr, i_ptr, out_ptr, stride_sr, stride_sw, stride_ir, stride_iw,
                             stride_o, K: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr,
@@ -56,17 +74,8 @@ def merge_candidates_kernel(s_ptr, i_ptr, out_ptr, stride_sr, stride_sw, stride_
     valid = m & (xi >= 0)
     rank = tl.zeros((BLOCK,), tl.int32)
     for q in tl.static_range(W):
-        lo = tl.zeros((BLOCK,), tl.int32)
-        hi = tl.full((BLOCK,), K, tl.int32)
-        for _ in tl.static_range(STEPS):  # first position of list q not preceding x
-            active = lo < hi
-            mid = (lo + hi) // 2
-            ms = tl.load(s_row + q * stride_sw + mid, mask=active & valid, other=float("-inf"))
-            mi = tl.load(i_row + q * stride_iw + mid, mask=active & valid, other=-1)
-            before = (mi >= 0) & ((ms > xs) | ((ms == xs) & (mi < xi)))
-            lo = tl.where(active & before, mid + 1, lo)
-            hi = tl.where(active & ~before, mid, hi)
-        rank += lo
+        rank += _preceding(s_row + q * stride_sw, i_row + q * stride_iw, xs, xi, valid, K,
+                           BLOCK, STEPS)
     tl.store(out_ptr + row * stride_o + rank, xi.to(tl.int32), mask=valid & (rank < K))
     if r == 0:
         total = tl.zeros((), tl.int32)
@@ -107,17 +116,8 @@ def merge_local_kernel(s_ptr, i_ptr, bt_ptr, main_ptr, over_ptr, count_ptr, stri
     valid = m & (xi >= 0)
     for q in tl.static_range(W):
         if q != RANK:
-            lo = tl.zeros((BLOCK,), tl.int32)
-            hi = tl.full((BLOCK,), K, tl.int32)
-            for _ in tl.static_range(STEPS):  # first position of list q not preceding x
-                active = lo < hi
-                mid = (lo + hi) // 2
-                ms = tl.load(s_row + q * stride_sw + mid, mask=active & valid, other=float("-inf"))
-                mi = tl.load(i_row + q * stride_iw + mid, mask=active & valid, other=-1)
-                before = (mi >= 0) & ((ms > xs) | ((ms == xs) & (mi < xi)))
-                lo = tl.where(active & before, mid + 1, lo)
-                hi = tl.where(active & ~before, mid, hi)
-            rank += lo
+            rank += _preceding(s_row + q * stride_sw, i_row + q * stride_iw, xs, xi, valid, K,
+                               BLOCK, STEPS)
     t = xi.to(tl.int64)
     g = t // I
     keep = valid & (rank < K) & ((g % W) == RANK)
