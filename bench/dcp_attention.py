@@ -109,9 +109,7 @@ def runtime_variants(a, q, kv, scale):
     ids ``W * l + r``, slot ``l``), each in the reference order: the merge + filter +
     attention over all topk columns (before, ``dcp_compact=False``), and the rank's share of
     the merge packed + attention over ``compact_width`` columns + the overflow pass (now),
-    without and with 8 rows whose whole top-k is rank 0's (the overflow pass does work). The
-    "merge + compact" rows time the previous compacted path (a merged list, then a packing
-    pass) where the kernel set still has ``compact_local_slots``."""
+    without and with 8 rows whose whole top-k is rank 0's (the overflow pass does work)."""
     from cpplan.runtime.kernels import get_kernels
     from cpplan.runtime.kernels import reference as ref
 
@@ -156,18 +154,12 @@ def runtime_variants(a, q, kv, scale):
     def now(c):
         return narrow(*k.merge_local_slots(*c, K, W, 0, bt, PAGE, 1, width))
 
-    def merge_then_compact(c):  # the kernel sets of 2026-12-01 before the fused op
-        top = k.merge_topk_candidates(*c, K, W)
-        return narrow(*k.compact_local_slots(top, bt, PAGE, W, 0, 1, width))
-
     b = f"before (merge + filter + FlashMLA over {K})"
     n = f"now (rank's share of the merge + FlashMLA over {width} + overflow)"
-    m = f"now, as merge + compact (FlashMLA over {width} + overflow)"
     out = {}
     for label, c in (("keys spread", spread), ("8 rows all local", skew)):
         out[f"runtime, {label} | {b}"] = lambda c=c: before(c)
         out[f"runtime, {label} | {n}"] = lambda c=c: now(c)
-        out[f"runtime, {label} | {m}"] = lambda c=c: merge_then_compact(c)
     return out
 
 
