@@ -85,7 +85,11 @@ def sparse_mla_attention(
 
 def _attend_chunk(q, kv, idx, sm_scale, kv_format, cdt):
     valid = idx >= 0  # [t, k]
+    # a missing slot reads row 0 and is then zeroed, as the kernels' masked loads give 0: row 0
+    # is the reserved slot that padded tokens write, so it may hold anything, NaN included,
+    # and a zero weight would not cancel that (0 * NaN = NaN)
     rows = _gather_kv(kv, torch.where(valid, idx, 0), kv_format, cdt)  # [t, k, 576]
+    rows = rows.masked_fill(~valid[..., None], 0.0)
     scores = torch.einsum("thd,tkd->thk", q, rows) * sm_scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # -inf where no key
