@@ -42,12 +42,21 @@ from cpplan.schemas.codec import encode_plan
 from cpplan.schemas.config import ParallelConfig
 from cpplan.schemas.files import write_atomic
 from cpplan.schemas.plan import StepPlan
+from cpplan.schemas.errors import OutputError, UsageError
 from cpplan.schemas.step import StepInput
 
 
 def record_plan(plan: StepPlan, directory: str) -> str:
-    """Write ``step-<id>.msgpack`` (for ``cpplan inspect`` / ``replay``); returns the path."""
-    os.makedirs(directory, exist_ok=True)
+    """Write ``step-<id>.msgpack`` (for ``cpplan inspect`` / ``replay``); returns the path.
+    ``directory`` is created if missing; OutputError (got / expected) where it cannot be, or
+    where ``plan`` is not a StepPlan (UsageError)."""
+    if not isinstance(plan, StepPlan):
+        raise UsageError(f"record_plan: got {type(plan).__name__}; expected a StepPlan")
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except (OSError, TypeError, ValueError) as exc:
+        raise OutputError(f"record_plan: cannot create the folder {directory!r}: "
+                          f"{getattr(exc, 'strerror', None) or exc}") from None
     path = os.path.join(directory, f"step-{plan.step_id}.msgpack")
     write_atomic(path, encode_plan(plan))
     return path

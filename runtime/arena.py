@@ -52,6 +52,7 @@ class ArenaRing:
         completed (:meth:`wait_arena_free`): write the step's tables from word 0, then
         :meth:`commit`."""
         self.wait_arena_free(self.next)
+        self.owner[self.next] = -1  # its words are rewritten now: the step bound there is gone
         return self.host_words[self.next]
 
     def commit(self, names: tuple[str, ...], sizes: tuple[int, ...]) -> dict:

@@ -94,6 +94,7 @@ class BoundStep:
     lease: tuple | None = None  # (arena slot, commit) of the views; None: static views (graphs)
     finished: bool = False
     cache_rows: int = 0  # the rows the layer caches need: the step's largest block's end
+    owner: object = None  # the StepExecutor that bound it (None: a graph capture's own step)
 
     @property
     def local_prefill(self) -> tuple:
@@ -129,6 +130,35 @@ class BoundStep:
         return self.channel.ledger
 
 
+# the dims the runtime's kernels and cache formats take (docs/design.md §4); a config may plan
+# other dims, but no kernel here would compute them
+MAX_ARENA_WORDS = 1 << 28  # 2 GiB of int64 words per arena: far above any real step's tables
+RUNTIME_DIMS = {"qk_head_dim": 576, "v_head_dim": 512, "index_head_dim": 128}
+
+
+def _check_executor_args(config, **ints) -> None:
+    """A StepExecutor's sizes, before anything is allocated: ConfigError (got / expected) for a
+    config this runtime cannot run, a rank outside its group or a size that is not a positive
+    integer (a rank out of range would read other ranks' rows of the plan: a wrong answer)."""
+    if not isinstance(config, ParallelConfig):
+        raise ConfigError(f"config: got {type(config).__name__}; expected a ParallelConfig")
+    for name, want in RUNTIME_DIMS.items():
+        if getattr(config, name) != want:
+            raise ConfigError(f"{name}: got {getattr(config, name)}; expected {want}, the only "
+                              "value this runtime's kernels and cache formats take")
+    sizes = {"pcp_rank": config.pcp_size, "dcp_rank": config.dcp_size}
+    for name, value in ints.items():
+        if value is None and name == "max_blocks_per_request":
+            continue
+        low = 0 if name in sizes else 1
+        high = sizes.get(name, 1 << 31) - 1
+        if type(value) is not int and not isinstance(value, np.integer) \
+                or not low <= value <= high:
+            want = (f"0..{high} (the config's {name[:3].upper()} size is {high + 1})"
+                    if name in sizes else "a positive integer below 2**31")
+            raise ConfigError(f"StepExecutor {name}: got {value!r}; expected {want}")
+
+
 class StepExecutor:
     """One per rank, sized once. ``comm`` carries the collectives; ``check`` (a
     :class:`~cpplan.runtime.verify.DigestCheck`, optional) verifies plans across ranks."""
@@ -136,10 +166,14 @@ class StepExecutor:
     def __init__(self, config: ParallelConfig, *, pcp_rank: int, dcp_rank: int, comm,
                  device, check=None, kernels=None, max_tokens: int = 8192,
                  max_requests: int = 1024, max_blocks_per_request: int | None = None,
-                 max_kv_tokens: int | None = None, arena_depth: int = 2,
+                 arena_depth: int = 2,
                  debug: bool = True, faults: FaultBoard | None = None,
                  data_timeout_s: float = 0.0, prefill_keys: str = "gather",
                  dcp_compact: bool | int | str = "auto") -> None:
+        _check_executor_args(config, pcp_rank=pcp_rank, dcp_rank=dcp_rank,
+                             max_tokens=max_tokens, max_requests=max_requests,
+                             max_blocks_per_request=max_blocks_per_request,
+                             arena_depth=arena_depth)
         if prefill_keys not in PREFILL_KEYS:
             raise ConfigError(f"prefill_keys must be one of {PREFILL_KEYS}: got {prefill_keys!r}")
         self.prefill_keys = prefill_keys
@@ -184,9 +218,17 @@ class StepExecutor:
                             config.dcp_size, config.cudagraph_token_sizes)
         if arena_depth >= ROWS - 1:  # the shared-memory digest board's bound (exchange.py)
             raise ConfigError(f"arena_depth: got {arena_depth}, expected at most {ROWS - 2}")
+        if words > MAX_ARENA_WORDS:  # refused before a pinned allocation of that size
+            raise ConfigError(
+                f"the step arena would hold {words:,} words ({words * 8 / 2**30:.1f} GiB, "
+                f"x{arena_depth} on the host and the device) for max_requests {max_requests:,} x "
+                f"max_blocks_per_request {max_blocks_per_request:,} (from max_model_len "
+                f"{config.max_model_len:,}); expected at most {MAX_ARENA_WORDS:,}: pass smaller "
+                "max_requests or max_blocks_per_request")
         self.arena = ArenaRing(words, self.device, arena_depth)
         compile_host_kernels()  # bind's host kernels, compiled (or loaded) now rather than at step 1
         self.sm_scale = 1.0 / math.sqrt(config.qk_head_dim)
+        self._act = coll.ACT_DTYPES[config.activation_dtype]  # q, the outputs, restore's rows
 
     @classmethod
     def from_groups(cls, config: ParallelConfig, groups, *, verify: str = "every",
@@ -196,6 +238,11 @@ class StepExecutor:
         digest_exchange: "auto", "shm" or "gloo" (runtime/exchange.py)."""
         from cpplan.runtime.verify import DigestCheck
 
+        if getattr(groups, "config", None) != config:
+            got = (f"groups of {groups.config!r}" if hasattr(groups, "config")
+                   else type(groups).__name__)
+            raise ConfigError(f"from_groups: got {got}; expected Groups built for this "
+                              f"config ({config!r})")
         board = FaultBoard(groups)
         check = DigestCheck(groups, verify, verify_every, board, exchange=digest_exchange)
         ex = cls(config, pcp_rank=groups.pcp_rank, dcp_rank=groups.dcp_rank,
@@ -215,15 +262,15 @@ class StepExecutor:
         ``num_blocks`` (optional) the cache's block count, to refuse out-of-range blocks. Bad tables or a plan compiled for another config
         raise before anything is sent or written; the peers then raise PeerFailedError at the
         digest check (or, with the check off for this step, in their first collective)."""
+        if not isinstance(plan, StepPlan):
+            raise UsageError(f"bind: got {type(plan).__name__}; expected a StepPlan (from "
+                             "cpplan.api.compile or a decoded plan file)")
         seq = self.faults.next_step() if self.faults is not None else 0
         watch = StepWatch(self.faults, seq, plan.step_id, self.data_timeout_s)
         try:
             bt, top = self._check_bind(plan, block_tables, num_blocks)
         except Exception as exc:
-            self._announce(watch, exc)
-            pending = self.check.start(plan, failed=True) if self.check is not None else None
-            if pending is not None:  # a plan that differs across ranks is named first
-                pending.wait()
+            self._fail_bind(plan, watch, exc)
             raise
         pending = self.check.start(plan) if self.check is not None else None
         try:  # not _announcing: bind runs cold after a step's work, each host call counts
@@ -237,7 +284,31 @@ class StepExecutor:
             self.watchdog.watch(watch)
         return BoundStep(plan, host.meta, host.layout, views,
                          coll.StepChannel(self.comm, pending, watch), lease=self.arena.lease,
+                         owner=self,
                          cache_rows=(top + 1) * plan.config.block_size)
+
+    def refuse(self, plan: StepPlan, exc: BaseException) -> None:
+        """This rank cannot run ``plan``: a failure of the engine's own between compile and
+        bind (its blocks could not be allocated, a recording could not be written). In place
+        of ``bind``, on this rank only: the peers are told as for a failed bind (they raise
+        PeerFailedError naming this rank and ``exc`` at the step's digest check, or, with the
+        check off for the step, at their first collective, rather than waiting out a timeout
+        for this rank), then ``exc`` is raised here (a plan that differs across ranks is
+        named first, as PlanMismatchError)."""
+        if not isinstance(plan, StepPlan):
+            raise UsageError(f"refuse: got {type(plan).__name__}; expected a StepPlan")
+        seq = self.faults.next_step() if self.faults is not None else 0
+        self._fail_bind(plan, StepWatch(self.faults, seq, plan.step_id, self.data_timeout_s),
+                        exc)
+        raise exc
+
+    def _fail_bind(self, plan: StepPlan, watch: StepWatch, exc: BaseException) -> None:
+        """A bind that will raise ``exc``: announce it, take part in the digest check as failed
+        (a plan that differs across ranks is named first: its wait raises that)."""
+        self._announce(watch, exc)
+        pending = self.check.start(plan, failed=True) if self.check is not None else None
+        if pending is not None:
+            pending.wait()
 
     def _expect(self, bound: BoundStep, call: str, name: str, x, shape: tuple,
                 dtype=None) -> None:
@@ -276,7 +347,14 @@ class StepExecutor:
 
     def _usable(self, bound: BoundStep, call: str) -> None:
         """A bound step is used between its bind and its finish, and before ``arena_depth``
-        later binds have reused its arena (its tables would silently be another step's)."""
+        later binds have reused its arena (its tables would silently be another step's), by
+        the executor that bound it (another one's arena and config would read it wrongly)."""
+        if not isinstance(bound, BoundStep):
+            raise UsageError(f"{call}: got {type(bound).__name__}; expected the BoundStep that "
+                             "bind() returned")
+        if bound.owner is not None and bound.owner is not self:
+            raise UsageError(f"step {bound.plan.step_id}: {call} on a step bound by another "
+                             "StepExecutor; expected the executor whose bind() returned it")
         if bound.finished:
             raise UsageError(f"step {bound.plan.step_id}: {call} after finish(); expected a "
                              "new bind for a new step")
@@ -286,6 +364,15 @@ class StepExecutor:
                              f"a later bind has overwritten (arena_depth {depth}); expected at "
                              f"most {depth} bound steps in flight: finish a step before "
                              f"binding {depth} more")
+
+    @staticmethod
+    def _watch_of(bound) -> StepWatch:
+        """The step's watch, for :meth:`_announcing`; a value that is not a BoundStep is refused
+        (UsageError) before anything runs."""
+        if not isinstance(bound, BoundStep):
+            raise UsageError(f"got {type(bound).__name__} where a step was expected; expected "
+                             "the BoundStep that bind() returned")
+        return bound.channel.watch
 
     def _announce(self, watch: StepWatch, exc: BaseException) -> None:
         """Tell the peers this rank failed (unless the failure came from them)."""
@@ -316,7 +403,7 @@ class StepExecutor:
         """Write the step's new tokens into this rank's caches. kv_new ``[T, 576]`` float and
         index_k_new ``[T, 128]`` float: this rank's tokens in its token order (pads ignored).
         Tensors or caches that do not fit the step raise TensorArgError (got / expected)."""
-        with self._announcing(bound.channel.watch):  # refusals reach the peers too
+        with self._announcing(self._watch_of(bound)):  # refusals reach the peers too
             self._usable(bound, "insert")
             T, cfg = bound.plan.padded_num_tokens, self.config
             self._expect_cache(bound, "insert", cache)
@@ -351,14 +438,16 @@ class StepExecutor:
 
     def attend(self, bound: BoundStep, cache: LayerCache, q: torch.Tensor,
                index_q: torch.Tensor, index_w: torch.Tensor) -> torch.Tensor:
-        """Sparse MLA for this rank's tokens: q ``[T, H, 576]``, index_q ``[T, Hi, 128]``,
-        index_w ``[T, Hi]`` -> out ``[T, H, 512]`` (q's dtype; zero for padded tokens). Tensors
+        """Sparse MLA for this rank's tokens: q ``[T, H, 576]`` (the config's activation dtype),
+        index_q ``[T, Hi, 128]``, index_w ``[T, Hi]`` -> out ``[T, H, 512]`` (q's dtype; zero
+        for padded tokens). Tensors
         or caches that do not fit the step raise TensorArgError (got / expected)."""
-        with self._announcing(bound.channel.watch):
+        with self._announcing(self._watch_of(bound)):
             self._usable(bound, "attend")
             T, cfg = bound.plan.padded_num_tokens, self.config
             self._expect_cache(bound, "attend", cache)
-            self._expect(bound, "attend", "q", q, (T, cfg.num_heads, cfg.qk_head_dim))
+            self._expect(bound, "attend", "q", q, (T, cfg.num_heads, cfg.qk_head_dim),
+                         self._act)  # the output's dtype: decode_out all-reduces it
             self._expect(bound, "attend", "index_q", index_q,
                          (T, cfg.index_num_heads, cfg.index_head_dim))
             self._expect(bound, "attend", "index_w", index_w, (T, cfg.index_num_heads))
@@ -496,19 +585,16 @@ class StepExecutor:
 
     # ------------------------------------------------------------------ end of step
     def restore(self, bound: BoundStep, hidden: torch.Tensor) -> torch.Tensor:
-        """This rank's rows ``[T, hidden]`` -> every query token in global order
-        ``[sum q, hidden]`` (all-gathered over PCP when P > 1)."""
+        """This rank's rows ``[T, hidden_size]`` (the config's activation dtype) -> every query
+        token in global order ``[sum q, hidden_size]`` (all-gathered over PCP when P > 1)."""
         if isinstance(hidden, torch.Tensor) and hidden.is_cuda and \
                 torch.cuda.is_current_stream_capturing():
             raise UsageError(f"step {bound.plan.step_id}: restore inside a CUDA-graph capture; "
                              "expected after StepGraphs.run (its row count changes per step)")
-        with self._announcing(bound.channel.watch):
+        with self._announcing(self._watch_of(bound)):
             self._usable(bound, "restore")
-            width = hidden.shape[1] if isinstance(hidden, torch.Tensor) and hidden.dim() == 2 \
-                else -1
             self._expect(bound, "restore", "hidden", hidden,
-                         (bound.plan.padded_num_tokens, width),
-                         hidden.dtype if isinstance(hidden, torch.Tensor) else None)
+                         (bound.plan.padded_num_tokens, self.config.hidden_size), self._act)
             if bound.meta.restore:
                 full = hidden.new_empty((self.config.pcp_size * hidden.shape[0],
                                          hidden.shape[1]))
@@ -523,9 +609,10 @@ class StepExecutor:
     def finish(self, bound: BoundStep) -> coll.Ledger:
         """Close the step: the digest check is awaited even if no collective ran; in debug mode
         the ledger must equal the plan's list (CollectiveLedgerError otherwise)."""
+        watch = self._watch_of(bound)
         if self.watchdog is not None:
             self.watchdog.watch(None)
-        with self._announcing(bound.channel.watch):
+        with self._announcing(watch):
             self._usable(bound, "finish")
             bound.channel.await_plan_verified()
             if self.debug:

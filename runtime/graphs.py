@@ -73,7 +73,7 @@ class StepGraphs:
     def run(self, bound, *inputs: torch.Tensor):
         """The step's body outputs: by graph replay when the step has a graph key (see the module
         docstring), otherwise eagerly."""
-        with self.ex._announcing(bound.channel.watch):  # the peers are told, as for insert
+        with self.ex._announcing(self.ex._watch_of(bound)):  # the peers are told, as for insert
             self.ex._usable(bound, "StepGraphs.run")
         key = bound.meta.graph_key
         if key is None or not self.enabled:

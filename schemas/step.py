@@ -183,20 +183,24 @@ class StepInput(msgspec.Struct, frozen=True, kw_only=True):
         c = self.num_computed_tokens.np()
         q = self.num_scheduled_tokens.np()
         pre = self.is_prefilling.np()
+        # the extent, each term clamped first: int64 columns near 2**63 would wrap in c + q
+        cap = config.max_model_len + 1
+        extent = np.minimum(c, cap) + np.minimum(q, cap)
         checks = (
             (c < 0, "num_computed_tokens must be >= 0", c),
             (q < 1, "num_scheduled_tokens must be >= 1", q),
             (pre > 1, "is_prefilling must be 0 or 1", pre),
-            (c + q > config.max_model_len,
+            (extent > config.max_model_len,
              f"extent num_computed_tokens + num_scheduled_tokens must be <= max_model_len "
-             f"{config.max_model_len}", c + q),
+             f"{config.max_model_len}", None),
         )
         for bad, rule, values in checks:
             if bad.any():
                 i = int(np.argmax(bad))
+                got = int(values[i]) if values is not None else int(c[i]) + int(q[i])
                 raise StepInputError(
                     f"request {i} ({self.req_ids[i]!r}) of step {self.step_id}: {rule}: "
-                    f"got {int(values[i])}"
+                    f"got {got}"
                 )
         if len(set(self.req_ids)) != len(self.req_ids):
             seen: set[str] = set()

@@ -139,10 +139,14 @@ def _run_rank(plan: StepPlan, seed: int, device: str, world: ThreadWorld, rank: 
     dcp_rank = rank if cfg.dcp_size > 1 else 0
     comm = ThreadComm(world, rank, cfg.pcp_size, cfg.dcp_size)
     extents = plan.extent()
+    # sized for this plan's longest request, not max_model_len (near 2**31 that asked the
+    # allocator for terabytes)
+    longest = int(extents.max()) if plan.num_requests else 1
+    blocks_per_req = max(1, -(-cfg.shard_rows(longest) // cfg.block_size))
     executor = StepExecutor(cfg, pcp_rank=pcp_rank, dcp_rank=dcp_rank, comm=comm, device=device,
                             kernels=kernels, max_tokens=plan.padded_num_tokens,
-                            max_requests=plan.num_requests, **options)
-    blocks_per_req = -(-cfg.shard_rows(cfg.max_model_len) // cfg.block_size)
+                            max_requests=max(1, plan.num_requests),
+                            max_blocks_per_request=blocks_per_req, **options)
     num_blocks = 1 + plan.num_requests * blocks_per_req
     alloc = BlockAllocator(num_blocks, cfg.block_size, cfg.dcp_size, dcp_rank,
                            cfg.interleave_size)

@@ -27,7 +27,7 @@ from cpplan.api import Groups, LayerCache, StepExecutor, StepGraphs, record_plan
 from cpplan.api import compile as compile_plan
 from cpplan.schemas.config import ParallelConfig
 from cpplan.schemas.files import write_atomic
-from cpplan.schemas.errors import CpplanError, StepInputError
+from cpplan.schemas.errors import ConfigError, CpplanError, OutputError, StepInputError
 from cpplan.schemas.step import StepInput
 from cpplan.sim.allocator import BlockAllocator
 from cpplan.sim.model import request_keys_on, run_step, step_layers
@@ -155,6 +155,7 @@ class _RankSim:
         if opts.warmup:  # collective, like a step: every rank does it here
             warmup(self.executor)
         self.step = -1
+        self.injected = False  # --inject-divergence's step was reached
         self.ledger_len = 0
         self.t_bind = time.monotonic()
         self.stats = dict(steps=0, tokens=0, collectives=0, max_abs_err=0.0, chunks=0,
@@ -177,13 +178,26 @@ class _RankSim:
             for rid in self.sched.complete():
                 self.alloc.release(rid)
                 self.stats["finished"] += 1
+        inj = self.opts.inject
+        if inj is not None and not self.injected:  # every rank alike: the same schedule
+            raise ConfigError(f"--inject-divergence {inj.step}:{inj.rank}:{inj.kind}: the "
+                              f"workload ended after {self.stats['steps']} steps, so nothing "
+                              f"was injected; expected a STEP below {self.stats['steps']}")
 
     def _one_step(self, step: StepInput) -> None:
         config, inj, kill = self.config, self.opts.inject, self.opts.kill
         if kill is not None and kill.step == step.step_id and kill.rank == self.rank:
             _die(kill.kind, self.opts.timeout_s)
-        if inj is not None and inj.step == step.step_id and inj.rank == self.rank:
-            step, config = perturb(step, config, inj.kind)
+        if inj is not None and inj.step == step.step_id:
+            self.injected = True
+            if inj.rank == self.rank:
+                wrong, config = perturb(step, config, inj.kind)
+                if wrong == step and config == self.config:  # e.g. reordering one request
+                    self.executor.refuse(compile_plan(config, step), ConfigError(
+                        f"--inject-divergence {inj.step}:{inj.rank}:{inj.kind}: step "
+                        f"{inj.step} has {step.num_requests} request(s), so '{inj.kind}' "
+                        "changes nothing; expected a step it perturbs (another STEP or KIND)"))
+                step = wrong
         fail = self.opts.fail
         fail = fail.kind if fail and (fail.step, fail.rank) == (step.step_id, self.rank) else None
         plan = compile_plan(config, step)
@@ -195,6 +209,11 @@ class _RankSim:
         self.ledger_len = 0
         self.t_bind = time.monotonic()
         keys = request_keys_on(plan, self.groups.device)
+        if self.rank == 0:  # recorded before it runs: a step that fails is on disk too
+            try:
+                self._record(plan)
+            except OutputError as exc:  # the peers hear of it at once, not after a timeout
+                self.executor.refuse(plan, exc)
         bound = self.executor.bind(plan, tables, self.alloc.num_blocks)
         executor = _Malformed(self.executor, fail) if fail else self.executor
         try:
@@ -214,7 +233,6 @@ class _RankSim:
         s["chunks"] += len(plan.gather_chunks)
         s["graph_steps"] += int(plan.graph_replayable)
         if self.rank == 0:
-            self._record(plan)
             if self.opts.progress:
                 sys.stderr.write(
                     f"step {plan.step_id:3d}/{self.opts.steps}: {plan.num_requests:2d} requests "

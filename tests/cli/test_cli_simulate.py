@@ -2,6 +2,7 @@
 record -> replay -> inspect round trip."""
 
 import json
+import time
 
 import pytest
 
@@ -47,10 +48,56 @@ def test_simulate_divergence_exits_3_naming_the_rank():
     (["--kv-cache-dtype", "fp16"], "invalid choice"),
     (["--steps", "4", "--inject-divergence", "4:1"], "step must be in [0, 4)"),
     (["--timeout", "-1"], "--timeout must be > 0"),
-    (["--steps", "0"], "--steps must be >= 1"),
+    (["--steps", "0"], "--steps: expected an integer in [1, 1000000]: got 0"),
 ])
 def test_simulate_bad_input_exit_2(args, words):
     assert_one_line_error(cpplan("simulate", *args), 2, words)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--inject-divergence", ""], "must be STEP:RANK[:KIND]: got ''"),
+    (["--inject-divergence", "2:1", "--verify", "off"], "needs --verify every: got --verify off"),
+    (["--inject-divergence", "2:1", "--verify", "sampled"], "needs --verify every"),
+    (["--pcp", "128", "--dcp", "128"], "spawns 128 processes here"),
+])
+def test_simulate_refuses_options_that_would_do_nothing_or_abort(args, words, tmp_path):
+    """An empty --inject-divergence was ignored; with the digest check off or sampled, the
+    injected rank ran another plan than its peers (gloo aborted the rank: exit 4); a spawned
+    world of 128 ranks would take about 50 GB here. None leaves a --record folder behind."""
+    record = tmp_path / "deep" / "new"
+    assert_one_line_error(cpplan("simulate", *args, "--record", record), 2, words)
+    assert not (tmp_path / "deep").exists()
+
+
+def test_simulate_injection_that_never_happens_is_an_error():
+    """The workload of the default preset ends after 32 steps, and reordering a one-request
+    step changes nothing: each ran to "OK", exit 0, with nothing injected."""
+    proc = cpplan("simulate", "--steps", 60, "--layers", 1, "--inject-divergence", "45:1")
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "step  31/60" in proc.stderr  # the last step that ran
+    assert "the workload ended after 32 steps, so nothing was injected" in proc.stderr
+    proc = cpplan("simulate", "--steps", 31, "--layers", 1, "--inject-divergence",
+                  "30:1:reorder")
+    assert proc.returncode == 2, proc.stderr
+    assert "rank 1 at step 30" in proc.stderr and "'reorder' changes nothing" in proc.stderr
+    assert "PeerFailedError: rank 1 failed in step 30" in proc.stderr  # rank 0, told at once
+
+
+def test_simulate_record_write_failure_stops_every_rank_at_once(tmp_path):
+    """A recording that cannot be written (here a symlink where the step file goes) was an
+    OutputError on rank 0 while rank 1 waited out --timeout at the next step's digest check
+    and was reported lost (exit 4). Rank 0 now refuses the step: rank 1 hears of it there."""
+    record = tmp_path / "runs"
+    record.mkdir()
+    (record / "step-1.msgpack").symlink_to(tmp_path / "elsewhere")
+    t0 = time.monotonic()
+    proc = cpplan("simulate", "--steps", 3, "--layers", 1, "--record", record, "--timeout", 20)
+    assert proc.returncode == 2, proc.stderr
+    assert "rank 0 at step 1" in proc.stderr and "OutputError" in proc.stderr
+    assert "rank 1 at step 1" in proc.stderr and "PeerFailedError: rank 0 failed" in proc.stderr
+    assert time.monotonic() - t0 < 20  # not the timeout
+    assert (record / "step-0.msgpack").is_file()  # the steps before it are recorded
 
 
 def test_replay_bad_input(tmp_path):

@@ -449,7 +449,7 @@ def _args(T):
     """Well-formed insert / attend / restore tensors of the _config(1, 1, 1) model."""
     return {"kv_new": torch.zeros(T, 576), "index_k_new": torch.zeros(T, 128),
             "q": torch.zeros(T, 8, 576), "index_q": torch.zeros(T, 4, 128),
-            "index_w": torch.zeros(T, 4), "hidden": torch.zeros(T, 16)}
+            "index_w": torch.zeros(T, 4), "hidden": torch.zeros(T, 4096)}
 
 
 # (call, argument, a wrong version of it given T, what the message must say)
@@ -460,11 +460,22 @@ MISUSE = [  # {T}: the step's rows; {Tm}, {Tp}: one fewer, one more
     ("attend", "q", lambda T: torch.zeros(T + 1, 8, 576), r"q is \({Tp}, 8, 576\)"),
     ("attend", "q", lambda T: torch.zeros(T, 4, 576), r"q is \({T}, 4, 576\)"),
     ("attend", "q", lambda T: torch.zeros(T, 8, 576, dtype=torch.int64),
-     r"q is \({T}, 8, 576\) int64 on cpu; expected \({T}, 8, 576\) floating point on cpu$"),
+     r"q is \({T}, 8, 576\) int64 on cpu; expected \({T}, 8, 576\) float32 on cpu$"),
+    # not the activation dtype: the output (q's dtype) is what decode_out all-reduces, and a
+    # rank whose dtype differs from its peers' crashed gloo
+    ("attend", "q", lambda T: torch.zeros(T, 8, 576, dtype=torch.bfloat16),
+     r"q is \({T}, 8, 576\) bfloat16 on cpu; expected \({T}, 8, 576\) float32 on cpu$"),
+    ("attend", "q", lambda T: torch.zeros(T, 8, 576, dtype=torch.float64),
+     r"q is \({T}, 8, 576\) float64 on cpu; expected"),
     ("attend", "index_q", lambda T: torch.zeros(T, 2, 128), r"index_q is \({T}, 2, 128\)"),
     ("attend", "index_w", lambda T: torch.zeros(T, 2), r"index_w is \({T}, 2\)"),
     ("attend", "index_w", lambda T: None, "index_w is NoneType; expected"),
-    ("restore", "hidden", lambda T: torch.zeros(T - 1, 16), r"hidden is \({Tm}, 16\)"),
+    ("restore", "hidden", lambda T: torch.zeros(T - 1, 4096), r"hidden is \({Tm}, 4096\)"),
+    ("restore", "hidden", lambda T: torch.zeros(T, 17),  # the config's hidden_size is 4096
+     r"hidden is \({T}, 17\) float32 on cpu; expected \({T}, 4096\) float32 on cpu$"),
+    ("restore", "hidden", lambda T: torch.zeros(T, 4096, 1), r"hidden is \({T}, 4096, 1\)"),
+    ("restore", "hidden", lambda T: torch.zeros(T, 4096, dtype=torch.float16),
+     r"hidden is \({T}, 4096\) float16 on cpu; expected \({T}, 4096\) float32"),
 ]
 
 

@@ -72,3 +72,18 @@ def test_column_shape_mismatch_is_a_step_error():
         StepInput(step_id=1, req_ids=("a", "b"), num_computed_tokens=good.num_computed_tokens,
                   num_scheduled_tokens=good.num_scheduled_tokens,
                   is_prefilling=good.is_prefilling)
+
+
+@pytest.mark.parametrize("c, q", [(2**32 + 5, 2**63 - 2**32), (2**63 - 1, 1), (0, 2**63 - 1)])
+def test_int64_columns_cannot_wrap_the_extent(c, q):
+    """A StepInput built directly (not through ``build``, which keeps columns in int32) may hold
+    int64 counts; c + q once wrapped below max_model_len and compiled into a garbage plan. The
+    extent is reported exactly (Python ints), not wrapped."""
+    from cpplan.schemas.arrays import Array
+
+    step = StepInput(step_id=1, req_ids=("a",), num_computed_tokens=Array.of([c], "<i8"),
+                     num_scheduled_tokens=Array.of([q], "<i8"),
+                     is_prefilling=Array.of([1], "|u1"))
+    with pytest.raises(StepInputError, match=f"request 0 \\('a'\\) of step 1: extent .* <= "
+                                             f"max_model_len 1000: got {c + q}$"):
+        step.validate(CONFIG)

@@ -65,3 +65,16 @@ def test_replay_of_a_graph_replayable_step_matches_oracle(pwi, kv):
     result = replay_plan(plan, seed=3)
     assert result.max_abs_err <= TOLERANCE
     assert result.tokens == 6
+
+
+def test_replay_sizes_caches_by_the_plan_not_max_model_len():
+    """A recorded plan whose config allows 2**30 tokens a request: replay sized every block
+    table (and the caches) for max_model_len, asking the allocator for over a terabyte (a raw
+    RuntimeError, exit 1 as if the output differed). Now sized by the plan's longest request."""
+    cfg = preset_config(SimOptions(pcp=2, dcp=2, interleave=1, kv_cache_dtype="fp8_ds_mla",
+                                   layers=1))
+    big = 2**30
+    cfg = msgspec.structs.replace(cfg, max_model_len=big,
+                                  gather_workspace_tokens=cfg.dcp_size * cfg.shard_rows(big))
+    plan = compile_plan(cfg, StepInput.build(1, ["a", "b"], [100, 0], [1, 40], [False, True]))
+    assert replay_plan(plan, seed=1, device="cpu").max_abs_err <= TOLERANCE

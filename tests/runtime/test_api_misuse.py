@@ -1,0 +1,183 @@
+"""Misuse of the embedding API that once ran on and gave a wrong answer, or a raw error from deep
+inside numba / numpy / torch: each is now a typed error whose one line says got / expected.
+The reference for "the right answer" where a step does run: the same step on a fresh executor."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from cpplan.api import LayerCache, ParallelConfig, StepExecutor, StepInput, compile
+from cpplan.runtime import executor as executor_mod
+from cpplan.runtime.arena import ArenaRing
+from cpplan.schemas.errors import ConfigError, UsageError
+
+CFG = ParallelConfig(num_heads=8, topk=64, index_num_heads=4, max_model_len=2048,
+                     num_layers=1, activation_dtype="float32", hidden_size=4096)
+
+
+def _executor(cfg=CFG, **kwargs):
+    return StepExecutor(cfg, pcp_rank=kwargs.pop("pcp_rank", 0),
+                        dcp_rank=kwargs.pop("dcp_rank", 0), comm=None, device="cpu",
+                        **{"max_tokens": 64, "max_requests": 8, **kwargs})
+
+
+def _plan(step_id=1, cfg=CFG):
+    return compile(cfg, StepInput.build(step_id, ["a", "b"], [100, 0], [1, 7], [False, True]))
+
+
+def _inputs(t, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(t, 576, generator=g), torch.randn(t, 128, generator=g),
+            torch.randn(t, 8, 576, generator=g), torch.randn(t, 4, 128, generator=g),
+            torch.randn(t, 4, generator=g).abs())
+
+
+BT = np.arange(1, 1 + 2 * 8).reshape(2, 8)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"pcp_rank": 1}, "pcp_rank: got 1; expected 0..0"),
+    ({"dcp_rank": 1}, "dcp_rank: got 1; expected 0..0"),
+    ({"dcp_rank": -1}, "dcp_rank: got -1"),
+    ({"pcp_rank": "0"}, "pcp_rank: got '0'"),
+    ({"pcp_rank": 0.0}, "pcp_rank: got 0.0"),
+    ({"dcp_rank": True}, "dcp_rank: got True"),
+    ({"max_tokens": 0}, "max_tokens: got 0; expected a positive integer"),
+    ({"max_tokens": 2.5}, "max_tokens: got 2.5"),
+    ({"max_requests": -5}, "max_requests: got -5"),
+    ({"arena_depth": 0}, "arena_depth: got 0"),
+    ({"max_blocks_per_request": 0}, "max_blocks_per_request: got 0"),
+])
+def test_executor_refuses_ranks_and_sizes_out_of_range(kwargs, words):
+    """A rank outside its group read another rank's rows of the plan (a P = W = 1 step gave
+    an output off by 3.75 at dcp_rank 1); sizes of 0 failed only at bind (an IndexError)."""
+    with pytest.raises(ConfigError, match=f"StepExecutor {words}"):
+        _executor(**kwargs)
+
+
+def test_executor_takes_numpy_integer_sizes():
+    ex = _executor(max_tokens=np.int64(64), pcp_rank=np.int32(0))
+    assert ex.max_tokens == 64
+
+
+@pytest.mark.parametrize("field, value", [("qk_head_dim", 640), ("v_head_dim", 256),
+                                          ("index_head_dim", 64)])
+def test_executor_refuses_dims_its_kernels_do_not_take(field, value):
+    """The planner takes any dims; the kernels and cache formats only 576 / 512 / 128
+    (a v_head_dim of 256 was ignored: outputs stayed 512 wide)."""
+    import msgspec
+
+    cfg = msgspec.structs.replace(CFG, **{field: value})
+    with pytest.raises(ConfigError, match=f"^{field}: got {value}; expected "):
+        _executor(cfg)
+
+
+def test_executor_refuses_an_arena_it_could_not_allocate():
+    """A max_model_len of 2**27 sized every request's block table for it: a 16 GiB pinned
+    allocation (near 2**31, 256 GiB: a raw allocator error, or the OOM killer)."""
+    import msgspec
+
+    cfg = msgspec.structs.replace(CFG, max_model_len=2**27, gather_workspace_tokens=2**27)
+    with pytest.raises(ConfigError, match="the step arena would hold .* pass smaller"):
+        StepExecutor(cfg, pcp_rank=0, dcp_rank=0, comm=None, device="cpu")
+    # sized for what the engine serves, the same config is fine
+    StepExecutor(cfg, pcp_rank=0, dcp_rank=0, comm=None, device="cpu", max_tokens=64,
+                 max_requests=8, max_blocks_per_request=64)
+
+
+def test_from_groups_refuses_groups_of_another_config():
+    """A P = 2 config on groups of a world of 1 failed later, at the first collective, as a
+    RankLostError after its timeout."""
+    import msgspec
+
+    other = msgspec.structs.replace(CFG, topk=128)
+    with pytest.raises(ConfigError, match="from_groups: got groups of .*; expected Groups "
+                                          "built for this config"):
+        StepExecutor.from_groups(CFG, types.SimpleNamespace(config=other))
+    with pytest.raises(ConfigError, match="from_groups: got dict; expected Groups"):
+        StepExecutor.from_groups(CFG, {})
+
+
+def _step(ex, bound, seed=0):
+    t = bound.plan.padded_num_tokens
+    kv, ik, q, iq, iw = _inputs(t, seed)
+    cache = LayerCache.empty(ex.config, 32, "cpu")
+    ex.insert(bound, cache, kv, ik)
+    return ex.attend(bound, cache, q, iq, iw)
+
+
+@pytest.mark.parametrize("call", ["insert", "attend", "restore", "finish"])
+def test_a_bound_step_belongs_to_its_executor(call):
+    """Another executor at the same commit count once took the step as its own: a config of
+    another topk gave an output off by 1.48, silently."""
+    import msgspec
+
+    ex_a = _executor()
+    ex_b = _executor(msgspec.structs.replace(CFG, topk=32))
+    bound = ex_a.bind(_plan(), BT)
+    ex_b.finish(ex_b.bind(_plan(cfg=ex_b.config), BT))  # ex_b's commit count matches now
+    ex_b.bind(_plan(cfg=ex_b.config), BT)
+    t = bound.plan.padded_num_tokens
+    cache = LayerCache.empty(ex_b.config, 32, "cpu")
+    kv, ik, q, iq, iw = _inputs(t)
+    calls = {"insert": lambda: ex_b.insert(bound, cache, kv, ik),
+             "attend": lambda: ex_b.attend(bound, cache, q, iq, iw),
+             "restore": lambda: ex_b.restore(bound, torch.zeros(t, 4096)),
+             "finish": lambda: ex_b.finish(bound)}
+    with pytest.raises(UsageError, match=f"^step 1: {call} on a step bound by another "
+                                         "StepExecutor"):
+        calls[call]()
+    out = _step(ex_a, bound)  # its own executor still runs it, as a fresh one does
+    ex_a.finish(bound)
+    fresh = _executor()
+    ref = fresh.bind(_plan(), BT)
+    assert torch.equal(out, _step(fresh, ref))
+
+
+@pytest.mark.parametrize("bad", [None, "step", _plan()])
+def test_calls_refuse_what_is_not_a_bound_step(bad):
+    ex = _executor()
+    with pytest.raises(UsageError, match=f"got {type(bad).__name__} where a step was "
+                                         "expected; expected the BoundStep that bind"):
+        ex.finish(bad)
+    with pytest.raises(UsageError, match=f"got {type(bad).__name__}"):
+        ex.attend(bad, None, None, None, None)
+
+
+def test_a_failed_bind_retires_the_step_whose_arena_it_rewrote(monkeypatch):
+    """Two steps in flight (arena_depth 2); a third bind fails after writing its tables into
+    the first step's arena. The first step used to run on those words, silently (on the CPU
+    the arena's words are the step's tables); it is now refused as overwritten."""
+    ex = _executor()
+    first = ex.bind(_plan(1), BT)
+    ex.bind(_plan(2), BT)
+    real = executor_mod.build_tables
+
+    def half_written(plan, *args, out=None):
+        out[:] = 7  # what a failure part-way through leaves behind
+        raise ConfigError("failed part-way")
+
+    monkeypatch.setattr(executor_mod, "build_tables", half_written)
+    with pytest.raises(ConfigError, match="failed part-way"):
+        ex.bind(_plan(3), BT)
+    monkeypatch.setattr(executor_mod, "build_tables", real)
+    with pytest.raises(UsageError, match="step 1: insert on a bound step whose tables a later "
+                                         "bind has overwritten"):
+        _step(ex, first)
+
+
+def test_arena_acquire_without_commit_releases_the_slot():
+    ring = ArenaRing(16, torch.device("cpu"), 2)
+    ring.acquire()
+    ring.commit(("a",), (4,))
+    lease = ring.lease
+    assert ring.holds(lease)
+    ring.acquire()
+    ring.commit(("a",), (4,))
+    assert ring.holds(lease)  # depth 2: the first commit's words are intact
+    ring.acquire()  # the first commit's slot, rewritten from here on
+    assert not ring.holds(lease)
