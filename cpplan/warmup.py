@@ -21,6 +21,7 @@ from cpplan.planner.compile import compile as compile_plan
 from cpplan.runtime.collectives import ACT_DTYPES
 from cpplan.runtime.executor import LayerCache, StepExecutor
 from cpplan.schemas.config import ParallelConfig
+from cpplan.schemas.errors import UsageError
 from cpplan.schemas.step import StepInput
 
 
@@ -63,6 +64,8 @@ def warmup_steps(config: ParallelConfig, max_tokens: int, max_requests: int) -> 
 def warmup(executor: StepExecutor, *, seed: int = 0) -> int:
     """Run :func:`warmup_steps` through ``executor`` on scratch caches (never the engine's);
     returns the number of steps run. Collective: call it on every rank at the same time."""
+    if not isinstance(executor, StepExecutor):
+        raise UsageError(f"warmup: got {type(executor).__name__}; expected a StepExecutor")
     cfg = executor.config
     gen = torch.Generator(device=executor.device).manual_seed(seed)
     done = 0

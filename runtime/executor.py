@@ -67,7 +67,12 @@ class LayerCache:
 
     @classmethod
     def empty(cls, config: ParallelConfig, num_blocks: int, device) -> "LayerCache":
-        slots = num_blocks * config.block_size
+        """Zeroed caches of ``num_blocks`` blocks (block 0 reserved: at least 2)."""
+        if type(num_blocks) is not int and not isinstance(num_blocks, np.integer) \
+                or not 2 <= num_blocks < 2**31:
+            raise ConfigError(f"LayerCache.empty num_blocks: got {num_blocks!r}; expected an "
+                              "integer in [2, 2**31) (block 0 is reserved)")
+        slots = int(num_blocks) * config.block_size
         return cls(torch.zeros(slots, config.kv_bytes_per_token, dtype=torch.uint8, device=device),
                    torch.zeros(num_blocks, config.block_size * config.index_k_bytes_per_token,
                                dtype=torch.uint8, device=device))
@@ -331,6 +336,12 @@ class StepExecutor:
         if not isinstance(cache, LayerCache):
             raise TensorArgError(f"step {bound.plan.step_id}: {call}: cache is "
                                  f"{type(cache).__name__}; expected a LayerCache")
+        for name in ("kv", "index_k"):  # rows are addressed as one flat buffer of slots
+            t = getattr(cache, name)
+            if isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_contiguous():
+                raise TensorArgError(f"step {bound.plan.step_id}: {call}: cache.{name} has "
+                                     f"strides {tuple(t.stride())}; expected a contiguous "
+                                     f"tensor (strides ({t.shape[1]}, 1))")
         rows = cache.kv.shape[0] if isinstance(cache.kv, torch.Tensor) else -1
         self._expect(bound, call, f"cache.kv ({cfg.kv_cache_dtype})", cache.kv,
                      (rows, cfg.kv_bytes_per_token), torch.uint8)

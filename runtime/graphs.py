@@ -42,7 +42,8 @@ from typing import Callable
 import torch
 
 from cpplan.runtime import collectives as coll
-from cpplan.runtime.executor import BoundStep
+from cpplan.runtime.executor import BoundStep, StepExecutor
+from cpplan.schemas.errors import UsageError
 from cpplan.runtime.tables import StepTables, _iota
 
 
@@ -65,6 +66,10 @@ class StepGraphs:
     and dtypes)``. ``enabled=False`` runs every step eagerly (the same body, for A/B runs)."""
 
     def __init__(self, executor, body: Callable, *, enabled: bool = True) -> None:
+        if not isinstance(executor, StepExecutor) or not callable(body):
+            raise UsageError(f"StepGraphs: got ({type(executor).__name__}, "
+                             f"{type(body).__name__}); expected (a StepExecutor, a callable "
+                             "body(bound, *inputs))")
         self.ex, self.body = executor, body
         self.enabled = enabled and executor.device.type == "cuda"
         self.captured: dict = {}

@@ -59,6 +59,9 @@ class Groups:
               control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S, store=None) -> "Groups":
         """From an initialised default world of exactly ``config.world_size`` ranks; collective
         (every rank calls it). The data groups use the world's backend."""
+        if not isinstance(config, ParallelConfig):
+            raise ConfigError(f"Groups.build: got {type(config).__name__}; expected a "
+                              "ParallelConfig")
         if not dist.is_initialized():
             raise ConfigError("torch.distributed is not initialised: call Groups.from_env or "
                               "init_process_group first")

@@ -46,11 +46,25 @@ def check_block_tables(plan: StepPlan, dcp_rank: int, block_tables, num_blocks: 
     block 0 and, where ``num_blocks`` is known, below it. O(requests), on the host, in one
     jitted call (bind runs it cold, after the previous step's work: few host calls)."""
     n = plan.num_requests
-    bt = block_tables if type(block_tables) is np.ndarray else np.asarray(block_tables)
+    if num_blocks is not None and (type(num_blocks) is not int
+                                   and not isinstance(num_blocks, np.integer)
+                                   or not 2 <= num_blocks < 2**62):
+        raise StepInputError(f"step {plan.step_id}: num_blocks: got {num_blocks!r}; expected "
+                             "None or the caches' block count, an integer >= 2 (block 0 is "
+                             "reserved)")
+    if type(block_tables) is np.ndarray:
+        bt = block_tables
+    else:
+        try:
+            bt = np.asarray(block_tables)
+        except (ValueError, TypeError) as exc:  # ragged lists, objects numpy cannot stack
+            raise StepInputError(f"step {plan.step_id}: block_tables must be [num_requests="
+                                 f"{n}, max_blocks] integers: got {type(block_tables).__name__} "
+                                 f"numpy cannot read as one ({exc})") from None
     if bt.ndim != 2 or bt.shape[0] != n:
         raise StepInputError(f"step {plan.step_id}: block_tables must be [num_requests={n}, "
                              f"max_blocks]: got shape {list(bt.shape)}")
-    dt = bt.dtype
+    dt, given = bt.dtype, bt
     if dt is not _I64 and dt is not _I32 or not bt.flags.c_contiguous:
         if dt.kind not in "iu":
             raise StepInputError(f"step {plan.step_id}: block_tables must hold integers: got "
@@ -58,13 +72,13 @@ def check_block_tables(plan: StepPlan, dcp_rank: int, block_tables, num_blocks: 
         bt = np.ascontiguousarray(bt, dtype=np.int64)
     i, j, need, top = _first_bad_block(bt, plan.dcp_local_lens.np(), dcp_rank,
                                        plan.config.block_size,
-                                       -1 if num_blocks is None else num_blocks)
+                                       -1 if num_blocks is None else int(num_blocks))
     if j == -2:
         raise CapacityError(f"step {plan.step_id}: block table too narrow: request {i} needs "
                             f"{need} blocks on this rank, the tables have {bt.shape[1]}")
     if i >= 0:  # only the blocks the step touches; the rest is the engine's padding
         limit = f"1..{num_blocks - 1}" if num_blocks is not None else ">= 1 (0 is reserved)"
-        raise StepInputError(f"step {plan.step_id}: block_tables[{i}][{j}] = {int(bt[i, j])}: "
+        raise StepInputError(f"step {plan.step_id}: block_tables[{i}][{j}] = {int(given[i, j])}: "
                              f"expected a block in {limit}")
     return bt, int(top)
 

@@ -141,7 +141,7 @@ class StepTables:
         """Expand the arena's segments into the step's tables on the arena's device: a fixed
         number of ops on shapes the plan fixes (no host sync, nothing per request or chunk)."""
         ends, seg = views["seg_ends"], views["seg_params"].view(NUM_PARAMS, -1)
-        bt = views["block_tables"].view(lay.num_requests, -1)
+        bt = views["block_tables"].view(max(lay.num_requests, 1), -1)  # a step of no requests: [1, 0]
         u = _iota(lay.total(meta), ends.device)
         g = seg.index_select(1, torch.searchsorted(ends, u, right=True))
         g[A: K + 1].addcmul_(g[B], u)  # x and k in one op

@@ -48,8 +48,8 @@ class DigestCheck:
         "shm" or "gloo" (runtime/exchange.py)."""
         if mode not in VERIFY_MODES:
             raise ConfigError(f"verify mode must be one of {VERIFY_MODES}: got {mode!r}")
-        if every_n < 1:
-            raise ConfigError(f"verify every_n must be >= 1: got {every_n}")
+        if type(every_n) is not int or every_n < 1:
+            raise ConfigError(f"verify every_n must be an integer >= 1: got {every_n!r}")
         self.groups, self.mode, self.every_n = groups, mode, every_n
         self.board = board if board is not None else FaultBoard(groups)
         self.exchange = open_exchange(groups, exchange) if mode != "off" else None

@@ -181,3 +181,101 @@ def test_arena_acquire_without_commit_releases_the_slot():
     assert ring.holds(lease)  # depth 2: the first commit's words are intact
     ring.acquire()  # the first commit's slot, rewritten from here on
     assert not ring.holds(lease)
+
+
+def test_a_step_of_no_requests_runs_as_nothing():
+    """compile takes an empty step (an engine's idle iteration); insert then raised a raw
+    RuntimeError from a reshape of the empty block tables."""
+    ex = _executor()
+    plan = compile(CFG, StepInput.build(5, [], [], [], []))
+    assert plan.padded_num_tokens == 0 and plan.collectives == ()
+    bound = ex.bind(plan, np.zeros((0, 8), np.int64))
+    cache = LayerCache.empty(CFG, 4, "cpu")
+    before = cache.kv.clone()
+    ex.insert(bound, cache, torch.zeros(0, 576), torch.zeros(0, 128))
+    out = ex.attend(bound, cache, torch.zeros(0, 8, 576), torch.zeros(0, 4, 128),
+                    torch.zeros(0, 4))
+    rows = ex.restore(bound, torch.zeros(0, 4096))
+    assert out.shape == (0, 8, 512) and rows.shape == (0, 4096)
+    assert len(ex.finish(bound)) == 0 and torch.equal(cache.kv, before)
+    # and the executor goes on with a real step, as a fresh one does
+    bound = ex.bind(_plan(), BT)
+    out = _step(ex, bound)
+    ex.finish(bound)
+    fresh = _executor()
+    assert torch.equal(out, _step(fresh, fresh.bind(_plan(), BT)))
+
+
+@pytest.mark.parametrize("bad", [-1, 0, 1, 2.5, True, "8"])
+def test_layer_cache_empty_refuses_bad_block_counts(bad):
+    with pytest.raises(ConfigError, match=f"LayerCache.empty num_blocks: got {bad!r}; expected"):
+        LayerCache.empty(CFG, bad, "cpu")
+
+
+@pytest.mark.parametrize("name", ["kv", "index_k"])
+def test_a_strided_cache_is_a_tensor_arg_error(name):
+    """A transposed cache raised an AssertionError (index_k) or a RuntimeError about strides
+    (bf16 kv) from inside a kernel."""
+    from cpplan.schemas.errors import TensorArgError
+
+    ex = _executor()
+    bound = ex.bind(_plan(), BT)
+    cache = LayerCache.empty(CFG, 32, "cpu")
+    t = getattr(cache, name)
+    setattr(cache, name, t.t().contiguous().t())  # same shape and values, column-major
+    t_pad = bound.plan.padded_num_tokens
+    with pytest.raises(TensorArgError, match=f"^step 1: insert: cache.{name} has strides "
+                                             r"\(1, \d+\); expected a contiguous"):
+        ex.insert(bound, cache, torch.zeros(t_pad, 576), torch.zeros(t_pad, 128))
+
+
+@pytest.mark.parametrize("num_blocks", ["100", 0, 1, 2**70, 2.0])
+def test_bind_refuses_bad_num_blocks(num_blocks):
+    """A string reached numba (TypingError), 2**70 an OverflowError, 0 gave "expected a block
+    in 1..-1" and -1 turned the range check off."""
+    from cpplan.schemas.errors import StepInputError
+
+    with pytest.raises(StepInputError, match=f"^step 1: num_blocks: got {num_blocks!r}; "):
+        _executor().bind(_plan(), BT, num_blocks)
+
+
+def test_bind_names_bad_block_tables_as_given():
+    from cpplan.schemas.errors import StepInputError
+
+    ex = _executor()
+    with pytest.raises(StepInputError, match="^step 1: block_tables must be .* got list numpy "
+                                             "cannot read as one"):
+        ex.bind(_plan(), [[1, 2, 3], [4]])
+    huge = BT.astype(np.uint64)
+    huge[0, 0] = np.iinfo(np.uint64).max  # was reported as -1 (its int64 cast)
+    with pytest.raises(StepInputError, match=r"block_tables\[0\]\[0\] = 18446744073709551615: "):
+        ex.bind(_plan(), huge)
+
+
+def test_wrong_objects_in_place_of_the_runtime_s_are_typed_errors():
+    from cpplan.api import Groups, StepGraphs, warmup
+    from cpplan.runtime.verify import DigestCheck
+
+    with pytest.raises(UsageError, match="^warmup: got str; expected a StepExecutor"):
+        warmup("x")
+    with pytest.raises(UsageError, match=r"^StepGraphs: got \(str, function\); expected"):
+        StepGraphs("x", lambda bound: None)
+    with pytest.raises(ConfigError, match="^Groups.build: got dict; expected a ParallelConfig"):
+        Groups.build({})
+    with pytest.raises(ConfigError, match="^verify every_n must be an integer >= 1: got '2'"):
+        DigestCheck(None, "sampled", "2")
+    with pytest.raises(UsageError, match="^record_plan: got str; expected a StepPlan"):
+        from cpplan.api import record_plan
+
+        record_plan("plan", "/tmp")
+
+
+def test_record_plan_into_a_file_is_an_output_error(tmp_path):
+    from cpplan.api import record_plan
+    from cpplan.schemas.errors import OutputError
+
+    blocker = tmp_path / "runs"
+    blocker.write_bytes(b"")
+    with pytest.raises(OutputError, match="^record_plan: cannot create the folder"):
+        record_plan(_plan(), str(blocker))
+    assert record_plan(_plan(), str(tmp_path / "ok")).endswith("step-1.msgpack")
