@@ -21,7 +21,7 @@ from cpplan.planner.compile import compile as compile_plan
 from cpplan.runtime.collectives import ACT_DTYPES
 from cpplan.runtime.executor import LayerCache, StepExecutor
 from cpplan.schemas.config import ParallelConfig
-from cpplan.schemas.errors import UsageError
+from cpplan.schemas.errors import StepInputError, UsageError
 from cpplan.schemas.step import StepInput
 
 
@@ -63,14 +63,22 @@ def warmup_steps(config: ParallelConfig, max_tokens: int, max_requests: int) -> 
 
 def warmup(executor: StepExecutor, *, seed: int = 0) -> int:
     """Run :func:`warmup_steps` through ``executor`` on scratch caches (never the engine's);
-    returns the number of steps run. Collective: call it on every rank at the same time."""
+    returns the number of steps run (a step that does not fit a very small executor or
+    max_model_len is left out: no step of that shape could run on it). Collective: call it
+    on every rank at the same time."""
     if not isinstance(executor, StepExecutor):
         raise UsageError(f"warmup: got {type(executor).__name__}; expected a StepExecutor")
     cfg = executor.config
     gen = torch.Generator(device=executor.device).manual_seed(seed)
     done = 0
     for step in warmup_steps(cfg, executor.max_tokens, executor.max_requests):
+        try:
+            step.validate(cfg)
+        except StepInputError:  # longer than max_model_len allows: no real step has it either
+            continue
         plan = compile_plan(cfg, step)
+        if plan.padded_num_tokens > executor.max_tokens:  # tiny executors: the same on each rank
+            continue
         tables, num_blocks = _scratch_tables(plan, executor.dcp_rank)
         cache = LayerCache.empty(cfg, num_blocks, executor.device)
         bound = executor.bind(plan, tables, num_blocks)

@@ -342,6 +342,12 @@ class StepExecutor:
                 raise TensorArgError(f"step {bound.plan.step_id}: {call}: cache.{name} has "
                                      f"strides {tuple(t.stride())}; expected a contiguous "
                                      f"tensor (strides ({t.shape[1]}, 1))")
+        if isinstance(cache.kv, torch.Tensor) and cache.kv.dim() == 3:  # a paged [blocks, B, row]
+            raise TensorArgError(
+                f"step {bound.plan.step_id}: {call}: cache.kv is {tuple(cache.kv.shape)}; "
+                f"expected one row a slot, [num_blocks * {cfg.block_size}, "
+                f"{cfg.kv_bytes_per_token}] (a paged cache passes kv.view(-1, "
+                f"{cfg.kv_bytes_per_token}))")
         rows = cache.kv.shape[0] if isinstance(cache.kv, torch.Tensor) else -1
         self._expect(bound, call, f"cache.kv ({cfg.kv_cache_dtype})", cache.kv,
                      (rows, cfg.kv_bytes_per_token), torch.uint8)
@@ -404,8 +410,12 @@ class StepExecutor:
             raise ConfigError(f"step {plan.step_id}: the plan was compiled for another config "
                               f"than this executor's ({plan.config!r} vs {self.config!r})")
         if plan.padded_num_tokens > self.max_tokens:
+            real = max(plan.num_tokens, default=0)
+            why = (f" (its largest rank has {real:,}, padded to a CUDA-graph size of the "
+                   "config)" if real < plan.padded_num_tokens else "")
             raise CapacityError(f"step {plan.step_id} needs {plan.padded_num_tokens:,} tokens "
-                                f"per rank, capacity {self.max_tokens:,}")
+                                f"per rank{why}, capacity {self.max_tokens:,} (the "
+                                "executor's max_tokens)")
         return check_block_tables(plan, self.dcp_rank, block_tables, num_blocks)
 
     # ------------------------------------------------------------------ per layer

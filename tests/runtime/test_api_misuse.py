@@ -279,3 +279,33 @@ def test_record_plan_into_a_file_is_an_output_error(tmp_path):
     with pytest.raises(OutputError, match="^record_plan: cannot create the folder"):
         record_plan(_plan(), str(blocker))
     assert record_plan(_plan(), str(tmp_path / "ok")).endswith("step-1.msgpack")
+
+
+@pytest.mark.parametrize("max_tokens, runs", [(1, 1), (2, 3), (3, 4)])
+def test_warmup_on_a_tiny_executor_runs_what_fits(max_tokens, runs):
+    """warmup's docstring says its steps fit the executor; at max_tokens <= 2 one did not (a
+    CapacityError naming a synthetic step 9223372036854775806). Counted against the steps
+    that compile within max_tokens, checked here one by one."""
+    from cpplan.api import warmup
+    from cpplan.warmup import warmup_steps
+
+    ex = _executor(max_tokens=max_tokens)
+    fit = [s for s in warmup_steps(CFG, max_tokens, 8)
+           if compile(CFG, s).padded_num_tokens <= max_tokens]
+    assert len(fit) == runs
+    assert warmup(ex) == runs
+
+
+def test_a_paged_3d_kv_cache_is_named_with_the_flat_shape_expected():
+    """A vLLM-style [blocks, block_size, 656] cache was told "expected (64, 656)"."""
+    from cpplan.schemas.errors import TensorArgError
+
+    ex = _executor()
+    bound = ex.bind(_plan(), BT)
+    cache = LayerCache.empty(CFG, 32, "cpu")
+    cache.kv = cache.kv.view(32, CFG.block_size, -1)
+    t = bound.plan.padded_num_tokens
+    with pytest.raises(TensorArgError, match=r"cache.kv is \(32, 64, 656\); expected one row a "
+                                             r"slot, \[num_blocks \* 64, 656\] \(a paged cache "
+                                             r"passes kv.view\(-1, 656\)\)$"):
+        ex.insert(bound, cache, torch.zeros(t, 576), torch.zeros(t, 128))
