@@ -130,12 +130,14 @@ def workspace(plan: StepPlan) -> dict:
 
 
 def plan_report(plan: StepPlan, *, with_indices: bool = False, with_cost: bool = True,
-                max_rows: int | None = None) -> dict:
+                max_rows: int | None = None, schema_version: int = SCHEMA_VERSION) -> dict:
     """The report; ``max_rows`` caps the requests and the rows per rank listed (a text report's
-    view: what is built stays bounded by what is shown), None lists everything."""
+    view: what is built stays bounded by what is shown), None lists everything.
+    ``schema_version`` is the plan file's (the default, the version this cpplan writes, is a
+    freshly compiled plan's)."""
     report = {
         "digest": digest(plan).hex(),
-        "schema_version": SCHEMA_VERSION,
+        "schema_version": schema_version,
         "step_id": plan.step_id,
         "config": msgspec.to_builtins(plan.config),
         "num_decode_rows": plan.num_decode_rows,

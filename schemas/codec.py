@@ -124,9 +124,16 @@ def _wrap(kind: str, payload, fingerprint: str) -> bytes:
     return bytes(body)
 
 
-def _unwrap(data: bytes, kind: str, max_bytes: int) -> Envelope:
+_KIND_WORDS = {KIND_PLAN: "a plan", KIND_STEP: "a step", KIND_CONFIG: "a config"}
+
+
+def _require_bytes(data, what: str = "a cpplan file") -> None:
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise PlanFormatError(f"expected bytes: got {type(data).__name__}")
+        raise PlanFormatError(f"expected the bytes of {what}: got {type(data).__name__}")
+
+
+def _unwrap(data: bytes, kind: str, max_bytes: int) -> Envelope:
+    _require_bytes(data)
     if len(data) > max_bytes:
         raise PlanFormatError(f"file too large: got {len(data):,} bytes, limit {max_bytes:,}")
     if len(data) <= CHECKSUM_BYTES:
@@ -140,12 +147,17 @@ def _unwrap(data: bytes, kind: str, max_bytes: int) -> Envelope:
     except _DECODE_FAILURES as exc:
         raise PlanFormatError(f"not a cpplan file: {_one_line(exc)}") from None
     if env.schema_version > SCHEMA_VERSION:
+        what = _KIND_WORDS.get(env.kind, f"a {env.kind[:40]!r}")
         raise SchemaVersionError(
-            f"{env.kind} written by schema version {env.schema_version} (cpplan "
-            f"{env.cpplan_version}): this cpplan reads <= {SCHEMA_VERSION}; upgrade cpplan"
+            f"{what} file written by schema version {env.schema_version} (cpplan "
+            f"{env.cpplan_version[:40]}), newer than this cpplan reads (1 to "
+            f"{SCHEMA_VERSION}): upgrade cpplan"
         )
+    if env.schema_version < 1:  # versions start at 1: 0 or less was never written
+        raise PlanFormatError(f"invalid schema version: got {env.schema_version}, expected 1 "
+                              f"to {SCHEMA_VERSION}")
     if env.kind != kind:
-        raise PlanFormatError(f"wrong kind of file: got {env.kind!r}, expected {kind!r}")
+        raise PlanFormatError(f"wrong kind of file: got {env.kind[:40]!r}, expected {kind!r}")
     if _hash128(env.payload) != env.digest:
         raise PlanFormatError("payload digest mismatch: the file is corrupted")
     return env
@@ -188,21 +200,30 @@ def decode_plan(data: bytes, *, max_bytes: int = MAX_FILE_BYTES) -> StepPlan:
     env = _unwrap(data, KIND_PLAN, max_bytes)
     plan = _decode_payload(env)
     if config_fingerprint(plan.config) != env.config_fingerprint:
-        raise PlanFormatError("config fingerprint does not match the plan's config")
+        raise PlanFormatError(f"config fingerprint does not match the plan's config: got "
+                              f"{env.config_fingerprint[:40]!r}, expected "
+                              f"{config_fingerprint(plan.config)!r}")
     check_plan(plan)  # checksum-valid is not consistent: refuse what inspect/runtime can't use
     return plan
 
 
 def read_envelope(data: bytes, *, max_bytes: int = MAX_FILE_BYTES) -> Envelope:
     """Check a file of any kind and return its envelope (kind, versions, digest)."""
-    if len(data) > CHECKSUM_BYTES:
-        try:
-            kind = _envelope_decoder.decode(bytes(data[:-CHECKSUM_BYTES])).kind
-        except _DECODE_FAILURES:
-            kind = KIND_PLAN
-    else:
-        kind = KIND_PLAN
-    return _unwrap(data, kind, max_bytes)
+    _require_bytes(data)
+    return _unwrap(data, file_kind(data) or KIND_PLAN, max_bytes)
+
+
+def file_kind(data) -> str | None:
+    """The kind an envelope at the start of ``data`` names, its checksum not verified: a probe
+    to choose the decoder (which checks everything), None when ``data`` holds no envelope."""
+    if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) <= CHECKSUM_BYTES \
+            or len(data) > MAX_FILE_BYTES:
+        return None
+    try:
+        kind = _envelope_decoder.decode(memoryview(data)[:-CHECKSUM_BYTES]).kind
+    except _DECODE_FAILURES:
+        return None
+    return kind
 
 
 # ---------------------------------------------------------------- JSON
@@ -256,7 +277,8 @@ def _refuse_duplicates(pairs):
 def decode_json_object(data, what: str, max_bytes: int = 2**20) -> dict:
     """A small JSON object (e.g. ``replay.json``): BOM accepted, duplicate keys refused; any
     failure is a PlanFormatError naming ``what``."""
-    if isinstance(data, (bytes, bytearray, memoryview)) and len(data) > max_bytes:
+    _require_bytes(data, f"{what} (JSON)")
+    if len(data) > max_bytes:
         raise PlanFormatError(f"{what}: file too large: got {len(data):,} bytes, limit "
                               f"{max_bytes:,}")
     obj = _decode_json(_object_json_decoder, _strip_bom(data), what)

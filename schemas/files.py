@@ -9,8 +9,13 @@ being loaded. Every failure is an :class:`InputFileError` naming the path.
 Writing (:func:`write_atomic`): all or nothing (a temp file in the same folder, then a rename),
 so an error or an interrupt never leaves a half-written file. Only a regular file or a new path
 is replaced: a symlink, device, FIFO or folder at the target is refused (as root, ``-o
-/dev/null`` would otherwise replace the system's). Every failure is an :class:`OutputError`
-naming the target.
+/dev/null`` would otherwise replace the system's), and so is one of the caller's own inputs
+(``cpplan plan s.json -o s.json`` would replace the step with its plan). A replaced file keeps
+its permission bits; being a rename, the replace does not keep a hard link to the old file (the
+other names keep the old bytes). Every failure is an :class:`OutputError` naming the target.
+
+A path is a str, bytes or ``os.PathLike``; anything else, or a path holding a NUL byte, is the
+same typed error, never os's ``TypeError`` / ``ValueError``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from cpplan.schemas.errors import InputFileError, OutputError
 
 MAX_INPUT_BYTES = 256 * 2**20  # the codec's MAX_FILE_BYTES: no cpplan input is larger
 _READ_CHUNK = 1 << 20
+_TMP_PREFIX_BYTES = 64  # of the target's name in the temp file's: ".NAME.XXXXXXXX" fits NAME_MAX
 
 _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
           (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symlink"))
@@ -41,9 +47,23 @@ def _oserror_words(exc: OSError) -> str:
     return exc.strerror or errno.errorcode.get(exc.errno or 0, type(exc).__name__)
 
 
+def _path_name(path, error: type[Exception], verb: str) -> str:
+    """``path`` as a str (bytes decoded as the file system does), else ``error``: a wrong type,
+    or a NUL byte (no file name holds one), is one line here rather than os's TypeError or
+    ValueError."""
+    try:
+        name = os.fsdecode(path)
+    except TypeError:
+        raise error(f"cannot {verb}: expected a file path (str, bytes or os.PathLike): got "
+                    f"{type(path).__name__}") from None
+    if "\x00" in name:
+        raise error(f"cannot {verb} {name[:200]!r}: a file path cannot hold a NUL byte")
+    return name
+
+
 def read_input(path: str | os.PathLike, max_bytes: int = MAX_INPUT_BYTES) -> bytes:
     """The bytes of the regular file ``path`` (at most ``max_bytes``), else InputFileError."""
-    name = os.fspath(path)
+    name = _path_name(path, InputFileError, "read")
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) \
         | getattr(os, "O_CLOEXEC", 0)
     try:
@@ -80,11 +100,12 @@ def _read_capped(fd: int, name: str, max_bytes: int) -> bytes:
     return b"".join(parts)
 
 
-def check_output_target(path: str | os.PathLike) -> Path:
-    """Refuse an output path that is not a regular file or a new path, or whose folder is
-    missing; returns it as a Path."""
-    target = Path(path)
-    name = os.fspath(path)
+def check_output_target(path: str | os.PathLike, inputs=()) -> Path:
+    """Refuse an output path that is not a regular file or a new path, whose folder is missing,
+    or that is the same file as one of ``inputs`` (the caller's input paths); returns it as a
+    Path."""
+    name = _path_name(path, OutputError, "write")
+    target = Path(name)
     if not name or name.endswith(os.sep):
         raise OutputError(f"cannot write {name!r}: expected a file path")
     try:
@@ -99,19 +120,57 @@ def check_output_target(path: str | os.PathLike) -> Path:
     parent = target.parent
     if not parent.is_dir():
         raise OutputError(f"cannot write {name}: folder {os.fspath(parent)} does not exist")
+    if info is not None:
+        _refuse_an_input(name, inputs)
     return target
 
 
-def write_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` all or nothing; OutputError (naming ``path``) on failure."""
-    target = check_output_target(path)
-    name = os.fspath(path)
+def _refuse_an_input(name: str, inputs) -> None:
+    """OutputError when the existing file ``name`` is one of ``inputs`` (same inode: a hard
+    link or another spelling of the path counts)."""
+    for item in inputs:
+        try:
+            same = item is not None and os.path.samefile(name, item)
+        except (OSError, ValueError, TypeError):
+            continue  # a missing or unusable input is reported when it is read
+        if same:
+            other = os.fsdecode(item)
+            what = "" if os.path.abspath(other) == os.path.abspath(name) else f" ({other})"
+            raise OutputError(f"refusing to replace {name}: it is an input of this command"
+                              f"{what}; write the output to another path")
+
+
+def _tmp_prefix(target: Path) -> str:
+    """``.NAME.`` with NAME the target's name cut to _TMP_PREFIX_BYTES encoded bytes (a cut by
+    characters let a 252-byte name of 4-byte characters give a temp name over NAME_MAX); the
+    cut drops a partial character, so the prefix stays valid UTF-8."""
+    head = os.fsencode(target.name)[:_TMP_PREFIX_BYTES]
+    return f".{head.decode('utf-8', 'ignore')}."
+
+
+def _mode_for(target: Path) -> int:
+    """The permission bits of the file being replaced, else what open() gives a new file."""
+    try:
+        info = os.stat(target)
+    except OSError:
+        return 0o666 & ~_UMASK
+    return stat.S_IMODE(info.st_mode) if stat.S_ISREG(info.st_mode) else 0o666 & ~_UMASK
+
+
+def write_atomic(path: str | os.PathLike, data: bytes, *, inputs=()) -> None:
+    """Write ``data`` to ``path`` all or nothing; OutputError (naming ``path``) on failure. An
+    existing file at ``path`` keeps its permission bits (not its hard links: the write is a
+    rename over it); one that is the same file as one of ``inputs`` is refused."""
+    target = check_output_target(path, inputs)
+    name = os.fsdecode(path)
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise OutputError(f"cannot write {name}: expected bytes: got {type(data).__name__}")
     tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name[:64]}.", dir=target.parent)
+        fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(target), dir=target.parent)
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
-        os.chmod(tmp, 0o666 & ~_UMASK)  # what open() would have given a new file
+        os.chmod(tmp, _mode_for(target))
         os.replace(tmp, target)
         tmp = None
     except OSError as exc:

@@ -3,7 +3,10 @@
 Every command turns cpplan's own errors (and any OSError) into one line on stderr and the
 error's exit code (2 for bad input), never a traceback; control characters in the line are
 escaped. A reader closing stdout early (``| head``) ends the output quietly: the command's own
-exit code (0, or diff's 0/1), no BrokenPipe traceback. See FAILURE_BEHAVIOUR.md.
+exit code (0, or diff's 0/1), no BrokenPipe traceback. stdout and stderr write what their
+encoding cannot hold as backslash escapes (a non-ASCII req_id under ``PYTHONIOENCODING=ascii``),
+and an optional package missing (``pip install .`` has no rich, matplotlib or torch) is one
+line naming the extra that installs it (docs/design.md §6.10).
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ COMMANDS = {
 }
 
 EXIT_BAD_INPUT = 2
+
+# optional packages -> the extra of pyproject.toml that installs them
+OPTIONAL_EXTRAS = {"rich": "cli", "matplotlib": "cli", "torch": "runtime", "triton": "runtime",
+                   "flash_mla": "flashmla"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -57,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _escape_unencodable_output()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
@@ -70,6 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         quiet_broken_pipe()
         return 0
+    except ModuleNotFoundError as exc:  # an optional package left out, or a broken install
+        top = (exc.name or "?").partition(".")[0]
+        extra = OPTIONAL_EXTRAS.get(top)
+        hint = f'pip install "cpplan[{extra}]"' if extra else "reinstall cpplan"
+        _error_line(args.command, f"needs {exc.name if top == 'cpplan' else top}, which is "
+                                  f"not installed: {hint}")
+        return EXIT_BAD_INPUT
     except OSError as exc:
         where = f": {exc.filename}" if exc.filename else ""
         _error_line(args.command, f"{exc.strerror or exc}{where}")
@@ -77,6 +92,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write(f"cpplan {args.command}: interrupted\n")
         return 130
+
+
+def _escape_unencodable_output() -> None:
+    """Characters the terminal's encoding lacks are written as ``\\xNN`` / ``\\uNNNN``
+    escapes instead of raising UnicodeEncodeError mid-report."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            try:
+                reconfigure(errors="backslashreplace")
+            except (ValueError, OSError):  # closed, or not reconfigurable now
+                pass
 
 
 def _error_line(command: str, message: str) -> None:

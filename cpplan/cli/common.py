@@ -1,11 +1,15 @@
-"""What several commands share: config flags, loading a plan (or compiling a step), output."""
+"""What several commands share: config flags, paths, loading a plan (or compiling a step),
+output. Input errors name the file they concern (docs/design.md §6.10)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 
 from cpplan.schemas import (
+    SCHEMA_VERSION,
+    ConfigError,
     ParallelConfig,
     PlanFormatError,
     StepPlan,
@@ -14,11 +18,14 @@ from cpplan.schemas import (
     decode_step,
 )
 from cpplan.schemas import codec
+from cpplan.schemas.errors import InputFileError
 from cpplan.schemas.files import read_input
 
 
 INT32_MAX = 2**31 - 1
+MAX_PARALLEL_SIZE = 1024  # ParallelConfig's limit on pcp_size / dcp_size
 MAX_LIST_ITEMS = 4096
+PATHS_NOTE = "Paths are files: '-' (stdin/stdout) is not supported; write ./- for a file named '-'."
 
 
 def bounded_int(low: int, high: int):
@@ -43,7 +50,19 @@ def _parse_int(text: str) -> int:
     return int(stripped)
 
 
-_positive_int = bounded_int(0, INT32_MAX)
+_size = bounded_int(1, INT32_MAX)  # ParallelConfig's sizes are in [1, 2**31 - 1]
+_parallel_size = bounded_int(1, MAX_PARALLEL_SIZE)
+
+
+def path_arg(text: str) -> str:
+    """An argparse type for a file path: '-' is refused (it would be read or written as a
+    file named '-', not as stdin/stdout), and so is an empty path."""
+    if text == "-":
+        raise argparse.ArgumentTypeError("'-' (stdin/stdout) is not supported: give a file path "
+                                         "(./- for a file named '-')")
+    if not text:
+        raise argparse.ArgumentTypeError("expected a file path: got ''")
+    return text
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -67,19 +86,20 @@ def _int_list(text: str) -> tuple[int, ...]:
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """--config FILE, or the topology flags (defaults: ParallelConfig's)."""
     group = parser.add_argument_group("config (a file, or flags over the defaults)")
-    group.add_argument("--config", metavar="CONFIG", help="config file (JSON or cpplan msgpack)")
-    group.add_argument("--pcp", type=_positive_int, metavar="P", help="PCP size (default 1)")
-    group.add_argument("--dcp", type=_positive_int, metavar="W", help="DCP size (default 1)")
-    group.add_argument("--interleave", type=_positive_int, metavar="I",
+    group.add_argument("--config", type=path_arg, metavar="CONFIG",
+                       help="config file (JSON or cpplan msgpack)")
+    group.add_argument("--pcp", type=_parallel_size, metavar="P", help="PCP size (default 1)")
+    group.add_argument("--dcp", type=_parallel_size, metavar="W", help="DCP size (default 1)")
+    group.add_argument("--interleave", type=_size, metavar="I",
                        help="KV interleave size (default 1)")
-    group.add_argument("--block-size", type=_positive_int, metavar="B", help="default 64")
-    group.add_argument("--max-model-len", type=_positive_int, metavar="N",
+    group.add_argument("--block-size", type=_size, metavar="B", help="default 64")
+    group.add_argument("--max-model-len", type=_size, metavar="N",
                        help="default 131072")
     group.add_argument("--kv-cache-dtype", choices=["fp8_ds_mla", "bf16"])
     group.add_argument("--cudagraph-sizes", type=_int_list, metavar="8,16,...",
                        help="CUDA-graph token sizes (default none: eager)")
-    group.add_argument("--gather-workspace-tokens", type=_positive_int, metavar="N",
-                       help="gathered KV rows per chunk (default the minimum)")
+    group.add_argument("--gather-workspace-tokens", type=bounded_int(0, INT32_MAX), metavar="N",
+                       help="gathered KV rows per chunk (default, or 0: the minimum)")
 
 
 _FLAG_FIELDS = {
@@ -90,15 +110,21 @@ _FLAG_FIELDS = {
 }
 
 
+def config_flags_given(args: argparse.Namespace) -> list[str]:
+    """The config flags on the command line (--config first), as the user spells them."""
+    names = ["--config"] if getattr(args, "config", None) is not None else []
+    return names + ["--" + flag.replace("_", "-") for flag in _FLAG_FIELDS
+                    if getattr(args, flag, None) is not None]
+
+
 def config_from_args(args: argparse.Namespace) -> ParallelConfig:
     overrides = {field: getattr(args, flag) for flag, field in _FLAG_FIELDS.items()
                  if getattr(args, flag, None) is not None}
     if getattr(args, "config", None):
         if overrides:
-            names = ", ".join("--" + f.replace("_", "-") for f in _FLAG_FIELDS
-                              if getattr(args, f, None) is not None)
+            names = ", ".join(config_flags_given(args)[1:])
             raise PlanFormatError(f"give --config or topology flags, not both: got {names}")
-        return decode_config(read_file(args.config))
+        return named(args.config, decode_config, read_file(args.config))
     return ParallelConfig(**overrides)
 
 
@@ -107,25 +133,63 @@ def read_file(path: str) -> bytes:
     return read_input(path)
 
 
-def is_plan_file(data: bytes) -> bool:
+def named(path: str, decode, data: bytes):
+    """``decode(data)``, its decoding errors (same type) prefixed with the file's path."""
     try:
-        return codec.read_envelope(data).kind == codec.KIND_PLAN
-    except PlanFormatError:
-        return False
+        return decode(data)
+    except InputFileError:
+        raise
+    except PlanFormatError as exc:
+        raise type(exc)(f"{path}: {exc}") from None
 
 
-def load_plan(path: str, args: argparse.Namespace) -> StepPlan:
-    """A plan file, or a step file (JSON/msgpack) compiled with the config from args."""
-    data = read_file(path)
-    if is_plan_file(data):
-        return decode_plan(data)
+@dataclass(frozen=True)
+class Loaded:
+    """A plan as a command got it: from a plan file (``schema_version`` the file's) or compiled
+    from a step file (the version this cpplan writes)."""
+
+    path: str
+    plan: StepPlan
+    schema_version: int
+
+
+def load_plans(paths: list[str], args: argparse.Namespace) -> list[Loaded]:
+    """Each path's plan: a plan file as it is, a step file (JSON or msgpack) compiled with the
+    config from args. Config flags where no input is a step file are refused: a plan carries
+    its own config, and the flags would be silently ignored."""
+    datas = [read_file(path) for path in paths]
+    kinds = [codec.file_kind(data) for data in datas]
+    flags = config_flags_given(args)
+    if flags and all(kind == codec.KIND_PLAN for kind in kinds):
+        files = " and ".join(paths) + (" are plan files, which carry their config"
+                                       if len(paths) > 1 else " is a plan file, which carries "
+                                       "its config")
+        raise ConfigError(f"{', '.join(flags)} appl{'y' if len(flags) > 1 else 'ies'} to step "
+                          f"files only: {files}; drop the flag")
+    config = None
+    loaded = []
+    for path, data, kind in zip(paths, datas, kinds):
+        if kind == codec.KIND_PLAN:
+            plan = named(path, decode_plan, data)
+            version = codec.read_envelope(data).schema_version
+            loaded.append(Loaded(path, plan, version))
+            continue
+        step = _decode_step(path, data, kind)
+        from cpplan.planner import compile as compile_plan
+
+        if config is None:
+            config = config_from_args(args)
+        loaded.append(Loaded(path, compile_plan(config, step), SCHEMA_VERSION))
+    return loaded
+
+
+def _decode_step(path: str, data: bytes, kind: str | None):
+    if kind == codec.KIND_STEP:  # a cpplan step file: its own errors, named
+        return named(path, decode_step, data)
     try:
-        step = decode_step(data)
+        return decode_step(data)
     except PlanFormatError as exc:
         raise PlanFormatError(f"{path}: neither a plan nor a step file ({exc})") from None
-    from cpplan.planner import compile as compile_plan
-
-    return compile_plan(config_from_args(args), step)
 
 
 def stdout_is_terminal() -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from cpplan.cli.common import add_config_flags, load_plan
+from cpplan.cli.common import PATHS_NOTE, add_config_flags, load_plans, path_arg
 from cpplan.cli.terminal import emit, plain
 from cpplan.report import plan_report
 
@@ -12,7 +12,8 @@ EXAMPLE = """examples:
   cpplan diff golden.msgpack new.msgpack
   cpplan diff golden.msgpack step.json --config config.json
 exit status: 0 equal, 1 different, 2 error
-"""
+config flags (--config, --pcp, ...) apply to the step file(s) only: a plan carries its config.
+""" + PATHS_NOTE + "\n"
 
 MAX_LINES_PER_SECTION = 20
 MAX_ROWS_COMPARED = 100_000  # requests, and rows per rank, compared entry by entry
@@ -25,8 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "flags): digest, request modes, rows, shapes, gather chunks, collectives.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("a", metavar="A", help="plan file (or step file + config)")
-    parser.add_argument("b", metavar="B", help="plan file (or step file + config)")
+    parser.add_argument("a", metavar="A", type=path_arg, help="plan file (or step file + config)")
+    parser.add_argument("b", metavar="B", type=path_arg, help="plan file (or step file + config)")
     add_config_flags(parser)
     parser.set_defaults(run=run)
 
@@ -91,6 +92,11 @@ def _requests_diff(a: dict, b: dict) -> list[str]:
 
 
 def _ranks_diff(a: dict, b: dict) -> list[str]:
+    """Rank by rank; a rank in one plan only (another P) is named first, before the capped
+    row differences of the ranks both have."""
+    only = [f"rank {r['rank']}: only in {side} ({len(r['rows'])} rows, {r['num_tokens']} tokens)"
+            for side, mine, other in (("A", a, b), ("B", b, a))
+            for r in mine["ranks"][len(other["ranks"]):]]
     section = []
     for ra, rb in zip(a["ranks"], b["ranks"]):
         section += _compare_dicts(f"rank {ra['rank']}", ra, rb, skip=("rows",))
@@ -102,7 +108,7 @@ def _ranks_diff(a: dict, b: dict) -> list[str]:
             else:
                 section += _compare_dicts(f"rank {ra['rank']} row {j}", ra["rows"][j],
                                           rb["rows"][j])
-    return section
+    return only + section
 
 
 def _chunks_diff(a: dict, b: dict) -> list[str]:
@@ -124,9 +130,12 @@ def _cap(lines: list[str]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    plan_a, plan_b = load_plan(args.a, args), load_plan(args.b, args)
-    a = plan_report(plan_a, with_cost=False, max_rows=MAX_ROWS_COMPARED)
-    b = plan_report(plan_b, with_cost=False, max_rows=MAX_ROWS_COMPARED)
+    loaded_a, loaded_b = load_plans([args.a, args.b], args)
+    plan_a, plan_b = loaded_a.plan, loaded_b.plan
+    a = plan_report(plan_a, with_cost=False, max_rows=MAX_ROWS_COMPARED,
+                    schema_version=loaded_a.schema_version)
+    b = plan_report(plan_b, with_cost=False, max_rows=MAX_ROWS_COMPARED,
+                    schema_version=loaded_b.schema_version)
     lines = diff_reports(a, b)
     if not lines:
         emit(f"plans are equal (digest {a['digest']})")

@@ -6,7 +6,8 @@ import argparse
 
 import numpy as np
 
-from cpplan.cli.common import add_config_flags, bounded_int, load_plan
+from cpplan.cli.common import (PATHS_NOTE, add_config_flags, bounded_int, load_plans,
+                               path_arg)
 from cpplan.schemas import MODE_DECODE, MODE_REPLICATED, MODE_SPLIT, StepPlan
 from cpplan.schemas.errors import CapacityError, OutputError
 from cpplan.schemas.files import check_output_target, write_atomic
@@ -14,7 +15,8 @@ from cpplan.schemas.files import check_output_target, write_atomic
 EXAMPLE = """examples:
   cpplan draw step.msgpack -o step.png
   cpplan draw step.json --pcp 4 --dcp 4 -o step.png
-"""
+config flags (--config, --pcp, ...) apply to a step file only: a plan carries its config.
+""" + PATHS_NOTE + "\n"
 
 # How a mode looks: (hatch, edge colour). Fill colour is per request.
 MODE_STYLE = {MODE_DECODE: ("", "#1f4e79"), MODE_SPLIT: ("", "black"),
@@ -35,8 +37,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "bracketed under each lane.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("plan", metavar="PLAN", help="plan file, or a step file plus config")
-    parser.add_argument("-o", "--output", required=True, metavar="PNG")
+    parser.add_argument("plan", metavar="PLAN", type=path_arg,
+                        help="plan file, or a step file plus config")
+    parser.add_argument("-o", "--output", required=True, metavar="PNG", type=path_arg,
+                        help="the picture (a .png path; never one of the inputs)")
     parser.add_argument("--dpi", type=bounded_int(MIN_DPI, MAX_DPI), default=120,
                         help=f"resolution, {MIN_DPI} to {MAX_DPI} (default 120)")
     add_config_flags(parser)
@@ -46,9 +50,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if not args.output.lower().endswith(".png"):
         raise OutputError(f"output must be a .png file: got {args.output!r}")
-    check_output_target(args.output)  # before the work, not after
-    plan = load_plan(args.plan, args)
-    write_atomic(args.output, render_png(plan, dpi=args.dpi))
+    inputs = (args.plan, args.config)
+    check_output_target(args.output, inputs)  # before the work, not after
+    plan = load_plans([args.plan], args)[0].plan
+    write_atomic(args.output, render_png(plan, dpi=args.dpi), inputs=inputs)
     return 0
 
 

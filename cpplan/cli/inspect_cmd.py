@@ -6,17 +6,19 @@ import argparse
 import json
 import sys
 
-from cpplan.cli.common import add_config_flags, load_plan
+from cpplan.cli.common import PATHS_NOTE, add_config_flags, load_plans, path_arg
 from cpplan.cli.terminal import emit, markup, quiet_broken_pipe
 from cpplan.report import plan_report
-from cpplan.schemas import StepInputError
+from cpplan.schemas import ConfigError, StepInputError
 
 EXAMPLE = """examples:
   cpplan inspect step.msgpack                     # a recorded plan
   cpplan inspect step.msgpack --rank 1            # only PCP rank 1's rows
   cpplan inspect step.json --pcp 4 --dcp 4        # compile a step on the fly
   cpplan inspect step.msgpack --json | jq .collectives
-"""
+  cpplan inspect step.msgpack --json --indices    # with the deinterleave indices
+config flags (--config, --pcp, ...) apply to a step file only: a plan carries its config.
+""" + PATHS_NOTE + "\n"
 
 MAX_ROWS_SHOWN = 64  # requests, and rows per rank, in the text report; --json has them all
 
@@ -28,23 +30,29 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "gather chunks, collectives, cost and workspace.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("plan", metavar="PLAN", help="plan file, or a step file plus config")
+    parser.add_argument("plan", metavar="PLAN", type=path_arg,
+                        help="plan file, or a step file plus config")
     parser.add_argument("--rank", type=int, metavar="R", help="show one PCP rank's rows only")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     parser.add_argument("--indices", action="store_true",
-                        help="include each gather chunk's deinterleave indices (JSON)")
+                        help="with --json: include each gather chunk's deinterleave indices")
     add_config_flags(parser)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    plan = load_plan(args.plan, args)
+    if args.indices and not args.json:
+        raise ConfigError("--indices adds the deinterleave indices to the JSON report only: "
+                          "add --json")
+    loaded = load_plans([args.plan], args)[0]
+    plan = loaded.plan
     if args.rank is not None and not 0 <= args.rank < plan.config.pcp_size:
         raise StepInputError(
             f"--rank must be in [0, {plan.config.pcp_size}) for pcp_size "
             f"{plan.config.pcp_size}: got {args.rank}")
     report = plan_report(plan, with_indices=args.indices,
-                         max_rows=None if args.json else MAX_ROWS_SHOWN)
+                         max_rows=None if args.json else MAX_ROWS_SHOWN,
+                         schema_version=loaded.schema_version)
     if args.rank is not None:
         report["ranks"] = [report["ranks"][args.rank]]
     if args.json:

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from cpplan.cli.common import add_config_flags, config_from_args, read_file
-from cpplan.schemas.files import write_atomic
+from cpplan.cli.common import (PATHS_NOTE, add_config_flags, config_from_args, named,
+                               path_arg, read_file)
+from cpplan.schemas.files import check_output_target, write_atomic
 from cpplan.schemas import decode_step, digest, encode_plan
 
 EXAMPLE = """example:
   cpplan plan examples/step.json --pcp 2 --dcp 2 -o step.msgpack
   cpplan plan step.json --config config.json -o step.msgpack
-"""
+""" + PATHS_NOTE + "\n"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,8 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "digest. The same step and config always give the same file bytes.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("step", metavar="STEP", help="step file (JSON or msgpack)")
-    parser.add_argument("-o", "--output", required=True, metavar="PLAN.msgpack")
+    parser.add_argument("step", metavar="STEP", type=path_arg, help="step file (JSON or msgpack)")
+    parser.add_argument("-o", "--output", required=True, metavar="PLAN.msgpack", type=path_arg,
+                        help="the plan file to write (never one of the inputs)")
     add_config_flags(parser)
     parser.set_defaults(run=run)
 
@@ -30,9 +32,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from cpplan.planner import compile as compile_plan
 
+    inputs = (args.step, args.config)
+    check_output_target(args.output, inputs)  # before the work, not after
     config = config_from_args(args)
-    step = decode_step(read_file(args.step))
+    step = named(args.step, decode_step, read_file(args.step))
     plan = compile_plan(config, step)
-    write_atomic(args.output, encode_plan(plan))
+    write_atomic(args.output, encode_plan(plan), inputs=inputs)
     print(digest(plan).hex())
     return 0

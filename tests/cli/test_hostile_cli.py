@@ -73,11 +73,16 @@ def test_fifo_does_not_hang_a_real_process(tmp_path):
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["--pcp", "9223372036854775808"], "argument --pcp: expected an integer in [0, 2147483647]"),
+    (["--pcp", "9223372036854775808"], "argument --pcp: expected an integer in [1, 1024]"),
     (["--cudagraph-sizes", "16,1099511627776"], "expected sizes in [1, 2147483647]"),
     (["--cudagraph-sizes", "16,x"], "expected comma-separated integers"),
     (["--max-model-len", "1e9"], "expected an integer"),
-    (["--pcp", "2048"], "pcp_size must be <= 1024"),
+    (["--pcp", "2048"], "argument --pcp: expected an integer in [1, 1024]: got 2048"),
+    # the range a message names is the range accepted: 0 is not a size
+    (["--pcp", "0"], "argument --pcp: expected an integer in [1, 1024]: got 0"),
+    (["--dcp", "-1"], "argument --dcp: expected an integer in [1, 1024]: got -1"),
+    (["--max-model-len", "0"], "argument --max-model-len: expected an integer in [1, 2147483647]"),
+    (["--gather-workspace-tokens", "-1"], "expected an integer in [0, 2147483647]: got -1"),
 ])
 def test_integer_flags_bounded(step_file, tmp_path, flags, words):
     one_line_error(run_cli("plan", step_file, *flags, "-o", tmp_path / "p.msgpack"), words)
