@@ -67,4 +67,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    import argparse
+    import sys
+
+    argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/overflow_sweep.py: needs a CUDA GPU")
     main()
