@@ -104,13 +104,37 @@ class LedgerEntry:
 
 
 class Ledger:
-    """The collectives one rank issued in one step, in issue order."""
+    """The collectives one rank issued in one step, in issue order. Given the step's ``plan``
+    (debug mode), each entry is compared with the plan's entry at its position as it is
+    recorded, before the collective is issued: a rank about to issue a collective the plan
+    does not list there (an engine that skipped a layer's ``attend``, a tensor of another
+    dtype) raises CollectiveLedgerError, which its peers hear of as PeerFailedError, rather
+    than entering a collective its peers are not in (gloo aborts the process; NCCL hangs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, plan: StepPlan | None = None, rank: int = 0) -> None:
         self.entries: list[LedgerEntry] = []
+        self._plan, self._rank = plan, rank
+        self._planned: tuple | None = None  # (per-layer entries, once-a-step entries)
 
     def record(self, name: str, op: str, group: str, dtype: str, shape) -> None:
-        self.entries.append(LedgerEntry(name, op, group, dtype, tuple(int(d) for d in shape)))
+        entry = LedgerEntry(name, op, group, dtype, tuple(int(d) for d in shape))
+        self.entries.append(entry)
+        if self._plan is not None:
+            self._check_last(entry)
+
+    def _check_last(self, entry: LedgerEntry) -> None:
+        plan, k = self._plan, len(self.entries) - 1
+        if self._planned is None:  # built at the first collective: bind stays as cheap
+            self._planned = tuple(
+                [LedgerEntry(c.name, c.op, c.group, c.dtype, tuple(c.shape))
+                 for c in plan.collectives if c.per_layer == per_layer] for per_layer in (True, False))
+        layers, once = self._planned
+        n = len(layers) * plan.config.num_layers
+        want = layers[k % len(layers)] if k < n else (once[k - n] if k - n < len(once) else None)
+        if entry != want:
+            raise CollectiveLedgerError(
+                f"rank {self._rank}, step {plan.step_id}: collective #{k} would issue {entry} "
+                f"but the plan lists {want} there; not issued")
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -152,9 +176,10 @@ class StepChannel:
     hold the same plan (docs/design.md §5). ``watch`` (or None) is the step's fault watch.
     """
 
-    def __init__(self, comm: Comm, pending_check=None, watch=None) -> None:
+    def __init__(self, comm: Comm, pending_check=None, watch=None, plan: StepPlan | None = None,
+                 rank: int = 0) -> None:
         self.comm = comm
-        self.ledger = Ledger()
+        self.ledger = Ledger(plan, rank)  # with a plan: each collective checked as it is issued
         self.pending_check = pending_check
         self.watch = watch
 

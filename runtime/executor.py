@@ -288,7 +288,9 @@ class StepExecutor:
         if self.watchdog is not None:
             self.watchdog.watch(watch)
         return BoundStep(plan, host.meta, host.layout, views,
-                         coll.StepChannel(self.comm, pending, watch), lease=self.arena.lease,
+                         coll.StepChannel(self.comm, pending, watch,
+                                          plan if self.debug else None, self.rank_id),
+                         lease=self.arena.lease,
                          owner=self,
                          cache_rows=(top + 1) * plan.config.block_size)
 

@@ -37,7 +37,9 @@ from cpplan.warmup import warmup
 
 INJECT_KINDS = ("reorder", "q+1", "drop", "config", "step-id")
 KILL_KINDS = ("exit", "hang", "stop")  # die / stay alive and silent / SIGSTOP itself
-FAIL_KINDS = ("bind", "insert", "attend")  # where a rank raises locally
+# where a rank raises locally; "skip-attend": it leaves out the step's attend calls (an engine
+# bug), so its next collective is not the plan's next: caught before it is issued
+FAIL_KINDS = ("bind", "insert", "attend", "skip-attend")
 # float32 on CPU: ranks and oracle select the same keys (exact integer indexer scores) and read
 # the same dequantised rows; what differs is the summation order (einsum blocking, the LSE merge
 # over W partial softmaxes), a few float32 ulps of outputs bounded by 1: 1e-7 measured.
@@ -303,6 +305,8 @@ class _Malformed:
         self.executor.insert(bound, cache, kv_new, index_k_new)
 
     def attend(self, bound, cache, q, index_q, index_w):
+        if self.where == "skip-attend":
+            return q.new_zeros(q.shape[0], q.shape[1], 512)
         if self.where == "attend":
             q = q[:, :, :100]
         return self.executor.attend(bound, cache, q, index_q, index_w)

@@ -23,7 +23,8 @@ import pytest
 
 from cpplan.cli import simulate_cmd
 from cpplan.runtime.faults import one_line
-from cpplan.schemas.errors import PeerFailedError, RankLostError, StepInputError
+from cpplan.schemas.errors import (CollectiveLedgerError, PeerFailedError, RankLostError,
+                                   StepInputError)
 from cpplan.sim.launch import World
 from cpplan.sim.simulate import Inject, SimOptions, rank_main
 
@@ -32,7 +33,8 @@ TIMEOUT = 5.0  # the control timeout of every case here; the data timeout stays 
 
 
 @pytest.mark.parametrize("where,verify", [("bind", "every"), ("bind", "off"),
-                                          ("insert", "every"), ("attend", "every")])
+                                          ("insert", "every"), ("attend", "every"),
+                                          ("skip-attend", "every")])
 def test_local_failure_stops_the_peer_naming_the_rank(where, verify):
     opts = SimOptions(pcp=2, dcp=2, steps=3, layers=1, progress=False, timeout_s=TIMEOUT,
                       verify=verify, fail=Inject(step=2, rank=1, kind=where))
@@ -43,6 +45,9 @@ def test_local_failure_stops_the_peer_naming_the_rank(where, verify):
     own = failed["error"]
     if where == "bind":
         assert isinstance(own, StepInputError) and "block_tables[0][0]" in str(own)
+    elif where == "skip-attend":  # its restore was caught before it was issued: gloo aborted
+        assert isinstance(own, CollectiveLedgerError) and "would issue" in str(own)
+        assert "name='restore'" in str(own) and str(own).endswith("not issued")
     else:  # the malformed tensor fails inside the executor (kernel shape check or einsum)
         assert "576" in str(own) and failed["step"] == 2
     err = peer["error"]
