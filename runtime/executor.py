@@ -135,9 +135,9 @@ class BoundStep:
         return self.channel.ledger
 
 
+MAX_ARENA_WORDS = 1 << 28  # 2 GiB of int64 words per arena: far above any real step's tables
 # the dims the runtime's kernels and cache formats take (docs/design.md §4); a config may plan
 # other dims, but no kernel here would compute them
-MAX_ARENA_WORDS = 1 << 28  # 2 GiB of int64 words per arena: far above any real step's tables
 RUNTIME_DIMS = {"qk_head_dim": 576, "v_head_dim": 512, "index_head_dim": 128}
 
 
