@@ -125,9 +125,7 @@ class Ledger:
     def _check_last(self, entry: LedgerEntry) -> None:
         plan, k = self._plan, len(self.entries) - 1
         if self._planned is None:  # built at the first collective: bind stays as cheap
-            self._planned = tuple(
-                [LedgerEntry(c.name, c.op, c.group, c.dtype, tuple(c.shape))
-                 for c in plan.collectives if c.per_layer == per_layer] for per_layer in (True, False))
+            self._planned = planned_entries(plan)
         layers, once = self._planned
         n = len(layers) * plan.config.num_layers
         want = layers[k % len(layers)] if k < n else (once[k - n] if k - n < len(once) else None)
@@ -140,13 +138,19 @@ class Ledger:
         return len(self.entries)
 
 
+def planned_entries(plan: StepPlan) -> tuple[list[LedgerEntry], list[LedgerEntry]]:
+    """The plan's collectives as ledger entries: (the per-layer ones, the once-per-step ones
+    such as ``restore``), each in plan order."""
+    entries = [(c.per_layer, LedgerEntry(c.name, c.op, c.group, c.dtype, tuple(c.shape)))
+               for c in plan.collectives]
+    return [e for p, e in entries if p], [e for p, e in entries if not p]
+
+
 def expected_ledger(plan: StepPlan) -> list[LedgerEntry]:
     """The plan's collective list as issued: per-layer entries repeated for every layer (in plan
     order), then the once-per-step entries (``restore``)."""
-    per_layer = [c for c in plan.collectives if c.per_layer]
-    once = [c for c in plan.collectives if not c.per_layer]
-    seq = per_layer * plan.config.num_layers + once
-    return [LedgerEntry(c.name, c.op, c.group, c.dtype, tuple(c.shape)) for c in seq]
+    layers, once = planned_entries(plan)
+    return layers * plan.config.num_layers + once
 
 
 def check_ledger(plan: StepPlan, ledger: Ledger, rank: int) -> None:

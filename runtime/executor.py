@@ -30,7 +30,7 @@ from cpplan.runtime.exchange import ROWS
 from cpplan.runtime.faults import FaultBoard, StepWatch, Watchdog
 from cpplan.runtime.kernels import gather_indexer_k, get_kernels, scatter_indexer_k
 from cpplan.runtime.kernels import reference as kref
-from cpplan.runtime.segments import (build_tables, check_block_tables, compile_host_kernels,
+from cpplan.runtime.segments import (build_tables, check_block_tables, compile_host_kernels, int_in,
                                      local_prefill_keys)
 from cpplan.runtime.tables import TABLE_NAMES, Layout, StepMeta, StepTables, local_prefill_rows
 from cpplan.schemas.config import ParallelConfig
@@ -68,8 +68,7 @@ class LayerCache:
     @classmethod
     def empty(cls, config: ParallelConfig, num_blocks: int, device) -> "LayerCache":
         """Zeroed caches of ``num_blocks`` blocks (block 0 reserved: at least 2)."""
-        if type(num_blocks) is not int and not isinstance(num_blocks, np.integer) \
-                or not 2 <= num_blocks < 2**31:
+        if not int_in(num_blocks, 2, 2**31 - 1):
             raise ConfigError(f"LayerCache.empty num_blocks: got {num_blocks!r}; expected an "
                               "integer in [2, 2**31) (block 0 is reserved)")
         slots = int(num_blocks) * config.block_size
@@ -157,8 +156,7 @@ def _check_executor_args(config, **ints) -> None:
             continue
         low = 0 if name in sizes else 1
         high = sizes.get(name, 1 << 31) - 1
-        if type(value) is not int and not isinstance(value, np.integer) \
-                or not low <= value <= high:
+        if not int_in(value, low, high):
             want = (f"0..{high} (the config's {name[:3].upper()} size is {high + 1})"
                     if name in sizes else "a positive integer below 2**31")
             raise ConfigError(f"StepExecutor {name}: got {value!r}; expected {want}")

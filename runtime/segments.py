@@ -34,6 +34,12 @@ _I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)  # block-table dtypes used a
 _NO_WORDS = np.zeros(0, np.int64)  # ``out`` of build_tables' sizing call
 
 
+def int_in(value, lo: int, hi: int) -> bool:
+    """``value`` is an int or a numpy integer (never a bool, a float or a str) in [lo, hi]: the
+    test every size and count the runtime takes from an engine goes through."""
+    return (type(value) is int or isinstance(value, np.integer)) and lo <= value <= hi
+
+
 def check_block_tables(plan: StepPlan, dcp_rank: int, block_tables, num_blocks: int | None
                        ) -> tuple[np.ndarray, int]:
     """Validate a rank's block tables for ``plan`` and return them as ``[N, max_blocks]`` int32
@@ -46,9 +52,7 @@ def check_block_tables(plan: StepPlan, dcp_rank: int, block_tables, num_blocks: 
     block 0 and, where ``num_blocks`` is known, below it. O(requests), on the host, in one
     jitted call (bind runs it cold, after the previous step's work: few host calls)."""
     n = plan.num_requests
-    if num_blocks is not None and (type(num_blocks) is not int
-                                   and not isinstance(num_blocks, np.integer)
-                                   or not 2 <= num_blocks < 2**62):
+    if num_blocks is not None and not int_in(num_blocks, 2, 2**62 - 1):
         raise StepInputError(f"step {plan.step_id}: num_blocks: got {num_blocks!r}; expected "
                              "None or the caches' block count, an integer >= 2 (block 0 is "
                              "reserved)")
