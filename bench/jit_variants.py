@@ -155,7 +155,7 @@ def run_rank(plans: list, rank: int, rec: Recorder, warm: bool = False) -> None:
     """Every plan through rank ``rank``'s executor (Triton set, launches intercepted)."""
     cfg = plans[0].config
     pcp_rank, dcp_rank = (rank if cfg.pcp_size > 1 else 0), (rank if cfg.dcp_size > 1 else 0)
-    ex = StepExecutor(cfg, pcp_rank=pcp_rank, dcp_rank=dcp_rank, comm=ShapesOnly(cfg), device="cpu",
+    ex = StepExecutor(cfg, sm_scale=576 ** -0.5, pcp_rank=pcp_rank, dcp_rank=dcp_rank, comm=ShapesOnly(cfg), device="cpu",
                       kernels=TRITON, max_tokens=TOKEN_BUDGET + MAX_RUNNING,
                       max_requests=MAX_RUNNING, debug=False)
     per_req = -(-cfg.shard_rows(cfg.max_model_len) // cfg.block_size)

@@ -72,7 +72,7 @@ def bench_bind(repeat: int) -> list[tuple]:
         plan = compile(cfg, _step(n))
         blocks = -(-cfg.shard_rows(cfg.max_model_len) // cfg.block_size)
         tables = (np.arange(n * 130, dtype=np.int32).reshape(n, 130) % 100000) + 1
-        ex = StepExecutor(cfg, pcp_rank=0, dcp_rank=0, comm=_NoComm(), device="cpu",
+        ex = StepExecutor(cfg, sm_scale=576 ** -0.5, pcp_rank=0, dcp_rank=0, comm=_NoComm(), device="cpu",
                           max_tokens=plan.padded_num_tokens, max_requests=n,
                           max_blocks_per_request=130)
         assert blocks >= 130
@@ -158,7 +158,7 @@ class _OtherWork:
                                             64 + 17 * np.arange(n), np.ones(n, np.int64),
                                             np.zeros(n, bool)))
         width = -(-cfg.max_model_len // cfg.block_size)
-        self.ex = StepExecutor(cfg, pcp_rank=0, dcp_rank=0, comm=_NoComm(), device="cpu",
+        self.ex = StepExecutor(cfg, sm_scale=576 ** -0.5, pcp_rank=0, dcp_rank=0, comm=_NoComm(), device="cpu",
                                max_tokens=plan.padded_num_tokens, max_requests=n)
         self.bound = self.ex.bind(plan, np.arange(n * width).reshape(n, width) + 1)
         self.caches = [LayerCache.empty(cfg, 1 + n * width, "cpu") for _ in range(2)]
@@ -186,7 +186,7 @@ def bench_issue15(repeat: int) -> list[tuple]:
             plan = compile(cfg, _issue15_step(prompt))
             width = -(-cfg.shard_rows(cfg.max_model_len) // cfg.block_size)
             bt = np.arange(plan.num_requests * width, dtype=np.int64).reshape(-1, width) + 1
-            ex = StepExecutor(cfg, pcp_rank=0, dcp_rank=0, comm=_NoComm(), device="cpu",
+            ex = StepExecutor(cfg, sm_scale=576 ** -0.5, pcp_rank=0, dcp_rank=0, comm=_NoComm(), device="cpu",
                               max_tokens=plan.padded_num_tokens, max_requests=plan.num_requests)
             ex.bind(plan, bt).tables  # warm (cached buffers)
             with _OpCount() as ops:

@@ -245,7 +245,7 @@ def setup_rank(args, dims: dict, groups: Groups) -> Rank:
             merge_local_slots=ref.merge_local_slots, lse_scale=ref.lse_scale)
         if args.merge == "sort":
             kernels = merge_kernels
-    ex = StepExecutor.from_groups(cfg, groups, verify="every", kernels=kernels,
+    ex = StepExecutor.from_groups(cfg, groups, sm_scale=576 ** -0.5, verify="every", kernels=kernels,
                                   digest_exchange=args.digest_exchange,
                                   max_tokens=plan.padded_num_tokens,
                                   max_requests=plan.num_requests,

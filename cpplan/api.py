@@ -3,7 +3,8 @@
 Once per process::
 
     groups = Groups.build(config)              # or Groups.from_env / Groups.adopt(engine groups)
-    executor = StepExecutor.from_groups(config, groups, verify="every")
+    executor = StepExecutor.from_groups(config, groups, sm_scale=model_scale,
+                                          verify="every")
     caches = [LayerCache.empty(config, num_blocks, groups.device) for _ in range(layers)]
 
 Per scheduler step (every rank, same global StepInput)::

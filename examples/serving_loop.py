@@ -29,7 +29,7 @@ STEPS, SEED, NUM_BLOCKS, MAX_BLOCKS = 8, 0, 64, 4
 
 def serve(groups: Groups) -> float:
     cfg = CONFIG
-    executor = StepExecutor.from_groups(cfg, groups, verify="every", max_tokens=256,
+    executor = StepExecutor.from_groups(cfg, groups, sm_scale=coords.SIM_SM_SCALE, verify="every", max_tokens=256,
                                         max_requests=16)
     caches = [LayerCache.empty(cfg, NUM_BLOCKS, groups.device) for _ in range(cfg.num_layers)]
     blocks = BlockAllocator(NUM_BLOCKS, cfg.block_size, cfg.dcp_size, groups.dcp_rank,

@@ -93,6 +93,21 @@ class DistComm:
             watch.wait(work)
 
 
+class NoComm:
+    """The transport of a one-rank executor (P = W = 1, no torch.distributed world): every
+    group has one rank and the plan lists no collective, so one issued here is a bug."""
+
+    def size(self, group: Group) -> int:
+        return 1
+
+    def all_gather(self, group: Group, out: torch.Tensor, inp: torch.Tensor,
+                   watch=None) -> None:
+        raise AssertionError(f"a {group} all-gather on a one-rank executor")
+
+    def all_reduce_sum(self, group: Group, tensor: torch.Tensor, watch=None) -> None:
+        raise AssertionError(f"a {group} all-reduce on a one-rank executor")
+
+
 # ------------------------------------------------------------------------- ledger
 @dataclasses.dataclass(frozen=True)
 class LedgerEntry:

@@ -32,7 +32,9 @@ from cpplan.runtime.kernels import gather_indexer_k, get_kernels, scatter_indexe
 from cpplan.runtime.kernels import reference as kref
 from cpplan.runtime.segments import (build_tables, check_block_tables, compile_host_kernels, int_in,
                                      local_prefill_keys)
-from cpplan.runtime.tables import TABLE_NAMES, Layout, StepMeta, StepTables, local_prefill_rows
+from cpplan.runtime.tables import (TABLE_NAMES, Layout, StepMeta, StepTables, iota,
+                                   local_prefill_rows)
+from cpplan.runtime.tokens import TokenView, token_view
 from cpplan.schemas.config import ParallelConfig
 from cpplan.schemas.errors import (
     CapacityError,
@@ -99,6 +101,8 @@ class BoundStep:
     finished: bool = False
     cache_rows: int = 0  # the rows the layer caches need: the step's largest block's end
     owner: object = None  # the StepExecutor that bound it (None: a graph capture's own step)
+    pcp_rank: int = 0
+    _tokens: TokenView | None = None
 
     @property
     def local_prefill(self) -> tuple:
@@ -110,6 +114,17 @@ class BoundStep:
         return self._local_prefill
 
     @property
+    def tokens(self) -> TokenView:
+        """Which request and position each of this rank's T rows is, and which are padding
+        (:class:`~cpplan.runtime.tokens.TokenView`): the rows of every per-token tensor the
+        engine passes to insert / attend / restore. Built once per step at first use."""
+        if self._tokens is None:
+            t = self.tables
+            self._tokens = token_view(self.plan, self.pcp_rank, t.token_req, t.token_pos,
+                                      iota(self.plan.padded_num_tokens, t.token_req.device))
+        return self._tokens
+
+    @property
     def tables(self) -> StepTables:
         if self._tables is None:
             self._tables = StepTables.expand(self.views, self.meta, self.layout)
@@ -119,6 +134,7 @@ class BoundStep:
         """Point the step at tables expanded elsewhere (a graph's static copy)."""
         self._tables = tables
         self._block_tables.clear()
+        self._tokens = None
 
     def token_block_tables(self, lo: int, hi: int) -> torch.Tensor:
         """The block-table row of each of tokens [lo, hi) (their requests' rows), gathered once
@@ -162,17 +178,37 @@ def _check_executor_args(config, **ints) -> None:
             raise ConfigError(f"StepExecutor {name}: got {value!r}; expected {want}")
 
 
-class StepExecutor:
-    """One per rank, sized once. ``comm`` carries the collectives; ``check`` (a
-    :class:`~cpplan.runtime.verify.DigestCheck`, optional) verifies plans across ranks."""
+def check_sm_scale(sm_scale) -> float:
+    """The attention's softmax scale as a float: ConfigError unless a finite positive number.
+    It is the model's own (docs/design.md §4.1: for MLA ``(qk_nope + qk_rope) ** -0.5`` times
+    the yarn mscale squared), never 1/sqrt(576): a wrong scale gives no error, only wrong
+    tokens."""
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.floating,
+                                                                 np.integer)):
+        raise ConfigError(f"sm_scale: got {type(sm_scale).__name__} {sm_scale!r}; expected a "
+                          "finite positive float (the model's softmax scale)")
+    value = float(sm_scale)
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"sm_scale: got {value!r}; expected a finite positive float (the "
+                          "model's softmax scale)")
+    return value
 
-    def __init__(self, config: ParallelConfig, *, pcp_rank: int, dcp_rank: int, comm,
-                 device, check=None, kernels=None, max_tokens: int = 8192,
+
+class StepExecutor:
+    """One per rank, sized once. ``sm_scale`` is the model's softmax scale, used by every
+    attention pass (required: there is no default that is right for a model). ``comm``
+    carries the collectives; ``check`` (a :class:`~cpplan.runtime.verify.DigestCheck`,
+    optional) verifies plans across ranks. :meth:`from_groups` builds one for a rank of a
+    torch.distributed world, :meth:`local` one for a single device with no world."""
+
+    def __init__(self, config: ParallelConfig, *, sm_scale: float, pcp_rank: int,
+                 dcp_rank: int, comm, device, check=None, kernels=None, max_tokens: int = 8192,
                  max_requests: int = 1024, max_blocks_per_request: int | None = None,
                  arena_depth: int = 2,
                  debug: bool = True, faults: FaultBoard | None = None,
                  data_timeout_s: float = 0.0, prefill_keys: str = "gather",
                  dcp_compact: bool | int | str = "auto") -> None:
+        self.sm_scale = check_sm_scale(sm_scale)
         _check_executor_args(config, pcp_rank=pcp_rank, dcp_rank=dcp_rank,
                              max_tokens=max_tokens, max_requests=max_requests,
                              max_blocks_per_request=max_blocks_per_request,
@@ -230,12 +266,27 @@ class StepExecutor:
                 "max_requests or max_blocks_per_request")
         self.arena = ArenaRing(words, self.device, arena_depth)
         compile_host_kernels()  # bind's host kernels, compiled (or loaded) now rather than at step 1
-        self.sm_scale = 1.0 / math.sqrt(config.qk_head_dim)
         self._act = coll.ACT_DTYPES[config.activation_dtype]  # q, the outputs, restore's rows
 
     @classmethod
-    def from_groups(cls, config: ParallelConfig, groups, *, verify: str = "every",
-                    verify_every: int = 1, digest_exchange: str = "auto",
+    def local(cls, config: ParallelConfig, *, sm_scale: float, device="cpu",
+              **kwargs) -> "StepExecutor":
+        """A one-rank executor (P = W = 1) that needs no torch.distributed world: such a plan
+        lists no collective and there is no peer to verify a digest with. Same API as
+        :meth:`from_groups`'s (``kwargs``: the constructor's sizes and options)."""
+        if not isinstance(config, ParallelConfig):
+            raise ConfigError(f"StepExecutor.local: got {type(config).__name__}; expected a "
+                              "ParallelConfig")
+        if config.world_size != 1:
+            raise ConfigError(f"StepExecutor.local: got pcp_size={config.pcp_size}, dcp_size="
+                              f"{config.dcp_size}; expected 1 and 1 (more ranks need a world: "
+                              "Groups.build and StepExecutor.from_groups)")
+        return cls(config, sm_scale=sm_scale, pcp_rank=0, dcp_rank=0, comm=coll.NoComm(),
+                   device=device, **kwargs)
+
+    @classmethod
+    def from_groups(cls, config: ParallelConfig, groups, *, sm_scale: float,
+                    verify: str = "every", verify_every: int = 1, digest_exchange: str = "auto",
                     **kwargs) -> "StepExecutor":
         """A collective call on ``groups`` (the digest exchange is set up here).
         digest_exchange: "auto", "shm" or "gloo" (runtime/exchange.py)."""
@@ -248,7 +299,7 @@ class StepExecutor:
                               f"config ({config!r})")
         board = FaultBoard(groups)
         check = DigestCheck(groups, verify, verify_every, board, exchange=digest_exchange)
-        ex = cls(config, pcp_rank=groups.pcp_rank, dcp_rank=groups.dcp_rank,
+        ex = cls(config, sm_scale=sm_scale, pcp_rank=groups.pcp_rank, dcp_rank=groups.dcp_rank,
                  comm=coll.DistComm(groups), device=groups.device, check=check, faults=board,
                  data_timeout_s=groups.timeout_s, **kwargs)
         if groups.device.type == "cuda" and board.store is not None:
@@ -289,7 +340,7 @@ class StepExecutor:
                          coll.StepChannel(self.comm, pending, watch,
                                           plan if self.debug else None, self.rank_id),
                          lease=self.arena.lease,
-                         owner=self,
+                         owner=self, pcp_rank=self.pcp_rank,
                          cache_rows=(top + 1) * plan.config.block_size)
 
     def refuse(self, plan: StepPlan, exc: BaseException) -> None:

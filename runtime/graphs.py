@@ -44,7 +44,7 @@ import torch
 from cpplan.runtime import collectives as coll
 from cpplan.runtime.executor import BoundStep, StepExecutor
 from cpplan.schemas.errors import UsageError
-from cpplan.runtime.tables import StepTables, _iota
+from cpplan.runtime.tables import StepTables, iota
 
 
 @dataclasses.dataclass
@@ -107,12 +107,13 @@ class StepGraphs:
         static_inputs = tuple(x.clone() for x in inputs)
         # the shared arange the expansion reads must not grow inside a capture: memory taken from
         # the shared pool there could later be a temporary of another graph
-        _iota(bound.layout.total(bound.meta), self.ex.device)
+        iota(bound.layout.total(bound.meta), self.ex.device)
         channel = coll.StepChannel(self.ex.comm, None, bound.channel.watch)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             tables = StepTables.expand(views, bound.meta, bound.layout)
-            step = BoundStep(bound.plan, bound.meta, bound.layout, views, channel, _tables=tables)
+            step = BoundStep(bound.plan, bound.meta, bound.layout, views, channel, _tables=tables,
+                             pcp_rank=bound.pcp_rank)
             outputs = self.body(step, *static_inputs)
         return CapturedStep(graph, words, static_inputs, outputs, tables,
                             list(channel.ledger.entries))

@@ -142,7 +142,7 @@ class StepTables:
         number of ops on shapes the plan fixes (no host sync, nothing per request or chunk)."""
         ends, seg = views["seg_ends"], views["seg_params"].view(NUM_PARAMS, -1)
         bt = views["block_tables"].view(max(lay.num_requests, 1), -1)  # a step of no requests: [1, 0]
-        u = _iota(lay.total(meta), ends.device)
+        u = iota(lay.total(meta), ends.device)
         g = seg.index_select(1, torch.searchsorted(ends, u, right=True))
         g[A: K + 1].addcmul_(g[B], u)  # x and k in one op
         t_pad, ui, nd = meta.padded, lay.insert_len, meta.num_decode_tokens
@@ -168,7 +168,7 @@ def arena_overflow(step_id: int, sizes: dict, capacity: int):
                          f"{capacity:,} (largest table {biggest}: {sizes[biggest]:,})")
 
 
-def _iota(n: int, device: torch.device) -> torch.Tensor:
+def iota(n: int, device: torch.device) -> torch.Tensor:
     """``arange(n)`` on ``device``, from one cached buffer (grown when a step needs more)."""
     have = _IOTA.get(device)
     if have is None or have.numel() < n:
@@ -191,7 +191,7 @@ def local_prefill_rows(t: StepTables, meta: StepMeta, lay: Layout, rows: int):
     need.scatter_reduce_(0, req, t.key_len[nd:n], "amax")
     cum = torch.cumsum(need, 0)
     start = cum - need
-    u = _iota(rows, dev)
+    u = iota(rows, dev)
     r = torch.searchsorted(cum, u, right=True).clamp_max_(lay.num_requests - 1)
     local = u - start[r]
     live = u < cum[-1]

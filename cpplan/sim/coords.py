@@ -16,6 +16,10 @@ import zlib
 import numpy as np
 import torch
 
+# The synthetic model's softmax scale (the executor takes the model's own: here 1/sqrt(576),
+# the scale every simulator figure and golden run was made with); `simulate --sm-scale` overrides it
+SIM_SM_SCALE = 576 ** -0.5
+
 _M = 2**31 - 1
 _A, _B, _C = 1103515245, 1664525, 69069
 KIND_Q, KIND_KV, KIND_INDEX_Q, KIND_INDEX_W, KIND_INDEX_K = range(5)

@@ -7,8 +7,6 @@ gathers, no merge. Used by ``cpplan simulate``, ``cpplan replay`` and tests/dist
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
@@ -20,7 +18,8 @@ NO_KEY = -1
 
 
 def oracle_request(config: ParallelConfig, seed: int, layer: int, key: int, computed: int,
-                   scheduled: int, device="cpu", kernels=None) -> torch.Tensor:
+                   scheduled: int, device="cpu", kernels=None,
+                   sm_scale: float = coords.SIM_SM_SCALE) -> torch.Tensor:
     """Attention output ``[q, H, 512]`` float32 of one request's query tokens
     (positions ``computed .. computed + scheduled - 1``) at ``layer``."""
     k = kernels or get_kernels(torch.device(device).type)
@@ -40,12 +39,12 @@ def oracle_request(config: ParallelConfig, seed: int, layer: int, key: int, comp
     ids = all_pos[None, :].expand(scheduled, extent)
     ids = torch.where(ids <= qpos[:, None], ids, NO_KEY)
     top = k.indexer_topk(inp["index_q"], inp["index_w"], k_packed, ids, ids, config.topk)[1]
-    out, _ = k.sparse_mla_attention(inp["q"], kv, top, 1.0 / math.sqrt(config.qk_head_dim),
-                                    kv_format="bf16")
+    out, _ = k.sparse_mla_attention(inp["q"], kv, top, sm_scale, kv_format="bf16")
     return out
 
 
-def oracle_step(plan, seed: int, requests=None, device="cpu") -> dict[int, torch.Tensor]:
+def oracle_step(plan, seed: int, requests=None, device="cpu",
+                sm_scale: float = coords.SIM_SM_SCALE) -> dict[int, torch.Tensor]:
     """Request index -> ``[q, L * H * 512]`` float32: every layer's output, concatenated in
     layer order (the layout the simulator restores). ``requests``: indices to compute
     (default all)."""
@@ -56,7 +55,8 @@ def oracle_step(plan, seed: int, requests=None, device="cpu") -> dict[int, torch
     todo = range(plan.num_requests) if requests is None else requests
     out = {}
     for i in todo:
-        layers = [oracle_request(cfg, seed, layer, int(keys[i]), int(c[i]), int(q[i]), device)
+        layers = [oracle_request(cfg, seed, layer, int(keys[i]), int(c[i]), int(q[i]), device,
+                                 sm_scale=sm_scale)
                   for layer in range(cfg.num_layers)]
         out[i] = torch.cat([x.reshape(int(q[i]), -1) for x in layers], dim=1)
     return out

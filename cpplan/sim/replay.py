@@ -20,6 +20,7 @@ from cpplan.runtime.executor import LayerCache, StepExecutor
 from cpplan.schemas.errors import ConfigError
 from cpplan.schemas.names import Group, group_of
 from cpplan.schemas.plan import StepPlan
+from cpplan.sim import coords
 from cpplan.sim.allocator import BlockAllocator
 from cpplan.sim.model import prefill_history, request_keys_on, run_step
 from cpplan.sim.oracle import max_abs_error, oracle_step
@@ -143,7 +144,7 @@ def _run_rank(plan: StepPlan, seed: int, device: str, world: ThreadWorld, rank: 
     # allocator for terabytes)
     longest = int(extents.max()) if plan.num_requests else 1
     blocks_per_req = max(1, -(-cfg.shard_rows(longest) // cfg.block_size))
-    executor = StepExecutor(cfg, pcp_rank=pcp_rank, dcp_rank=dcp_rank, comm=comm, device=device,
+    executor = StepExecutor(cfg, sm_scale=coords.SIM_SM_SCALE, pcp_rank=pcp_rank, dcp_rank=dcp_rank, comm=comm, device=device,
                             kernels=kernels, max_tokens=plan.padded_num_tokens,
                             max_requests=max(1, plan.num_requests),
                             max_blocks_per_request=blocks_per_req, **options)

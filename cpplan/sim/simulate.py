@@ -29,6 +29,7 @@ from cpplan.schemas.config import ParallelConfig
 from cpplan.schemas.files import write_atomic
 from cpplan.schemas.errors import ConfigError, CpplanError, OutputError, StepInputError
 from cpplan.schemas.step import StepInput
+from cpplan.sim import coords
 from cpplan.sim.allocator import BlockAllocator
 from cpplan.sim.model import request_keys_on, run_step, step_layers
 from cpplan.sim.oracle import max_abs_error, oracle_step
@@ -143,7 +144,7 @@ class _RankSim:
         self.blocks_per_req = -(-config.shard_rows(mml) // config.block_size)
         num_blocks = 1 + MAX_RUNNING * self.blocks_per_req
         self.executor = StepExecutor.from_groups(
-            config, groups, verify=opts.verify, verify_every=opts.verify_every,
+            config, groups, sm_scale=coords.SIM_SM_SCALE, verify=opts.verify, verify_every=opts.verify_every,
             digest_exchange=opts.digest_exchange, dcp_compact=opts.dcp_compact,
             max_tokens=TOKEN_BUDGET + MAX_RUNNING, max_requests=MAX_RUNNING)
         self.alloc = BlockAllocator(num_blocks, config.block_size, config.dcp_size,

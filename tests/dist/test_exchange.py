@@ -197,7 +197,7 @@ def test_arena_depth_beyond_the_board_is_refused():
     from cpplan.schemas.config import ParallelConfig
 
     with pytest.raises(ConfigError, match=f"arena_depth: got {xch.ROWS - 1}, expected at most"):
-        StepExecutor(ParallelConfig(), pcp_rank=0, dcp_rank=0, comm=None, device="cpu",
+        StepExecutor(ParallelConfig(), sm_scale=576 ** -0.5, pcp_rank=0, dcp_rank=0, comm=None, device="cpu",
                      arena_depth=xch.ROWS - 1)
 
 

@@ -20,7 +20,7 @@ CFG = ParallelConfig(num_heads=8, topk=64, index_num_heads=4, max_model_len=2048
 
 
 def _executor(cfg=CFG, **kwargs):
-    return StepExecutor(cfg, pcp_rank=kwargs.pop("pcp_rank", 0),
+    return StepExecutor(cfg, sm_scale=576 ** -0.5, pcp_rank=kwargs.pop("pcp_rank", 0),
                         dcp_rank=kwargs.pop("dcp_rank", 0), comm=None, device="cpu",
                         **{"max_tokens": 64, "max_requests": 8, **kwargs})
 
@@ -83,9 +83,9 @@ def test_executor_refuses_an_arena_it_could_not_allocate():
 
     cfg = msgspec.structs.replace(CFG, max_model_len=2**27, gather_workspace_tokens=2**27)
     with pytest.raises(ConfigError, match="the step arena would hold .* pass smaller"):
-        StepExecutor(cfg, pcp_rank=0, dcp_rank=0, comm=None, device="cpu")
+        StepExecutor(cfg, sm_scale=576 ** -0.5, pcp_rank=0, dcp_rank=0, comm=None, device="cpu")
     # sized for what the engine serves, the same config is fine
-    StepExecutor(cfg, pcp_rank=0, dcp_rank=0, comm=None, device="cpu", max_tokens=64,
+    StepExecutor(cfg, sm_scale=576 ** -0.5, pcp_rank=0, dcp_rank=0, comm=None, device="cpu", max_tokens=64,
                  max_requests=8, max_blocks_per_request=64)
 
 
@@ -97,9 +97,9 @@ def test_from_groups_refuses_groups_of_another_config():
     other = msgspec.structs.replace(CFG, topk=128)
     with pytest.raises(ConfigError, match="from_groups: got groups of .*; expected Groups "
                                           "built for this config"):
-        StepExecutor.from_groups(CFG, types.SimpleNamespace(config=other))
+        StepExecutor.from_groups(CFG, types.SimpleNamespace(config=other), sm_scale=0.1)
     with pytest.raises(ConfigError, match="from_groups: got dict; expected Groups"):
-        StepExecutor.from_groups(CFG, {})
+        StepExecutor.from_groups(CFG, {}, sm_scale=0.1)
 
 
 def _step(ex, bound, seed=0):

@@ -54,7 +54,7 @@ class _Rig:
     def __init__(self, cfg, plans, graphs: bool) -> None:
         self.cfg, self.seed = cfg, 5
         comm = ThreadComm(ThreadWorld(1), 0, 1, 1)
-        self.ex = StepExecutor(cfg, pcp_rank=0, dcp_rank=0, comm=comm, device="cuda",
+        self.ex = StepExecutor(cfg, sm_scale=576 ** -0.5, pcp_rank=0, dcp_rank=0, comm=comm, device="cuda",
                                max_tokens=64, max_requests=16, max_blocks_per_request=WIDTH)
         self.num_blocks = 1 + sum(p.num_requests for p in plans) * WIDTH
         self.alloc = BlockAllocator(self.num_blocks, cfg.block_size, 1, 0, 1)

@@ -89,4 +89,4 @@ def test_prefill_keys_option_is_checked():
     cfg = preset_config(SimOptions(pcp=1, dcp=1, layers=1))
     with pytest.raises(ConfigError, match=r"prefill_keys must be one of \('paged', 'gather'\): "
                                           r"got 'copy'"):
-        StepExecutor(cfg, pcp_rank=0, dcp_rank=0, comm=None, device="cpu", prefill_keys="copy")
+        StepExecutor(cfg, sm_scale=576 ** -0.5, pcp_rank=0, dcp_rank=0, comm=None, device="cpu", prefill_keys="copy")

@@ -41,7 +41,7 @@ def _run(device, kernels, kv, poison: bool):
     n, t = 3, plan.padded_num_tokens
     assert t == 16
     bt = np.arange(1, 1 + 3 * 8).reshape(3, 8)
-    ex = StepExecutor(cfg, pcp_rank=0, dcp_rank=0, comm=None, device=device, kernels=kernels,
+    ex = StepExecutor(cfg, sm_scale=576 ** -0.5, pcp_rank=0, dcp_rank=0, comm=None, device=device, kernels=kernels,
                       max_tokens=t, max_requests=4)
     g = torch.Generator().manual_seed(0)
     act = torch.float32 if cfg.activation_dtype == "float32" else torch.bfloat16

@@ -222,9 +222,9 @@ def test_dcp_compact_auto_packs_where_keys_alternate_token_by_token(w, i, want):
     from cpplan.runtime.executor import StepExecutor
 
     cfg = _config(p=max(w, 2), w=w, i=i)  # topk 64
-    ex = StepExecutor(cfg, pcp_rank=0, dcp_rank=0, comm=None, device="cpu")
+    ex = StepExecutor(cfg, sm_scale=576 ** -0.5, pcp_rank=0, dcp_rank=0, comm=None, device="cpu")
     assert ex.decode_width == want
-    assert StepExecutor(cfg, pcp_rank=0, dcp_rank=0, comm=None, device="cpu",
+    assert StepExecutor(cfg, sm_scale=576 ** -0.5, pcp_rank=0, dcp_rank=0, comm=None, device="cpu",
                         dcp_compact=False).decode_width == 64
 
 
@@ -233,7 +233,7 @@ def test_dcp_compact_unknown_value_is_a_config_error():
     from cpplan.schemas.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"dcp_compact: got 'yes', expected 'auto'"):
-        StepExecutor(_config(p=2, w=2), pcp_rank=0, dcp_rank=0, comm=None, device="cpu",
+        StepExecutor(_config(p=2, w=2), sm_scale=576 ** -0.5, pcp_rank=0, dcp_rank=0, comm=None, device="cpu",
                      dcp_compact="yes")
 
 
@@ -244,4 +244,4 @@ def test_dcp_compact_width_out_of_range_is_a_config_error(bad):
 
     cfg = _config(p=2, w=2)  # topk 64
     with pytest.raises(ConfigError, match=r"dcp_compact width: got -?\d+, expected 1\.\.64"):
-        StepExecutor(cfg, pcp_rank=0, dcp_rank=0, comm=None, device="cpu", dcp_compact=bad)
+        StepExecutor(cfg, sm_scale=576 ** -0.5, pcp_rank=0, dcp_rank=0, comm=None, device="cpu", dcp_compact=bad)

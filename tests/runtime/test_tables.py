@@ -155,7 +155,7 @@ class _NoComm:
 
 def _executor(cfg, rank):
     p, w = (rank if cfg.pcp_size > 1 else 0), (rank if cfg.dcp_size > 1 else 0)
-    return StepExecutor(cfg, pcp_rank=p, dcp_rank=w, comm=_NoComm(), device="cpu",
+    return StepExecutor(cfg, sm_scale=576 ** -0.5, pcp_rank=p, dcp_rank=w, comm=_NoComm(), device="cpu",
                         max_tokens=2048, max_requests=64)
 
 
@@ -331,7 +331,7 @@ def test_bind_refuses_an_arena_too_small_with_the_numbers():
     cfg = _config(2, 2, 1)
     plan = compile_plan(cfg, _step(5))
     bt = _block_tables(plan.num_requests, -(-cfg.shard_rows(cfg.max_model_len) // BLOCK), 5)
-    ex = StepExecutor(cfg, pcp_rank=0, dcp_rank=0, comm=_NoComm(), device="cpu",
+    ex = StepExecutor(cfg, sm_scale=576 ** -0.5, pcp_rank=0, dcp_rank=0, comm=_NoComm(), device="cpu",
                       max_tokens=2048, max_requests=1)
     with pytest.raises(CapacityError, match=r"step 5 needs [\d,]+ arena words, capacity "
                        r"[\d,]+ \(largest table"):
@@ -427,7 +427,7 @@ def test_a_bound_step_is_refused_once_its_arena_is_reused_or_after_finish():
     cfg = _config(1, 1, 1)
     plan = compile_plan(cfg, _step(3))
     bt = _block_tables(plan.num_requests, -(-cfg.shard_rows(cfg.max_model_len) // BLOCK), 3)
-    ex = StepExecutor(cfg, pcp_rank=0, dcp_rank=0, comm=_NoComm(), device="cpu",
+    ex = StepExecutor(cfg, sm_scale=576 ** -0.5, pcp_rank=0, dcp_rank=0, comm=_NoComm(), device="cpu",
                       max_tokens=2048, max_requests=64, debug=False)
     first, second = ex.bind(plan, bt), ex.bind(plan, bt)
     ex.finish(second)  # two in flight at depth 2: both usable
@@ -487,7 +487,7 @@ def test_runtime_calls_refuse_tensors_that_do_not_fit_the_step(call, arg, bad, m
     plan = compile_plan(cfg, _step(3))
     T = plan.padded_num_tokens
     bt = _block_tables(plan.num_requests, -(-cfg.shard_rows(cfg.max_model_len) // BLOCK), 3)
-    ex = StepExecutor(cfg, pcp_rank=0, dcp_rank=0, comm=_NoComm(), device="cpu",
+    ex = StepExecutor(cfg, sm_scale=576 ** -0.5, pcp_rank=0, dcp_rank=0, comm=_NoComm(), device="cpu",
                       max_tokens=2048, max_requests=64)
     bound = ex.bind(plan, bt)
     cache = LayerCache.empty(cfg, int(bt.max()) + 1, "cpu")
@@ -510,7 +510,7 @@ def test_runtime_calls_refuse_caches_that_do_not_fit():
     cfg = _config(1, 1, 1)
     plan = compile_plan(cfg, _step(3))
     bt = _block_tables(plan.num_requests, -(-cfg.shard_rows(cfg.max_model_len) // BLOCK), 3)
-    ex = StepExecutor(cfg, pcp_rank=0, dcp_rank=0, comm=_NoComm(), device="cpu",
+    ex = StepExecutor(cfg, sm_scale=576 ** -0.5, pcp_rank=0, dcp_rank=0, comm=_NoComm(), device="cpu",
                       max_tokens=2048, max_requests=64)
     bound = ex.bind(plan, bt)
     a = _args(plan.padded_num_tokens)
