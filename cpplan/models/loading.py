@@ -1,0 +1,178 @@
+"""Loading the transformers models cpplan serves (docs/design.md §4.5), and the presets.
+
+Two families, both transformers >= 5.23: ``DeepseekV32ForCausalLM`` (model_type
+``deepseek_v32``) and ``GlmMoeDsaForCausalLM`` (``glm_moe_dsa``). A model comes from
+
+- a local checkpoint folder (``config.json`` + safetensors): ``from_pretrained(folder,
+  local_files_only=True)``, never the network; the dims are checked from ``config.json``
+  before any weight is read; a missing, truncated or incomplete weights file is one line;
+- a transformers config object (random weights from a seed);
+- a preset name (:data:`PRESETS`): a small random-weight model from a seed with the real
+  attention dims (kv_lora_rank 512, qk_rope_head_dim 64, index_head_dim 128), a few layers,
+  8 query heads, 4 indexer heads, hidden 256, vocab 512, four routed experts,
+  ``initializer_range`` 0.1 (so attention is far from uniform) and ``index_topk`` 32 (so the
+  indexer selects below the contexts); float32 on CPU. ``tiny-glm-5`` shares the indexer on
+  layers 1 and 3 (pattern F, S, F, S).
+
+Every model is built with ``attn_implementation="eager"`` (the reference forward of
+:mod:`cpplan.models.reference` runs it; cpplan's own forward does not use it) and in eval mode.
+A missing transformers is one line naming the extra ``cpplan[hf]``; a model whose dims do not
+fit the runtime is one :class:`~cpplan.schemas.errors.ConfigError` line naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from cpplan.schemas.errors import ConfigError
+
+MIN_TRANSFORMERS = (5, 23)
+# model_type -> (config class, causal-LM class) names in transformers
+FAMILIES = {
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
+}
+# the dims the runtime's kernels and cache formats take (docs/design.md §4.1): field -> value
+REQUIRED_DIMS = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 128}
+POSITIVE_FIELDS = ("num_attention_heads", "index_n_heads", "index_topk", "qk_nope_head_dim",
+                   "v_head_dim", "q_lora_rank", "hidden_size", "num_hidden_layers", "vocab_size")
+
+_TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+             num_attention_heads=8, num_key_value_heads=8, n_routed_experts=4,
+             n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+             first_k_dense_replace=1, q_lora_rank=128, kv_lora_rank=512, qk_rope_head_dim=64,
+             index_head_dim=128, index_n_heads=4, index_topk=32, initializer_range=0.1,
+             max_position_embeddings=4096, tie_word_embeddings=False)
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "tiny-deepseek-v32": ("deepseek_v32", dict(_TINY, num_hidden_layers=3, qk_nope_head_dim=64,
+                                               v_head_dim=64)),
+    "tiny-glm-5": ("glm_moe_dsa", dict(_TINY, num_hidden_layers=4, qk_nope_head_dim=96,
+                                       v_head_dim=128,
+                                       indexer_types=["full", "shared", "full", "shared"])),
+}
+
+
+def require_transformers():
+    """The ``transformers`` module, >= 5.23; ConfigError (one line naming ``cpplan[hf]``)
+    where it is missing or older."""
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("transformers is not installed: got no module 'transformers'; "
+                          "expected transformers>=5.23 (pip install 'cpplan[hf]')") from None
+    version = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
+    if version < MIN_TRANSFORMERS:
+        raise ConfigError(f"transformers {transformers.__version__} is too old: expected "
+                          ">=5.23 (pip install 'cpplan[hf]')")
+    return transformers
+
+
+def family_classes(model_type: str) -> tuple[type, type]:
+    """(config class, causal-LM class) of ``model_type``; ConfigError for any other type."""
+    if model_type not in FAMILIES:
+        raise ConfigError(f"model_type: got {model_type!r}; expected one of "
+                          f"{', '.join(FAMILIES)} (DeepSeek-V3.2 or GLM-5 sparse MLA)")
+    transformers = require_transformers()
+    names = FAMILIES[model_type]
+    return getattr(transformers, names[0]), getattr(transformers, names[1])
+
+
+def check_dims(config) -> None:
+    """The model's dims fit the runtime (docs/design.md §4.1, §4.5): kv_lora_rank 512,
+    qk_rope_head_dim 64, index_head_dim 128, positive head counts and sizes, a first layer
+    with its own indexer. ``config``: a transformers config or a ``config.json`` dict.
+    One-line ConfigError naming the field, the value and what is expected otherwise."""
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    family_type = get("model_type")
+    if family_type not in FAMILIES:
+        raise ConfigError(f"model_type: got {family_type!r}; expected one of "
+                          f"{', '.join(FAMILIES)}")
+    for name, want in REQUIRED_DIMS.items():
+        if get(name) != want:
+            raise ConfigError(f"{name}: got {get(name)!r}; expected {want}, the only value "
+                              "cpplan's kernels and cache formats take")
+    for name in POSITIVE_FIELDS:
+        value = get(name)
+        if type(value) is not int or value < 1:
+            raise ConfigError(f"{name}: got {value!r}; expected a positive integer")
+    kinds = get("indexer_types") or ["full"] * get("num_hidden_layers")
+    if len(kinds) != get("num_hidden_layers") or set(kinds) - {"full", "shared"} \
+            or kinds[0] != "full":
+        raise ConfigError(f"indexer_types: got {list(kinds)!r}; expected 'full' or 'shared' "
+                          f"for each of {get('num_hidden_layers')} layers, the first 'full'")
+
+
+def preset_config(name: str, **overrides):
+    """The transformers config of preset ``name`` (:data:`PRESETS`), fields overridden by
+    ``overrides`` (e.g. ``index_topk=512``); ConfigError for an unknown name."""
+    if name not in PRESETS:
+        raise ConfigError(f"model preset: got {name!r}; expected one of {', '.join(PRESETS)} "
+                          "or a checkpoint folder")
+    model_type, fields = PRESETS[name]
+    config_cls, _ = family_classes(model_type)
+    return config_cls(**{**fields, **overrides})
+
+
+def build_model(config, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                device="cpu") -> torch.nn.Module:
+    """A random-weight causal LM of ``config`` (a DeepseekV32Config or GlmMoeDsaConfig),
+    weights drawn from ``seed`` (the global RNG is left as it was), eval mode, eager
+    attention, ``dtype`` on ``device``. ConfigError where the dims do not fit."""
+    check_dims(config)
+    _, model_cls = family_classes(config.model_type)
+    config._attn_implementation = "eager"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_model(source: str, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+               device="cpu") -> torch.nn.Module:
+    """A preset name (built from ``seed``) or a local checkpoint folder (config.json +
+    safetensors; ``from_pretrained(..., local_files_only=True)``). Dims are checked from
+    config.json first; ConfigError (one line) for an unknown preset, a folder without
+    config.json, unreadable, truncated or incomplete weights."""
+    if source in PRESETS:
+        return build_model(preset_config(source), seed=seed, dtype=dtype, device=device)
+    path = os.path.join(source, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"model: got {source!r}; expected a preset ({', '.join(PRESETS)}) "
+                          "or a folder holding config.json and safetensors weights")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            raw = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: cannot be read as JSON ({_first_line(exc)})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: got a JSON {type(raw).__name__}; expected an object")
+    check_dims(raw)
+    _, model_cls = family_classes(raw["model_type"])
+    return _from_folder(model_cls, source, dtype, device)
+
+
+def _from_folder(model_cls, folder: str, dtype, device) -> torch.nn.Module:
+    """``from_pretrained`` of a checked folder; its failures (no weights, a truncated file,
+    missing tensors) as one ConfigError line."""
+    try:
+        model, info = model_cls.from_pretrained(folder, local_files_only=True, dtype=dtype,
+                                                attn_implementation="eager",
+                                                output_loading_info=True)
+    except Exception as exc:  # noqa: BLE001 - OSError, SafetensorError, ValueError, ...
+        raise ConfigError(f"{folder}: the weights cannot be loaded "
+                          f"({type(exc).__name__}: {_first_line(exc)})") from None
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise ConfigError(f"{folder}: the weights lack {len(missing)} tensors (first "
+                          f"{missing[0]!r}); expected every tensor of the model")
+    check_dims(model.config)
+    return model.to(device=device).eval()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__

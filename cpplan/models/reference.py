@@ -1,0 +1,201 @@
+"""The reference for cpplan's forward: the model's own transformers forward, teacher-forced over
+a sequence in one process (eager attention), optionally given cpplan's numerics
+(docs/design.md §4.5).
+
+Numerics (a documented choice, not an accident). transformers' indexer scores in fp32 and picks
+``torch.topk`` (ties unspecified); it skips the fp8 quantisation of DeepSeek's inference code.
+cpplan's indexer follows the inference code (docs/design.md §4.3): the query in fp8 e4m3 with one
+power-of-two scale per token and head (folded into the head weight), the key in fp8 with one
+per token, scores ``sum_h w8_h * ReLU(q8_h . k)``, top-k by score descending then token id
+ascending. Below the contexts the two select slightly different keys, so the reference has two
+indexers:
+
+- ``indexer="stock"``: the model as transformers ships it;
+- ``indexer="cpplan"``: each indexer module's ``forward`` on this model instance replaced (for
+  the duration of a ``with`` block) by one that computes the same q / k / weights from the
+  module's own weights, quantises them as above (the scale rule of docs/design.md §4.2,
+  written here separately from the runtime's), scores in float64 and orders ties by id.
+
+and three KV caches (``kv_cache_dtype``): ``None`` (the stock fp32 latent), ``"bf16"`` or
+``"fp8_ds_mla"`` (the 576-wide latent row ``[kv_a_layernorm(c_kv) | rope(k_pe)]`` rounded as
+cpplan's cache stores it: the attention module's ``expand_kv`` sees the rounded row). With
+topk >= every context the indexer does not matter (every causal key is selected); the KV
+format always does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+from collections.abc import Sequence
+
+import torch
+
+from cpplan.schemas.errors import ConfigError
+
+INDEXERS = ("stock", "cpplan")
+KV_FORMATS = (None, "bf16", "fp8_ds_mla")
+FP8_MAX, SCALE_FLOOR = 448.0, 2.0 ** -126
+# the RoPE function each family's indexer calls, by name in its modeling module (read there)
+_HF_INDEXER_ROPE = {"deepseek_v32": "apply_rotary_pos_emb",
+                    "glm_moe_dsa": "apply_rotary_pos_emb_interleave"}
+
+
+def fp8_pow2(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Groups ``x [..., g]`` -> (fp8 e4m3 values as float32 ``[..., g]``, power-of-two scales
+    float32 ``[...]``) with ``scale = 2 ** ceil(log2(max(amax, 2**-126) / 448))``, the
+    exponent found in float64 and corrected against ``448 * 2**e`` (exact), and ``x / scale``
+    rounded to nearest even; ``values * scale`` approximates x."""
+    amax = x.detach().abs().amax(dim=-1).double().clamp_min(SCALE_FLOOR)
+    e = torch.ceil(torch.log2(amax / FP8_MAX))
+    e = torch.where(FP8_MAX * torch.exp2(e) < amax, e + 1, e)
+    e = torch.where(FP8_MAX * torch.exp2(e - 1) >= amax, e - 1, e)
+    scale = torch.exp2(e)
+    values = (x.double() / scale[..., None]).to(torch.float8_e4m3fn).float()
+    return values, scale.float()
+
+
+def round_kv(kv_nope: torch.Tensor, k_rot: torch.Tensor, kv_cache_dtype: str
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The latent ``[..., 512]`` and RoPE ``[..., 64]`` parts of KV rows as the cache holds
+    them: "bf16" both rounded to bf16; "fp8_ds_mla" the latent in four groups of 128 fp8 values
+    with power-of-two scales (dequantised) and the RoPE part in bf16 (docs/design.md §4.2)."""
+    rot = k_rot.to(torch.bfloat16).to(k_rot.dtype)
+    if kv_cache_dtype == "bf16":
+        return kv_nope.to(torch.bfloat16).to(kv_nope.dtype), rot
+    groups = kv_nope.reshape(*kv_nope.shape[:-1], 4, 128)
+    values, scale = fp8_pow2(groups)
+    return (values * scale[..., None]).reshape(kv_nope.shape).to(kv_nope.dtype), rot
+
+
+def cpplan_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, allowed: torch.Tensor,
+                topk: int) -> torch.Tensor:
+    """cpplan's selection: q ``[B, S, Hi, 128]`` and k ``[B, T, 128]`` (post-RoPE), w
+    ``[B, S, Hi]`` float32 with every scale folded, allowed ``[B, S, T]`` bool (causal) ->
+    ``[B, S, min(topk, T)]`` int32 key positions, score descending then position ascending."""
+    qv, qs = fp8_pow2(q.float())
+    kv, ks = fp8_pow2(k.float())
+    kd = (kv * ks[..., None]).double()
+    logits = torch.einsum("bshd,btd->bsht", qv.double(), kd).clamp_min(0)
+    scores = torch.einsum("bsh,bsht->bst", (w.float() * qs).double(), logits)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    return order[..., : min(topk, scores.shape[-1])].to(torch.int32)
+
+
+def _cpplan_indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask,
+                            position_ids=None, past_key_values=None):
+    """An HF indexer's forward (same signature, same q / k / weights from its weights) with
+    cpplan's numerics (module docstring); bound to one indexer module instance."""
+    b, s, _ = hidden_states.shape
+    cos, sin = position_embeddings
+    rope = getattr(sys.modules[type(self).__module__], _HF_INDEXER_ROPE[self.config.model_type])
+    q = self.wq_b(q_resid).view(b, s, self.n_heads, self.head_dim)
+    k = self.k_norm(self.wk(hidden_states)).unsqueeze(2)
+    r = self.qk_rope_head_dim
+    q_rot, k_rot = rope(q[..., :r], k[..., :r], cos, sin, unsqueeze_dim=2)
+    q = torch.cat([q_rot, q[..., r:]], dim=-1)
+    k = torch.cat([k_rot, k[..., r:]], dim=-1).squeeze(2)
+    if past_key_values is not None:
+        k = past_key_values.update_indexer(k, self.layer_idx)
+    w = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float()
+    w = w * (self.n_heads ** -0.5) * self.softmax_scale
+    allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+    return cpplan_topk(q, k, w, allowed, self.index_topk)
+
+
+def _rounding_expand_kv(original, kv_cache_dtype: str):
+    def expand_kv(kv_nope, k_rot):
+        return original(*round_kv(kv_nope, k_rot, kv_cache_dtype))
+    return expand_kv
+
+
+@contextlib.contextmanager
+def reference_numerics(model, *, indexer: str = "stock", kv_cache_dtype: str | None = None):
+    """Within the block, ``model`` (this instance only) runs with the given indexer and KV
+    rounding (module docstring); restored on exit. ConfigError for an unknown choice."""
+    if indexer not in INDEXERS:
+        raise ConfigError(f"indexer: got {indexer!r}; expected one of {INDEXERS}")
+    if kv_cache_dtype not in KV_FORMATS:
+        raise ConfigError(f"kv_cache_dtype: got {kv_cache_dtype!r}; expected one of "
+                          f"{KV_FORMATS}")
+    patched = []  # (module, attribute name)
+    try:
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            if indexer == "cpplan" and getattr(attn, "indexer", None) is not None:
+                attn.indexer.forward = types.MethodType(_cpplan_indexer_forward, attn.indexer)
+                patched.append((attn.indexer, "forward"))
+            if kv_cache_dtype is not None:
+                attn.expand_kv = _rounding_expand_kv(attn.expand_kv, kv_cache_dtype)
+                patched.append((attn, "expand_kv"))
+        yield model
+    finally:
+        for module, name in patched:
+            delattr(module, name)  # the class's method shows through again
+
+
+@torch.no_grad()
+def teacher_forced_logits(model, tokens: Sequence[int], positions: Sequence[int] | None = None,
+                          *, indexer: str = "stock", kv_cache_dtype: str | None = None
+                          ) -> torch.Tensor:
+    """The model's logits ``[len(positions), vocab]`` float32 (all positions by default) of
+    one forward over ``tokens`` (one sequence, no cache), with :func:`reference_numerics`;
+    row i predicts the token after ``tokens[positions[i]]``."""
+    device = model.lm_head.weight.device
+    ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
+    with reference_numerics(model, indexer=indexer, kv_cache_dtype=kv_cache_dtype):
+        logits = model(input_ids=ids, use_cache=False).logits[0].float()
+    if positions is None:
+        return logits
+    return logits.index_select(0, torch.as_tensor(list(positions), dtype=torch.long,
+                                                  device=device))
+
+
+@torch.no_grad()
+def reference_generate(model, prompt: Sequence[int], max_new_tokens: int, *,
+                       indexer: str = "stock", kv_cache_dtype: str | None = None) -> list[int]:
+    """The model's own greedy ``generate`` (its cache, one sequence) of ``max_new_tokens``
+    tokens after ``prompt``, with :func:`reference_numerics`; returns the new tokens."""
+    device = model.lm_head.weight.device
+    ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
+    with reference_numerics(model, indexer=indexer, kv_cache_dtype=kv_cache_dtype):
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@torch.no_grad()
+def selection_overlap(model, tokens: Sequence[int]) -> list[float]:
+    """Per full-indexer layer, the mean fraction of the stock indexer's top-k keys that
+    cpplan's numerics also select (same hidden states: the stock forward over ``tokens``),
+    over the queries with more causal keys than topk (1.0 where there are none)."""
+    found = []
+
+    def both(self, hidden_states, q_resid, position_embeddings, attention_mask, *args, **kw):
+        stock = type(self).forward(self, hidden_states, q_resid, position_embeddings,
+                                   attention_mask, *args, **kw)
+        ours = _cpplan_indexer_forward(self, hidden_states, q_resid, position_embeddings,
+                                       attention_mask, *args, **kw)
+        width = attention_mask.shape[-1]
+        a, b = (torch.zeros(*x.shape[:-1], width, dtype=torch.bool, device=x.device)
+                .scatter(-1, x.long(), True) for x in (stock, ours))
+        keys = torch.arange(hidden_states.shape[1], device=stock.device) + 1
+        over = keys > self.index_topk  # queries whose selection drops keys
+        share = (a & b).sum(-1)[0].double() / stock.shape[-1]
+        found.append(float(share[over].mean()) if bool(over.any()) else 1.0)
+        return stock
+
+    indexers = [layer.self_attn.indexer for layer in model.model.layers
+                if getattr(layer.self_attn, "indexer", None) is not None]
+    try:
+        for ix in indexers:
+            ix.forward = types.MethodType(both, ix)
+        model(input_ids=torch.tensor([list(tokens)], device=model.lm_head.weight.device),
+              use_cache=False)
+    finally:
+        for ix in indexers:
+            del ix.forward
+    return found

@@ -1,0 +1,106 @@
+"""A one-rank (P = W = 1) greedy serving loop over cpplan.models for the tests: chunked
+prefill under a token budget, prefills and decodes mixed in one step, each sampled row's
+logits kept for comparison with the model's own teacher-forced forward."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import numpy as np
+import torch
+
+from cpplan.api import LayerCache, StepExecutor, compile
+from cpplan.models import RankForward, model_spec, parallel_config, rank_token_ids
+from cpplan.models.reference import teacher_forced_logits
+from cpplan.models.rows import sampled_requests
+from cpplan.schemas.step import StepInput
+from cpplan.sim.allocator import BlockAllocator
+
+NUM_BLOCKS, MAX_BLOCKS = 64, 8
+
+
+@dataclasses.dataclass
+class Served:
+    prompt: list[int]
+    output: list[int] = dataclasses.field(default_factory=list)
+    logits: list[torch.Tensor] = dataclasses.field(default_factory=list)  # per sampled step
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+def _step_input(step_id, running, schedule):
+    ids = [f"r{i}" for i, _ in running]
+    computed = [c for c, _ in schedule]
+    counts = [n for _, n in schedule]
+    pre = [c < len(r.prompt) for (_, r), (c, _) in zip(running, schedule)]
+    sampled = [c + n >= len(r.prompt) for (_, r), (c, n) in zip(running, schedule)]
+    kwargs = {}
+    if "is_sampled" in inspect.signature(StepInput.build).parameters:
+        kwargs["is_sampled"] = sampled
+    return StepInput.build(step_id, ids, computed, counts, pre, **kwargs), sampled
+
+
+def serve(model, prompts, max_new_tokens, *, kv_cache_dtype="bf16", budget=64,
+          forward=None, **config_kw) -> list[Served]:
+    """Greedy tokens of every prompt through cpplan at P = W = 1 (all requests start at
+    step 0; each step schedules decodes first, then prefill chunks within ``budget``)."""
+    cfg = parallel_config(model, kv_cache_dtype=kv_cache_dtype, max_model_len=512, **config_kw)
+    spec = model_spec(model)
+    ex = StepExecutor.local(cfg, sm_scale=spec.sm_scale, max_tokens=budget + len(prompts),
+                            max_requests=len(prompts))
+    caches = [LayerCache.empty(cfg, NUM_BLOCKS, "cpu") for _ in range(cfg.num_layers)]
+    blocks = BlockAllocator(NUM_BLOCKS, cfg.block_size, 1, 0, 1)
+    forward = forward or RankForward(model)
+    reqs = [Served(list(p)) for p in prompts]
+    computed = [0] * len(reqs)
+    step_id = 0
+    while any(len(r.output) < max_new_tokens for r in reqs):
+        running = [(i, r) for i, r in enumerate(reqs) if len(r.output) < max_new_tokens]
+        left, schedule = budget, []
+        for i, r in running:  # decodes take one token; prefills what the budget leaves
+            want = len(r.tokens) - computed[i]
+            n = 1 if computed[i] >= len(r.prompt) else max(0, min(want, left))
+            left -= n if computed[i] < len(r.prompt) else 0
+            schedule.append((computed[i], n))
+        keep = [k for k, (_, n) in enumerate(schedule) if n > 0]
+        running = [running[k] for k in keep]
+        schedule = [schedule[k] for k in keep]
+        step, sampled = _step_input(step_id, running, schedule)
+        plan = compile(cfg, step)
+        for (i, _), extent in zip(running, plan.extent()):
+            blocks.ensure(f"r{i}", int(extent))
+        bound = ex.bind(plan, blocks.table(plan.req_ids, MAX_BLOCKS))
+        logits = forward(ex, bound, caches, rank_token_ids(bound, [r.tokens for _, r in running]))
+        ex.finish(bound)
+        rows = dict(zip(sampled_requests(plan).tolist(), logits))
+        for k, ((i, r), (c, n)) in enumerate(zip(running, schedule)):
+            computed[i] = c + n
+            if sampled[k]:
+                r.logits.append(rows[k].float())
+                r.output.append(int(rows[k].argmax()))
+        step_id += 1
+    return reqs
+
+
+def compare(model, served: list[Served], **numerics) -> tuple[int, int, float]:
+    """(sampled positions whose greedy token equals the reference's, positions, max |dlogit|)
+    against the model's teacher-forced forward over each request's tokens."""
+    agree = total = 0
+    worst = 0.0
+    for r in served:
+        n = len(r.output)
+        pos = list(range(len(r.prompt) - 1, len(r.prompt) - 1 + n))
+        ref = teacher_forced_logits(model, r.tokens[:-1] if n else r.tokens, pos, **numerics)
+        ours = torch.stack(r.logits)
+        agree += int((ref.argmax(-1) == ours.argmax(-1)).sum())
+        total += n
+        worst = max(worst, float((ref - ours).abs().max()))
+    return agree, total, worst
+
+
+def prompts(sizes, seed=0, vocab=512):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, size=s).tolist() for s in sizes]
