@@ -101,13 +101,30 @@ def chunks_table(plan: StepPlan, with_indices: bool) -> list[dict]:
 
 
 def collectives_table(plan: StepPlan) -> list[dict]:
+    """Per collective; ``layers`` (where some layers share an indexer top-k) lists the layers
+    a per-layer entry is issued on, and only then appears."""
     layers = plan.config.num_layers
-    return [
-        {"name": c.name, "op": c.op, "group": c.group, "dtype": c.dtype, "shape": list(c.shape),
-         "bytes": c.bytes, "per_layer": c.per_layer,
-         "bytes_per_step": c.bytes * (layers if c.per_layer else 1)}
-        for c in plan.collectives
-    ]
+    out = []
+    for c in plan.collectives:
+        entry = {"name": c.name, "op": c.op, "group": c.group, "dtype": c.dtype,
+                 "shape": list(c.shape), "bytes": c.bytes, "per_layer": c.per_layer,
+                 "bytes_per_step": c.bytes * c.issues_per_step(layers)}
+        if c.layers:
+            entry["layers"] = list(c.layers)
+        out.append(entry)
+    return out
+
+
+def sampled_table(plan: StepPlan) -> dict | None:
+    """The sampled rows of a step that names them (None otherwise): per sampled request its
+    index, the PCP rank that supplies its last token and the token's index there."""
+    if plan.is_sampled is None:
+        return None
+    src = plan.sampled_source.np().tolist()
+    reqs = [int(i) for i in np.nonzero(plan.is_sampled.np())[0]]
+    return {"rows_per_rank": plan.sampled_rows_per_rank(),
+            "requests": [{"request": i, "pcp_rank": r, "token": t}
+                         for i, (r, t) in zip(reqs, src)]}
 
 
 def workspace(plan: StepPlan) -> dict:
@@ -124,8 +141,9 @@ def workspace(plan: StepPlan) -> dict:
         "gather_capacity_bytes": cfg.gather_workspace_tokens * per_token,
         "insert_rows": insert,
         "insert_bytes": insert * per_token,
-        "restore_bytes": cfg.pcp_size * plan.padded_num_tokens * cfg.hidden_size * act_bytes
-        if cfg.pcp_size > 1 else 0,
+        "restore_bytes": cfg.pcp_size * (plan.padded_num_tokens if plan.is_sampled is None
+                                         else plan.sampled_rows_per_rank())
+        * cfg.hidden_size * act_bytes if cfg.pcp_size > 1 else 0,
     }
 
 
@@ -150,6 +168,9 @@ def plan_report(plan: StepPlan, *, with_indices: bool = False, with_cost: bool =
         "collectives": collectives_table(plan),
         "workspace": workspace(plan),
     }
+    sampled = sampled_table(plan)
+    if sampled is not None:
+        report["sampled"] = sampled
     if with_cost:
         report["cost"] = _cost_dict(plan)
     return report

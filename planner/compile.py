@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
+import msgspec
 import numpy as np
 
 from cpplan.planner._kernels import plan_kernel
@@ -19,7 +20,7 @@ from cpplan.schemas.config import INDEXER_K_BYTES_PER_TOKEN, MAX_SUPPORTED_TOKEN
 from cpplan.schemas import names
 from cpplan.schemas.errors import ConfigError, StepInputError
 from cpplan.schemas.names import TOPK_CANDIDATE_DTYPE
-from cpplan.schemas.plan import EAGER, Collective, GatherChunk, StepPlan
+from cpplan.schemas.plan import EAGER, MODE_SPLIT, Collective, GatherChunk, StepPlan
 from cpplan.schemas.step import StepInput
 
 ACTIVATION_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -49,6 +50,11 @@ def compile(config: ParallelConfig, step: StepInput) -> StepPlan:  # noqa: A001 
     padded, graph = padded_size(max(counts), config.cudagraph_token_sizes)
     chunks = _gather_chunks(creq, cpad, bounds.tolist(), pcu, gcu)
     n, p_size, n_rows = len(step.req_ids), config.pcp_size, len(row_req)
+    sampled = None if step.is_sampled is None else step.is_sampled.np()
+    source = (None if sampled is None else
+              sampled_source(sampled, q32, mode, row_req, off, length, start))
+    rows_sampled = (None if source is None or p_size == 1 or not len(source)
+                    else int(np.bincount(source[:, 0], minlength=p_size).max()))
     return StepPlan(
         config=config,
         step_id=step.step_id,
@@ -73,8 +79,28 @@ def compile(config: ParallelConfig, step: StepInput) -> StepPlan:  # noqa: A001 
         gather_chunks=chunks,
         collectives=collectives(config, padded, decode_rows_issued(padded, graph, nd_tokens,
                                                                    n_rows > nd_rows),
-                                n_rows > nd_rows, [ch.padded_local_total for ch in chunks]),
+                                n_rows > nd_rows, [ch.padded_local_total for ch in chunks],
+                                sampled_rows=None if sampled is None else rows_sampled or 0),
+        is_sampled=None if sampled is None else Array("|u1", (n,), sampled.tobytes()),
+        sampled_source=(None if source is None
+                        else Array("<i4", (len(source), 2), source.tobytes())),
     )
+
+
+def sampled_source(sampled: np.ndarray, q: np.ndarray, mode: np.ndarray, row_req: np.ndarray,
+                   off: np.ndarray, length: np.ndarray, start: np.ndarray) -> np.ndarray:
+    """int32 [n_sampled, 2]: per sampled request (ascending index), the PCP rank holding its
+    last scheduled token and that token's index in the rank's order; split requests from the
+    rank whose row holds it, the others from rank 0 (their rows are the same on every rank).
+    O(P * rows), vectorised."""
+    last = q.astype(np.int64)[row_req] - 1  # [R] the request's last query offset
+    holds = (off <= last) & (last < off + length) & (sampled[row_req] != 0)
+    holds[1:] &= (mode[row_req] == MODE_SPLIT)[None, :]
+    rank, row = np.nonzero(holds)
+    order = np.argsort(row_req[row], kind="stable")
+    rank, row = rank[order], row[order]
+    token = start[rank, row].astype(np.int64) + last[row] - off[rank, row]
+    return np.stack([rank, token], axis=1).astype(np.int32).reshape(-1, 2)
 
 
 def _check_arguments(config, step) -> None:
@@ -130,11 +156,15 @@ def _gather_chunks(creq, cpad, bounds: list[int], pcu, gcu) -> tuple[GatherChunk
 
 
 def collectives(config: ParallelConfig, padded: int, nd_tokens: int, has_prefill: bool,
-                chunk_rows: list[int]) -> tuple[Collective, ...]:
+                chunk_rows: list[int], sampled_rows: int | None = None
+                ) -> tuple[Collective, ...]:
     """The step's collectives in issue order, each present exactly when its docs/design.md §3.8 condition
     holds. ``padded`` is T, ``nd_tokens`` the decode rows the decode collectives carry
-    (:func:`decode_rows_issued`), ``chunk_rows`` PT per chunk."""
+    (:func:`decode_rows_issued`), ``chunk_rows`` PT per chunk, ``sampled_rows`` M of a step
+    that names its sampled rows (None: it does not, and every token is restored). The
+    indexer's collectives list the full indexer layers where some layers share a top-k."""
     p_size, w_size = config.pcp_size, config.dcp_size
+    full = config.full_indexer_layers if config.indexer_sources else ()
     kv, ik = config.kv_bytes_per_token, INDEXER_K_BYTES_PER_TOKEN
     act, act_size = config.activation_dtype, ACTIVATION_ITEMSIZE[config.activation_dtype]
     out = []
@@ -152,10 +182,15 @@ def collectives(config: ParallelConfig, padded: int, nd_tokens: int, has_prefill
         out.append(_coll(names.DECODE_LSE, "float32", (nd, h), nd * h * 4))
         out.append(_coll(names.DECODE_OUT, act, (nd, h, config.v_head_dim),
                          nd * h * config.v_head_dim * act_size))
-    if p_size > 1:
-        hidden = config.hidden_size
+    hidden = config.hidden_size
+    if p_size > 1 and sampled_rows is None:
         out.append(_coll(names.RESTORE, act, (padded, hidden), padded * hidden * act_size))
-    return tuple(out)
+    elif p_size > 1 and sampled_rows:
+        out.append(_coll(names.RESTORE_SAMPLED, act, (sampled_rows, hidden),
+                         sampled_rows * hidden * act_size))
+    return tuple(out if not full else
+                 [msgspec.structs.replace(c, layers=full)
+                  if names.kind_of(c.name).indexer else c for c in out])
 
 
 def _coll(kind: names.CollectiveKind, dtype: str, shape: tuple[int, ...], nbytes: int,

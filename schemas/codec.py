@@ -19,6 +19,8 @@ import json
 import threading
 from typing import Annotated, TypeVar
 
+import functools
+
 import msgspec
 import xxhash
 
@@ -29,7 +31,9 @@ from cpplan.schemas.invariants import check_plan
 from cpplan.schemas.plan import StepPlan
 from cpplan.schemas.step import StepInput
 
-SCHEMA_VERSION = 1
+# 2: ParallelConfig.indexer_sources, Collective.layers, StepPlan.is_sampled / sampled_source
+# and the restore_sampled collective (files of version 1 decode with their defaults)
+SCHEMA_VERSION = 2
 KIND_PLAN = "cpplan.plan"
 KIND_STEP = "cpplan.step"
 KIND_CONFIG = "cpplan.config"
@@ -50,11 +54,13 @@ class Envelope(msgspec.Struct, frozen=True, array_like=True):
     digest: bytes
 
 
-class _RequestFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class _RequestFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
+                   omit_defaults=True):
     req_id: str
     num_computed_tokens: _Count
     num_scheduled_tokens: _Count
     is_prefilling: bool
+    is_sampled: bool | None = None  # schema 2; absent in a file that names no sampled rows
 
 
 class _StepFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -108,9 +114,16 @@ def digest(plan: StepPlan) -> bytes:
     return _hash128(_encode_scratch(plan, "payload"))
 
 
+@functools.lru_cache(maxsize=64)
 def config_fingerprint(config: ParallelConfig) -> str:
-    """Hex xxh3_128 of the canonical config bytes."""
-    return _hash128(_encoder.encode(config)).hex()
+    """Hex xxh3_128 of the canonical config bytes. A field that schema 2 added is left out
+    while it holds its default, so a config that does not use it keeps its schema-1
+    fingerprint and files of version 1 still open."""
+    if config.indexer_sources:
+        return _hash128(_encoder.encode(config)).hex()
+    fields = msgspec.to_builtins(config)
+    del fields["indexer_sources"]
+    return _hash128(_encoder.encode(fields)).hex()
 
 
 # ---------------------------------------------------------------- envelopes
@@ -288,12 +301,14 @@ def decode_json_object(data, what: str, max_bytes: int = 2**20) -> dict:
 # ---------------------------------------------------------------- steps
 def _step_from_file(f: _StepFile) -> StepInput:
     try:
+        said = any(r.is_sampled is not None for r in f.requests)
         return StepInput.build(
             f.step_id,
             [r.req_id for r in f.requests],
             [r.num_computed_tokens for r in f.requests],
             [r.num_scheduled_tokens for r in f.requests],
             [r.is_prefilling for r in f.requests],
+            [bool(r.is_sampled) for r in f.requests] if said else None,
         )
     except (ValueError, OverflowError) as exc:
         raise PlanFormatError(f"invalid step: {_one_line(exc)}") from None

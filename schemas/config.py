@@ -59,6 +59,10 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     max_model_len: int = 131072
     cudagraph_token_sizes: tuple[int, ...] = ()
     gather_workspace_tokens: int = 0
+    # per layer, the layer whose indexer top-k it attends with: itself (a full indexer layer)
+    # or an earlier full layer (a shared layer, GLM-5's "S": no indexer, no index keys); ()
+    # means every layer is full (DeepSeek-V3.2). indexer_sources_from_types builds it.
+    indexer_sources: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         sizes = _POSITIVE_VALUES(self)
@@ -79,6 +83,7 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 raise ConfigError(f"{name} must be one of {', '.join(allowed)}: got "
                                   f"{getattr(self, name)!r}")
         self._check_graph_sizes()
+        self._check_indexer_sources()
         p, w = self.pcp_size, self.dcp_size
         if not (w == 1 or p == 1 or w == p):
             raise ConfigError(
@@ -147,6 +152,37 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 f"increasing: got {list(sizes)}")
         msgspec.structs.force_setattr(self, "cudagraph_token_sizes", sizes)
 
+    def _check_indexer_sources(self) -> None:
+        sources = self.indexer_sources
+        if isinstance(sources, (list, np.ndarray)):
+            sources = tuple(int(s) if isinstance(s, np.integer) else s for s in sources)
+            msgspec.structs.force_setattr(self, "indexer_sources", sources)
+        if not isinstance(sources, tuple) or any(type(s) is not int for s in sources):
+            raise ConfigError(f"indexer_sources must be a tuple of layer indices: got "
+                              f"{sources!r}")
+        if not sources:
+            return
+        if len(sources) != self.num_layers:
+            raise ConfigError(f"indexer_sources must name one source per layer: got "
+                              f"{len(sources)} for num_layers {self.num_layers}")
+        for layer, src in enumerate(sources):
+            if src != layer and not (0 <= src < layer and sources[src] == src):
+                raise ConfigError(
+                    f"indexer_sources[{layer}]: got {src}; expected {layer} (a full indexer "
+                    f"layer) or an earlier full layer, one of "
+                    f"{[k for k in range(layer) if sources[k] == k]}")
+
+    def indexer_source(self, layer: int) -> int:
+        """The layer whose indexer top-k ``layer`` attends with (itself when full)."""
+        return self.indexer_sources[layer] if self.indexer_sources else layer
+
+    @property
+    def full_indexer_layers(self) -> tuple[int, ...]:
+        """The layers that run their own indexer (every layer when indexer_sources is ())."""
+        if not self.indexer_sources:
+            return tuple(range(self.num_layers))
+        return tuple(k for k, s in enumerate(self.indexer_sources) if s == k)
+
     @property
     def min_gather_workspace_tokens(self) -> int:
         return self.dcp_size * shard_rows(self.max_model_len, self.dcp_size, self.interleave_size)
@@ -170,3 +206,26 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
     def shard_rows(self, extent: int) -> int:
         return shard_rows(extent, self.dcp_size, self.interleave_size)
+
+
+INDEXER_TYPES = ("full", "shared")
+
+
+def indexer_sources_from_types(types) -> tuple[int, ...]:
+    """``ParallelConfig.indexer_sources`` from per-layer indexer types, GLM-5's
+    ``config.indexer_types`` ("full" / "shared", or "F" / "S"): a shared layer reuses the top-k
+    of the nearest full layer before it. ConfigError for another type or a first layer that
+    is shared (it has no full layer to reuse)."""
+    sources, last_full = [], None
+    for layer, kind in enumerate(types):
+        kind = {"F": "full", "S": "shared"}.get(kind, kind)
+        if kind not in INDEXER_TYPES:
+            raise ConfigError(f"indexer type of layer {layer}: got {kind!r}; expected 'full' "
+                              "or 'shared' (or 'F' / 'S')")
+        if kind == "full":
+            last_full = layer
+        elif last_full is None:
+            raise ConfigError(f"indexer type of layer {layer}: got 'shared' before any full "
+                              "layer; expected the first layer to be 'full'")
+        sources.append(last_full)
+    return tuple(sources)

@@ -45,6 +45,7 @@ _SHAPED_DTYPES = tuple(d for _, d in _REQUEST_ARRAYS) + ("<i4", "<i4") \
     + tuple(d for _, d in _RANK_ROW_ARRAYS)
 _COLLECTIVE_NAME = re.compile(
     r"(kv_insert|indexer_k_insert|topk_candidates|decode_lse|decode_out|restore"
+    r"|restore_sampled"
     r"|(indexer_k|kv)_gather\[(0|[1-9][0-9]{0,8})\])")
 _COLLECTIVE_ITEMSIZE = {"uint8": 1, "float32": 4, "bfloat16": 2, "float16": 2,
                         "float32+int32": 8, "float32+int64": 12}
@@ -62,6 +63,32 @@ def check_plan(plan: StepPlan) -> None:
     _check_tables(plan)
     _check_padding(plan)
     _check_collectives(plan)
+    _check_sampled(plan)
+
+
+def _check_sampled(plan: StepPlan) -> None:
+    """Sampled rows (schema 2): both fields or neither; one source per sampled request, each a
+    real token of its rank."""
+    flags, src = plan.is_sampled, plan.sampled_source
+    if flags is None and src is None:
+        return
+    n = len(plan.req_ids)
+    if flags is None or src is None or flags.dtype != "|u1" or flags.shape != (n,) \
+            or src.dtype != "<i4" or len(src.shape) != 2 or src.shape[1:] != (2,):
+        _fail(f"is_sampled (|u1 [{n}]) and sampled_source (<i4 [n_sampled, 2]) must be given "
+              f"together: got {getattr(flags, 'shape', None)}, {getattr(src, 'shape', None)}")
+    f = flags.np()
+    if f.size and f.max() > 1:
+        _fail("is_sampled must be 0 or 1")
+    if src.shape[0] != int(f.sum()):
+        _fail(f"sampled_source must have one row per sampled request ({int(f.sum())}): got "
+              f"{src.shape[0]}")
+    if src.shape[0]:
+        rank, token = src.np()[:, 0], src.np()[:, 1]
+        limit = np.asarray(plan.num_tokens, dtype=np.int64)
+        if rank.min() < 0 or rank.max() >= plan.config.pcp_size or token.min() < 0 \
+                or (token >= limit[np.clip(rank, 0, len(limit) - 1)]).any():
+            _fail("sampled_source must name a PCP rank and one of its real tokens")
 
 
 def _int_in(name: str, value, lo: int, hi: int) -> None:
@@ -237,6 +264,12 @@ def _check_collectives(plan: StepPlan) -> None:
         if not 1 <= len(shape) <= 3 or min(shape) < 0 or max(shape) > INT32_MAX:
             _fail(f"collective {c.name!r}: shape must have 1 to 3 dimensions in [0, "
                   f"{INT32_MAX}]: got {list(shape)}")
+        layers = c.layers
+        if layers and (not c.per_layer or list(layers) != sorted(set(layers))
+                       or layers[0] < 0 or layers[-1] >= plan.config.num_layers):
+            _fail(f"collective {c.name!r}: layers must be distinct ascending layers of a "
+                  f"per-layer entry, below num_layers {plan.config.num_layers}: got "
+                  f"{list(layers)}")
         size = _COLLECTIVE_ITEMSIZE[c.dtype] * math.prod(shape)
         if c.bytes != size:
             _fail(f"collective {c.name!r}: bytes must be prod(shape) * itemsize = {size}: got "

@@ -29,13 +29,15 @@ class Op(str, enum.Enum):
 class CollectiveKind:
     """One kind of collective: its name, op and group; ``per_chunk`` kinds are issued once per
     gather chunk (their plan name carries the chunk, ``kv_gather[2]``); ``per_layer`` kinds once
-    per layer, the others once per step."""
+    per layer, the others once per step; ``indexer`` kinds only on the layers that run their
+    own indexer (ParallelConfig.full_indexer_layers: a shared layer reuses an earlier top-k)."""
 
     name: str
     op: Op
     group: Group
     per_layer: bool = True
     per_chunk: bool = False
+    indexer: bool = False
 
     def label(self, chunk: int | None = None) -> str:
         """The name as it appears in a plan and a ledger."""
@@ -47,18 +49,21 @@ class CollectiveKind:
 
 
 KV_INSERT = CollectiveKind("kv_insert", Op.ALL_GATHER, Group.PCP)
-INDEXER_K_INSERT = CollectiveKind("indexer_k_insert", Op.ALL_GATHER, Group.PCP)
-INDEXER_K_GATHER = CollectiveKind("indexer_k_gather", Op.ALL_GATHER, Group.DCP, per_chunk=True)
+INDEXER_K_INSERT = CollectiveKind("indexer_k_insert", Op.ALL_GATHER, Group.PCP, indexer=True)
+INDEXER_K_GATHER = CollectiveKind("indexer_k_gather", Op.ALL_GATHER, Group.DCP, per_chunk=True,
+                                  indexer=True)
 KV_GATHER = CollectiveKind("kv_gather", Op.ALL_GATHER, Group.DCP, per_chunk=True)
-TOPK_CANDIDATES = CollectiveKind("topk_candidates", Op.ALL_GATHER, Group.DCP)
+TOPK_CANDIDATES = CollectiveKind("topk_candidates", Op.ALL_GATHER, Group.DCP, indexer=True)
 DECODE_LSE = CollectiveKind("decode_lse", Op.ALL_GATHER, Group.DCP)
 DECODE_OUT = CollectiveKind("decode_out", Op.ALL_REDUCE, Group.DCP)
 RESTORE = CollectiveKind("restore", Op.ALL_GATHER, Group.PCP, per_layer=False)
+# the sampled rows only (a step that names them): [M, hidden], M the most any rank holds
+RESTORE_SAMPLED = CollectiveKind("restore_sampled", Op.ALL_GATHER, Group.PCP, per_layer=False)
 
 # Issue order within a step: per layer the inserts, then per chunk its two gathers, then the
 # decode merge; after the last layer, restore.
 COLLECTIVE_KINDS = (KV_INSERT, INDEXER_K_INSERT, INDEXER_K_GATHER, KV_GATHER, TOPK_CANDIDATES,
-                    DECODE_LSE, DECODE_OUT, RESTORE)
+                    DECODE_LSE, DECODE_OUT, RESTORE, RESTORE_SAMPLED)
 
 TOPK_CANDIDATE_DTYPE = "float32+int32"  # one packed entry: (score, global token id)
 # (ids fit int32: every token count of a plan does, config.MAX_SUPPORTED_TOKENS; plans recorded

@@ -28,7 +28,8 @@ class Collective(msgspec.Struct, frozen=True, kw_only=True):
 
     ``shape`` is the per-rank input; ``bytes`` = prod(shape) * itemsize (summed over the dtypes
     of a packed entry such as ``topk_candidates``: ``float32+int32``). ``per_layer`` entries are
-    issued once per layer, the others once per step.
+    issued once per layer (on the layers of ``layers`` only, when it is not empty: the indexer's
+    collectives where some layers share an earlier layer's top-k), the others once per step.
     """
 
     name: str
@@ -38,6 +39,17 @@ class Collective(msgspec.Struct, frozen=True, kw_only=True):
     shape: tuple[int, ...]
     bytes: int
     per_layer: bool
+    layers: tuple[int, ...] = ()  # schema 2: the layers a per-layer entry is issued on; () all
+
+    def issued_on(self, layer: int) -> bool:
+        """A per-layer entry: whether ``layer`` issues it."""
+        return not self.layers or layer in self.layers
+
+    def issues_per_step(self, num_layers: int) -> int:
+        """How many times one step issues it."""
+        if not self.per_layer:
+            return 1
+        return len(self.layers) if self.layers else num_layers
 
 
 class GatherChunk(msgspec.Struct, frozen=True, kw_only=True):
@@ -91,6 +103,12 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
 
     Shapes: ``num_tokens[p]`` real tokens of PCP rank p, ``padded_num_tokens`` T for all ranks,
     ``cudagraph_size`` the graph size T came from (EAGER = 0).
+
+    Sampled rows (schema 2; None when the step names none): ``is_sampled`` ``[N]`` uint8 as
+    the step gave it; ``sampled_source`` ``[n_sampled, 2]`` int32, per sampled request in
+    ascending request index, the PCP rank that supplies its last scheduled token and the
+    token's index in that rank's token order (a split request's last token comes from the rank
+    that computed it, a decode's or replicated prefill's from PCP rank 0, as in restore).
     """
 
     config: ParallelConfig
@@ -115,6 +133,8 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
     cudagraph_size: int
     gather_chunks: tuple[GatherChunk, ...]
     collectives: tuple[Collective, ...]
+    is_sampled: Array | None = None
+    sampled_source: Array | None = None
 
     # ---- derived views (not stored) ----
     @property
@@ -141,6 +161,44 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
         """int64 [P, R]: position of each row's first token (c of its request + query offset)."""
         c = self.num_computed_tokens.np().astype(np.int64)
         return c[self.row_request.np()][None, :] + self.row_query_offset.np()
+
+    @property
+    def num_sampled(self) -> int:
+        """Sampled requests (0 when the step names none)."""
+        return 0 if self.sampled_source is None else self.sampled_source.shape[0]
+
+    def sampled_rows_per_rank(self) -> int:
+        """M: the most sampled tokens any PCP rank supplies (restore_sampled's ``[M, hidden]``)."""
+        if not self.num_sampled:
+            return 0
+        ranks = self.sampled_source.np()[:, 0]
+        return int(np.bincount(ranks, minlength=self.config.pcp_size).max())
+
+    def sampled_send_rows(self, pcp_rank: int) -> np.ndarray:
+        """int64 [M]: the token indices PCP rank ``pcp_rank`` sends in restore_sampled, its
+        sampled tokens in request order, padded with token 0 (those rows are never read)."""
+        src = self.sampled_source.np() if self.num_sampled else np.zeros((0, 2), np.int32)
+        mine = src[src[:, 0] == pcp_rank, 1].astype(np.int64)
+        out = np.zeros(self.sampled_rows_per_rank(), dtype=np.int64)
+        out[: len(mine)] = mine
+        return out
+
+    def sampled_restore_index(self) -> np.ndarray:
+        """int64 [n_sampled]: each sampled request's row in the gathered ``[P * M]`` buffer of
+        restore_sampled (P == 1: its token index on the rank)."""
+        if not self.num_sampled:
+            return np.zeros(0, dtype=np.int64)
+        src = self.sampled_source.np().astype(np.int64)
+        ranks = src[:, 0]
+        # rank-major: a rank's k-th sampled token is row k of its block
+        order = np.argsort(ranks, kind="stable")
+        within = np.empty(len(ranks), dtype=np.int64)
+        counts = np.bincount(ranks, minlength=self.config.pcp_size)
+        starts = np.cumsum(counts) - counts
+        within[order] = np.arange(len(ranks)) - np.repeat(starts, counts)
+        if self.config.pcp_size == 1:
+            return src[:, 1]
+        return ranks * self.sampled_rows_per_rank() + within
 
     def mode_names(self) -> list[str]:
         return [MODE_NAMES[m] for m in self.mode.np()]

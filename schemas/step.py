@@ -63,12 +63,12 @@ def _counts(values, name: str) -> np.ndarray:
     return arr
 
 
-def _flags(values) -> np.ndarray:
-    arr = _as_array(values, "is_prefilling", _BOOL_TYPES | _INT_TYPES)
+def _flags(values, name: str = "is_prefilling") -> np.ndarray:
+    arr = _as_array(values, name, _BOOL_TYPES | _INT_TYPES)
     if arr.dtype.kind == "b":
         return arr
     if arr.dtype.kind not in "iu" or (arr.size and (arr.min() < 0 or arr.max() > 1)):
-        raise StepInputError(f"is_prefilling must be bools (or 0/1 integers): got dtype "
+        raise StepInputError(f"{name} must be bools (or 0/1 integers): got dtype "
                              f"{arr.dtype}" + (f" values in [{arr.min()}, {arr.max()}]"
                                                if arr.dtype.kind in "iu" else ""))
     return arr.astype(np.bool_)
@@ -81,13 +81,17 @@ class RequestInput(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     num_computed_tokens: int
     num_scheduled_tokens: int
     is_prefilling: bool
+    is_sampled: bool | None = None  # its last scheduled token is sampled (None: not said)
 
 
 class StepInput(msgspec.Struct, frozen=True, kw_only=True):
     """The global batch in the scheduler's order; request i is named by its index i.
 
     Columns, each ``[num_requests]``: ``num_computed_tokens`` and ``num_scheduled_tokens``
-    int64, ``is_prefilling`` uint8 (0/1). Build with :meth:`build` or :meth:`from_requests`.
+    int64, ``is_prefilling`` uint8 (0/1), and ``is_sampled`` uint8 (0/1) or None: the requests
+    whose last scheduled token this step samples (a decode, a prefill that ends its prompt);
+    a step that names them restores those rows only (``restore_sampled``), one that does not
+    (None) restores every token. Build with :meth:`build` or :meth:`from_requests`.
     """
 
     step_id: int
@@ -95,6 +99,7 @@ class StepInput(msgspec.Struct, frozen=True, kw_only=True):
     num_computed_tokens: Array
     num_scheduled_tokens: Array
     is_prefilling: Array
+    is_sampled: Array | None = None
 
     def __post_init__(self) -> None:
         step_id = self.step_id
@@ -123,6 +128,13 @@ class StepInput(msgspec.Struct, frozen=True, kw_only=True):
                 raise StepInputError(
                     f"{name} must have shape ({n},) like req_ids: got {column.shape}"
                 )
+        sampled = self.is_sampled
+        if sampled is not None and (not isinstance(sampled, Array) or sampled.dtype != "|u1"
+                                    or sampled.shape != (n,)):
+            got = (f"{sampled.dtype} {sampled.shape}" if isinstance(sampled, Array)
+                   else type(sampled).__name__)
+            raise StepInputError(f"is_sampled must be None or an Array |u1 of shape ({n},) "
+                                 f"like req_ids: got {got}")
 
     @classmethod
     def build(
@@ -132,11 +144,12 @@ class StepInput(msgspec.Struct, frozen=True, kw_only=True):
         num_computed_tokens: Sequence[int] | np.ndarray,
         num_scheduled_tokens: Sequence[int] | np.ndarray,
         is_prefilling: Sequence[bool] | np.ndarray,
+        is_sampled: Sequence[bool] | np.ndarray | None = None,
     ) -> "StepInput":
         """Columns from sequences or arrays. Token counts must be integers (a float, bool or
-        str is refused, never rounded or coerced) within int32; ``is_prefilling`` must be
-        bools (or 0/1 integers in an integer array). Range rules against a config are
-        :meth:`validate`'s."""
+        str is refused, never rounded or coerced) within int32; ``is_prefilling`` and
+        ``is_sampled`` (optional) must be bools (or 0/1 integers in an integer array). Range
+        rules against a config are :meth:`validate`'s."""
         if isinstance(req_ids, (str, bytes)):
             raise StepInputError(f"req_ids must be a sequence of str: got "
                                  f"{type(req_ids).__name__} {req_ids!r}")
@@ -148,16 +161,22 @@ class StepInput(msgspec.Struct, frozen=True, kw_only=True):
             num_scheduled_tokens=Array.of(_counts(num_scheduled_tokens,
                                                   "num_scheduled_tokens"), "<i8"),
             is_prefilling=Array.of(_flags(is_prefilling), "|u1"),
+            is_sampled=(None if is_sampled is None
+                        else Array.of(_flags(is_sampled, "is_sampled"), "|u1")),
         )
 
     @classmethod
     def from_requests(cls, step_id: int, requests: Sequence[RequestInput]) -> "StepInput":
+        """Requests that say nothing of sampling count as not sampled, unless none says
+        anything (then the step names no sampled rows)."""
+        said = any(r.is_sampled is not None for r in requests)
         return cls.build(
             step_id,
             [r.req_id for r in requests],
             [r.num_computed_tokens for r in requests],
             [r.num_scheduled_tokens for r in requests],
             [r.is_prefilling for r in requests],
+            [bool(r.is_sampled) for r in requests] if said else None,
         )
 
     @property
@@ -168,12 +187,14 @@ class StepInput(msgspec.Struct, frozen=True, kw_only=True):
         c = self.num_computed_tokens.np()
         q = self.num_scheduled_tokens.np()
         pre = self.is_prefilling.np()
+        sampled = self.is_sampled.np() if self.is_sampled is not None else None
         return [
             RequestInput(
                 req_id=rid,
                 num_computed_tokens=int(c[i]),
                 num_scheduled_tokens=int(q[i]),
                 is_prefilling=bool(pre[i]),
+                is_sampled=bool(sampled[i]) if sampled is not None else None,
             )
             for i, rid in enumerate(self.req_ids)
         ]

@@ -49,6 +49,8 @@ def reseal(payload, kind: str = codec.KIND_PLAN) -> bytes:
     """A file around ``payload`` with a correct digest, config fingerprint and checksum."""
     body = msgspec.msgpack.encode(payload)
     config = payload.get("config") if isinstance(payload, dict) else None
+    if isinstance(config, dict) and not config.get("indexer_sources", True):
+        config = {k: v for k, v in config.items() if k != "indexer_sources"}  # codec's rule
     fingerprint = xxhash.xxh3_128_hexdigest(msgspec.msgpack.encode(config)) \
         if isinstance(config, dict) else ""
     env = codec.Envelope(kind, codec.SCHEMA_VERSION, "0", fingerprint, body,

@@ -242,7 +242,7 @@ def _config_file(tmp_path):
     (None, ["inspect", "missing.msgpack"], "No such file or directory"),
     (_not_a_plan, ["inspect", "{f}"], "neither a plan nor a step file"),
     (_config_file, ["inspect", "{f}"], "neither a plan nor a step file"),
-    (_newer_schema, ["inspect", "{f}"], "schema version 2"),
+    (_newer_schema, ["inspect", "{f}"], "schema version 3"),
     (None, ["inspect", "tests/golden/v1/mixed_p2w2.step.json", "--pcp", "2", "--dcp", "3"],
      "unsupported topology"),
     (None, ["plan", "tests/golden/v1/mixed_p2w2.step.json", "--pcp", "x", "-o", "o.msgpack"],

@@ -20,7 +20,7 @@ from cpplan.schemas import (ParallelConfig, StepInput, decode_plan, encode_confi
 from tests.cli.inprocess import payload_of, reseal, run_cli
 from tests.cli.test_cli import ENV, ROOT
 
-GOLDEN = ROOT / "tests" / "golden" / "v1"
+GOLDEN = ROOT / "tests" / "golden" / "v2"
 EXIT_CODES = {0, 1, 2}  # documented for plan / inspect / diff / draw
 SECONDS_PER_COMMAND = 20
 

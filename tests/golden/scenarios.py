@@ -18,10 +18,12 @@ def _cfg(p, w, i=1, **kw) -> ParallelConfig:
     return ParallelConfig(pcp_size=p, dcp_size=w, interleave_size=i, **kw)
 
 
-def _step(step_id, reqs) -> StepInput:
-    """reqs: (c, q, is_prefilling) tuples; req_ids are r0, r1, ..."""
+def _step(step_id, reqs, sampled=None) -> StepInput:
+    """reqs: (c, q, is_prefilling) tuples; req_ids are r0, r1, ...; sampled: per request (or
+    None: the step names no sampled rows)."""
     return StepInput.build(step_id, [f"r{k}" for k in range(len(reqs))],
-                           [r[0] for r in reqs], [r[1] for r in reqs], [r[2] for r in reqs])
+                           [r[0] for r in reqs], [r[1] for r in reqs], [r[2] for r in reqs],
+                           sampled)
 
 
 def _mixed(seed: int, n: int, max_ctx: int = 128_000, prefill_frac: float = 0.1):
@@ -104,4 +106,22 @@ def scenarios() -> dict[str, tuple[ParallelConfig, StepInput]]:
                                       _step(41, [(8000, 192, True), (8191, 1, False)]))
     s["decodes_interleaved_in_input_p2w2"] = (
         _cfg(2, 2), _step(42, [(0, 40, True), (9, 1, False), (0, 3, True), (70, 1, False)]))
+    # schema 2: shared-indexer layers (GLM-5's pattern) and sampled rows
+    glm = (0, 0, 2, 2, 4, 4, 4, 7)
+    mixed = [(300, 1, False), (0, 40, True), (20, 2, True), (900, 1, False), (0, 5, True)]
+    s["shared_indexer_p2w2"] = (_cfg(2, 2, num_layers=8, indexer_sources=glm),
+                                _step(40, mixed))
+    s["shared_indexer_p1w2"] = (_cfg(1, 2, num_layers=8, indexer_sources=glm),
+                                _step(41, mixed))
+    s["shared_indexer_p2w1"] = (_cfg(2, 1, num_layers=8, indexer_sources=glm),
+                                _step(42, mixed))
+    sampled = [True, False, True, True, True]
+    s["sampled_rows_p2w2"] = (_cfg(2, 2), _step(43, mixed, sampled))
+    s["sampled_rows_p4w1"] = (_cfg(4, 1), _step(44, [(0, 3, True), (0, 9, True), (5, 1, False),
+                                                     (0, 70, True)], [True] * 4))
+    s["sampled_none_p2w2"] = (_cfg(2, 2), _step(45, mixed, [False] * 5))
+    s["sampled_rows_p1w1"] = (_cfg(1, 1), _step(46, mixed, sampled))
+    s["sampled_shared_p4w4_i16"] = (_cfg(4, 4, 16, num_layers=8, indexer_sources=glm),
+                                    _step(47, _mixed(47, 30),
+                                          [k % 3 != 1 for k in range(30)]))
     return s

@@ -50,6 +50,20 @@ def test_regen_refuses_on_unbumped_schema(tmp_path, monkeypatch):
     (tmp_path / "v1").mkdir()
     (tmp_path / "v7").mkdir()
     monkeypatch.setattr(regen, "ROOT", tmp_path)
-    with pytest.raises(SystemExit, match="refusing: schema version is 1 but the newest golden "
+    with pytest.raises(SystemExit, match="refusing: schema version is 2 but the newest golden "
                                          "folder is v7"):
         regen.check_version_folder()
+
+
+V1 = sorted(p.name[: -len(".msgpack")] for p in (ROOT / "tests" / "golden" / "v1").glob("*.msgpack"))
+
+
+@pytest.mark.parametrize("name", V1[::6])
+def test_schema_1_files_decode_to_the_plans_compiled_now(name):
+    """Schema 2 appended fields with defaults: a plan file of version 1 still opens (same config
+    fingerprint) and decodes to the plan its inputs compile to today."""
+    folder = ROOT / "tests" / "golden" / "v1"
+    old = decode_plan((folder / f"{name}.msgpack").read_bytes())
+    plan = compile_plan(decode_config((folder / f"{name}.config.json").read_bytes()),
+                        decode_step((folder / f"{name}.step.json").read_bytes()))
+    assert old == plan and old.is_sampled is None and old.config.indexer_sources == ()

@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from cpplan.schemas import (InputFileError, OutputError, PlanFormatError, SchemaVersionError,
+from cpplan.schemas import (SCHEMA_VERSION, InputFileError, OutputError, PlanFormatError, SchemaVersionError,
                             codec, decode_config, decode_plan, decode_step, encode_plan)
 from cpplan.schemas.files import check_output_target, read_input, write_atomic
 from tests.cli.inprocess import payload_of, reseal
@@ -52,7 +52,7 @@ def test_schema_versions_below_one_are_refused(monkeypatch, version):
         with pytest.raises(PlanFormatError) as info:
             decode(data)
         assert not isinstance(info.value, SchemaVersionError)
-        _one_line(info, f"invalid schema version: got {version}, expected 1 to 1")
+        _one_line(info, f"invalid schema version: got {version}, expected 1 to {SCHEMA_VERSION}")
 
 
 def test_a_newer_file_says_what_kind_it_is(monkeypatch):

@@ -35,7 +35,7 @@ from tests.cli.inprocess import payload_of, reseal
 from tests.schemas.factories import make_plan
 
 ROOT = Path(__file__).resolve().parents[2]
-GOLDEN = ROOT / "tests" / "golden" / "v1"
+GOLDEN = ROOT / "tests" / "golden" / "v2"
 
 
 # ---------------------------------------------------------------- configs
