@@ -12,6 +12,6 @@ def _model(name, **overrides):
 
 @pytest.fixture(scope="session")
 def tiny_models():
-    """model name -> (topk 32: below the tests' longer contexts, topk 512: above all)."""
-    return {name: (_model(name), _model(name, index_topk=512))
+    """model name -> (topk 32: below the tests' longer contexts, topk 128: above all)."""
+    return {name: (_model(name), _model(name, index_topk=128))
             for name in ("tiny-deepseek-v32", "tiny-glm-5")}

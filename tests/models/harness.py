@@ -5,7 +5,6 @@ logits kept for comparison with the model's own teacher-forced forward."""
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 import numpy as np
 import torch
@@ -37,17 +36,18 @@ def _step_input(step_id, running, schedule):
     counts = [n for _, n in schedule]
     pre = [c < len(r.prompt) for (_, r), (c, _) in zip(running, schedule)]
     sampled = [c + n >= len(r.prompt) for (_, r), (c, n) in zip(running, schedule)]
-    kwargs = {}
-    if "is_sampled" in inspect.signature(StepInput.build).parameters:
-        kwargs["is_sampled"] = sampled
-    return StepInput.build(step_id, ids, computed, counts, pre, **kwargs), sampled
+    return StepInput.build(step_id, ids, computed, counts, pre, is_sampled=sampled), sampled
 
 
-def serve(model, prompts, max_new_tokens, *, kv_cache_dtype="bf16", budget=64,
-          forward=None, **config_kw) -> list[Served]:
+def serve(model, prompts, max_new_tokens, *, kv_cache_dtype="bf16", budget=32,
+          forward=None, share_indexer=False, **config_kw) -> list[Served]:
     """Greedy tokens of every prompt through cpplan at P = W = 1 (all requests start at
-    step 0; each step schedules decodes first, then prefill chunks within ``budget``)."""
-    cfg = parallel_config(model, kv_cache_dtype=kv_cache_dtype, max_model_len=512, **config_kw)
+    step 0; a step decodes one token of every decoding request and prefills the next chunks
+    of the prompts within ``budget`` tokens: chunked prefill mixed with decodes).
+    share_indexer: GLM-5's shared layers through the runtime's indexer_sources (False until
+    the runtime takes them: the forward then repeats the source layer's indexer inputs)."""
+    cfg = parallel_config(model, kv_cache_dtype=kv_cache_dtype, max_model_len=512,
+                          share_indexer=share_indexer, **config_kw)
     spec = model_spec(model)
     ex = StepExecutor.local(cfg, sm_scale=spec.sm_scale, max_tokens=budget + len(prompts),
                             max_requests=len(prompts))
@@ -85,33 +85,53 @@ def serve(model, prompts, max_new_tokens, *, kv_cache_dtype="bf16", budget=64,
     return reqs
 
 
+# |dlogit| within which two logits are "equal": float32 noise between two correct forwards
+# (summation order) stays below it with bf16 KV; fp8 rounding (steps of 1/16) and the fp8
+# indexer query turn that noise into an occasional larger difference (a value or a selected
+# key on the other side of a rounding boundary) on these random models (docs/design.md §4.5)
+TOL = 5e-2
+MIN_CLOSE = 0.85  # of the sampled positions within TOL wherever fp8 rounding is involved
+
+
 @dataclasses.dataclass(frozen=True)
 class Agreement:
-    tokens: int  # sampled positions whose greedy token equals the reference's
+    tokens: int  # positions where cpplan's greedy token is the reference's (ties within TOL)
     positions: int
     max_dlogit: float
     close: int  # positions whose logits are all within TOL of the reference's
+    exact: int  # positions where the argmaxes are the same token
 
-
-TOL = 2e-2
+    def failures(self, min_close: float = MIN_CLOSE) -> list[str]:
+        """What breaks the stated tolerance: every token equal, min_close of the positions'
+        logits within TOL."""
+        out = []
+        if self.tokens != self.positions:
+            out.append(f"tokens equal at {self.tokens} of {self.positions} positions")
+        if self.close < min_close * self.positions:
+            out.append(f"logits within {TOL} at {self.close} of {self.positions} positions "
+                       f"(max |dlogit| {self.max_dlogit:.3g})")
+        return out
 
 
 def compare(model, served: list[Served], **numerics) -> Agreement:
     """cpplan's sampled logits against the model's teacher-forced forward over each request's
-    tokens (``numerics``: reference_numerics' indexer / kv_cache_dtype)."""
-    agree = total = close = 0
+    tokens (``numerics``: reference_numerics' indexer / kv_cache_dtype). A token counts as
+    equal where it is the reference's argmax or ties it within TOL."""
+    agree = total = close = exact = 0
     worst = 0.0
     for r in served:
         n = len(r.output)
         pos = list(range(len(r.prompt) - 1, len(r.prompt) - 1 + n))
         ref = teacher_forced_logits(model, r.tokens[:-1], pos, **numerics)
         ours = torch.stack(r.logits)
-        agree += int((ref.argmax(-1) == ours.argmax(-1)).sum())
+        picked = ref.gather(1, ours.argmax(-1, keepdim=True))[:, 0]
+        agree += int((picked >= ref.amax(-1) - TOL).sum())
+        exact += int((ours.argmax(-1) == ref.argmax(-1)).sum())
         d = (ref - ours).abs().amax(-1)
         close += int((d <= TOL).sum())
         total += n
         worst = max(worst, float(d.max()))
-    return Agreement(agree, total, worst, close)
+    return Agreement(agree, total, worst, close, exact)
 
 
 def prompts(sizes, seed=0, vocab=512):
