@@ -112,14 +112,15 @@ def arena_words(max_tokens: int, max_requests: int, max_blocks_per_request: int,
     ends and 7 parameters per segment, and the block tables, for ``max_requests`` per step.
     Rows R <= 2 * requests (a split request has two); segments: per token window (3 without
     kv_insert, P + 3 with) 2R + 1, one per gather region (<= requests), one per restored
-    (rank, row) (<= P * R). A graph-replayable step of size G <= ``max_tokens`` packs a static
+    (rank, row) (<= P * R); the sampled rows' two indices. A graph-replayable step of size G <= ``max_tokens`` packs a static
     layout instead (``segments.graph_segments`` segments, ``[G, 2^k]`` block tables with
     ``2^k < 2 * max_blocks_per_request``)."""
     rows = 2 * max_requests
     windows = pcp_size + 3 if pcp_size > 1 else 3
     segments = (windows * (2 * rows + 1) + (max_requests if dcp_size > 1 else 0)
                 + pcp_size * rows)
-    words = 8 * segments + max_requests * max_blocks_per_request
+    # + restore_sampled's indices: <= max_requests rows sent and as many restored
+    words = 8 * segments + max_requests * max_blocks_per_request + 2 * max_requests
     blocks = 1 << max(0, max_blocks_per_request - 1).bit_length()
     for g in graph_sizes:
         if g <= max_tokens:

@@ -129,7 +129,7 @@ class Ledger:
     def __init__(self, plan: StepPlan | None = None, rank: int = 0) -> None:
         self.entries: list[LedgerEntry] = []
         self._plan, self._rank = plan, rank
-        self._planned: tuple | None = None  # (per-layer entries, once-a-step entries)
+        self._planned: list | None = None  # the plan's entries in issue order
 
     def record(self, name: str, op: str, group: str, dtype: str, shape) -> None:
         entry = LedgerEntry(name, op, group, dtype, tuple(int(d) for d in shape))
@@ -140,10 +140,8 @@ class Ledger:
     def _check_last(self, entry: LedgerEntry) -> None:
         plan, k = self._plan, len(self.entries) - 1
         if self._planned is None:  # built at the first collective: bind stays as cheap
-            self._planned = planned_entries(plan)
-        layers, once = self._planned
-        n = len(layers) * plan.config.num_layers
-        want = layers[k % len(layers)] if k < n else (once[k - n] if k - n < len(once) else None)
+            self._planned = expected_ledger(plan)
+        want = self._planned[k] if k < len(self._planned) else None
         if entry != want:
             raise CollectiveLedgerError(
                 f"rank {self._rank}, step {plan.step_id}: collective #{k} would issue {entry} "
@@ -153,19 +151,19 @@ class Ledger:
         return len(self.entries)
 
 
-def planned_entries(plan: StepPlan) -> tuple[list[LedgerEntry], list[LedgerEntry]]:
-    """The plan's collectives as ledger entries: (the per-layer ones, the once-per-step ones
-    such as ``restore``), each in plan order."""
-    entries = [(c.per_layer, LedgerEntry(c.name, c.op, c.group, c.dtype, tuple(c.shape)))
-               for c in plan.collectives]
-    return [e for p, e in entries if p], [e for p, e in entries if not p]
-
-
 def expected_ledger(plan: StepPlan) -> list[LedgerEntry]:
-    """The plan's collective list as issued: per-layer entries repeated for every layer (in plan
-    order), then the once-per-step entries (``restore``)."""
-    layers, once = planned_entries(plan)
-    return layers * plan.config.num_layers + once
+    """The plan's collective list as issued: per layer, in plan order, the per-layer entries
+    that layer issues (the indexer's only on full indexer layers, where some layers share a
+    top-k), then the once-per-step entries (``restore``)."""
+    entries = [(c, LedgerEntry(c.name, c.op, c.group, c.dtype, tuple(c.shape)))
+               for c in plan.collectives]
+    per_layer = [(c, e) for c, e in entries if c.per_layer]
+    if not any(c.layers for c, _ in per_layer):
+        out = [e for _, e in per_layer] * plan.config.num_layers
+    else:
+        out = [e for layer in range(plan.config.num_layers)
+               for c, e in per_layer if c.issued_on(layer)]
+    return out + [e for c, e in entries if not c.per_layer]
 
 
 def check_ledger(plan: StepPlan, ledger: Ledger, rank: int) -> None:
@@ -297,3 +295,10 @@ def restore(ch: StepChannel, out: torch.Tensor, inp: torch.Tensor) -> None:
     """pcp all-gather of every rank's rows ``[T, hidden]`` act -> ``[P * T, hidden]``; the
     plan's restore index then puts the tokens in global order."""
     ch._gather(names.RESTORE, act_name(inp.dtype), out, inp)
+
+
+def restore_sampled(ch: StepChannel, out: torch.Tensor, inp: torch.Tensor) -> None:
+    """pcp all-gather of the sampled rows each rank supplies ``[M, hidden]`` act (padded to
+    M, the most any rank supplies) -> ``[P * M, hidden]``; the plan's sampled restore index
+    then picks each sampled request's row."""
+    ch._gather(names.RESTORE_SAMPLED, act_name(inp.dtype), out, inp)

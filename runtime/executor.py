@@ -34,7 +34,8 @@ from cpplan.runtime.segments import (build_tables, check_block_tables, compile_h
                                      local_prefill_keys)
 from cpplan.runtime.tables import (TABLE_NAMES, Layout, StepMeta, StepTables, iota,
                                    local_prefill_rows)
-from cpplan.runtime.tokens import TokenView, token_view
+from cpplan.runtime.selection import Attended, LayerPass, Selection, keeps_selection
+from cpplan.runtime.tokens import TokenView, pack_sampled, token_view
 from cpplan.schemas.config import ParallelConfig
 from cpplan.schemas.errors import (
     CapacityError,
@@ -103,6 +104,10 @@ class BoundStep:
     owner: object = None  # the StepExecutor that bound it (None: a graph capture's own step)
     pcp_rank: int = 0
     _tokens: TokenView | None = None
+    layers_inserted: int = 0  # layers run so far this step (they run in order)
+    layers_attended: int = 0
+    # (layer, attention pass) -> Selection of a full layer a later shared layer reuses
+    selections: dict = dataclasses.field(default_factory=dict)
 
     @property
     def local_prefill(self) -> tuple:
@@ -123,6 +128,11 @@ class BoundStep:
             self._tokens = token_view(self.plan, self.pcp_rank, t.token_req, t.token_pos,
                                       iota(self.plan.padded_num_tokens, t.token_req.device))
         return self._tokens
+
+    @property
+    def sampled_counts(self) -> tuple[int, int]:
+        """(M, n_sampled) of a step that names its sampled rows (host integers)."""
+        return self.plan.sampled_rows_per_rank(), self.plan.num_sampled
 
     @property
     def tables(self) -> StepTables:
@@ -328,9 +338,13 @@ class StepExecutor:
             raise
         pending = self.check.start(plan) if self.check is not None else None
         try:  # not _announcing: bind runs cold after a step's work, each host call counts
-            host = build_tables(plan, self.pcp_rank, self.dcp_rank, bt, DUMMY_SLOT,
-                                out=self.arena.acquire())
-            views = self.arena.commit(TABLE_NAMES, host.sizes)
+            words = self.arena.acquire()
+            host = build_tables(plan, self.pcp_rank, self.dcp_rank, bt, DUMMY_SLOT, out=words)
+            names, sizes = TABLE_NAMES, host.sizes
+            if plan.is_sampled is not None:  # restore_sampled's two indices, after the tables
+                names, sizes = names + ("sampled",), sizes + (
+                    pack_sampled(plan, self.pcp_rank, words, sum(sizes)),)
+            views = self.arena.commit(names, sizes)
         except Exception as exc:
             self._announce(watch, exc)
             raise
@@ -380,14 +394,15 @@ class StepExecutor:
         raise TensorArgError(f"step {bound.plan.step_id}: {call}: {name} is {got}; expected "
                              f"{shape} {want} on {self.device}")
 
-    def _expect_cache(self, bound: BoundStep, call: str, cache) -> None:
+    def _expect_cache(self, bound: BoundStep, call: str, cache, indexer: bool = True) -> None:
         """The layer's caches: uint8, kv a row of this config's token bytes per slot, index_k
-        a block-planar row per block of as many slots."""
+        a block-planar row per block of as many slots (not read on a shared indexer layer:
+        ``indexer`` False)."""
         cfg = self.config
         if not isinstance(cache, LayerCache):
             raise TensorArgError(f"step {bound.plan.step_id}: {call}: cache is "
                                  f"{type(cache).__name__}; expected a LayerCache")
-        for name in ("kv", "index_k"):  # rows are addressed as one flat buffer of slots
+        for name in ("kv", "index_k") if indexer else ("kv",):  # one flat buffer of slots
             t = getattr(cache, name)
             if isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_contiguous():
                 raise TensorArgError(f"step {bound.plan.step_id}: {call}: cache.{name} has "
@@ -402,9 +417,10 @@ class StepExecutor:
         rows = cache.kv.shape[0] if isinstance(cache.kv, torch.Tensor) else -1
         self._expect(bound, call, f"cache.kv ({cfg.kv_cache_dtype})", cache.kv,
                      (rows, cfg.kv_bytes_per_token), torch.uint8)
-        self._expect(bound, call, "cache.index_k (block-planar)", cache.index_k,
-                     (rows // cfg.block_size, cfg.block_size * cfg.index_k_bytes_per_token),
-                     torch.uint8)
+        if indexer:
+            self._expect(bound, call, "cache.index_k (block-planar)", cache.index_k,
+                         (rows // cfg.block_size, cfg.block_size * cfg.index_k_bytes_per_token),
+                         torch.uint8)
         if rows < bound.cache_rows:  # an out-of-range index would fault the device (CUDA)
             bs = cfg.block_size
             raise TensorArgError(f"step {bound.plan.step_id}: {call}: the caches hold {rows:,} "
@@ -471,21 +487,31 @@ class StepExecutor:
 
     # ------------------------------------------------------------------ per layer
     def insert(self, bound: BoundStep, cache: LayerCache, kv_new: torch.Tensor,
-               index_k_new: torch.Tensor) -> None:
-        """Write the step's new tokens into this rank's caches. kv_new ``[T, 576]`` float and
-        index_k_new ``[T, 128]`` float: this rank's tokens in its token order (pads ignored).
-        Tensors or caches that do not fit the step raise TensorArgError (got / expected)."""
+               index_k_new: torch.Tensor | None, *, layer: int | None = None) -> None:
+        """Write layer ``layer``'s new tokens into this rank's caches. kv_new ``[T, 576]``
+        float and index_k_new ``[T, 128]`` float: this rank's tokens in its token order
+        (:attr:`BoundStep.tokens`; pads ignored). On a shared indexer layer (the config's
+        ``indexer_sources``) index_k_new may be None and is not written: the layer reads its
+        source layer's selection. Layers run in order, 0 .. num_layers - 1, each step;
+        ``layer`` (optional) is checked against that count. Tensors or caches that do not fit
+        the step raise TensorArgError (got / expected)."""
         with self._announcing(self._watch_of(bound)):  # refusals reach the peers too
             self._usable(bound, "insert")
+            layer = self._next_layer(bound, "insert", layer)
+            full = self.config.indexer_source(layer) == layer
             T, cfg = bound.plan.padded_num_tokens, self.config
-            self._expect_cache(bound, "insert", cache)
+            self._expect_cache(bound, "insert", cache, indexer=full)
             self._expect(bound, "insert", "kv_new", kv_new, (T, cfg.qk_head_dim))
-            self._expect(bound, "insert", "index_k_new", index_k_new, (T, cfg.index_head_dim))
-            self._insert(bound, cache, kv_new, index_k_new)
+            if full:
+                self._expect(bound, "insert", "index_k_new", index_k_new,
+                             (T, cfg.index_head_dim))
+            bound.layers_inserted += 1
+            self._insert(bound, cache, kv_new, index_k_new if full else None)
 
     def _insert(self, bound: BoundStep, cache: LayerCache, kv_new, index_k_new) -> None:
         # decode tokens are quantised straight into their cache slots (one kernel per cache);
-        # prefill rows are quantised first, since kv_insert may all-gather them
+        # prefill rows are quantised first, since kv_insert may all-gather them.
+        # index_k_new None: a shared indexer layer (no index keys, no indexer_k_insert)
         m, t, ch = bound.meta, bound.tables, bound.channel
         nd = m.num_decode_tokens
         if nd:
@@ -493,48 +519,84 @@ class StepExecutor:
                 self.kernels.pack_fp8_ds_mla_into(cache.kv, t.insert_dec, kv_new[:nd])
             else:
                 cache.kv.index_copy_(0, t.insert_dec, self.pack_kv(kv_new[:nd]))
-            self.kernels.pack_indexer_k_into(cache.index_k, t.insert_dec, index_k_new[:nd])
+            if index_k_new is not None:
+                self.kernels.pack_indexer_k_into(cache.index_k, t.insert_dec, index_k_new[:nd])
         if nd == kv_new.shape[0] and not m.kv_insert:
             return
         kv_pre = self.pack_kv(kv_new[nd:]).contiguous()
-        k_pre = self.kernels.quantize_indexer_k(index_k_new[nd:]).contiguous()
+        k_pre = (None if index_k_new is None
+                 else self.kernels.quantize_indexer_k(index_k_new[nd:]).contiguous())
         if m.kv_insert:
             p_size = self.config.pcp_size
             kv_all = kv_pre.new_empty((p_size * kv_pre.shape[0], kv_pre.shape[1]))
             coll.kv_insert(ch, kv_all, kv_pre)
-            k_all = k_pre.new_empty((p_size * k_pre.shape[0], k_pre.shape[1]))
-            coll.indexer_k_insert(ch, k_all, k_pre)
-            kv_pre, k_pre = kv_all, k_all
+            kv_pre = kv_all
+            if k_pre is not None:
+                k_all = k_pre.new_empty((p_size * k_pre.shape[0], k_pre.shape[1]))
+                coll.indexer_k_insert(ch, k_all, k_pre)
+                k_pre = k_all
         cache.kv.index_copy_(0, t.insert_pre, kv_pre)
-        scatter_indexer_k(cache.index_k, t.insert_pre, k_pre)
+        if k_pre is not None:
+            scatter_indexer_k(cache.index_k, t.insert_pre, k_pre)
 
     def attend(self, bound: BoundStep, cache: LayerCache, q: torch.Tensor,
-               index_q: torch.Tensor, index_w: torch.Tensor) -> torch.Tensor:
-        """Sparse MLA for this rank's tokens: q ``[T, H, 576]`` (the config's activation dtype),
+               index_q: torch.Tensor | None, index_w: torch.Tensor | None, *,
+               layer: int | None = None, return_selection: bool = False):
+        """Sparse MLA for this rank's tokens at layer ``layer`` (the next in order; checked when
+        given): q ``[T, H, 576]`` (the config's activation dtype; the absorbed query),
         index_q ``[T, Hi, 128]``, index_w ``[T, Hi]`` -> out ``[T, H, 512]`` (q's dtype; zero
-        for padded tokens). Tensors
-        or caches that do not fit the step raise TensorArgError (got / expected)."""
+        for padded tokens), softmax(q . k * sm_scale) over the selected keys with the
+        executor's ``sm_scale``, the model's own scale. On a shared indexer layer index_q and
+        index_w may be None (they are ignored): the layer attends with its source layer's
+        selection (the merged decode top-k included), so it issues no indexer collective.
+
+        ``return_selection=True``: returns ``Attended(out, topk_ids, lse)`` instead, with
+        ``topk_ids`` ``[T, topk]`` int32 the selected global token ids in the reference order
+        (score descending, id ascending; -1 = no key, and for padded rows) and ``lse`` ``[T,
+        H]`` float32 the natural-log LSE of the scaled scores (-inf where no key); nothing
+        extra is computed when it is False. Tensors or caches that do not fit the step raise
+        TensorArgError (got / expected)."""
         with self._announcing(self._watch_of(bound)):
             self._usable(bound, "attend")
+            layer = self._next_layer(bound, "attend", layer)
+            source = self.config.indexer_source(layer)
             T, cfg = bound.plan.padded_num_tokens, self.config
-            self._expect_cache(bound, "attend", cache)
+            self._expect_cache(bound, "attend", cache, indexer=source == layer)
             self._expect(bound, "attend", "q", q, (T, cfg.num_heads, cfg.qk_head_dim),
                          self._act)  # the output's dtype: decode_out all-reduces it
-            self._expect(bound, "attend", "index_q", index_q,
-                         (T, cfg.index_num_heads, cfg.index_head_dim))
-            self._expect(bound, "attend", "index_w", index_w, (T, cfg.index_num_heads))
-            return self._attend(bound, cache, q, index_q, index_w)
+            if source == layer:
+                self._expect(bound, "attend", "index_q", index_q,
+                             (T, cfg.index_num_heads, cfg.index_head_dim))
+                self._expect(bound, "attend", "index_w", index_w, (T, cfg.index_num_heads))
+            bound.layers_attended += 1
+            ctx = LayerPass(layer, source, return_selection, keeps_selection(cfg, layer))
+            out = self._attend(bound, cache, q, index_q, index_w, ctx)
+            if not return_selection:
+                return out
+            return Attended(out, *ctx.collected(T, cfg.topk, q.shape[1], q.device))
 
-    def _attend(self, bound: BoundStep, cache: LayerCache, q, index_q, index_w) -> torch.Tensor:
+    def _next_layer(self, bound: BoundStep, call: str, layer) -> int:
+        """The layer this insert / attend is (layers run in order each step)."""
+        want = bound.layers_inserted if call == "insert" else bound.layers_attended
+        if layer is not None and layer != want:
+            raise UsageError(f"step {bound.plan.step_id}: {call} of layer {layer!r}; expected "
+                             f"layer {want} (layers run in order, 0 .. num_layers - 1)")
+        if want >= self.config.num_layers:
+            raise UsageError(f"step {bound.plan.step_id}: {call} of layer {want}; expected at "
+                             f"most num_layers = {self.config.num_layers} layers a step")
+        return want
+
+    def _attend(self, bound: BoundStep, cache: LayerCache, q, index_q, index_w,
+                ctx: LayerPass) -> torch.Tensor:
         # Where one pass covers every token (a decode-only step; W == 1 without padding), its
-        # result (a new tensor, q's dtype) is the output: no zero fill and no copy into it,
-        # about 13 + 42 us of device time a 4-layer decode step on the H200 (the trace of
-        # bench/step_gpu.py --prompt 0 --graphs --trace).
+        # result (a new tensor, q's dtype) is the output: no zero fill and no copy into it
+        # (docs/design.md §5.6).
         m, T = bound.meta, q.shape[0]
         if self.config.dcp_size == 1:
             lo, hi, width = m.local_range
             if hi > lo:
-                part = self._attend_local(bound, cache, q, index_q, index_w, lo, hi, width)[0]
+                part = self._attend_local(bound, cache, q, index_q, index_w, lo, hi, width,
+                                          ctx)[0]
                 if (lo, hi) == (0, T):
                     return part.to(q.dtype)  # itself when the dtypes agree
             out = q.new_zeros(T, q.shape[1], self.config.v_head_dim)
@@ -543,21 +605,22 @@ class StepExecutor:
             return out
         nd = m.num_decode_tokens
         if nd == T and not m.chunk_ranges:
-            o, lse = self._attend_local(bound, cache, q, index_q, index_w, 0, nd, m.decode_width)
-            return self._merge_decode(bound, o, lse).to(q.dtype)
+            o, lse = self._attend_local(bound, cache, q, index_q, index_w, 0, nd,
+                                        m.decode_width, ctx)
+            return self._merge_decode(bound, o, lse, ctx).to(q.dtype)
         out = q.new_zeros(T, q.shape[1], self.config.v_head_dim)
         for c in range(len(m.chunk_ranges)):
-            self._attend_chunk(bound, cache, q, index_q, index_w, c, out)
+            self._attend_chunk(bound, cache, q, index_q, index_w, c, out, ctx)
         if nd:
-            o, lse = self._attend_local(bound, cache, q, index_q, index_w, 0, nd, m.decode_width)
-            out[:nd] = self._merge_decode(bound, o, lse)
+            o, lse = self._attend_local(bound, cache, q, index_q, index_w, 0, nd,
+                                        m.decode_width, ctx)
+            out[:nd] = self._merge_decode(bound, o, lse, ctx)
         return out
 
-    def _attend_local(self, bound, cache, q, index_q, index_w, lo, hi, width):
-        """Tokens [lo, hi) over this rank's own cache (W == 1: everything; W > 1: decode
-        tokens, whose local top-k candidates are then merged across the DCP group)."""
+    def _local_topk(self, bound, cache, index_q, index_w, lo, hi, width):
+        """The indexer for tokens [lo, hi) over this rank's own cache: (scores, ids) of the
+        decode tokens' local top-k and the prefill tokens' (W == 1) in one buffer."""
         k, t, cfg = self.kernels, bound.tables, self.config
-        w_size, inter, bs = cfg.dcp_size, cfg.interleave_size, cfg.block_size
         bt = bound.token_block_tables(lo, hi)
         # W == 1 with prefill_keys="gather": the prefill tokens [nd, hi) score a contiguous
         # copy of their requests' keys with the prefill indexer (a key tile per query block)
@@ -565,45 +628,68 @@ class StepExecutor:
 
         def decode_topk():
             return k.indexer_topk_decode(index_q[lo:mid], index_w[lo:mid], cache.index_k,
-                                         t.local_len[lo:mid], bt[: mid - lo], bs, w_size,
-                                         self.dcp_rank, inter, cfg.topk, max_keys=width)
+                                         t.local_len[lo:mid], bt[: mid - lo],
+                                         cfg.block_size, cfg.dcp_size, self.dcp_rank,
+                                         cfg.interleave_size, cfg.topk, max_keys=width)
 
         if mid == hi:
-            scores, top = decode_topk()
-        elif mid == lo:
-            top = self._prefill_topk(bound, cache, index_q, index_w, mid, hi, width)
-        else:  # one buffer: the decode rows' top-k, then the prefill rows' (no cat). The
-            # prefill is launched first: at a step's start the device runs its long kernels
-            # while the host launches the decode's short ones (the other order left the device
-            # idle for about 2 ms of layer 0: bench/step_gpu.py --trace 1 --timeline)
-            scores = torch.empty(hi - lo, cfg.topk, dtype=torch.float32, device=q.device)
-            top = torch.empty(hi - lo, cfg.topk, dtype=torch.int32, device=q.device)
-            self._prefill_topk(bound, cache, index_q, index_w, mid, hi, width,
-                               out=(scores[mid - lo:], top[mid - lo:]))
-            dec_s, dec_i = decode_topk()
-            scores[: mid - lo].copy_(dec_s)
-            top[: mid - lo].copy_(dec_i)
-        kv = self._kv_view(cache.kv)
+            return decode_topk()
+        if mid == lo:
+            return None, self._prefill_topk(bound, cache, index_q, index_w, mid, hi, width)
+        # one buffer: the decode rows' top-k, then the prefill rows' (no cat). The prefill is
+        # launched first: at a step's start the device runs its long kernels while the host
+        # launches the decode's short ones (docs/design.md §5.5)
+        scores = torch.empty(hi - lo, cfg.topk, dtype=torch.float32, device=index_q.device)
+        top = torch.empty(hi - lo, cfg.topk, dtype=torch.int32, device=index_q.device)
+        self._prefill_topk(bound, cache, index_q, index_w, mid, hi, width,
+                           out=(scores[mid - lo:], top[mid - lo:]))
+        dec_s, dec_i = decode_topk()
+        scores[: mid - lo].copy_(dec_s)
+        top[: mid - lo].copy_(dec_i)
+        return scores, top
+
+    def _local_selection(self, bound, cache, index_q, index_w, lo, hi, width) -> Selection:
+        """A full layer's selection for tokens [lo, hi) over this rank's cache (W == 1: all
+        its tokens; W > 1: the decode tokens, their candidates merged across the DCP group)."""
+        k, cfg = self.kernels, self.config
+        bt = bound.token_block_tables(lo, hi)
+        scores, top = self._local_topk(bound, cache, index_q, index_w, lo, hi, width)
+        w_size, inter, bs = cfg.dcp_size, cfg.interleave_size, cfg.block_size
         if bound.meta.decode_merge:  # W > 1: the decode rows' candidates from every rank
             all_s, all_i = coll.topk_candidates(bound.channel, scores, top)
             if self.decode_width < cfg.topk:  # this rank's share of the merged top-k, packed
                 # into a narrower index (no merged list); rows holding more: the overflow pass
-                main, over, count = k.merge_local_slots(all_s, all_i, cfg.topk, w_size,
-                                                        self.dcp_rank, bt, bs, inter,
-                                                        self.decode_width)
-                plan = self._attention_plan(bound, "decode", q, lo, hi, kv.shape[0],
-                                            topk=self.decode_width)
-                out, lse = k.sparse_mla_attention(q[lo:hi], kv, main, self.sm_scale,
-                                                  kv_format=cfg.kv_cache_dtype, plan=plan)
-                k.sparse_mla_overflow(q[lo:hi], kv, over, count, self.decode_width, out, lse,
-                                      self.sm_scale, kv_format=cfg.kv_cache_dtype)
-                return out, lse
+                packed = k.merge_local_slots(all_s, all_i, cfg.topk, w_size, self.dcp_rank, bt,
+                                             bs, inter, self.decode_width)
+                return Selection(None, None, packed, (all_s, all_i))
             top = k.merge_topk_candidates(all_s, all_i, cfg.topk, w_size)
-        kv_slots = k.filter_local_slots(top, bt, bs, w_size, self.dcp_rank, inter)
-        plan = self._attention_plan(bound, "local" if cfg.dcp_size == 1 else "decode", q, lo, hi,
-                                    kv.shape[0])
-        return k.sparse_mla_attention(q[lo:hi], kv, kv_slots, self.sm_scale,
-                                      kv_format=cfg.kv_cache_dtype, plan=plan)
+        return Selection(top, k.filter_local_slots(top, bt, bs, w_size, self.dcp_rank, inter))
+
+    def _attend_local(self, bound, cache, q, index_q, index_w, lo, hi, width, ctx):
+        """Tokens [lo, hi) over this rank's own cache: (out, lse) of the attention with the
+        layer's selection (its own, or its source layer's on a shared layer)."""
+        k, cfg = self.kernels, self.config
+        key = "local" if cfg.dcp_size == 1 else "decode"
+        sel = ctx.select(bound.selections, key, lambda: self._local_selection(bound, cache, index_q,
+                                                                   index_w, lo, hi, width))
+        kv = self._kv_view(cache.kv)
+        if sel.slots is None:  # the compacted W > 1 decode: (main, overflow, count)
+            main, over, count = sel.packed
+            plan = self._attention_plan(bound, "decode", q, lo, hi, kv.shape[0],
+                                        topk=self.decode_width)
+            out, lse = k.sparse_mla_attention(q[lo:hi], kv, main, self.sm_scale,
+                                              kv_format=cfg.kv_cache_dtype, plan=plan)
+            k.sparse_mla_overflow(q[lo:hi], kv, over, count, self.decode_width, out, lse,
+                                  self.sm_scale, kv_format=cfg.kv_cache_dtype)
+        else:
+            plan = self._attention_plan(bound, key, q, lo, hi, kv.shape[0])
+            out, lse = k.sparse_mla_attention(q[lo:hi], kv, sel.slots, self.sm_scale,
+                                              kv_format=cfg.kv_cache_dtype, plan=plan)
+        if ctx.want:
+            ctx.ids.append((lo, hi, sel.token_ids(k, cfg)))
+            if cfg.dcp_size == 1:
+                ctx.lse.append((lo, hi, lse))
+        return out, lse
 
     def _gathers_prefill(self, bound: BoundStep) -> bool:
         """W == 1 prefill tokens in this step, and prefill_keys="gather"."""
@@ -625,44 +711,92 @@ class StepExecutor:
             pcu[lo - nd: hi - nd], src.shape[0], 1, 1, self.config.topk, max_keys=width,
             out=out)[1]
 
-    def _attend_chunk(self, bound, cache, q, index_q, index_w, c: int, out) -> None:
-        """Prefill tokens of gather chunk c: all-gather the chunk's indexer K and KV shards
-        (rank-major, never deinterleaved) and read them through remapped rows."""
+    def _attend_chunk(self, bound, cache, q, index_q, index_w, c: int, out, ctx) -> None:
+        """Prefill tokens of gather chunk c: all-gather the chunk's KV shards (and, on a full
+        indexer layer, its indexer K), rank-major, never deinterleaved, read through remapped
+        rows."""
         k, t, cfg, ch = self.kernels, bound.tables, self.config, bound.channel
         w_size, inter = cfg.dcp_size, cfg.interleave_size
         chunk = t.gather[c]
         pt, src = chunk.num_rows, chunk.src
-        k_all = cache.index_k.new_empty((w_size * pt, cfg.index_k_bytes_per_token))
-        coll.indexer_k_gather(ch, c, k_all, gather_indexer_k(cache.index_k, src))
+        k_all = None
+        if ctx.full:
+            k_all = cache.index_k.new_empty((w_size * pt, cfg.index_k_bytes_per_token))
+            coll.indexer_k_gather(ch, c, k_all, gather_indexer_k(cache.index_k, src))
         kv_all = cache.kv.new_empty((w_size * pt, cache.kv.shape[1]))
         coll.kv_gather(ch, c, kv_all, cache.kv.index_select(0, src))
         lo, hi, width = chunk.token_range
         if hi == lo:
             return
         pcu = t.region_pcu[lo:hi]
-        top = k.indexer_topk_prefill(index_q[lo:hi], index_w[lo:hi], k_all, t.key_len[lo:hi],
-                                     pcu, pt, w_size, inter, cfg.topk, max_keys=width)[1]
-        kv_rows = k.remap_to_gathered(top, pcu, pt, w_size, inter)
-        plan = self._attention_plan(bound, f"chunk[{c}]", q, lo, hi, kv_all.shape[0])
-        out[lo:hi] = k.sparse_mla_attention(q[lo:hi], self._kv_view(kv_all), kv_rows,
-                                            self.sm_scale, kv_format=cfg.kv_cache_dtype,
-                                            plan=plan)[0]
 
-    def _merge_decode(self, bound, o_part, lse_part):
+        def select():
+            top = k.indexer_topk_prefill(index_q[lo:hi], index_w[lo:hi], k_all,
+                                         t.key_len[lo:hi], pcu, pt, w_size, inter, cfg.topk,
+                                         max_keys=width)[1]
+            return Selection(top, k.remap_to_gathered(top, pcu, pt, w_size, inter))
+
+        sel = ctx.select(bound.selections, f"chunk[{c}]", select)
+        plan = self._attention_plan(bound, f"chunk[{c}]", q, lo, hi, kv_all.shape[0])
+        o, lse = k.sparse_mla_attention(q[lo:hi], self._kv_view(kv_all), sel.slots,
+                                        self.sm_scale, kv_format=cfg.kv_cache_dtype, plan=plan)
+        out[lo:hi] = o
+        if ctx.want:
+            ctx.ids.append((lo, hi, sel.ids))
+            ctx.lse.append((lo, hi, lse))
+
+    def _merge_decode(self, bound, o_part, lse_part, ctx):
         """Exact LSE merge over DCP (docs/design.md §3.6): all-gather lse, scale, all-reduce."""
         lse_all = coll.decode_lse(bound.channel, lse_part)
         scaled = self.kernels.lse_scale(o_part, lse_all, self.dcp_rank)
         coll.decode_out(bound.channel, scaled)
+        if ctx.want:
+            ctx.lse.append((0, o_part.shape[0], torch.logsumexp(lse_all, dim=0)))
         return scaled
 
     # ------------------------------------------------------------------ end of step
-    def restore(self, bound: BoundStep, hidden: torch.Tensor) -> torch.Tensor:
-        """This rank's rows ``[T, hidden_size]`` (the config's activation dtype) -> every query
-        token in global order ``[sum q, hidden_size]`` (all-gathered over PCP when P > 1)."""
+    def restore_sampled(self, bound: BoundStep, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's rows ``[T, hidden_size]`` (the config's activation dtype) -> the rows to
+        sample ``[n_sampled, hidden_size]``: each sampled request's last scheduled token, in
+        ascending request index (the step's ``is_sampled``), the same on every rank. One
+        all-gather of ``[M, hidden]`` over PCP (M: the most any rank supplies), none at
+        P == 1 or with nothing sampled. Only for a step that names its sampled rows."""
+        self._check_restore(bound, hidden, sampled=True)
+        with self._announcing(self._watch_of(bound)):
+            self._usable(bound, "restore_sampled")
+            self._expect(bound, "restore_sampled", "hidden", hidden,
+                         (bound.plan.padded_num_tokens, self.config.hidden_size), self._act)
+            rows, n = bound.sampled_counts
+            index = bound.views["sampled"]
+            if self.config.pcp_size > 1 and n:
+                full = hidden.new_empty((self.config.pcp_size * rows, hidden.shape[1]))
+                coll.restore_sampled(bound.channel, full, hidden.index_select(0, index[:rows]))
+                return full.index_select(0, index[rows: rows + n])
+            bound.channel.await_plan_verified()
+            if not n:
+                return hidden.new_empty((0, hidden.shape[1]))
+            return hidden.index_select(0, index[rows: rows + n])
+
+    def _check_restore(self, bound, hidden, sampled: bool) -> None:
+        """The restore that the step's plan lists (full, or the sampled rows), never inside a
+        CUDA-graph capture (its row count changes per step)."""
+        name = "restore_sampled" if sampled else "restore"
         if isinstance(hidden, torch.Tensor) and hidden.is_cuda and \
                 torch.cuda.is_current_stream_capturing():
-            raise UsageError(f"step {bound.plan.step_id}: restore inside a CUDA-graph capture; "
+            raise UsageError(f"step {bound.plan.step_id}: {name} inside a CUDA-graph capture; "
                              "expected after StepGraphs.run (its row count changes per step)")
+        if isinstance(bound, BoundStep) and (bound.plan.is_sampled is not None) != sampled:
+            want = "restore_sampled" if not sampled else "restore"
+            why = ("names its sampled rows (StepInput.is_sampled)" if not sampled
+                   else "names no sampled rows")
+            raise UsageError(f"step {bound.plan.step_id}: {name} on a step that {why}; "
+                             f"expected {want}")
+
+    def restore(self, bound: BoundStep, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's rows ``[T, hidden_size]`` (the config's activation dtype) -> every query
+        token in global order ``[sum q, hidden_size]`` (all-gathered over PCP when P > 1). A
+        step that names its sampled rows restores those only: :meth:`restore_sampled`."""
+        self._check_restore(bound, hidden, sampled=False)
         with self._announcing(self._watch_of(bound)):
             self._usable(bound, "restore")
             self._expect(bound, "restore", "hidden", hidden,

@@ -14,6 +14,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from cpplan.schemas.errors import CapacityError
 from cpplan.schemas.plan import StepPlan
 
 PAD_REQUEST = -1  # request index of a padded row
@@ -73,3 +74,18 @@ def token_view(plan: StepPlan, pcp_rank: int, token_req: torch.Tensor,
                      valid_np=request != PAD_REQUEST,
                      request=torch.where(valid, token_req, PAD_REQUEST), position=token_pos,
                      valid=valid)
+
+
+def pack_sampled(plan: StepPlan, pcp_rank: int, words: np.ndarray, offset: int) -> int:
+    """Write restore_sampled's indices into the arena's host ``words`` at ``offset``: the M
+    token indices this rank sends, then each sampled request's row of the gathered ``[P * M]``
+    buffer (at P == 1: its token index). Returns the words written."""
+    send = plan.sampled_send_rows(pcp_rank)
+    index = plan.sampled_restore_index()
+    n = len(send) + len(index)
+    if offset + n > len(words):
+        raise CapacityError(f"step {plan.step_id} needs {offset + n:,} arena words, capacity "
+                            f"{len(words):,} (the sampled rows: {n:,})")
+    words[offset: offset + len(send)] = send
+    words[offset + len(send): offset + n] = index
+    return n

@@ -168,16 +168,20 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
         return 0 if self.sampled_source is None else self.sampled_source.shape[0]
 
     def sampled_rows_per_rank(self) -> int:
-        """M: the most sampled tokens any PCP rank supplies (restore_sampled's ``[M, hidden]``)."""
-        if not self.num_sampled:
+        """M: the most sampled tokens any PCP rank supplies (restore_sampled's ``[M, hidden]``;
+        0 at P == 1, where nothing is gathered)."""
+        if not self.num_sampled or self.config.pcp_size == 1:
             return 0
         ranks = self.sampled_source.np()[:, 0]
         return int(np.bincount(ranks, minlength=self.config.pcp_size).max())
 
     def sampled_send_rows(self, pcp_rank: int) -> np.ndarray:
         """int64 [M]: the token indices PCP rank ``pcp_rank`` sends in restore_sampled, its
-        sampled tokens in request order, padded with token 0 (those rows are never read)."""
-        src = self.sampled_source.np() if self.num_sampled else np.zeros((0, 2), np.int32)
+        sampled tokens in request order, padded with token 0 (those rows are never read);
+        empty at P == 1, where nothing is gathered."""
+        if self.config.pcp_size == 1 or not self.num_sampled:
+            return np.zeros(0, dtype=np.int64)
+        src = self.sampled_source.np()
         mine = src[src[:, 0] == pcp_rank, 1].astype(np.int64)
         out = np.zeros(self.sampled_rows_per_rank(), dtype=np.int64)
         out[: len(mine)] = mine

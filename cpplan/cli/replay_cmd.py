@@ -35,18 +35,27 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
-def _seed_from(meta_path: str) -> int:
-    """The seed in ``replay.json``: a JSON object whose optional "seed" is an integer in
-    [0, MAX_SEED]; anything else is a one-line PlanFormatError naming the file."""
+def _meta_from(meta_path: str) -> tuple[int, float]:
+    """(seed, sm_scale) in ``replay.json``: a JSON object whose optional "seed" is an integer
+    in [0, MAX_SEED] and optional "sm_scale" a finite positive number (the recorded run's
+    softmax scale; default the simulator's); anything else is a one-line PlanFormatError
+    naming the file."""
+    import math
+
     from cpplan.schemas.codec import decode_json_object
     from cpplan.schemas.errors import PlanFormatError
+    from cpplan.sim.coords import SIM_SM_SCALE
 
     meta = decode_json_object(read_input(meta_path, max_bytes=MAX_META_BYTES), meta_path)
     seed = meta.get("seed", 0)
     if type(seed) is not int or not 0 <= seed <= MAX_SEED:
         raise PlanFormatError(f"{meta_path}: seed must be an integer in [0, {MAX_SEED}]: got "
                               f"{seed!r}"[:200])
-    return seed
+    scale = meta.get("sm_scale", SIM_SM_SCALE)
+    if type(scale) not in (int, float) or not (math.isfinite(scale) and scale > 0):
+        raise PlanFormatError(f"{meta_path}: sm_scale must be a finite positive number: got "
+                              f"{scale!r}"[:200])
+    return seed, float(scale)
 
 
 def run(args) -> int:
@@ -56,10 +65,13 @@ def run(args) -> int:
     plan = decode_plan(read_input(args.step))
     if plan.num_requests == 0:
         raise StepInputError(f"step {plan.step_id} has no requests: nothing to replay")
-    seed = args.seed
+    from cpplan.sim.coords import SIM_SM_SCALE
+
+    seed, sm_scale = args.seed, SIM_SM_SCALE
     meta_path = os.path.join(os.path.dirname(os.path.abspath(args.step)), "replay.json")
-    if seed is None and os.path.lexists(meta_path):
-        seed = _seed_from(meta_path)
+    if os.path.lexists(meta_path):
+        recorded, sm_scale = _meta_from(meta_path)
+        seed = recorded if seed is None else seed
     from cpplan.sim.replay import replay_plan
     from cpplan.sim.simulate import TOLERANCE
 
@@ -68,7 +80,7 @@ def run(args) -> int:
 
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda: no CUDA device here")
-    result = replay_plan(plan, seed or 0, device=args.device)
+    result = replay_plan(plan, seed or 0, device=args.device, sm_scale=sm_scale)
     ok = result.max_abs_err <= TOLERANCE
     summary = {"step_id": result.step_id, "ranks": plan.config.world_size,
                "tokens": result.tokens, "collectives": result.collectives,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -70,6 +71,16 @@ def register(sub) -> None:
     p.add_argument("--inject-divergence", metavar="STEP:RANK[:KIND]",
                    help="perturb RANK's step input at STEP (kinds: reorder, q+1, drop, "
                         "config, step-id; default q+1); needs --verify every")
+    p.add_argument("--indexer-pattern", metavar="FS..",
+                   help="per layer F (full indexer) or S (reuses the previous full layer's "
+                        "top-k, as GLM-5's shared layers), repeated over the layers (default: "
+                        "every layer F)")
+    p.add_argument("--sm-scale", type=float, default=None, metavar="X",
+                   help="the model's softmax scale, used by the ranks and the oracle "
+                        "(default 1/sqrt(576))")
+    p.add_argument("--sampled-rows", action="store_true",
+                   help="steps name their sampled rows (decodes, prompts that end): only those "
+                        "are restored (restore_sampled) and checked")
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON summary")
     p.set_defaults(run=run)
 
@@ -126,7 +137,20 @@ def _options(args):
         raise ConfigError(f"--inject-divergence needs --verify every: got --verify {args.verify} "
                           "(an unchecked step would run different plans on the ranks: NCCL "
                           "hangs, gloo aborts)")
-    return SimOptions(pcp=args.pcp, dcp=args.dcp, interleave=args.interleave,
+    extra = {}
+    if args.indexer_pattern is not None:
+        pattern = args.indexer_pattern
+        if not pattern or set(pattern) - set("FS") or pattern[0] != "F":
+            raise ConfigError(f"--indexer-pattern: got {pattern!r}; expected letters F and S "
+                              "starting with F (a shared layer reuses an earlier full one)")
+        extra["indexer_pattern"] = pattern
+    if args.sm_scale is not None:
+        if not (math.isfinite(args.sm_scale) and args.sm_scale > 0):
+            raise ConfigError(f"--sm-scale: got {args.sm_scale}; expected a finite positive "
+                              "number")
+        extra["sm_scale"] = args.sm_scale
+    return SimOptions(**extra, sampled_rows=args.sampled_rows,
+                      pcp=args.pcp, dcp=args.dcp, interleave=args.interleave,
                       kv_cache_dtype=args.kv_cache_dtype, steps=args.steps, seed=args.seed,
                       layers=args.layers, backend=args.backend, verify=args.verify,
                       verify_every=args.verify_every, digest_exchange=args.digest_exchange,

@@ -28,7 +28,8 @@ def request_keys_on(plan: StepPlan, device) -> torch.Tensor:
 
 def run_step(executor: StepExecutor, bound: BoundStep, caches: list[LayerCache],
              seed: int, request_keys: torch.Tensor, graphs=None) -> torch.Tensor:
-    """Every layer of one bound step; returns the restored ``[sum q, L * H * 512]`` rows.
+    """Every layer of one bound step; returns the restored ``[sum q, L * H * 512]`` rows (or,
+    for a step that names its sampled rows, those ``[n_sampled, L * H * 512]``).
     ``request_keys`` ``[N]`` int64 on the executor's device (:func:`request_keys_on`);
     ``graphs``: a :class:`~cpplan.runtime.graphs.StepGraphs` over :func:`step_layers` with the
     same caches and seed (graph-replayable steps are then replayed), or None (eager)."""
@@ -40,7 +41,10 @@ def run_step(executor: StepExecutor, bound: BoundStep, caches: list[LayerCache],
             padded[: request_keys.shape[0]] = request_keys
             request_keys = padded
         hidden = graphs.run(bound, request_keys)
-    restored = executor.restore(bound, hidden)
+    if bound.plan.is_sampled is not None:  # the step names its sampled rows: those only
+        restored = executor.restore_sampled(bound, hidden)
+    else:
+        restored = executor.restore(bound, hidden)
     executor.finish(bound)
     return restored
 
@@ -58,6 +62,8 @@ def step_layers(executor: StepExecutor, bound: BoundStep, caches: list[LayerCach
     for layer, cache in enumerate(caches):
         x = coords.layer_inputs(seed, layer, keys, pos, num_heads=cfg.num_heads,
                                 index_heads=cfg.index_num_heads)
+        if cfg.indexer_source(layer) != layer:  # a shared indexer layer: no index inputs
+            x["index_k"] = x["index_q"] = x["index_w"] = None
         executor.insert(bound, cache, x["kv"], x["index_k"])
         out = executor.attend(bound, cache, x["q"].to(act), x["index_q"], x["index_w"])
         hidden[:, layer * width: (layer + 1) * width] = out.reshape(out.shape[0], width)

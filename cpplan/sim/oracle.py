@@ -27,7 +27,10 @@ def oracle_request(config: ParallelConfig, seed: int, layer: int, key: int, comp
     dev = torch.device(device)
     all_pos = torch.arange(extent, dtype=torch.int64, device=dev)
     keys = torch.full((extent,), key, dtype=torch.int64, device=dev)
-    kv, index_k = coords.key_inputs(seed, layer, keys, all_pos)
+    kv = coords.key_inputs(seed, layer, keys, all_pos)[0]
+    # a shared indexer layer selects with its source layer's indexer (config.indexer_sources)
+    source = config.indexer_source(layer)
+    index_k = coords.key_inputs(seed, source, keys, all_pos)[1]
     if config.kv_cache_dtype == "fp8_ds_mla":
         kv = k.dequantize_fp8_ds_mla(k.quantize_fp8_ds_mla(kv))
     else:
@@ -36,9 +39,12 @@ def oracle_request(config: ParallelConfig, seed: int, layer: int, key: int, comp
     qpos = all_pos[computed:]
     inp = coords.layer_inputs(seed, layer, keys[computed:], qpos, num_heads=config.num_heads,
                               index_heads=config.index_num_heads)
+    sel = inp if source == layer else coords.layer_inputs(
+        seed, source, keys[computed:], qpos, num_heads=config.num_heads,
+        index_heads=config.index_num_heads)
     ids = all_pos[None, :].expand(scheduled, extent)
     ids = torch.where(ids <= qpos[:, None], ids, NO_KEY)
-    top = k.indexer_topk(inp["index_q"], inp["index_w"], k_packed, ids, ids, config.topk)[1]
+    top = k.indexer_topk(sel["index_q"], sel["index_w"], k_packed, ids, ids, config.topk)[1]
     out, _ = k.sparse_mla_attention(inp["q"], kv, top, sm_scale, kv_format="bf16")
     return out
 
@@ -64,7 +70,16 @@ def oracle_step(plan, seed: int, requests=None, device="cpu",
 
 def max_abs_error(plan, restored: torch.Tensor, expected: dict[int, torch.Tensor]) -> float:
     """Largest |restored - oracle| over the requests in ``expected`` (host float; not step
-    code)."""
+    code). ``restored``: every query token in global order, or for a step that names its
+    sampled rows, one row per sampled request (its last token), in request order."""
+    if plan.is_sampled is not None:
+        row_of = np.cumsum(plan.is_sampled.np()) - 1
+        worst = 0.0
+        for i, want in expected.items():
+            if plan.is_sampled.np()[i]:
+                got = restored[int(row_of[i])].float().to(want.device)
+                worst = max(worst, float((got - want[-1]).abs().max()))
+        return worst
     qcu = np.concatenate(([0], np.cumsum(plan.num_scheduled_tokens.np().astype(np.int64))))
     worst = 0.0
     for i, want in expected.items():

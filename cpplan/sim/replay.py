@@ -73,11 +73,14 @@ class ReplayResult:
     max_abs_err: float
     collectives: int  # issued, all ranks
     tokens: int
+    restored: object = None  # rank 0's restored rows (a tensor), for tests
 
 
 def replay_plan(plan: StepPlan, seed: int, device: str = "cpu", kernels=None,
-                step_guard=None, executor_options: dict | None = None) -> ReplayResult:
-    """Run all ranks of ``plan`` as threads on ``device``; compare with the oracle.
+                step_guard=None, executor_options: dict | None = None,
+                sm_scale: float = coords.SIM_SM_SCALE) -> ReplayResult:
+    """Run all ranks of ``plan`` as threads on ``device``; compare with the oracle (both at the
+    recorded run's ``sm_scale``).
     ``executor_options``: extra keyword arguments of every rank's ``StepExecutor``.
     ``step_guard``: a context-manager factory (e.g. CUDA sync debug mode, which is process-wide)
     entered by the calling thread once every rank has rebuilt its caches and left while no rank
@@ -92,7 +95,7 @@ def replay_plan(plan: StepPlan, seed: int, device: str = "cpu", kernels=None,
     def rank_body(rank: int) -> None:
         try:
             results[rank] = _run_rank(plan, seed, device, world, rank, kernels, phase,
-                                      executor_options or {})
+                                      {**(executor_options or {}), "sm_scale": sm_scale})
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
             errors.append(exc)
             world.barrier.abort()
@@ -114,10 +117,10 @@ def replay_plan(plan: StepPlan, seed: int, device: str = "cpu", kernels=None,
     if errors:
         raise (real or errors)[0]
     restored = results[0][0]
-    expected = oracle_step(plan, seed, device=device)
+    expected = oracle_step(plan, seed, device=device, sm_scale=sm_scale)
     return ReplayResult(plan.step_id, max_abs_error(plan, restored, expected),
                         sum(r[1] for r in results),
-                        int(plan.num_scheduled_tokens.np().sum()))
+                        int(plan.num_scheduled_tokens.np().sum()), restored)
 
 
 def check_replayable(plan: StepPlan) -> None:
@@ -144,8 +147,8 @@ def _run_rank(plan: StepPlan, seed: int, device: str, world: ThreadWorld, rank: 
     # allocator for terabytes)
     longest = int(extents.max()) if plan.num_requests else 1
     blocks_per_req = max(1, -(-cfg.shard_rows(longest) // cfg.block_size))
-    executor = StepExecutor(cfg, sm_scale=coords.SIM_SM_SCALE, pcp_rank=pcp_rank, dcp_rank=dcp_rank, comm=comm, device=device,
-                            kernels=kernels, max_tokens=plan.padded_num_tokens,
+    executor = StepExecutor(cfg, sm_scale=options.pop("sm_scale"), pcp_rank=pcp_rank,
+                            dcp_rank=dcp_rank, comm=comm, device=device, kernels=kernels, max_tokens=plan.padded_num_tokens,
                             max_requests=max(1, plan.num_requests),
                             max_blocks_per_request=blocks_per_req, **options)
     num_blocks = 1 + plan.num_requests * blocks_per_req

@@ -51,7 +51,8 @@ class MiniScheduler:
     budget (sum of extents) would overflow."""
 
     def __init__(self, requests: list[Request], *, token_budget: int, max_running: int,
-                 kv_token_budget: int, max_prefill_chunk: int = 48) -> None:
+                 kv_token_budget: int, max_prefill_chunk: int = 48,
+                 name_sampled: bool = False) -> None:
         self.waiting = sorted(requests, key=lambda r: (r.arrival, r.req_id))
         self.running: list[Request] = []
         self.token_budget, self.max_running = token_budget, max_running
@@ -60,6 +61,8 @@ class MiniScheduler:
         self.finished: list[str] = []
         self.preempted: list[str] = []  # ids preempted in the last schedule() call
         self._scheduled: list[tuple[Request, int]] = []
+        # steps name their sampled rows: decodes and prefills that end their prompt
+        self.name_sampled = name_sampled
 
     def schedule(self, step_id: int) -> StepInput | None:
         """The next step's global batch (None when nothing is left to run)."""
@@ -88,9 +91,11 @@ class MiniScheduler:
         order = {id(r): k for k, r in enumerate(self.running)}
         plan.sort(key=lambda rq: order[id(rq[0])])
         self._scheduled = plan
+        sampled = ([r.computed + q >= r.prefill_len for r, q in plan] if self.name_sampled
+                   else None)
         return StepInput.build(step_id, [r.req_id for r, _ in plan],
                                [r.computed for r, _ in plan], [q for _, q in plan],
-                               [r.prefilling for r, _ in plan])
+                               [r.prefilling for r, _ in plan], sampled)
 
     def _fit_kv(self, plan):
         while plan and sum(r.computed + q for r, q in plan) > self.kv_token_budget:

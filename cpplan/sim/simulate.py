@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from cpplan.api import Groups, LayerCache, StepExecutor, StepGraphs, record_plan
 from cpplan.api import compile as compile_plan
-from cpplan.schemas.config import ParallelConfig
+from cpplan.schemas.config import ParallelConfig, indexer_sources_from_types
 from cpplan.schemas.files import write_atomic
 from cpplan.schemas.errors import ConfigError, CpplanError, OutputError, StepInputError
 from cpplan.schemas.step import StepInput
@@ -78,6 +78,11 @@ class SimOptions:
     # "stop": it sends itself SIGSTOP)
     fail: Inject | None = None  # that rank raises locally at that step (kind: FAIL_KINDS)
     graphs: bool = False  # CUDA-graph sizes GRAPH_SIZES; on CUDA, StepGraphs replays
+    # per layer "F" (full indexer) or "S" (reuses the previous full layer's top-k), repeated
+    # over the layers; None: every layer full
+    indexer_pattern: str | None = None
+    sm_scale: float = coords.SIM_SM_SCALE  # the model's softmax scale (executor and oracle)
+    sampled_rows: bool = False  # steps name their sampled rows; restore_sampled is checked
     warmup: bool = False  # cpplan.warmup.warmup before the first step (every kernel compiled)
 
 
@@ -90,7 +95,10 @@ GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # --graphs: up to the token budget
 
 
 def preset_config(opts: SimOptions) -> ParallelConfig:
+    sources = (() if not opts.indexer_pattern else indexer_sources_from_types(
+        (opts.indexer_pattern * opts.layers)[: opts.layers]))
     return ParallelConfig(pcp_size=opts.pcp, dcp_size=opts.dcp, interleave_size=opts.interleave,
+                          indexer_sources=sources,
                           kv_cache_dtype=opts.kv_cache_dtype, num_layers=opts.layers,
                           hidden_size=opts.layers * PRESET["num_heads"] * 512,
                           max_model_len=opts.max_model_len,
@@ -144,7 +152,8 @@ class _RankSim:
         self.blocks_per_req = -(-config.shard_rows(mml) // config.block_size)
         num_blocks = 1 + MAX_RUNNING * self.blocks_per_req
         self.executor = StepExecutor.from_groups(
-            config, groups, sm_scale=coords.SIM_SM_SCALE, verify=opts.verify, verify_every=opts.verify_every,
+            config, groups, sm_scale=opts.sm_scale, verify=opts.verify,
+            verify_every=opts.verify_every,
             digest_exchange=opts.digest_exchange, dcp_compact=opts.dcp_compact,
             max_tokens=TOKEN_BUDGET + MAX_RUNNING, max_requests=MAX_RUNNING)
         self.alloc = BlockAllocator(num_blocks, config.block_size, config.dcp_size,
@@ -153,7 +162,8 @@ class _RankSim:
                        for _ in range(config.num_layers)]
         self.sched = MiniScheduler(preset_requests(config.pcp_size, mml, num_long=4),
                                    token_budget=TOKEN_BUDGET, max_running=MAX_RUNNING,
-                                   kv_token_budget=KV_TOKEN_BUDGET)
+                                   kv_token_budget=KV_TOKEN_BUDGET,
+                                   name_sampled=opts.sampled_rows)
         self.graphs = StepGraphs(self.executor, self._layers) if opts.graphs else None
         if opts.warmup:  # collective, like a step: every rank does it here
             warmup(self.executor)
@@ -226,7 +236,8 @@ class _RankSim:
             self.ledger_len = len(bound.ledger)
         world = self.groups.world_size
         mine = [i for i in range(plan.num_requests) if i % world == self.rank]
-        expected = oracle_step(plan, self.opts.seed, mine, device=self.groups.device)
+        expected = oracle_step(plan, self.opts.seed, mine, device=self.groups.device,
+                               sm_scale=self.opts.sm_scale)
         err = max_abs_error(plan, restored, expected)
         s = self.stats
         s["steps"] += 1
@@ -249,7 +260,7 @@ class _RankSim:
         record_plan(plan, self.opts.record)
         meta = {"seed": self.opts.seed, "preset": "small", "layers": self.config.num_layers,
                 "pcp": self.opts.pcp, "dcp": self.opts.dcp, "interleave": self.opts.interleave,
-                "kv_cache_dtype": self.opts.kv_cache_dtype}
+                "kv_cache_dtype": self.opts.kv_cache_dtype, "sm_scale": self.opts.sm_scale}
         write_atomic(os.path.join(self.opts.record, "replay.json"),
                      json.dumps(meta, indent=1).encode())
 
