@@ -72,6 +72,7 @@ from cpplan.runtime.graphs import StepGraphs
 from cpplan.runtime.kernels import get_kernels
 from cpplan.runtime.kernels.dispatch import KernelBackendError
 from cpplan.runtime.verify import DigestCheck
+from cpplan.schemas.config import indexer_sources_from_types
 from cpplan.schemas.codec import digest
 from cpplan.schemas.errors import ConfigError
 from cpplan.sim.allocator import BlockAllocator
@@ -180,7 +181,11 @@ def build_config(args, dims: dict, world_pcp: int, world_dcp: int) -> ParallelCo
     extent = max(args.prompt, dims["context"][1] + 1)
     mml = -(-extent // 1024) * 1024
     graphs = GRAPH_SIZES if args.graphs else ()
-    return ParallelConfig(cudagraph_token_sizes=graphs, pcp_size=world_pcp, dcp_size=world_dcp, interleave_size=args.interleave,
+    pattern = getattr(args, "indexer_pattern", None)
+    sources = (indexer_sources_from_types((pattern * args.layers)[: args.layers]) if pattern
+               else ())
+    return ParallelConfig(cudagraph_token_sizes=graphs, pcp_size=world_pcp, dcp_size=world_dcp,
+                          interleave_size=args.interleave, indexer_sources=sources,
                           kv_cache_dtype="fp8_ds_mla", num_layers=args.layers,
                           num_heads=dims["num_heads"], topk=dims["topk"],
                           index_num_heads=dims["index_num_heads"],
@@ -286,10 +291,12 @@ def layers_body(r: Rank, bound, kv, index_k, q, index_q, index_w, log=None):
     for layer, cache in enumerate(r.caches):
         if log is not None:
             log.layer = layer
-        r.ex.insert(bound, cache, kv, index_k)
+        full = r.ex.config.indexer_source(layer) == layer  # a shared layer: no index inputs
+        r.ex.insert(bound, cache, kv, index_k if full else None)
         if log is not None:
             log.point("insert")
-        out = r.ex.attend(bound, cache, q, index_q, index_w)
+        out = r.ex.attend(bound, cache, q, index_q if full else None,
+                          index_w if full else None)
         if log is not None:
             log.point("other")
     return out
@@ -640,6 +647,9 @@ def parse_args(argv=None):
                          "device activity as a Chrome trace (rank r > 0 writes FILE.r; with "
                          "--graphs the replayed steps' to FILE.replayed) and print the "
                          "device's idle time")
+    ap.add_argument("--indexer-pattern", metavar="FS..",
+                    help="per layer F (own indexer) or S (reuses the previous full layer's "
+                         "top-k, GLM-5's shared layers), repeated over the layers")
     ap.add_argument("--tiny", action="store_true", help="toy sizes (runs on a CPU)")
     ap.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     args = ap.parse_args(argv)

@@ -4,17 +4,20 @@ Once per process::
 
     groups = Groups.build(config)              # or Groups.from_env / Groups.adopt(engine groups)
     executor = StepExecutor.from_groups(config, groups, sm_scale=model_scale,
-                                          verify="every")
+                                          verify="every")   # the model's softmax scale
+    # one device, no torch.distributed world: StepExecutor.local(config, sm_scale=...)
     caches = [LayerCache.empty(config, num_blocks, groups.device) for _ in range(layers)]
 
 Per scheduler step (every rank, same global StepInput)::
 
     plan = compile(config, step)               # pure CPU, identical on every rank
     bound = executor.bind(plan, block_tables)  # tables -> arena, one H2D copy, digest check starts
+    tokens = bound.tokens                      # TokenView: request / position / padding per row
     for layer, cache in enumerate(caches):     # the engine's own tensors, this rank's tokens
-        executor.insert(bound, cache, kv_new, index_k_new)
+        executor.insert(bound, cache, kv_new, index_k_new)   # index_k_new None: shared layer
         out = executor.attend(bound, cache, q, index_q, index_w)
-    rows = executor.restore(bound, hidden)     # [sum q, hidden] in global order, for sampling
+    rows = executor.restore_sampled(bound, hidden)  # a step with is_sampled: [n_sampled, hidden]
+    # rows = executor.restore(bound, hidden)   # a step without: [sum q, hidden], global order
     executor.finish(bound)                     # digest awaited; ledger == plan in debug mode
     record_plan(plan, "runs/a")                # optional: for cpplan inspect / replay
 
@@ -37,6 +40,8 @@ import os
 from cpplan.planner.compile import compile  # noqa: A004 - the planner's public name
 from cpplan.runtime.executor import BoundStep, LayerCache, StepExecutor
 from cpplan.runtime.graphs import StepGraphs
+from cpplan.runtime.selection import Attended
+from cpplan.runtime.tokens import TokenView
 from cpplan.warmup import warmup
 from cpplan.runtime.groups import Groups
 from cpplan.schemas.codec import encode_plan
@@ -63,5 +68,5 @@ def record_plan(plan: StepPlan, directory: str) -> str:
     return path
 
 
-__all__ = ["BoundStep", "Groups", "LayerCache", "ParallelConfig", "StepExecutor", "StepGraphs",
-           "StepInput", "StepPlan", "compile", "record_plan", "warmup"]
+__all__ = ["Attended", "BoundStep", "Groups", "LayerCache", "ParallelConfig", "StepExecutor", "StepGraphs",
+           "StepInput", "StepPlan", "TokenView", "compile", "record_plan", "warmup"]

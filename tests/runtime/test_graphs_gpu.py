@@ -27,9 +27,10 @@ pytestmark = [pytest.mark.gpu,
 WIDTH = 16  # blocks per request in the block tables (1024 keys)
 
 
-def _config(kv: str) -> ParallelConfig:
+def _config(kv: str, pattern: str | None = None) -> ParallelConfig:
     fields = msgspec.structs.asdict(preset_config(SimOptions(
-        pcp=1, dcp=1, kv_cache_dtype=kv, layers=2, max_model_len=1024)))
+        pcp=1, dcp=1, kv_cache_dtype=kv, layers=2, max_model_len=1024,
+        indexer_pattern=pattern)))
     return ParallelConfig(**{**fields, "cudagraph_token_sizes": (8, 16)})
 
 
@@ -84,9 +85,11 @@ def _body(ex, bound, keys, *, caches, seed):
     return step_layers(ex, bound, caches, seed, keys)
 
 
+@pytest.mark.parametrize("pattern", [None, "FS"], ids=["all-full", "shared"])
 @pytest.mark.parametrize("kv", ["fp8_ds_mla", "bf16"])
-def test_graph_replay_equals_eager_bit_for_bit_and_the_oracle(kv):
-    cfg = _config(kv)
+def test_graph_replay_equals_eager_bit_for_bit_and_the_oracle(kv, pattern):
+    """FS: layer 1 reuses layer 0's selection inside the captured graph too."""
+    cfg = _config(kv, pattern)
     plans = _steps(cfg)
     assert [p.graph_replayable for p in plans] == [True, True, True, False]
     eager, graph = _Rig(cfg, plans, graphs=False), _Rig(cfg, plans, graphs=True)
