@@ -104,8 +104,17 @@ def cut_chunks(config: ParallelConfig, reqs, modes) -> list[dict]:
 
 
 def reference_collectives(config: ParallelConfig, t_pad: int, nd: int, has_prefill: bool,
-                          chunks: list[dict]) -> list[tuple]:
-    """docs/design.md §3.8's table, row by row: (name, op, group, dtype, shape, bytes, per_layer)."""
+                          chunks: list[dict], sampled_rows=None) -> list[tuple]:
+    """docs/design.md §3.8's table, row by row: (name, op, group, dtype, shape, bytes,
+    per_layer, layers); sampled_rows: M of a step that names its sampled rows, else None."""
+    out = _collectives_table(config, t_pad, nd, has_prefill, chunks, sampled_rows)
+    sources = config.indexer_sources
+    full = tuple(k for k in range(config.num_layers) if sources and sources[k] == k)
+    indexer = ("indexer_k_insert", "indexer_k_gather", "topk_candidates")
+    return [(*c, full if c[0].split("[")[0] in indexer else ()) for c in out]
+
+
+def _collectives_table(config, t_pad, nd, has_prefill, chunks, sampled_rows) -> list[tuple]:
     p, w = config.pcp_size, config.dcp_size
     kv, act = KV_BYTES[config.kv_cache_dtype], config.activation_dtype
     h, out = config.num_heads, []
@@ -125,10 +134,36 @@ def reference_collectives(config: ParallelConfig, t_pad: int, nd: int, has_prefi
         out.append(("decode_lse", "all_gather", "dcp", "float32", (nd, h), nd * h * 4, True))
         out.append(("decode_out", "all_reduce", "dcp", act, (nd, h, config.v_head_dim),
                     nd * h * config.v_head_dim * ACT_BYTES[act], True))
-    if p > 1:
+    if p > 1 and sampled_rows is None:
         out.append(("restore", "all_gather", "pcp", act, (t_pad, config.hidden_size),
                     t_pad * config.hidden_size * ACT_BYTES[act], False))
+    elif p > 1 and sampled_rows:
+        out.append(("restore_sampled", "all_gather", "pcp", act,
+                    (sampled_rows, config.hidden_size),
+                    sampled_rows * config.hidden_size * ACT_BYTES[act], False))
     return out
+
+
+def reference_sampled(step: StepInput, modes, per_rank, starts):
+    """(is_sampled, sampled_source, M) by walking each rank's rows token by token: a sampled
+    request's last query token is taken from the rank whose row holds it, rank 0 for decodes
+    and replicated prefills (their rows are on every rank)."""
+    if step.is_sampled is None:
+        return None, None, None
+    flags = [int(f) for f in step.is_sampled.np().tolist()]
+    q = step.num_scheduled_tokens.np().tolist()
+    source = {}
+    for p, rows in enumerate(per_rank):
+        for (req, off, n, _), start in zip(rows, starts[p]):
+            if not flags[req] or (p > 0 and modes[req][0] != MODE_SPLIT):
+                continue
+            for j in range(n):
+                if off + j == q[req] - 1:
+                    source[req] = [p, start + j]
+    src = [source[i] for i in range(len(flags)) if flags[i]]
+    counts = [sum(1 for r, _ in src if r == p) for p in range(len(per_rank))]
+    rows = max(counts) if src and len(per_rank) > 1 else 0
+    return flags, src, rows
 
 
 def reference_plan(config: ParallelConfig, step: StepInput) -> dict:
@@ -155,6 +190,7 @@ def reference_plan(config: ParallelConfig, step: StepInput) -> dict:
     decode_rows = [i for i, m in enumerate(modes) if m[0] == MODE_DECODE]
     nd = sum(reqs[i][1] for i in decode_rows)
     chunks = cut_chunks(config, reqs, modes)
+    flags, source, sampled_rows = reference_sampled(step, modes, per_rank, starts)
     return {
         "step_id": step.step_id,
         "req_ids": list(step.req_ids),
@@ -181,7 +217,9 @@ def reference_plan(config: ParallelConfig, step: StepInput) -> dict:
         # a decode-only step padded to a graph size runs every padded token as a decode
         "collectives": reference_collectives(
             config, t_pad, t_pad if graph != EAGER and nd > 0 and len(decode_rows) == len(reqs)
-            else nd, len(decode_rows) < len(reqs), chunks),
+            else nd, len(decode_rows) < len(reqs), chunks, sampled_rows),
+        "is_sampled": flags,
+        "sampled_source": source,
     }
 
 
@@ -197,8 +235,8 @@ def plan_facts(plan: StepPlan) -> dict:
             value = [{f: (getattr(ch, f).np().tolist() if hasattr(getattr(ch, f), "np")
                           else getattr(ch, f)) for f in ch.__struct_fields__} for ch in value]
         elif name == "collectives":
-            value = [(c.name, c.op, c.group, c.dtype, tuple(c.shape), c.bytes, c.per_layer)
-                     for c in value]
+            value = [(c.name, c.op, c.group, c.dtype, tuple(c.shape), c.bytes, c.per_layer,
+                      tuple(c.layers)) for c in value]
         elif hasattr(value, "np"):
             value = value.np().tolist()
         elif isinstance(value, tuple):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
-from cpplan.schemas.config import ParallelConfig, shard_rows
+from cpplan.schemas.config import ParallelConfig, indexer_sources_from_types, shard_rows
 from cpplan.schemas.step import StepInput
 
 SIZES = (1, 2, 3, 4, 8)
@@ -23,7 +23,11 @@ def configs(draw, max_model_len: int = 262144, small_dims: bool = False) -> Para
     workspace = draw(st.sampled_from((0, minimum, minimum + 1, 2 * minimum, 5 * minimum)))
     graphs = draw(st.sampled_from(((), (1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
                                    (8, 64, 512, 4096, 32768))))
+    layers = draw(st.sampled_from((61, 1, 4, 8)))
+    pattern = draw(st.lists(st.sampled_from("FS"), min_size=layers - 1, max_size=layers - 1))
+    sources = draw(st.sampled_from(((), indexer_sources_from_types(["F"] + pattern))))
     return ParallelConfig(
+        num_layers=layers, indexer_sources=sources,
         pcp_size=p, dcp_size=w, interleave_size=inter, max_model_len=max_model_len,
         gather_workspace_tokens=workspace, cudagraph_token_sizes=graphs,
         kv_cache_dtype=draw(st.sampled_from(("fp8_ds_mla", "bf16"))),
@@ -66,7 +70,10 @@ def steps(draw, max_requests: int = 300, max_context: int = 200_000,
         parts.reverse()
     c, q, pre = (parts[0][k] + parts[1][k] for k in range(3))
     n = len(q)
-    return StepInput.build(draw(st.integers(0, 2**40)), [f"r{i}" for i in range(n)], c, q, pre)
+    # a third of the steps name their sampled rows (any subset: the planner does not judge)
+    sampled = (rng.random(n) < 0.7).tolist() if draw(st.integers(0, 2)) == 0 else None
+    return StepInput.build(draw(st.integers(0, 2**40)), [f"r{i}" for i in range(n)], c, q, pre,
+                           sampled)
 
 
 def _log_uniform(rng, n: int, high: int) -> np.ndarray:
