@@ -28,6 +28,7 @@ COMMANDS = {
     "draw": "cpplan.cli.draw_cmd",
     "simulate": "cpplan.cli.simulate_cmd",
     "replay": "cpplan.cli.replay_cmd",
+    "generate": "cpplan.cli.generate_cmd",
 }
 
 EXIT_BAD_INPUT = 2

@@ -1,0 +1,187 @@
+"""``cpplan generate``: serve a transformers DeepSeek-V3.2 / GLM-5 model through cpplan's
+runtime over P x W ranks (continuous batching, chunked prefill, mixed steps, preemption) and
+print each request's tokens; ``--check`` compares them with the model's own forward.
+
+P = W = 1 runs in this process (``--device cpu`` or ``cuda``); larger worlds are spawned gloo
+processes on CPU, max(P, W) of them, every rank running the same scheduler (rank 0's tokens
+are printed; every rank's must agree). Progress goes to stderr.
+
+Exit codes: 0 done (and ``--check`` passed), 1 ``--check`` found a difference (or the ranks'
+tokens differ), 2 bad input, 3 plan mismatch, 4 a rank was lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+from cpplan.cli.common import bounded_int
+
+EXAMPLE = """example:
+  cpplan generate --model tiny-deepseek-v32                  # built-in prompts, 1 x 1
+  cpplan generate --model tiny-glm-5 --pcp 2 --dcp 2 --check
+  cpplan generate --model ./ckpt --prompts p.jsonl --max-new-tokens 32 --json
+prompts file (JSONL): {"id": "a", "prompt_token_ids": [1, 2, 3]} one object a line
+  ("prompt": "text" where the checkpoint has a tokenizer; "max_new_tokens" per line)
+"""
+
+
+def register(sub) -> None:
+    p = sub.add_parser("generate", help="serve a transformers DSA model through the runtime",
+                       description=__doc__, epilog=EXAMPLE,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny-deepseek-v32", metavar="PRESET|DIR",
+                   help="tiny-deepseek-v32, tiny-glm-5 (random weights from --seed) or a "
+                        "checkpoint folder (default tiny-deepseek-v32)")
+    p.add_argument("--prompts", metavar="FILE.jsonl", help="prompts (default: a built-in set "
+                   "of 1..300 tokens)")
+    p.add_argument("--max-new-tokens", type=bounded_int(1, 1_000_000), default=16,
+                   help="tokens generated per request (default 16)")
+    p.add_argument("--pcp", type=bounded_int(1, 1024), default=1, help="PCP size P (default 1)")
+    p.add_argument("--dcp", type=bounded_int(1, 1024), default=1, help="DCP size W (default 1)")
+    p.add_argument("--interleave", type=bounded_int(1, 2**31 - 1), default=1,
+                   help="interleave size I (default 1)")
+    p.add_argument("--kv-cache-dtype", choices=("fp8_ds_mla", "bf16"), default="fp8_ds_mla",
+                   help="KV cache format (default fp8_ds_mla)")
+    p.add_argument("--max-num-batched-tokens", type=bounded_int(1, 1 << 20), default=256,
+                   metavar="N", help="query tokens per step (default 256)")
+    p.add_argument("--max-num-seqs", type=bounded_int(1, 4096), default=64, metavar="N",
+                   help="requests running at once (default 64)")
+    p.add_argument("--num-blocks", type=bounded_int(2, 1 << 24), default=None, metavar="N",
+                   help="KV blocks per rank incl. the reserved block 0 (default: all requests "
+                        "at once); fewer makes the scheduler preempt")
+    p.add_argument("--max-model-len", type=bounded_int(1, 1 << 24), default=None, metavar="N",
+                   help="longest prompt + new tokens (default the model's "
+                        "max_position_embeddings)")
+    p.add_argument("--seed", type=bounded_int(0, 2**63 - 1), default=0,
+                   help="seed of a preset's weights, the built-in prompts and sampling")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy; else sampling with per-request generators")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu (gloo ranks) or cuda (one process on one GPU, P = W = 1)")
+    p.add_argument("--check", action="store_true",
+                   help="compare with the model's own teacher-forced forward (exit 1 on a "
+                        "difference)")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                   help="seconds before a silent rank is declared lost (default 60)")
+    p.add_argument("--json", action="store_true",
+                   help="stdout: one JSON object per request, then a summary object")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from cpplan.schemas.errors import ConfigError
+    from cpplan.serve.run import prepare, serve
+
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ConfigError(f"--temperature: got {args.temperature}; expected >= 0")
+    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+        raise ConfigError(f"--top-p: got {args.top_p}; expected in (0, 1]")
+    if not (math.isfinite(args.timeout) and 1 <= args.timeout <= 86_400):
+        raise ConfigError(f"--timeout: got {args.timeout}; expected in [1, 86400] seconds")
+    prep = prepare(model=args.model, prompts_path=args.prompts,
+                   max_new_tokens=args.max_new_tokens, seed=args.seed, pcp=args.pcp,
+                   dcp=args.dcp, interleave=args.interleave,
+                   kv_cache_dtype=args.kv_cache_dtype,
+                   max_num_batched_tokens=args.max_num_batched_tokens,
+                   max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
+                   max_model_len=args.max_model_len, device=args.device,
+                   temperature=args.temperature, top_p=args.top_p, keep_logits=args.check,
+                   timeout_s=args.timeout)
+    job = prep.job
+    sys.stderr.write(f"cpplan generate: {args.model} P={job.pcp} W={job.dcp} "
+                     f"I={job.interleave} {job.kv_cache_dtype} on {job.device}, "
+                     f"{len(prep.prompts)} requests, {max(job.pcp, job.dcp)} rank(s), "
+                     f"{job.num_blocks} KV blocks per rank\n")
+    t0 = time.monotonic()
+    results = serve(prep)
+    elapsed = time.monotonic() - t0
+    code = _failures(results, args.json)
+    if code is not None:
+        return code
+    values = [r.value for r in results]
+    head = values[0]
+    for v in values[1:]:
+        if v["outputs"] != head["outputs"]:
+            return _fail(args.json, 1, f"rank {v['rank']}'s tokens differ from rank 0's")
+    check = None
+    if args.check:
+        from cpplan.serve.check import check_outputs
+
+        check = check_outputs(prep.model, job.prompts, head["outputs"], head["logits"],
+                              job.kv_cache_dtype, [p.id for p in prep.prompts])
+        sys.stderr.write(check.line() + "\n")
+    _print(prep, values, elapsed, check, args.json)
+    return 0 if check is None or check.ok else 1
+
+
+def _failures(results, as_json: bool) -> int | None:
+    from cpplan.cli.simulate_cmd import _report_failures, _traceback
+    from cpplan.schemas.errors import RankLostError
+
+    failures = []
+    for r in results:
+        if r.lost:
+            failures.append((r.rank, RankLostError(f"rank {r.rank} lost: {r.lost_reason()}"),
+                             None))
+        elif r.error is not None:
+            _traceback(r.tb)
+            failures.append((r.rank, r.error, None))
+        elif "error" in r.value:
+            _traceback(r.value.get("tb", ""))
+            failures.append((r.rank, r.value["error"], None))
+    return _report_failures(failures, as_json) if failures else None
+
+
+def _fail(as_json: bool, code: int, message: str) -> int:
+    sys.stderr.write(f"cpplan generate: error: {message}\n")
+    if as_json:
+        print(json.dumps({"ok": False, "exit_code": code, "error": message}))
+    return code
+
+
+def _print(prep, values, elapsed: float, check, as_json: bool) -> None:
+    head, job = values[0], prep.job
+    new = sum(len(o) for o in head["outputs"])
+    rows = []
+    for k, (p, out) in enumerate(zip(prep.prompts, head["outputs"])):
+        row = {"id": p.id, "prompt_tokens": len(p.token_ids), "output_token_ids": out,
+               "ttft_s": round(head["ttft_s"][k], 4), "tpot_s": round(head["tpot_s"][k], 4)}
+        if prep.tokenizer is not None:
+            row["output_text"] = prep.tokenizer.decode(out)
+        rows.append(row)
+    summary = {"ok": check is None or check.ok, "steps": head["steps"],
+               "collectives": sum(v["collectives"] for v in values),
+               "digest_checks": head["digest_checks"], "requests": len(rows),
+               "prompt_tokens": sum(len(p.token_ids) for p in prep.prompts),
+               "output_tokens": new, "query_tokens": head["tokens"],
+               "mixed_steps": head["mixed_steps"], "preempted": head["preempted"],
+               "serve_s": round(head["seconds"], 3), "seconds": round(elapsed, 3),
+               "output_tokens_per_s": round(new / head["seconds"], 2) if head["seconds"] else 0,
+               "pcp": job.pcp, "dcp": job.dcp, "interleave": job.interleave,
+               "kv_cache_dtype": job.kv_cache_dtype, "device": job.device,
+               "model": job.model}
+    if check is not None:
+        summary["check"] = {"ok": check.ok, "positions": check.positions,
+                            "tokens_equal": check.equal + check.ties, "near_ties": check.ties,
+                            "max_dlogit": check.max_dlogit, "tolerance": check.TOL
+                            if hasattr(check, "TOL") else 5e-2, "within_tolerance": check.close}
+    if as_json:
+        out = "".join(json.dumps(r) + "\n" for r in rows) + json.dumps(summary) + "\n"
+        sys.stdout.write(out)
+        return
+    lines = []
+    for r in rows:
+        text = f" {r['output_text']!r}" if "output_text" in r else ""
+        lines.append(f"{r['id']}: {r['prompt_tokens']} prompt tokens -> {r['output_token_ids']}"
+                     f"{text}  TTFT {r['ttft_s'] * 1e3:.0f} ms  TPOT {r['tpot_s'] * 1e3:.0f} ms")
+    s = summary
+    lines.append(f"{s['requests']} requests, {s['output_tokens']} new tokens in {s['steps']} "
+                 f"steps ({s['mixed_steps']} mixed, {s['preempted']} preemptions), "
+                 f"{s['output_tokens_per_s']} tokens/s, {s['collectives']} collectives, "
+                 f"{s['digest_checks']} digest checks, {s['seconds']} s")
+    sys.stdout.write("\n".join(lines) + "\n")

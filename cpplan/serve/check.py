@@ -1,0 +1,94 @@
+"""``cpplan generate --check``: the model's own transformers forward, teacher-forced over each
+request's prompt + generated tokens in this process, compared at every generated position
+(docs/design.md §4.5).
+
+Reference per request: the stock model where ``index_topk`` covers the request's every context
+(then the indexer selects every causal key and its numerics do not matter), else the model
+with cpplan's indexer numerics (:mod:`cpplan.models.reference`: fp8 query and keys with
+power-of-two scales, ties by token id); the KV latent rounded as cpplan's cache stores it.
+
+Verdict: tokens must be equal at every generated position (a position counts as a near-tie,
+and equal, where the reference's logit of cpplan's token is within :data:`TOL` of its
+maximum), and at least :data:`MIN_CLOSE` of the positions must have every logit within
+:data:`TOL` of the reference (all of them with a bf16 cache): float32 summation order stays
+far below it, fp8 rounding (steps of 1/16) now and then moves a value or a selected key
+across a rounding boundary on these random models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+TOL = 5e-2
+MIN_CLOSE = {"bf16": 1.0, "fp8_ds_mla": 0.85}
+
+
+@dataclasses.dataclass
+class CheckResult:
+    positions: int = 0
+    equal: int = 0  # cpplan's token is the reference's argmax
+    ties: int = 0  # not the argmax, but within TOL of it
+    close: int = 0  # every logit within TOL
+    max_dlogit: float = 0.0
+    stock: int = 0  # requests checked against the stock model
+    first_diff: str = ""  # the first differing position, described
+    min_close: float = 1.0
+
+    @property
+    def tokens_ok(self) -> bool:
+        return self.equal + self.ties == self.positions
+
+    @property
+    def logits_ok(self) -> bool:
+        return self.close >= self.min_close * self.positions
+
+    @property
+    def ok(self) -> bool:
+        return self.tokens_ok and self.logits_ok
+
+    def line(self) -> str:
+        """One line: the verdict and its figures."""
+        head = "check OK" if self.ok else "check FAILED"
+        text = (f"{head}: tokens equal at {self.equal + self.ties} of {self.positions} "
+                f"positions ({self.ties} near-ties), max |dlogit| {self.max_dlogit:.3g}, "
+                f"{self.close} of {self.positions} positions within tol {TOL:g} (expected >= "
+                f"{self.min_close:.0%}); {self.stock} request(s) against the stock model, the "
+                "rest against cpplan's indexer numerics")
+        return text + (f"; first difference: {self.first_diff}" if self.first_diff else "")
+
+
+@torch.no_grad()
+def check_outputs(model, prompts, outputs, logits, kv_cache_dtype: str, ids) -> CheckResult:
+    """``prompts[i]`` / ``outputs[i]`` token ids, ``logits[i]`` ``[len(outputs[i]), vocab]``
+    cpplan's sampled logits (float32), ``ids[i]`` the request's id (for the report)."""
+    from cpplan.models.reference import teacher_forced_logits
+
+    res = CheckResult(min_close=MIN_CLOSE[kv_cache_dtype])
+    topk = model.config.index_topk
+    for rid, prompt, out, ours in zip(ids, prompts, outputs, logits):
+        tokens = list(prompt) + list(out)
+        stock = len(tokens) - 1 <= topk
+        res.stock += int(stock)
+        pos = list(range(len(prompt) - 1, len(tokens) - 1))
+        ref = teacher_forced_logits(model, tokens[:-1], pos, kv_cache_dtype=kv_cache_dtype,
+                                    indexer="stock" if stock else "cpplan").cpu()
+        ours = ours.float()
+        got = torch.as_tensor(list(out), dtype=torch.long)
+        best = ref.argmax(-1)
+        picked = ref.gather(1, got[:, None])[:, 0]
+        equal = got == best
+        tie = ~equal & (picked >= ref.amax(-1) - TOL)
+        d = (ref - ours).abs().amax(-1)
+        res.positions += len(out)
+        res.equal += int(equal.sum())
+        res.ties += int(tie.sum())
+        res.close += int((d <= TOL).sum())
+        res.max_dlogit = max(res.max_dlogit, float(d.max()))
+        bad = (~equal & ~tie).nonzero()
+        if len(bad) and not res.first_diff:
+            k = int(bad[0])
+            res.first_diff = (f"request {rid!r} new token {k}: cpplan {int(got[k])}, the "
+                              f"model {int(best[k])}")
+    return res

@@ -1,0 +1,191 @@
+"""One rank's serving loop of ``cpplan generate`` (docs/design.md §4.5): the model through
+cpplan's runtime, every rank running the same deterministic :class:`~cpplan.serve.scheduler.
+Scheduler` on the same global facts.
+
+Per step (every rank): ``schedule`` -> ``compile`` -> ``bind`` (this rank's block table from
+the shared :class:`~cpplan.serve.blocks.BlockBook`; digest check across ranks) ->
+:class:`~cpplan.models.RankForward` (logits ``[num_sampled, vocab]``, identical on every rank)
+-> ``finish`` -> sample (greedy, or temperature / top-p from per-request generators seeded
+alike on every rank) -> ``complete``. So every rank appends the same tokens.
+
+:func:`serve_rank` is the job function of a spawned rank (``World.run(serve_rank, job)``);
+:func:`serve_local` runs P = W = 1 in this process. Both return a :class:`RankReport`'s dict
+(errors typed, in ``"error"``, as ``cpplan simulate``'s ranks report them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+import traceback
+
+import torch
+
+from cpplan.schemas.errors import CpplanError
+from cpplan.serve.blocks import BlockBook
+from cpplan.serve.scheduler import Request, Scheduler
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateJob:
+    """Everything a rank needs (picklable). ``prompts``: per request its token ids;
+    ``max_new_tokens`` per request; ``num_blocks`` KV blocks per rank (block 0 reserved)."""
+
+    model: str
+    seed: int
+    prompts: tuple[tuple[int, ...], ...]
+    max_new_tokens: tuple[int, ...]
+    pcp: int = 1
+    dcp: int = 1
+    interleave: int = 1
+    kv_cache_dtype: str = "fp8_ds_mla"
+    max_model_len: int = 4096
+    max_num_batched_tokens: int = 256
+    max_num_seqs: int = 64
+    num_blocks: int = 256
+    device: str = "cpu"
+    temperature: float = 0.0
+    top_p: float = 1.0
+    keep_logits: bool = False  # return each sampled row's logits (for --check)
+    progress: bool = True
+    timeout_s: float = 60.0
+
+
+def model_dtype(device: str) -> torch.dtype:
+    """The weights' dtype: float32 on CPU, bfloat16 on CUDA (the activations' dtype)."""
+    return torch.bfloat16 if device.startswith("cuda") else torch.float32
+
+
+def serve_rank(ctx, job: GenerateJob) -> dict:
+    """A spawned rank's body (``World.run``): Groups over the world, then :func:`serve`."""
+    try:
+        from cpplan.api import Groups
+        from cpplan.models import load_model
+
+        model = load_model(job.model, seed=job.seed, dtype=model_dtype(job.device),
+                           device=job.device)
+        config = _config(model, job)
+        groups = Groups.build(config, device=job.device, control_timeout_s=job.timeout_s,
+                              store=ctx.store)
+        return serve(model, config, job, groups=groups, rank=ctx.rank)
+    except Exception as exc:  # noqa: BLE001 - every rank reports in one typed record
+        return _error(ctx.rank, exc)
+
+
+def serve_local(model, job: GenerateJob) -> dict:
+    """P = W = 1 in this process (no torch.distributed), ``model`` already loaded."""
+    try:
+        return serve(model, _config(model, job), job, groups=None, rank=0)
+    except Exception as exc:  # noqa: BLE001 - reported like a rank's
+        return _error(0, exc)
+
+
+def _config(model, job: GenerateJob):
+    from cpplan.models import parallel_config
+
+    return parallel_config(model, pcp=job.pcp, dcp=job.dcp, interleave=job.interleave,
+                           kv_cache_dtype=job.kv_cache_dtype, max_model_len=job.max_model_len,
+                           device=job.device)
+
+
+def _error(rank: int, exc: BaseException) -> dict:
+    return {"rank": rank, "error": exc, "step": -1, "ledger": 0, "elapsed_s": 0.0,
+            "tb": "" if isinstance(exc, CpplanError) else traceback.format_exc()}
+
+
+class Sampler:
+    """Greedy (``temperature`` 0) or temperature / top-p sampling with one generator per
+    request seeded from (seed, request index): the same draws on every rank."""
+
+    def __init__(self, job: GenerateJob) -> None:
+        self.t, self.top_p, self.seed = job.temperature, job.top_p, job.seed
+        self.gens: dict[int, torch.Generator] = {}
+
+    def __call__(self, index: int, logits: torch.Tensor) -> int:
+        """``logits`` ``[vocab]`` -> a token id."""
+        if self.t <= 0:
+            return int(logits.argmax())
+        gen = self.gens.get(index)
+        if gen is None:
+            gen = self.gens[index] = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        probs = torch.softmax(logits.double().cpu() / self.t, dim=-1)
+        if self.top_p < 1.0:
+            p, order = torch.sort(probs, descending=True, stable=True)
+            keep = (p.cumsum(0) - p) < self.top_p
+            probs = torch.zeros_like(probs).scatter(0, order[keep], p[keep])
+        return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def serve(model, config, job: GenerateJob, *, groups, rank: int) -> dict:
+    """The serving loop on one rank. Returns ``{"rank", "outputs": [[ids]...] (input order),
+    "ttft_s", "tpot_s", "logits" ([n_new, vocab] float32 per request, with keep_logits),
+    "steps", "tokens", "collectives" (this rank's), "digest_checks", "preempted",
+    "seconds"}``."""
+    from cpplan.api import LayerCache, StepExecutor, compile as compile_plan
+    from cpplan.models import RankForward, model_spec, rank_token_ids, sampled_requests
+
+    torch.manual_seed(job.seed)
+    spec = model_spec(model)
+    sizes = dict(max_tokens=job.max_num_batched_tokens + job.max_num_seqs,
+                 max_requests=job.max_num_seqs)
+    if groups is None:
+        ex = StepExecutor.local(config, sm_scale=spec.sm_scale, device=job.device, **sizes)
+        dcp_rank, device = 0, torch.device(job.device)
+    else:
+        ex = StepExecutor.from_groups(config, groups, sm_scale=spec.sm_scale, **sizes)
+        dcp_rank, device = groups.dcp_rank, groups.device
+    caches = [LayerCache.empty(config, job.num_blocks, device) for _ in range(config.num_layers)]
+    book = BlockBook(job.num_blocks, config.block_size, config.dcp_size, config.interleave_size)
+    width = book.blocks_for(config.max_model_len)
+    reqs = [Request(i, list(p), n) for i, (p, n) in enumerate(zip(job.prompts,
+                                                                   job.max_new_tokens))]
+    sched = Scheduler(reqs, book, max_num_batched_tokens=job.max_num_batched_tokens,
+                      max_num_seqs=job.max_num_seqs)
+    forward, sample = RankForward(model), Sampler(job)
+    n = len(reqs)
+    first, last = [0.0] * n, [0.0] * n
+    logits_kept: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    stats = dict(steps=0, tokens=0, collectives=0, mixed_steps=0, max_batch=0)
+    t0 = time.monotonic()
+    step_id = 0
+    while sched.has_work:
+        step = sched.schedule(step_id)
+        plan = compile_plan(config, step)
+        bound = ex.bind(plan, book.table(dcp_rank, plan.req_ids, width), job.num_blocks)
+        token_ids = rank_token_ids(bound, [r.tokens for r, _ in sched.scheduled])
+        logits = forward(ex, bound, caches, token_ids)
+        ex.finish(bound)
+        rows = sampled_requests(plan).tolist()
+        out = {}
+        now = time.monotonic() - t0
+        for k, row in zip(rows, logits):
+            r = sched.scheduled[k][0]
+            out[r.index] = sample(r.index, row)
+            if job.keep_logits:
+                logits_kept[r.index].append(row.float().cpu())
+            if not r.output:
+                first[r.index] = now
+            last[r.index] = now
+        q = [c for _, c in sched.scheduled]
+        stats["steps"] += 1
+        stats["tokens"] += sum(q)
+        stats["collectives"] += len(bound.ledger)
+        stats["mixed_steps"] += int(1 in q and any(c > 1 for c in q))
+        stats["max_batch"] = max(stats["max_batch"], len(q))
+        done = sched.complete(out)
+        if job.progress and rank == 0:
+            finished = n - len(sched.waiting) - len(sched.running)
+            sys.stderr.write(f"step {step_id:4d}: {len(q):3d} requests ({q.count(1)} decode), "
+                             f"{sum(q):5d} tokens, {len(bound.ledger):3d} collectives, "
+                             f"{finished}/{n} done{' +' + str(len(done)) if done else ''}\n")
+        step_id += 1
+    seconds = time.monotonic() - t0
+    tpot = [(last[i] - first[i]) / (len(r.output) - 1) if len(r.output) > 1 else 0.0
+            for i, r in enumerate(reqs)]
+    result = dict(rank=rank, outputs=[r.output for r in reqs], ttft_s=first, tpot_s=tpot,
+                  preempted=sched.preempted, seconds=seconds,
+                  digest_checks=ex.check.passed if ex.check is not None else 0, **stats)
+    if job.keep_logits:
+        result["logits"] = [torch.stack(x) if x else torch.zeros(0) for x in logits_kept]
+    return result

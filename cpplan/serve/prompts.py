@@ -1,0 +1,139 @@
+"""The prompts of ``cpplan generate``: a JSONL file or the built-in set, checked against the
+model before any rank starts (docs/design.md §6.10: one line naming the file and line).
+
+File format: one JSON object a line (blank lines skipped)::
+
+    {"id": "a", "prompt_token_ids": [1, 2, 3]}           # token ids, 0 <= id < vocab_size
+    {"id": "b", "prompt": "text", "max_new_tokens": 8}    # text: needs the model's tokenizer
+
+``id`` (optional, default the line number) is a string or an integer; ``max_new_tokens``
+(optional) overrides ``--max-new-tokens`` for that request. Every prompt has at least one token
+and ``len(prompt) + max_new_tokens <= max_model_len``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+from cpplan.schemas.errors import ConfigError
+
+BUILTIN_LENGTHS = (1, 3, 17, 64, 130, 300)  # q < 2P, around a block, a long chunked prompt
+KEYS = {"id", "prompt_token_ids", "prompt", "max_new_tokens"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    id: str
+    token_ids: tuple[int, ...]
+    max_new_tokens: int
+    text: str | None = None
+
+
+def builtin_prompts(vocab_size: int, max_new_tokens: int, seed: int = 0) -> list[Prompt]:
+    """A few prompts of 1..300 random token ids (from ``seed``) for a fresh machine."""
+    rng = np.random.default_rng(seed)
+    return [Prompt(f"builtin-{k}-len{n}", tuple(rng.integers(0, vocab_size, n).tolist()),
+                   max_new_tokens) for k, n in enumerate(BUILTIN_LENGTHS)]
+
+
+def load_tokenizer(model_source: str):
+    """The checkpoint folder's tokenizer (local files only), or None where it has none
+    (presets never have one)."""
+    if not os.path.isdir(model_source) or not any(
+            os.path.isfile(os.path.join(model_source, f))
+            for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_source, local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - any loader failure is one line
+        raise ConfigError(f"{model_source}: the tokenizer cannot be loaded "
+                          f"({type(exc).__name__}: {str(exc).strip()[:160]})") from None
+
+
+def read_prompts(path: str, *, max_new_tokens: int, tokenizer=None) -> list[Prompt]:
+    """The prompts of a JSONL file (module docstring); ConfigError naming the line for a
+    malformed line, an empty file; OSError for an unreadable one."""
+    with open(path, "rb") as fh:
+        data = fh.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    out, seen = [], set()
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path} line {lineno}"
+        try:
+            obj = json.loads(line)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: not a JSON object ({str(exc).split(':')[0]})") \
+                from None
+        out.append(_prompt(obj, where, lineno, max_new_tokens, tokenizer))
+        if out[-1].id in seen:
+            raise ConfigError(f"{where}: id {out[-1].id!r} repeats an earlier line's; "
+                                 "expected unique ids")
+        seen.add(out[-1].id)
+    if not out:
+        raise ConfigError(f"{path}: no prompts; expected one JSON object a line, e.g. "
+                             '{"id": "a", "prompt_token_ids": [1, 2, 3]}')
+    return out
+
+
+def _prompt(obj, where: str, lineno: int, max_new_tokens: int, tokenizer) -> Prompt:
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{where}: got a JSON {type(obj).__name__}; expected an object "
+                             'with "prompt_token_ids" (or "prompt")')
+    extra = sorted(set(obj) - KEYS)
+    if extra:
+        raise ConfigError(f"{where}: unknown key {extra[0]!r}; expected only "
+                             f"{', '.join(sorted(KEYS))}")
+    rid = obj.get("id", str(lineno))
+    if type(rid) not in (str, int):
+        raise ConfigError(f"{where}: id got {type(rid).__name__}; expected a string")
+    n = obj.get("max_new_tokens", max_new_tokens)
+    if type(n) is not int or not 1 <= n <= 1_000_000:
+        raise ConfigError(f"{where}: max_new_tokens got {n!r}; expected an integer in "
+                             "[1, 1000000]")
+    text = None
+    if "prompt_token_ids" in obj:
+        ids = obj["prompt_token_ids"]
+        if not isinstance(ids, list) or any(type(t) is not int for t in ids):
+            raise ConfigError(f"{where}: prompt_token_ids must be a list of integers")
+    elif "prompt" in obj:
+        text = obj["prompt"]
+        if not isinstance(text, str):
+            raise ConfigError(f"{where}: prompt got {type(text).__name__}; expected text")
+        if tokenizer is None:
+            raise ConfigError(f'{where}: "prompt" text needs the checkpoint\'s tokenizer, '
+                                 'and this model has none; expected "prompt_token_ids"')
+        ids = list(tokenizer(text)["input_ids"])
+    else:
+        raise ConfigError(f'{where}: no "prompt_token_ids"; expected a list of token ids '
+                             '(or "prompt" text with a tokenizer)')
+    if not ids:
+        raise ConfigError(f"{where}: the prompt is empty; expected at least one token")
+    return Prompt(str(rid), tuple(ids), n, text)
+
+
+def check_prompts(prompts: list[Prompt], *, vocab_size: int, max_model_len: int,
+                  source: str) -> None:
+    """Every token id in ``[0, vocab_size)``, every ``prompt + max_new_tokens`` within
+    ``max_model_len``; ConfigError naming the request otherwise."""
+    for p in prompts:
+        arr = np.asarray(p.token_ids, dtype=np.int64) if all(
+            abs(t) < 2**62 for t in p.token_ids) else None
+        if arr is None or arr.min() < 0 or arr.max() >= vocab_size:
+            bad = next(t for t in p.token_ids if not 0 <= t < vocab_size)
+            raise ConfigError(f"{source} request {p.id!r}: token id {bad} is outside the "
+                              f"vocabulary; expected 0 <= id < {vocab_size}")
+        if len(p.token_ids) + p.max_new_tokens > max_model_len:
+            raise ConfigError(f"{source} request {p.id!r}: {len(p.token_ids)} prompt tokens + "
+                              f"{p.max_new_tokens} new tokens; expected at most max_model_len "
+                              f"{max_model_len} in all")
