@@ -1,0 +1,217 @@
+"""`cpplan generate`: the --json contract, tokens over P x W ranks equal to the 1 x 1 run's and
+to the model's own teacher-forced forward (--check), chunked prefill, mixed steps, a
+preemption, and every bad input as one line with exit code 2.
+
+One spawned 2-rank gloo world serves every multi-rank run (2x2, 1x2, 2x1: max(P, W) = 2);
+1 x 1 runs in this process with one torch thread (the CLI's own threads are the host's)."""
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from cpplan.serve.check import check_outputs  # noqa: E402
+from cpplan.serve.run import prepare, serve  # noqa: E402
+from tests.cli.inprocess import run_cli  # noqa: E402
+
+MODEL = "tiny-deepseek-v32"
+# 1 and 3 tokens (q < 2P), 70 (above topk 32: cpplan's indexer numerics), 140 (chunked under
+# the budget of 64, and the longest context)
+LENGTHS = (1, 3, 70, 140)
+NEW = 4
+BUDGET = 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    path = tmp_path_factory.mktemp("gen") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": f"p{n}", "prompt_token_ids":
+                                        rng.integers(0, 512, n).tolist()}) + "\n"
+                            for n in LENGTHS))
+    return path
+
+
+@pytest.fixture(scope="module")
+def world():
+    from cpplan.sim.launch import World
+
+    w = World(2, timeout_s=120.0)
+    yield w
+    w.close()
+
+
+def _run(prompts_file, world=None, **kw):
+    """(prepared, rank 0's result) of one run; every rank's tokens must agree."""
+    kw.setdefault("kv_cache_dtype", "bf16")
+    prep = prepare(model=MODEL, prompts_path=str(prompts_file), max_new_tokens=NEW, seed=0,
+                   max_num_batched_tokens=BUDGET, keep_logits=True, progress=False, **kw)
+    results = serve(prep, world)
+    for r in results:
+        assert r.ok and "error" not in r.value, (r.error, r.value.get("error"))
+    outs = [r.value["outputs"] for r in results]
+    assert all(o == outs[0] for o in outs), outs
+    return prep, results[0].value
+
+
+_BASE = {}
+
+
+def _base(prompts_file, kv):
+    """The 1 x 1 run of the prompts (cached per KV format)."""
+    if kv not in _BASE:
+        _BASE[kv] = _run(prompts_file, kv_cache_dtype=kv)
+    return _BASE[kv]
+
+
+def test_json_output_shape_and_check(prompts_file):
+    res = run_cli("generate", "--model", MODEL, "--prompts", prompts_file, "--max-new-tokens",
+                  NEW, "--max-num-batched-tokens", BUDGET, "--check", "--json")
+    assert res.code == 0, res.stderr
+    lines = [json.loads(x) for x in res.stdout.splitlines()]
+    assert len(lines) == len(LENGTHS) + 1
+    assert [x["id"] for x in lines[:-1]] == [f"p{n}" for n in LENGTHS]  # input order
+    for x in lines[:-1]:
+        assert len(x["output_token_ids"]) == NEW and x["ttft_s"] > 0 and x["tpot_s"] >= 0
+    s = lines[-1]
+    assert {"ok", "steps", "collectives", "digest_checks"} <= set(s)
+    assert s["ok"] is True and s["check"]["tokens_equal"] == len(LENGTHS) * NEW
+    assert s["collectives"] == 0 and s["digest_checks"] == 0  # one process: no peers
+    assert s["mixed_steps"] > 0  # decodes of the short prompts beside the long one's chunks
+    assert "check OK" in res.stderr
+    _, base = _base(prompts_file, "fp8_ds_mla")
+    assert [x["output_token_ids"] for x in lines[:-1]] == base["outputs"]
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8_ds_mla"])
+def test_the_1x1_tokens_equal_the_models_own_forward(prompts_file, kv):
+    prep, base = _base(prompts_file, kv)
+    got = check_outputs(prep.model, prep.job.prompts, base["outputs"], base["logits"], kv,
+                        [p.id for p in prep.prompts])
+    assert got.ok and got.ties == 0, got.line()
+    steps_140 = -(-140 // BUDGET)
+    assert base["steps"] >= steps_140 + NEW - 1  # the long prompt was chunked
+
+
+@pytest.mark.parametrize("pcp,dcp,inter,kv", [(2, 2, 1, "fp8_ds_mla"), (1, 2, 1, "bf16"),
+                                              (2, 1, 1, "fp8_ds_mla"), (2, 2, 2, "bf16")])
+def test_tokens_over_ranks_equal_the_1x1_run(prompts_file, world, pcp, dcp, inter, kv):
+    _, base = _base(prompts_file, kv)
+    _, got = _run(prompts_file, world, pcp=pcp, dcp=dcp, interleave=inter, kv_cache_dtype=kv)
+    assert got["outputs"] == base["outputs"]
+    assert got["digest_checks"] == got["steps"] and got["collectives"] > 0
+    diff = max(float((a - b).abs().max()) for a, b in zip(got["logits"], base["logits"]))
+    assert diff < 5e-2, diff
+
+
+def test_a_preemption_keeps_the_tokens(tmp_path, world):
+    import numpy as np
+
+    rng = np.random.default_rng(4)
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"id": f"q{k}", "prompt_token_ids":
+                                        rng.integers(0, 512, n).tolist()}) + "\n"
+                            for k, n in enumerate((126, 126, 5))))
+    _, base = _run(path)  # blocks for every request at once: no preemption
+    assert base["preempted"] == 0
+    # 131 tokens take 3 blocks of 64 at W = 1, 2 at W = 2 (66 rows a rank): with 3 (W = 1)
+    # or 2 (W = 2) blocks a rank, a running request's next block evicts a later one
+    _, got = _run(path, num_blocks=4)
+    assert got["preempted"] > 0 and got["outputs"] == base["outputs"]
+    _, got2 = _run(path, world, pcp=1, dcp=2, num_blocks=3)
+    assert got2["preempted"] > 0 and got2["outputs"] == base["outputs"]
+
+
+def _save_checkpoint(folder):
+    from cpplan.models import load_model
+
+    load_model(MODEL).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return _save_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+def _one_line(res, *needles):
+    assert res.code == 2, (res.code, res.stderr)
+    assert res.stdout == ""  # nothing half written
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cpplan generate: error:"), res.stderr
+    assert "Traceback" not in res.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_a_checkpoint_folder_serves_like_the_preset(checkpoint, prompts_file):
+    res = run_cli("generate", "--model", checkpoint, "--prompts", prompts_file,
+                  "--max-new-tokens", 2, "--max-num-batched-tokens", BUDGET, "--json")
+    assert res.code == 0, res.stderr
+    _, base = _base(prompts_file, "fp8_ds_mla")
+    got = [json.loads(x)["output_token_ids"] for x in res.stdout.splitlines()[:-1]]
+    assert got == [o[:2] for o in base["outputs"]]
+
+
+@pytest.mark.parametrize("field,value", [("kv_lora_rank", 256), ("index_head_dim", 64)])
+def test_a_checkpoint_the_runtime_cannot_serve(checkpoint, tmp_path, field, value):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(checkpoint, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg[field] = value
+    (bad / "config.json").write_text(json.dumps(cfg))
+    _one_line(run_cli("generate", "--model", bad, "--max-new-tokens", 2), field, str(value))
+
+
+@pytest.mark.parametrize("how", ["missing", "truncated"])
+def test_missing_or_truncated_weights(checkpoint, tmp_path, how):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(checkpoint, bad)
+    (weights,) = bad.glob("*.safetensors")
+    if how == "missing":
+        weights.unlink()
+    else:
+        data = weights.read_bytes()
+        weights.write_bytes(data[: len(data) // 2])
+    _one_line(run_cli("generate", "--model", bad, "--max-new-tokens", 2), str(bad))
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("", "no prompts"),
+    ('{"id": "a", "prompt_token_ids": [1, 2]}\n{"id": "b", "prompt_token_ids": [1,\n',
+     "line 2"),
+    ('{"id": "a", "prompt_token_ids": [1, 512]}\n', "token id 512 is outside the vocabulary"),
+    ('{"id": "a", "prompt_token_ids": [-1]}\n', "token id -1"),
+    ('{"id": "a", "prompt_token_ids": ' + json.dumps([5] * 60) + "}\n", "max_model_len 64"),
+    ('{"id": "a", "prompt": "hello"}\n', "tokenizer"),
+    ('[1, 2]\n', "line 1"),
+])
+def test_bad_prompts_are_one_line(tmp_path, content, needle):
+    path = tmp_path / "p.jsonl"
+    path.write_text(content)
+    _one_line(run_cli("generate", "--model", MODEL, "--prompts", path, "--max-model-len", 64,
+                      "--max-new-tokens", 8), needle)
+
+
+def test_missing_transformers_names_the_extra(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
+    _one_line(run_cli("generate", "--model", MODEL), "cpplan[hf]")
