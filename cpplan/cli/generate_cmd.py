@@ -114,10 +114,12 @@ def run(args) -> int:
             return _fail(args.json, 1, f"rank {v['rank']}'s tokens differ from rank 0's")
     check = None
     if args.check:
-        from cpplan.serve.check import check_outputs
+        from cpplan.serve.check import TOL, TOL_BF16_ACTIVATIONS, check_outputs
+        from cpplan.serve.run import reference_model
 
-        check = check_outputs(prep.model, job.prompts, head["outputs"], head["logits"],
-                              job.kv_cache_dtype, [p.id for p in prep.prompts])
+        check = check_outputs(reference_model(prep), job.prompts, head["outputs"],
+                              head["logits"], job.kv_cache_dtype, [p.id for p in prep.prompts],
+                              tol=TOL if job.device == "cpu" else TOL_BF16_ACTIVATIONS)
         sys.stderr.write(check.line() + "\n")
     _print(prep, values, elapsed, check, args.json)
     return 0 if check is None or check.ok else 1
@@ -172,8 +174,8 @@ def _print(prep, values, elapsed: float, check, as_json: bool) -> None:
     if check is not None:
         summary["check"] = {"ok": check.ok, "positions": check.positions,
                             "tokens_equal": check.equal + check.ties, "near_ties": check.ties,
-                            "max_dlogit": check.max_dlogit, "tolerance": check.TOL
-                            if hasattr(check, "TOL") else 5e-2, "within_tolerance": check.close}
+                            "max_dlogit": check.max_dlogit, "tolerance": check.tol,
+                            "within_tolerance": check.close}
     if as_json:
         out = "".join(json.dumps(r) + "\n" for r in rows) + json.dumps(summary) + "\n"
         sys.stdout.write(out)

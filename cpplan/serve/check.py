@@ -22,6 +22,9 @@ import dataclasses
 import torch
 
 TOL = 5e-2
+# bf16 activations (CUDA) against the float32 reference: bf16's 8-bit mantissa on every
+# projection leaves a few 1e-1 of logit noise on these random models
+TOL_BF16_ACTIVATIONS = 5e-1
 MIN_CLOSE = {"bf16": 1.0, "fp8_ds_mla": 0.85}
 
 
@@ -35,6 +38,7 @@ class CheckResult:
     stock: int = 0  # requests checked against the stock model
     first_diff: str = ""  # the first differing position, described
     min_close: float = 1.0
+    tol: float = TOL
 
     @property
     def tokens_ok(self) -> bool:
@@ -53,19 +57,22 @@ class CheckResult:
         head = "check OK" if self.ok else "check FAILED"
         text = (f"{head}: tokens equal at {self.equal + self.ties} of {self.positions} "
                 f"positions ({self.ties} near-ties), max |dlogit| {self.max_dlogit:.3g}, "
-                f"{self.close} of {self.positions} positions within tol {TOL:g} (expected >= "
+                f"{self.close} of {self.positions} positions within tol {self.tol:g} (expected >= "
                 f"{self.min_close:.0%}); {self.stock} request(s) against the stock model, the "
                 "rest against cpplan's indexer numerics")
         return text + (f"; first difference: {self.first_diff}" if self.first_diff else "")
 
 
 @torch.no_grad()
-def check_outputs(model, prompts, outputs, logits, kv_cache_dtype: str, ids) -> CheckResult:
-    """``prompts[i]`` / ``outputs[i]`` token ids, ``logits[i]`` ``[len(outputs[i]), vocab]``
-    cpplan's sampled logits (float32), ``ids[i]`` the request's id (for the report)."""
+def check_outputs(model, prompts, outputs, logits, kv_cache_dtype: str, ids, *,
+                  tol: float = TOL) -> CheckResult:
+    """``model``: the reference (float32); ``prompts[i]`` / ``outputs[i]`` token ids,
+    ``logits[i]`` ``[len(outputs[i]), vocab]`` cpplan's sampled logits (float32), ``ids[i]``
+    the request's id (for the report); ``tol``: :data:`TOL`, or
+    :data:`TOL_BF16_ACTIVATIONS` where cpplan ran with bf16 activations."""
     from cpplan.models.reference import teacher_forced_logits
 
-    res = CheckResult(min_close=MIN_CLOSE[kv_cache_dtype])
+    res = CheckResult(min_close=MIN_CLOSE[kv_cache_dtype], tol=tol)
     topk = model.config.index_topk
     for rid, prompt, out, ours in zip(ids, prompts, outputs, logits):
         tokens = list(prompt) + list(out)
@@ -79,12 +86,12 @@ def check_outputs(model, prompts, outputs, logits, kv_cache_dtype: str, ids) -> 
         best = ref.argmax(-1)
         picked = ref.gather(1, got[:, None])[:, 0]
         equal = got == best
-        tie = ~equal & (picked >= ref.amax(-1) - TOL)
+        tie = ~equal & (picked >= ref.amax(-1) - tol)
         d = (ref - ours).abs().amax(-1)
         res.positions += len(out)
         res.equal += int(equal.sum())
         res.ties += int(tie.sum())
-        res.close += int((d <= TOL).sum())
+        res.close += int((d <= tol).sum())
         res.max_dlogit = max(res.max_dlogit, float(d.max()))
         bad = (~equal & ~tie).nonzero()
         if len(bad) and not res.first_diff:

@@ -78,6 +78,19 @@ def prepare(*, model: str, prompts_path: str | None, max_new_tokens: int, seed: 
     return Prepared(job, m, prompts, tokenizer, load_s)
 
 
+def reference_model(prep: Prepared):
+    """The model ``--check`` compares with: the served one where it is float32, else a
+    float32 copy (same source and seed) on the same device."""
+    import torch
+
+    from cpplan.models import load_model
+
+    if next(prep.model.parameters()).dtype == torch.float32:
+        return prep.model
+    return load_model(prep.job.model, seed=prep.job.seed, dtype=torch.float32,
+                      device=prep.job.device)
+
+
 def _check_device(device: str, pcp: int, dcp: int) -> None:
     if device == "cpu":
         return

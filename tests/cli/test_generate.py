@@ -215,3 +215,37 @@ def test_missing_transformers_names_the_extra(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
     _one_line(run_cli("generate", "--model", MODEL), "cpplan[hf]")
+
+
+def test_glm5_shared_indexer_layers_over_2x2(prompts_file, world):
+    """GLM-5's shared-indexer layers (pattern F, S, F, S) through the runtime's sources."""
+    kw = dict(model="tiny-glm-5", prompts_path=str(prompts_file), max_new_tokens=NEW, seed=0,
+              max_num_batched_tokens=BUDGET, keep_logits=True, progress=False,
+              kv_cache_dtype="fp8_ds_mla")
+    one = prepare(**kw)
+    assert one.model.config.indexer_types == ["full", "shared", "full", "shared"]
+    (base,) = serve(one)
+    many = serve(prepare(**kw, pcp=2, dcp=2), world)
+    assert all(r.ok and "error" not in r.value for r in many)
+    assert many[0].value["outputs"] == base.value["outputs"]
+    got = check_outputs(one.model, one.job.prompts, base.value["outputs"],
+                        base.value["logits"], "fp8_ds_mla", [p.id for p in one.prompts])
+    assert got.ok, got.line()
+
+
+def test_tokens_equal_the_models_own_generate_where_topk_covers(tmp_path, prompts_file):
+    from cpplan.models import build_model, preset_config
+    from cpplan.models.reference import reference_generate
+
+    model = build_model(preset_config(MODEL, index_topk=256), seed=0)  # above every context
+    model.save_pretrained(tmp_path / "ckpt")
+    res = run_cli("generate", "--model", tmp_path / "ckpt", "--prompts", prompts_file,
+                  "--max-new-tokens", NEW, "--max-num-batched-tokens", BUDGET,
+                  "--kv-cache-dtype", "bf16", "--check", "--json")
+    assert res.code == 0, res.stderr
+    lines = [json.loads(x) for x in res.stdout.splitlines()]
+    assert "4 request(s) against the stock model" in res.stderr
+    prompts = [json.loads(x)["prompt_token_ids"] for x in prompts_file.read_text().splitlines()]
+    for prompt, row in zip(prompts, lines[:-1]):
+        want = reference_generate(model, prompt, NEW, kv_cache_dtype="bf16")
+        assert row["output_token_ids"] == want, row["id"]
