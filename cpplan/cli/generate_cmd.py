@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 
@@ -102,7 +103,11 @@ def run(args) -> int:
                      f"{len(prep.prompts)} requests, {max(job.pcp, job.dcp)} rank(s), "
                      f"{job.num_blocks} KV blocks per rank\n")
     t0 = time.monotonic()
-    results = serve(prep)
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # so spawned ranks are ended
+    try:
+        results = serve(prep)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     elapsed = time.monotonic() - t0
     code = _failures(results, args.json)
     if code is not None:
@@ -123,6 +128,10 @@ def run(args) -> int:
         sys.stderr.write(check.line() + "\n")
     _print(prep, values, elapsed, check, args.json)
     return 0 if check is None or check.ok else 1
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _failures(results, as_json: bool) -> int | None:

@@ -39,6 +39,9 @@ class CheckResult:
     first_diff: str = ""  # the first differing position, described
     min_close: float = 1.0
     tol: float = TOL
+    # per request below topk and full-indexer layer: the share of the unquantised (stock)
+    # indexer's top-k that cpplan's numerics also select, over the same hidden states
+    overlaps: list = dataclasses.field(default_factory=list)
 
     @property
     def tokens_ok(self) -> bool:
@@ -60,6 +63,9 @@ class CheckResult:
                 f"{self.close} of {self.positions} positions within tol {self.tol:g} (expected >= "
                 f"{self.min_close:.0%}); {self.stock} request(s) against the stock model, the "
                 "rest against cpplan's indexer numerics")
+        if self.overlaps:
+            text += (f" (their selection overlaps the unquantised indexer's by "
+                     f"{min(self.overlaps):.3f}-{max(self.overlaps):.3f})")
         return text + (f"; first difference: {self.first_diff}" if self.first_diff else "")
 
 
@@ -70,7 +76,7 @@ def check_outputs(model, prompts, outputs, logits, kv_cache_dtype: str, ids, *,
     ``logits[i]`` ``[len(outputs[i]), vocab]`` cpplan's sampled logits (float32), ``ids[i]``
     the request's id (for the report); ``tol``: :data:`TOL`, or
     :data:`TOL_BF16_ACTIVATIONS` where cpplan ran with bf16 activations."""
-    from cpplan.models.reference import teacher_forced_logits
+    from cpplan.models.reference import selection_overlap, teacher_forced_logits
 
     res = CheckResult(min_close=MIN_CLOSE[kv_cache_dtype], tol=tol)
     topk = model.config.index_topk
@@ -78,6 +84,8 @@ def check_outputs(model, prompts, outputs, logits, kv_cache_dtype: str, ids, *,
         tokens = list(prompt) + list(out)
         stock = len(tokens) - 1 <= topk
         res.stock += int(stock)
+        if not stock:
+            res.overlaps += selection_overlap(model, tokens[:-1])
         pos = list(range(len(prompt) - 1, len(tokens) - 1))
         ref = teacher_forced_logits(model, tokens[:-1], pos, kv_cache_dtype=kv_cache_dtype,
                                     indexer="stock" if stock else "cpplan").cpu()

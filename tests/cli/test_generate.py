@@ -249,3 +249,34 @@ def test_tokens_equal_the_models_own_generate_where_topk_covers(tmp_path, prompt
     for prompt, row in zip(prompts, lines[:-1]):
         want = reference_generate(model, prompt, NEW, kv_cache_dtype="bf16")
         assert row["output_token_ids"] == want, row["id"]
+
+
+def test_text_prompts_with_the_checkpoints_tokenizer(checkpoint, tmp_path):
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, folder)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(512)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(folder)
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"id": "t", "prompt": "w5 w7 w9"}\n'
+                    '{"id": "i", "prompt_token_ids": [5, 7, 9]}\n')
+    res = run_cli("generate", "--model", folder, "--prompts", path, "--max-new-tokens", 3,
+                  "--json")
+    assert res.code == 0, res.stderr
+    t, i, _ = (json.loads(x) for x in res.stdout.splitlines())
+    assert t["output_token_ids"] == i["output_token_ids"]  # the text is those three ids
+    assert t["output_text"] == " ".join(f"w{k}" for k in t["output_token_ids"])
+
+
+def test_sampling_is_seeded_and_the_same_on_every_rank(prompts_file, world):
+    kw = dict(kv_cache_dtype="bf16", temperature=1.0, top_p=0.9)
+    _, one = _run(prompts_file, **kw)
+    _, again = _run(prompts_file, **kw)
+    _, many = _run(prompts_file, world, pcp=2, dcp=2, **kw)  # ranks' draws agree (_run)
+    _, greedy = _base(prompts_file, "bf16")
+    assert one["outputs"] == again["outputs"] == many["outputs"] != greedy["outputs"]
