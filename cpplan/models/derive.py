@@ -21,7 +21,7 @@ import dataclasses
 import math
 
 from cpplan.models.loading import check_dims
-from cpplan.schemas.config import ParallelConfig
+from cpplan.schemas.config import ParallelConfig, indexer_sources_from_types
 from cpplan.schemas.errors import ConfigError
 
 # model_type -> (MLA RoPE, indexer RoPE): "interleave" (pairs 2i, 2i+1) or "half" (i, i + 32)
@@ -54,11 +54,7 @@ def indexer_sources(config) -> tuple[int, ...]:
     """Per layer, the layer whose indexer top-k it uses: itself where the layer has an indexer
     ("full"), else the latest earlier full layer ("shared": GLM-5's ``indexer_types``)."""
     kinds = getattr(config, "indexer_types", None) or ["full"] * config.num_hidden_layers
-    sources, last = [], 0
-    for i, kind in enumerate(kinds):
-        last = i if kind == "full" else last
-        sources.append(last)
-    return tuple(sources)
+    return indexer_sources_from_types(kinds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,10 +97,10 @@ def parallel_config(model_or_config, *, pcp: int = 1, dcp: int = 1, interleave: 
     """The ``ParallelConfig`` serving the model over ``pcp`` x ``dcp`` ranks: heads, indexer
     heads, topk (``index_topk``), hidden size and layers from the model; ``max_model_len``
     (default the model's ``max_position_embeddings``); activations float32 on CPU, bfloat16
-    on CUDA unless ``activation_dtype`` is given; block size 64; the shared-indexer sources
-    where the runtime takes them (``share_indexer=False``: none; the forward then gives a
-    shared layer its source layer's indexer inputs again, which yields the same top-k at the
-    cost of running the indexer there). ``extra``: other ParallelConfig fields (e.g.
+    on CUDA unless ``activation_dtype`` is given; block size 64; ``indexer_sources`` for
+    GLM-5's shared layers (``share_indexer=False``: none; the forward then gives a shared
+    layer its source layer's indexer inputs again, which yields the same top-k at the cost
+    of running the indexer there). ``extra``: other ParallelConfig fields (e.g.
     ``cudagraph_token_sizes``). ConfigError for dims that do not fit or a bad topology."""
     config = getattr(model_or_config, "config", model_or_config)
     spec = model_spec(config)
@@ -117,8 +113,7 @@ def parallel_config(model_or_config, *, pcp: int = 1, dcp: int = 1, interleave: 
                   index_num_heads=spec.index_heads, index_head_dim=config.index_head_dim,
                   hidden_size=config.hidden_size, activation_dtype=activation_dtype,
                   max_model_len=max_model_len or config.max_position_embeddings, **extra)
-    if share_indexer and spec.shared_layers and \
-            "indexer_sources" in ParallelConfig.__struct_fields__:
+    if share_indexer and spec.shared_layers:
         fields["indexer_sources"] = spec.sources
     return ParallelConfig(**fields)
 
@@ -126,5 +121,5 @@ def parallel_config(model_or_config, *, pcp: int = 1, dcp: int = 1, interleave: 
 def runtime_shares_indexer(config: ParallelConfig) -> bool:
     """Whether ``config`` names shared-indexer layers (``indexer_sources``): they are then
     given no indexer inputs, else their source layer's inputs again (the same top-k)."""
-    sources = getattr(config, "indexer_sources", ())
+    sources = config.indexer_sources
     return any(s != i for i, s in enumerate(sources))

@@ -76,7 +76,8 @@ class RankForward:
         every rank. ``token_ids`` ``[T]`` int64: the token of each of the rank's rows
         (:func:`cpplan.models.rows.rank_token_ids`; padding rows any valid id)."""
         hidden = self.hidden_states(executor, bound, caches, token_ids)
-        return self.model.lm_head(sampled_hidden(executor, bound, hidden))
+        head = self.model.lm_head
+        return head(sampled_hidden(executor, bound, hidden).to(head.weight.dtype))
 
     @torch.no_grad()
     def hidden_states(self, executor, bound, caches: Sequence, token_ids: torch.Tensor

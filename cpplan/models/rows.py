@@ -2,10 +2,10 @@
 and position each of the rank's T rows holds, the token ids of those rows, and which requests
 are sampled (their last scheduled token's hidden row restored for the LM head).
 
-Uses the runtime's ``bound.tokens`` view, ``plan.is_sampled`` and ``executor.restore_sampled``
-where the runtime has them; otherwise the same facts from the step's tables, ``restore`` (every
-query token, global order: requests in index order, each one's tokens by position) and every
-request counted as sampled.
+The rows come from the runtime's ``bound.tokens`` view; the sampled rows from
+``executor.restore_sampled`` for a step that names them (``StepInput.build(...,
+is_sampled=...)``), else every request's last token out of ``restore`` (every query token in
+global order: requests in index order, each one's tokens by position).
 """
 
 from __future__ import annotations
@@ -32,19 +32,10 @@ class RankRows:
 
 
 def rank_rows(bound) -> RankRows:
-    """The :class:`RankRows` of ``bound`` (host arrays read once; no device read where the
-    runtime provides ``bound.tokens``)."""
-    tokens = getattr(bound, "tokens", None)
-    if tokens is not None:
-        return RankRows(np.asarray(tokens.request_np, dtype=np.int64),
-                        np.asarray(tokens.position_np, dtype=np.int64),
-                        np.asarray(tokens.valid_np, dtype=bool), tokens.position)
-    t = bound.tables  # older runtime: real tokens are rows [0, num_tokens)
-    n, size = bound.meta.num_tokens, bound.plan.padded_num_tokens
-    valid = np.arange(size) < n
-    req = np.where(valid, t.token_req.cpu().numpy().astype(np.int64), -1)
-    pos = np.where(valid, t.token_pos.cpu().numpy().astype(np.int64), 0)
-    return RankRows(req, pos, valid, torch.from_numpy(pos).to(t.token_pos.device))
+    """The :class:`RankRows` of ``bound`` (the runtime's TokenView: host arrays, no device
+    read)."""
+    t = bound.tokens
+    return RankRows(t.request_np, t.position_np, t.valid_np, t.position)
 
 
 def rank_token_ids(bound, sequences: Sequence[Sequence[int]], device=None) -> torch.Tensor:
@@ -66,19 +57,17 @@ def rank_token_ids(bound, sequences: Sequence[Sequence[int]], device=None) -> to
 
 def sampled_requests(plan) -> np.ndarray:
     """Request indices whose last scheduled token is sampled this step, ascending: the rows
-    of :func:`sampled_hidden` (``plan.is_sampled`` where the plan has it, else every request)."""
-    flags = getattr(plan, "is_sampled", None)
-    if flags is None:
+    of :func:`sampled_hidden` (``plan.is_sampled``; every request where the step names none)."""
+    if plan.is_sampled is None:
         return np.arange(plan.num_requests, dtype=np.int64)
-    flags = flags.np() if hasattr(flags, "np") else np.asarray(flags)
-    return np.flatnonzero(flags.astype(bool)).astype(np.int64)
+    return np.flatnonzero(plan.is_sampled.np()).astype(np.int64)
 
 
 def sampled_hidden(executor, bound, hidden: torch.Tensor) -> torch.Tensor:
     """The sampled requests' last-token rows ``[num_sampled, hidden_size]`` of this rank's
     ``hidden [T, hidden_size]`` (every rank gets all of them), in :func:`sampled_requests`
     order."""
-    if hasattr(executor, "restore_sampled"):
+    if bound.plan.is_sampled is not None:
         return executor.restore_sampled(bound, hidden)
     rows = executor.restore(bound, hidden)  # [sum q, hidden], global order
     last = np.cumsum(bound.plan.num_scheduled_tokens.np()) - 1

@@ -40,18 +40,18 @@ def _step_input(step_id, running, schedule):
 
 
 def serve(model, prompts, max_new_tokens, *, kv_cache_dtype="bf16", budget=32,
-          forward=None, share_indexer=False, **config_kw) -> list[Served]:
+          forward=None, share_indexer=True, device="cpu", **config_kw) -> list[Served]:
     """Greedy tokens of every prompt through cpplan at P = W = 1 (all requests start at
     step 0; a step decodes one token of every decoding request and prefills the next chunks
     of the prompts within ``budget`` tokens: chunked prefill mixed with decodes).
-    share_indexer: GLM-5's shared layers through the runtime's indexer_sources (False until
-    the runtime takes them: the forward then repeats the source layer's indexer inputs)."""
+    share_indexer: GLM-5's shared layers through the runtime's indexer_sources (False: the
+    forward repeats the source layer's indexer inputs on them, the same top-k recomputed)."""
     cfg = parallel_config(model, kv_cache_dtype=kv_cache_dtype, max_model_len=512,
-                          share_indexer=share_indexer, **config_kw)
+                          share_indexer=share_indexer, device=device, **config_kw)
     spec = model_spec(model)
     ex = StepExecutor.local(cfg, sm_scale=spec.sm_scale, max_tokens=budget + len(prompts),
-                            max_requests=len(prompts))
-    caches = [LayerCache.empty(cfg, NUM_BLOCKS, "cpu") for _ in range(cfg.num_layers)]
+                            max_requests=len(prompts), device=device)
+    caches = [LayerCache.empty(cfg, NUM_BLOCKS, device) for _ in range(cfg.num_layers)]
     blocks = BlockAllocator(NUM_BLOCKS, cfg.block_size, 1, 0, 1)
     forward = forward or RankForward(model)
     reqs = [Served(list(p)) for p in prompts]
@@ -123,7 +123,7 @@ def compare(model, served: list[Served], **numerics) -> Agreement:
         n = len(r.output)
         pos = list(range(len(r.prompt) - 1, len(r.prompt) - 1 + n))
         ref = teacher_forced_logits(model, r.tokens[:-1], pos, **numerics)
-        ours = torch.stack(r.logits)
+        ours = torch.stack(r.logits).to(ref.device)
         picked = ref.gather(1, ours.argmax(-1, keepdim=True))[:, 0]
         agree += int((picked >= ref.amax(-1) - TOL).sum())
         exact += int((ours.argmax(-1) == ref.argmax(-1)).sum())

@@ -108,3 +108,16 @@ def test_the_forward_refuses_an_executor_or_rows_that_do_not_fit(tiny_models):
                                 max_requests=2)
     with pytest.raises(ConfigError, match="executor config num_layers: got 4; expected 3"):
         forward(ex_glm, bound, caches, rank_token_ids(bound, [[1, 2, 3]]))
+
+
+def test_shared_indexer_layers_select_as_their_source_layer(tiny_models):
+    """GLM-5's shared layers (1 and 3) attend with layers 0 and 2's top-k through the
+    runtime's indexer_sources: the same logits as recomputing the source layer's indexer
+    there, and (test above) as the model, whose shared layers reuse the top-k."""
+    model = tiny_models["tiny-glm-5"][0]
+    assert parallel_config(model).indexer_sources == (0, 0, 2, 2)
+    shared = serve(model, PROMPTS[:2], 6, share_indexer=True)
+    repeated = serve(model, PROMPTS[:2], 6, share_indexer=False)
+    for a, b in zip(shared, repeated):
+        assert a.output == b.output
+        assert torch.equal(torch.stack(a.logits), torch.stack(b.logits))
