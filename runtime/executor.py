@@ -30,8 +30,8 @@ from cpplan.runtime.exchange import ROWS
 from cpplan.runtime.faults import FaultBoard, StepWatch, Watchdog
 from cpplan.runtime.kernels import gather_indexer_k, get_kernels, scatter_indexer_k
 from cpplan.runtime.kernels import reference as kref
-from cpplan.runtime.segments import (build_tables, check_block_tables, compile_host_kernels, int_in,
-                                     local_prefill_keys)
+from cpplan.runtime.segments import (AliasCheck, build_tables, check_block_tables,
+                                     compile_host_kernels, int_in, local_prefill_keys)
 from cpplan.runtime.tables import (TABLE_NAMES, Layout, StepMeta, StepTables, iota,
                                    local_prefill_rows)
 from cpplan.runtime.selection import Attended, LayerPass, Selection, keeps_selection
@@ -276,6 +276,7 @@ class StepExecutor:
                 "max_requests or max_blocks_per_request")
         self.arena = ArenaRing(words, self.device, arena_depth)
         compile_host_kernels()  # bind's host kernels, compiled (or loaded) now rather than at step 1
+        self._aliases = AliasCheck()  # blocks written in a step belong to one request
         self._act = coll.ACT_DTYPES[config.activation_dtype]  # q, the outputs, restore's rows
 
     @classmethod
@@ -483,7 +484,8 @@ class StepExecutor:
             raise CapacityError(f"step {plan.step_id} needs {plan.padded_num_tokens:,} tokens "
                                 f"per rank{why}, capacity {self.max_tokens:,} (the "
                                 "executor's max_tokens)")
-        return check_block_tables(plan, self.dcp_rank, block_tables, num_blocks)
+        return check_block_tables(plan, self.dcp_rank, block_tables, num_blocks,
+                                  self._aliases)
 
     # ------------------------------------------------------------------ per layer
     def insert(self, bound: BoundStep, cache: LayerCache, kv_new: torch.Tensor,

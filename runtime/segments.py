@@ -40,8 +40,8 @@ def int_in(value, lo: int, hi: int) -> bool:
     return (type(value) is int or isinstance(value, np.integer)) and lo <= value <= hi
 
 
-def check_block_tables(plan: StepPlan, dcp_rank: int, block_tables, num_blocks: int | None
-                       ) -> tuple[np.ndarray, int]:
+def check_block_tables(plan: StepPlan, dcp_rank: int, block_tables, num_blocks: int | None,
+                       aliases: "AliasCheck | None" = None) -> tuple[np.ndarray, int]:
     """Validate a rank's block tables for ``plan`` and return them as ``[N, max_blocks]`` int32
     or int64, C order (other integer types and layouts are converted to int64), with the
     largest block the step touches (0 if none: the caches must hold its rows).
@@ -49,8 +49,10 @@ def check_block_tables(plan: StepPlan, dcp_rank: int, block_tables, num_blocks: 
     Checked, because each of these would otherwise write and read the wrong KV silently: a 2-d
     integer array with exactly one row per request of the plan; every block the step touches
     (the first ceil(local tokens / B) of each request on this DCP rank) is not the reserved
-    block 0 and, where ``num_blocks`` is known, below it. O(requests), on the host, in one
-    jitted call (bind runs it cold, after the previous step's work: few host calls)."""
+    block 0 and, where ``num_blocks`` is known, below it; with ``aliases``, that the blocks the
+    step writes alias nothing (:class:`AliasCheck`). O(requests) (+ touched blocks), on the
+    host, in jitted calls (bind runs it cold, after the previous step's work: few host
+    calls)."""
     n = plan.num_requests
     if num_blocks is not None and not int_in(num_blocks, 2, 2**62 - 1):
         raise StepInputError(f"step {plan.step_id}: num_blocks: got {num_blocks!r}; expected "
@@ -84,7 +86,81 @@ def check_block_tables(plan: StepPlan, dcp_rank: int, block_tables, num_blocks: 
         limit = f"1..{num_blocks - 1}" if num_blocks is not None else ">= 1 (0 is reserved)"
         raise StepInputError(f"step {plan.step_id}: block_tables[{i}][{j}] = {int(given[i, j])}: "
                              f"expected a block in {limit}")
+    if aliases is not None:
+        aliases.check(plan, dcp_rank, bt, int(top))
     return bt, int(top)
+
+
+class AliasCheck:
+    """Blocks a step writes must belong to one request and one position: a block written by
+    request i at block-table column j that appears anywhere else among the step's touched
+    blocks (another request's, or another column of i's) would make attention read another
+    request's KV, silently. Read-only blocks may be shared (a common prefix). One jitted pass
+    over the touched blocks, with a stamp array reused across binds (no clearing), O(touched
+    blocks + requests)."""
+
+    def __init__(self) -> None:
+        self.stamps = np.zeros(0, dtype=np.int64)  # per block: the bind that last wrote it
+        self.writer = np.zeros(0, dtype=np.int64)  # request * 2**32 + column of that write
+        self.generation = 0
+
+    def check(self, plan: StepPlan, dcp_rank: int, bt: np.ndarray, top: int) -> None:
+        if top + 1 > len(self.stamps):
+            size = max(top + 1, 2 * len(self.stamps))
+            self.stamps = np.zeros(size, dtype=np.int64)
+            self.writer = np.zeros(size, dtype=np.int64)
+            self.generation = 0
+        self.generation += 1
+        cfg = plan.config
+        i, j, i2, j2 = _first_alias(bt, plan.num_computed_tokens.np(), plan.dcp_local_lens.np(),
+                                    dcp_rank, cfg.dcp_size, cfg.interleave_size, cfg.block_size,
+                                    self.stamps, self.writer, self.generation)
+        if i >= 0:
+            ids = plan.req_ids
+            other = (f"request {i2} ({ids[i2]!r}) at column {j2}" if i2 != i
+                     else f"its own column {j2}")
+            raise StepInputError(
+                f"step {plan.step_id}: block {int(bt[i, j])} is written by request {i} "
+                f"({ids[i]!r}) at block-table column {j} and also used by {other}; expected "
+                "each block a step writes to belong to one request and one position")
+
+
+@njit(cache=True)
+def _first_alias(bt, computed, local_lens, dcp_rank, dcp_size, interleave, block_size, stamps,
+                 writer, gen):
+    """(i, j, i2, j2): the first written block bt[i, j] also touched at (i2, j2), or all -1.
+    Request i writes its local tokens [count(c_i), local_lens[i]) on this rank (count: the
+    tokens of an extent this DCP rank holds, docs/design.md §3.4), so blocks from
+    count(c_i) // B to ceil(local_lens[i] / B) - 1 (none when the range is empty); it
+    touches blocks 0 .. that end."""
+    n = bt.shape[0]
+    span = dcp_size * interleave
+    for i in range(n):  # pass 1: stamp the written blocks; a block written twice is an alias
+        c = np.int64(computed[i])
+        held = (c // span) * interleave + min(max(c % span - dcp_rank * interleave, 0),
+                                              interleave)
+        end = np.int64(local_lens[i, dcp_rank])  # writes local tokens [held, end)
+        first = held // block_size if end > held else end  # none written: an empty range
+        for j in range(first, -(-end // block_size)):
+            b = bt[i, j]
+            if stamps[b] == gen:
+                w = writer[b]
+                return i, j, w >> 32, w & 0xFFFFFFFF
+            stamps[b] = gen
+            writer[b] = (np.int64(i) << 32) | j
+    for i in range(n):  # pass 2: a read block that some request writes is an alias
+        c = np.int64(computed[i])
+        held = (c // span) * interleave + min(max(c % span - dcp_rank * interleave, 0),
+                                              interleave)
+        end = np.int64(local_lens[i, dcp_rank])
+        # columns only read: before the first written one (all touched when none is written)
+        last = held // block_size if end > held else -(-held // block_size)
+        for j in range(last):
+            b = bt[i, j]
+            if stamps[b] == gen:
+                w = writer[b]
+                return w >> 32, w & 0xFFFFFFFF, i, j
+    return -1, -1, -1, -1
 
 
 @njit(cache=True)
@@ -415,6 +491,8 @@ def compile_host_kernels() -> None:
     for dtype in (np.int32, np.int64):
         bt = np.ones((1, 1), dtype)
         _first_bad_block(bt, lens, 0, 1, -1)
+        _first_alias(bt, ro(np.int32, 1), lens, 0, 1, 1, 1, np.zeros(2, np.int64),
+                     np.zeros(2, np.int64), 1)
         _segment_kernel(rows, rows, rows, ro(np.uint8, 1, 1), ro(np.int32, 1), ro(np.int32, 1),
                         ro(np.int32, 1), ro(np.uint8, 1), lens, bt, pcu_of, chunk_of, regions,
                         0, 0, 0, 0, 1, False, 0, 1, 1, 1, _NO_WORDS)

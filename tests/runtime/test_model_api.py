@@ -103,7 +103,8 @@ def test_token_view_matches_a_token_walk(p_size, w_size, graphs):
             p = rank if p_size > 1 else 0
             ex = StepExecutor(cfg, sm_scale=0.1, pcp_rank=p, dcp_rank=rank if w_size > 1 else 0,
                               comm=None, device="cpu", max_tokens=512, max_requests=8)
-            tv = ex.bind(plan, np.arange(1, 9, dtype=np.int32)[None].repeat(n, 0)).tokens
+            tables = np.arange(1, 8 * n + 1, dtype=np.int32).reshape(n, 8)  # distinct blocks
+            tv = ex.bind(plan, tables).tokens
             want = _token_walk(cfg, step, p)
             t_pad = plan.padded_num_tokens
             assert tv.num_tokens == len(want) and tv.padded_num_tokens == t_pad

@@ -37,8 +37,8 @@ def test_replay_detects_a_wrong_layer():
     plan = compile_plan(_config(), _step())
     real = rp.oracle_step
     try:
-        rp.oracle_step = lambda p, s, requests=None, device="cpu": real(p, s + 1, requests,
-                                                                         device)
+        rp.oracle_step = lambda p, s, requests=None, device="cpu", **kw: real(
+            p, s + 1, requests, device, **kw)
         assert rp.replay_plan(plan, seed=0).max_abs_err > 100 * TOLERANCE
     finally:
         rp.oracle_step = real
