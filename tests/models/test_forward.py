@@ -8,6 +8,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from cpplan.api import LayerCache, StepExecutor, compile  # noqa: E402
@@ -78,12 +79,11 @@ def test_a_wrong_rope_convention_fails_the_check(tiny_models, name, which, monke
     assert got.failures(), got
 
 
-def _one_step(model, executor, config, tokens, forward):
-    step = StepInput.build(0, ["a"], [0], [len(tokens)], [True])
-    plan = compile(config, step)
-    bound = executor.bind(plan, torch.tensor([[1, 2]], dtype=torch.int32).numpy())
-    caches = [LayerCache.empty(config, 4, "cpu") for _ in range(config.num_layers)]
-    return bound, caches, forward
+def _one_step(executor, config, tokens):
+    """A bound one-request prefill of ``tokens`` and empty caches."""
+    plan = compile(config, StepInput.build(0, ["a"], [0], [len(tokens)], [True]))
+    bound = executor.bind(plan, np.array([[1, 2]], dtype=np.int32))
+    return bound, [LayerCache.empty(config, 4, "cpu") for _ in range(config.num_layers)]
 
 
 def test_the_forward_refuses_an_executor_or_rows_that_do_not_fit(tiny_models):
@@ -91,12 +91,12 @@ def test_the_forward_refuses_an_executor_or_rows_that_do_not_fit(tiny_models):
     cfg = parallel_config(model, kv_cache_dtype="bf16", max_model_len=256)
     forward = RankForward(model)
     wrong = StepExecutor.local(cfg, sm_scale=576 ** -0.5, max_tokens=16, max_requests=2)
-    bound, caches, _ = _one_step(model, wrong, cfg, [1, 2, 3], forward)
+    bound, caches = _one_step(wrong, cfg, [1, 2, 3])
     with pytest.raises(ConfigError, match=r"executor sm_scale: got 0\.041.*expected the model"):
         forward(wrong, bound, caches, rank_token_ids(bound, [[1, 2, 3]]))
     ex = StepExecutor.local(cfg, sm_scale=model_spec(model).sm_scale, max_tokens=16,
                             max_requests=2)
-    bound, caches, _ = _one_step(model, ex, cfg, [1, 2, 3], forward)
+    bound, caches = _one_step(ex, cfg, [1, 2, 3])
     with pytest.raises(TensorArgError, match=r"token_ids is \(3,\) torch.int32; expected"):
         forward(ex, bound, caches, torch.tensor([1, 2, 3], dtype=torch.int32))
     with pytest.raises(TensorArgError, match="caches: got 2; expected one per layer"):
