@@ -158,9 +158,11 @@ class _OtherWork:
                                             64 + 17 * np.arange(n), np.ones(n, np.int64),
                                             np.zeros(n, bool)))
         width = -(-cfg.max_model_len // cfg.block_size)
-        self.ex = StepExecutor(cfg, sm_scale=576 ** -0.5, pcp_rank=0, dcp_rank=0, comm=_NoComm(), device="cpu",
-                               max_tokens=plan.padded_num_tokens, max_requests=n)
-        self.bound = self.ex.bind(plan, np.arange(n * width).reshape(n, width) + 1)
+        self.ex = StepExecutor(cfg, sm_scale=576 ** -0.5, pcp_rank=0, dcp_rank=0,
+                               comm=_NoComm(), device="cpu", max_tokens=plan.padded_num_tokens,
+                               max_requests=n)
+        self.plan, self.tables = plan, np.arange(n * width).reshape(n, width) + 1
+        self.bound = self.ex.bind(plan, self.tables)
         self.caches = [LayerCache.empty(cfg, 1 + n * width, "cpu") for _ in range(2)]
         gen = torch.Generator().manual_seed(0)
         t = plan.padded_num_tokens
@@ -171,9 +173,10 @@ class _OtherWork:
                   torch.rand(t, cfg.index_num_heads, generator=gen))
 
     def __call__(self) -> None:
-        for cache in self.caches:
+        for cache in self.caches:  # a step's layers (they run in order: the counts reset)
             self.ex.insert(self.bound, cache, *self.x)
             self.ex.attend(self.bound, cache, *self.q)
+        self.bound.layers_inserted = self.bound.layers_attended = 0
 
 
 def bench_issue15(repeat: int) -> list[tuple]:
@@ -186,15 +189,23 @@ def bench_issue15(repeat: int) -> list[tuple]:
             plan = compile(cfg, _issue15_step(prompt))
             width = -(-cfg.shard_rows(cfg.max_model_len) // cfg.block_size)
             bt = np.arange(plan.num_requests * width, dtype=np.int64).reshape(-1, width) + 1
-            ex = StepExecutor(cfg, sm_scale=576 ** -0.5, pcp_rank=0, dcp_rank=0, comm=_NoComm(), device="cpu",
-                              max_tokens=plan.padded_num_tokens, max_requests=plan.num_requests)
+            ex = StepExecutor(cfg, sm_scale=576 ** -0.5, pcp_rank=0, dcp_rank=0, comm=_NoComm(),
+                              device="cpu", max_tokens=plan.padded_num_tokens,
+                              max_requests=plan.num_requests)
             ex.bind(plan, bt).tables  # warm (cached buffers)
             with _OpCount() as ops:
                 bound = ex.bind(plan, bt)
             with _OpCount() as expand_ops:
                 bound.tables
             calls = _host_calls(lambda: ex.bind(plan, bt))
-            t_check, t_host, t_copy, t_bind = [], [], [], []
+            t_check, t_host, t_copy, t_bind, t_plain = [], [], [], [], []
+            aliases = ex._aliases
+            for _ in range(repeat):  # the check without the aliasing pass, in the same run
+                ex._aliases = None
+                t0 = time.perf_counter()
+                ex._check_bind(plan, bt, None)
+                t_plain.append(time.perf_counter() - t0)
+                ex._aliases = aliases
             for _ in range(repeat):  # bind's parts alone: check, tables into the arena, copy
                 t0 = time.perf_counter()
                 checked, _ = ex._check_bind(plan, bt, None)
@@ -218,7 +229,8 @@ def bench_issue15(repeat: int) -> list[tuple]:
                 t_step.append(time.perf_counter() - t0)
             case = ("32k prompt + 64 decodes" if prompt else "64 decodes"
                     + (" (graph sizes: static layout)" if graphs else ""))
-            med = [statistics.median(x) * 1e3 for x in (t_check, t_host, t_copy, t_bind, t_step)]
+            med = [statistics.median(x) * 1e3 for x in (t_check, t_host, t_copy, t_bind, t_step,
+                                                        t_plain)]
             rows.append((case, w, plan.padded_num_tokens, *med[:3], ops.count, expand_ops.count,
                          calls, *med[3:]))
     return rows
@@ -226,13 +238,13 @@ def bench_issue15(repeat: int) -> list[tuple]:
 
 def print_issue15(repeat: int) -> None:
     print("## host bind, issue 15 cases (rank 0, full dims, CPU, medians)\n")
-    print("| case | P = W | T per rank | check tables ms | host tables ms | arena copy ms | "
-          "host sum ms | device ops per bind | expansion ops (first use) | host calls per bind "
-          "| bind ms (CPU: incl. the device ops) | bind ms in a step |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for case, w, t, tc, th, tp, n_ops, n_exp, calls, tb, ts in bench_issue15(repeat):
-        print(f"| {case} | {w} | {t} | {tc:.3f} | {th:.3f} | {tp:.3f} | {tc + th + tp:.3f} | "
-              f"{n_ops} | {n_exp} | {calls} | {tb:.3f} | {ts:.3f} |")
+    print("| case | P = W | T per rank | check tables ms | of it: aliasing ms | host tables ms "
+          "| arena copy ms | host sum ms | device ops per bind | expansion ops (first use) | "
+          "host calls per bind | bind ms (CPU: incl. the device ops) | bind ms in a step |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for case, w, t, tc, th, tp, n_ops, n_exp, calls, tb, ts, plain in bench_issue15(repeat):
+        print(f"| {case} | {w} | {t} | {tc:.3f} | {tc - plain:.3f} | {th:.3f} | {tp:.3f} | "
+              f"{tc + th + tp:.3f} | {n_ops} | {n_exp} | {calls} | {tb:.3f} | {ts:.3f} |")
 
 
 def _collective_costs(ctx, repeat: int) -> tuple[float, float, float]:
