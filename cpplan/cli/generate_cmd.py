@@ -65,6 +65,9 @@ def register(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu (gloo ranks) or cuda (one process on one GPU, P = W = 1)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="weights and activations (default auto: float32 on CPU, bfloat16 on "
+                        "CUDA)")
     p.add_argument("--check", action="store_true",
                    help="compare with the model's own teacher-forced forward (exit 1 on a "
                         "difference)")
@@ -94,7 +97,7 @@ def run(args) -> int:
                    kv_cache_dtype=args.kv_cache_dtype,
                    max_num_batched_tokens=args.max_num_batched_tokens,
                    max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
-                   max_model_len=args.max_model_len, device=args.device,
+                   max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
                    temperature=args.temperature, top_p=args.top_p, keep_logits=args.check,
                    timeout_s=args.timeout)
     job = prep.job
@@ -120,11 +123,13 @@ def run(args) -> int:
     check = None
     if args.check:
         from cpplan.serve.check import TOL, TOL_BF16_ACTIVATIONS, check_outputs
+        from cpplan.serve.engine import activation_dtype
         from cpplan.serve.run import reference_model
 
         check = check_outputs(reference_model(prep), job.prompts, head["outputs"],
                               head["logits"], job.kv_cache_dtype, [p.id for p in prep.prompts],
-                              tol=TOL if job.device == "cpu" else TOL_BF16_ACTIVATIONS)
+                              tol=TOL if activation_dtype(job.device, job.dtype) == "float32"
+                              else TOL_BF16_ACTIVATIONS)
         sys.stderr.write(check.line() + "\n")
     _print(prep, values, elapsed, check, args.json)
     return 0 if check is None or check.ok else 1

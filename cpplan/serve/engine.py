@@ -45,6 +45,7 @@ class GenerateJob:
     max_num_seqs: int = 64
     num_blocks: int = 256
     device: str = "cpu"
+    dtype: str = "auto"  # activations and weights: auto (float32 on CPU, bfloat16 on CUDA)
     temperature: float = 0.0
     top_p: float = 1.0
     keep_logits: bool = False  # return each sampled row's logits (for --check)
@@ -52,9 +53,19 @@ class GenerateJob:
     timeout_s: float = 60.0
 
 
-def model_dtype(device: str) -> torch.dtype:
-    """The weights' dtype: float32 on CPU, bfloat16 on CUDA (the activations' dtype)."""
-    return torch.bfloat16 if device.startswith("cuda") else torch.float32
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def activation_dtype(device: str, dtype: str = "auto") -> str:
+    """``dtype``, or for "auto" float32 on CPU and bfloat16 on CUDA (parallel_config's)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def model_dtype(device: str, dtype: str = "auto") -> torch.dtype:
+    """The weights' dtype: the activations' (the model's modules run on them)."""
+    return DTYPES[activation_dtype(device, dtype)]
 
 
 def serve_rank(ctx, job: GenerateJob) -> dict:
@@ -63,8 +74,8 @@ def serve_rank(ctx, job: GenerateJob) -> dict:
         from cpplan.api import Groups
         from cpplan.models import load_model
 
-        model = load_model(job.model, seed=job.seed, dtype=model_dtype(job.device),
-                           device=job.device)
+        model = load_model(job.model, seed=job.seed,
+                           dtype=model_dtype(job.device, job.dtype), device=job.device)
         config = _config(model, job)
         groups = Groups.build(config, device=job.device, control_timeout_s=job.timeout_s,
                               store=ctx.store)
@@ -86,7 +97,8 @@ def _config(model, job: GenerateJob):
 
     return parallel_config(model, pcp=job.pcp, dcp=job.dcp, interleave=job.interleave,
                            kv_cache_dtype=job.kv_cache_dtype, max_model_len=job.max_model_len,
-                           device=job.device)
+                           device=job.device,
+                           activation_dtype=activation_dtype(job.device, job.dtype))
 
 
 def _error(rank: int, exc: BaseException) -> dict:

@@ -13,7 +13,8 @@ import time
 
 from cpplan.schemas.errors import ConfigError
 from cpplan.serve.blocks import BlockBook
-from cpplan.serve.engine import GenerateJob, model_dtype, serve_local, serve_rank
+from cpplan.serve.engine import GenerateJob, activation_dtype, model_dtype, serve_local, \
+    serve_rank
 from cpplan.serve.prompts import Prompt, builtin_prompts, check_prompts, load_tokenizer, \
     read_prompts
 
@@ -33,7 +34,7 @@ def prepare(*, model: str, prompts_path: str | None, max_new_tokens: int, seed: 
             pcp: int = 1, dcp: int = 1, interleave: int = 1, kv_cache_dtype="fp8_ds_mla",
             max_num_batched_tokens: int = 256, max_num_seqs: int = 64,
             num_blocks: int | None = None, max_model_len: int | None = None,
-            device: str = "cpu", temperature: float = 0.0, top_p: float = 1.0,
+            device: str = "cpu", dtype: str = "auto", temperature: float = 0.0, top_p: float = 1.0,
             keep_logits: bool = False, progress: bool = True,
             timeout_s: float = 60.0) -> Prepared:
     """Load the model (ConfigError for dims that do not fit, a missing transformers, missing
@@ -47,11 +48,12 @@ def prepare(*, model: str, prompts_path: str | None, max_new_tokens: int, seed: 
         raise ConfigError(f"--pcp {pcp} --dcp {dcp} spawns {max(pcp, dcp)} processes; "
                           f"expected at most {MAX_SPAWNED}")
     t0 = time.monotonic()
-    m = load_model(model, seed=seed, dtype=model_dtype(device), device=device)
+    m = load_model(model, seed=seed, dtype=model_dtype(device, dtype), device=device)
     load_s = time.monotonic() - t0
     mml = max_model_len or m.config.max_position_embeddings
     config = parallel_config(m, pcp=pcp, dcp=dcp, interleave=interleave,
-                             kv_cache_dtype=kv_cache_dtype, max_model_len=mml, device=device)
+                             kv_cache_dtype=kv_cache_dtype, max_model_len=mml, device=device,
+                             activation_dtype=activation_dtype(device, dtype))
     tokenizer = load_tokenizer(model)
     if prompts_path is None:
         prompts = builtin_prompts(m.config.vocab_size, max_new_tokens, seed)
@@ -72,6 +74,7 @@ def prepare(*, model: str, prompts_path: str | None, max_new_tokens: int, seed: 
                       dcp=dcp, interleave=interleave, kv_cache_dtype=kv_cache_dtype,
                       max_model_len=mml, max_num_batched_tokens=max_num_batched_tokens,
                       max_num_seqs=max_num_seqs, num_blocks=num_blocks, device=device,
+                      dtype=dtype,
                       temperature=temperature, top_p=top_p, keep_logits=keep_logits,
                       progress=progress, timeout_s=timeout_s)
     _check_blocks(job, config)
@@ -80,15 +83,15 @@ def prepare(*, model: str, prompts_path: str | None, max_new_tokens: int, seed: 
 
 def reference_model(prep: Prepared):
     """The model ``--check`` compares with: the served one where it is float32, else a
-    float32 copy (same source and seed) on the same device."""
-    import torch
+    float32 copy of its weights as served (bf16 on CUDA: the same rounded weights, so only
+    the activations' precision differs)."""
+    import copy
 
-    from cpplan.models import load_model
+    import torch
 
     if next(prep.model.parameters()).dtype == torch.float32:
         return prep.model
-    return load_model(prep.job.model, seed=prep.job.seed, dtype=torch.float32,
-                      device=prep.job.device)
+    return copy.deepcopy(prep.model).float()
 
 
 def _check_device(device: str, pcp: int, dcp: int) -> None:
