@@ -280,3 +280,18 @@ def test_sampling_is_seeded_and_the_same_on_every_rank(prompts_file, world):
     _, many = _run(prompts_file, world, pcp=2, dcp=2, **kw)  # ranks' draws agree (_run)
     _, greedy = _base(prompts_file, "bf16")
     assert one["outputs"] == again["outputs"] == many["outputs"] != greedy["outputs"]
+
+
+def test_cuda_without_a_gpu_or_with_more_ranks_is_one_line():
+    if torch.cuda.is_available():
+        _one_line(run_cli("generate", "--device", "cuda", "--pcp", 2), "--device cuda")
+    else:
+        _one_line(run_cli("generate", "--device", "cuda"), "no CUDA device")
+
+
+@pytest.mark.slow
+def test_tokens_over_3x3_ranks_equal_the_1x1_run(prompts_file):
+
+    _, base = _base(prompts_file, "fp8_ds_mla")
+    _, got = _run(prompts_file, pcp=3, dcp=3, interleave=2, kv_cache_dtype="fp8_ds_mla")
+    assert got["outputs"] == base["outputs"] and got["digest_checks"] == got["steps"]
