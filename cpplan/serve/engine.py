@@ -85,9 +85,12 @@ def serve_rank(ctx, job: GenerateJob) -> dict:
 
 
 def serve_local(model, job: GenerateJob) -> dict:
-    """P = W = 1 in this process (no torch.distributed), ``model`` already loaded."""
+    """P = W = 1 in this process (no torch.distributed), ``model`` already loaded. cpplan's
+    typed errors are raised (one line from the CLI); any other is reported like a rank's."""
     try:
         return serve(model, _config(model, job), job, groups=None, rank=0)
+    except CpplanError:
+        raise
     except Exception as exc:  # noqa: BLE001 - reported like a rank's
         return _error(0, exc)
 
@@ -137,7 +140,6 @@ def serve(model, config, job: GenerateJob, *, groups, rank: int) -> dict:
     from cpplan.api import LayerCache, StepExecutor, compile as compile_plan
     from cpplan.models import RankForward, model_spec, rank_token_ids, sampled_requests
 
-    torch.manual_seed(job.seed)
     spec = model_spec(model)
     sizes = dict(max_tokens=job.max_num_batched_tokens + job.max_num_seqs,
                  max_requests=job.max_num_seqs)

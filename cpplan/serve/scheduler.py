@@ -31,14 +31,18 @@ class Request:
     output: list[int] = dataclasses.field(default_factory=list)
     computed: int = 0  # tokens whose KV is in the cache
     preemptions: int = 0
+    tokens: list[int] = dataclasses.field(default_factory=list)  # prompt + output, kept
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.prompt) + list(self.output)
 
     @property
     def req_id(self) -> str:
         return f"r{self.index}"
 
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
+    def append(self, token: int) -> None:
+        self.output.append(token)
+        self.tokens.append(token)
 
     @property
     def remaining(self) -> int:
@@ -123,7 +127,7 @@ class Scheduler:
         for r, n in self.scheduled:
             r.computed += n
             if r.index in sampled:
-                r.output.append(int(sampled[r.index]))
+                r.append(int(sampled[r.index]))
             if r.done:
                 done.append(r)
                 self.book.release(r.req_id)
