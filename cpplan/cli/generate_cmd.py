@@ -68,6 +68,9 @@ def register(sub) -> None:
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="weights and activations (default auto: float32 on CPU, bfloat16 on "
                         "CUDA)")
+    p.add_argument("--warmup", action="store_true",
+                   help="compile every kernel variant before the clock starts (TTFT without "
+                        "the first steps' compiles)")
     p.add_argument("--check", action="store_true",
                    help="compare with the model's own teacher-forced forward (exit 1 on a "
                         "difference)")
@@ -99,7 +102,7 @@ def run(args) -> int:
                    max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
                    max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
                    temperature=args.temperature, top_p=args.top_p, keep_logits=args.check,
-                   timeout_s=args.timeout)
+                   timeout_s=args.timeout, warmup=args.warmup)
     job = prep.job
     sys.stderr.write(f"cpplan generate: {args.model} P={job.pcp} W={job.dcp} "
                      f"I={job.interleave} {job.kv_cache_dtype} on {job.device}, "

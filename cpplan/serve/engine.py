@@ -49,6 +49,7 @@ class GenerateJob:
     temperature: float = 0.0
     top_p: float = 1.0
     keep_logits: bool = False  # return each sampled row's logits (for --check)
+    warmup: bool = False  # cpplan.warmup before the clock starts (kernels compiled)
     progress: bool = True
     timeout_s: float = 60.0
 
@@ -157,6 +158,11 @@ def serve(model, config, job: GenerateJob, *, groups, rank: int) -> dict:
     sched = Scheduler(reqs, book, max_num_batched_tokens=job.max_num_batched_tokens,
                       max_num_seqs=job.max_num_seqs)
     forward, sample = RankForward(model), Sampler(job)
+    if job.warmup:  # collective, like a step: every rank at the same point
+        from cpplan.api import warmup
+
+        warmup(ex)
+    checks0 = ex.check.passed if ex.check is not None else 0
     n = len(reqs)
     first, last = [0.0] * n, [0.0] * n
     logits_kept: list[list[torch.Tensor]] = [[] for _ in range(n)]
@@ -199,7 +205,8 @@ def serve(model, config, job: GenerateJob, *, groups, rank: int) -> dict:
             for i, r in enumerate(reqs)]
     result = dict(rank=rank, outputs=[r.output for r in reqs], ttft_s=first, tpot_s=tpot,
                   preempted=sched.preempted, seconds=seconds,
-                  digest_checks=ex.check.passed if ex.check is not None else 0, **stats)
+                  digest_checks=(ex.check.passed - checks0) if ex.check is not None else 0,
+                  **stats)
     if job.keep_logits:
         result["logits"] = [torch.stack(x) if x else torch.zeros(0) for x in logits_kept]
     return result

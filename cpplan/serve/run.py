@@ -35,7 +35,7 @@ def prepare(*, model: str, prompts_path: str | None, max_new_tokens: int, seed: 
             max_num_batched_tokens: int = 256, max_num_seqs: int = 64,
             num_blocks: int | None = None, max_model_len: int | None = None,
             device: str = "cpu", dtype: str = "auto", temperature: float = 0.0, top_p: float = 1.0,
-            keep_logits: bool = False, progress: bool = True,
+            keep_logits: bool = False, progress: bool = True, warmup: bool = False,
             timeout_s: float = 60.0) -> Prepared:
     """Load the model (ConfigError for dims that do not fit, a missing transformers, missing
     or truncated weights), read and check the prompts, derive the config (a bad topology is
@@ -76,7 +76,7 @@ def prepare(*, model: str, prompts_path: str | None, max_new_tokens: int, seed: 
                       max_num_seqs=max_num_seqs, num_blocks=num_blocks, device=device,
                       dtype=dtype,
                       temperature=temperature, top_p=top_p, keep_logits=keep_logits,
-                      progress=progress, timeout_s=timeout_s)
+                      progress=progress, timeout_s=timeout_s, warmup=warmup)
     _check_blocks(job, config)
     return Prepared(job, m, prompts, tokenizer, load_s)
 
