@@ -295,3 +295,15 @@ def test_tokens_over_3x3_ranks_equal_the_1x1_run(prompts_file):
     _, base = _base(prompts_file, "fp8_ds_mla")
     _, got = _run(prompts_file, pcp=3, dcp=3, interleave=2, kv_cache_dtype="fp8_ds_mla")
     assert got["outputs"] == base["outputs"] and got["digest_checks"] == got["steps"]
+
+
+def test_the_command_spawns_its_own_2x2_world(prompts_file):
+    res = run_cli("generate", "--model", MODEL, "--prompts", prompts_file, "--max-new-tokens",
+                  2, "--max-num-batched-tokens", BUDGET, "--pcp", 2, "--dcp", 2, "--json")
+    assert res.code == 0, res.stderr
+    lines = [json.loads(x) for x in res.stdout.splitlines()]
+    _, base = _base(prompts_file, "fp8_ds_mla")
+    assert [x["output_token_ids"] for x in lines[:-1]] == [o[:2] for o in base["outputs"]]
+    s = lines[-1]
+    assert s["ok"] and s["digest_checks"] == s["steps"] and s["collectives"] > 0
+    assert (s["pcp"], s["dcp"]) == (2, 2)
