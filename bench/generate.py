@@ -9,7 +9,8 @@ prompts, the same device, one run (docs/design.md §4.5).
 Cases (``--context`` tokens of prompt each, ``--new-tokens`` greedy tokens): transformers'
 ``generate`` (bf16, sdpa attention; its indexer and mask are dense over the context) at
 ``--hf-batch`` requests, then ``cpplan.serve`` (P = W = 1 on this device, fp8_ds_mla KV,
-chunked prefill under ``--max-num-batched-tokens``) at ``--batch`` requests. Per case: TTFT
+chunked prefill under ``--max-num-batched-tokens``) at ``--batch`` requests, each after an
+untimed warm-up run (kernels compiled, allocator warm). Per case: TTFT
 (prompt to first token) and TPOT (mean time between later tokens), medians over requests,
 tokens/s, peak device memory; the ratios cpplan / transformers last. A transformers case that
 runs out of memory is reported as such. Writes a markdown table to stdout, ``--json`` one JSON
@@ -19,6 +20,7 @@ object as the last line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -60,9 +62,12 @@ def bench_hf(model, prompts: torch.Tensor, new_tokens: int, device) -> dict:
     _reset_peak(device)
     with torch.inference_mode():
         try:
+            kw = dict(attention_mask=torch.ones_like(prompts), pad_token_id=0, do_sample=False)
+            warm = prompts[:, :64]  # warm-up: kernels and allocator, not timed
+            model.generate(warm, max_new_tokens=2, attention_mask=torch.ones_like(warm),
+                           pad_token_id=0, do_sample=False)
             _sync(device)
             t0 = time.perf_counter()
-            kw = dict(attention_mask=torch.ones_like(prompts), pad_token_id=0, do_sample=False)
             model.generate(prompts, max_new_tokens=1, min_new_tokens=1, **kw)
             _sync(device)
             t1 = time.perf_counter()
@@ -90,6 +95,10 @@ def bench_cpplan(model, prompts: list[list[int]], new_tokens: int, args) -> dict
                       device=args.device, progress=False)
     _reset_peak(args.device)
     with torch.inference_mode():
+        # warm-up (not timed): a short run compiles every kernel variant the long one uses
+        serve_local(model, dataclasses.replace(
+            job, prompts=tuple(p[:300] for p in job.prompts[:2]), max_new_tokens=(3, 3)[
+                : min(2, len(job.prompts))], max_num_seqs=2))
         _sync(args.device)
         t0 = time.perf_counter()
         res = serve_local(model, job)
