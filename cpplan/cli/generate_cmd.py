@@ -2,9 +2,10 @@
 runtime over P x W ranks (continuous batching, chunked prefill, mixed steps, preemption) and
 print each request's tokens; ``--check`` compares them with the model's own forward.
 
-P = W = 1 runs in this process (``--device cpu`` or ``cuda``); larger worlds are spawned gloo
-processes on CPU, max(P, W) of them, every rank running the same scheduler (rank 0's tokens
-are printed; every rank's must agree). Progress goes to stderr.
+P = W = 1 runs in this process (``--device cpu`` or ``cuda``); larger worlds are spawned
+processes, max(P, W) of them: gloo on CPU, or NCCL with one GPU each (``--device cuda``);
+every rank runs the same scheduler (rank 0's tokens are printed; every rank's must agree).
+Progress goes to stderr.
 
 Exit codes: 0 done (and ``--check`` passed), 1 ``--check`` found a difference (or the ranks'
 tokens differ), 2 bad input, 3 plan mismatch, 4 a rank was lost.
@@ -64,7 +65,8 @@ def register(sub) -> None:
                    help="0 (default): greedy; else sampling with per-request generators")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cpu (gloo ranks) or cuda (one process on one GPU, P = W = 1)")
+                   help="cpu (gloo ranks) or cuda (one GPU per rank: NCCL ranks, or this "
+                        "process at P = W = 1)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="weights and activations (default auto: float32 on CPU, bfloat16 on "
                         "CUDA)")

@@ -70,15 +70,17 @@ def model_dtype(device: str, dtype: str = "auto") -> torch.dtype:
 
 
 def serve_rank(ctx, job: GenerateJob) -> dict:
-    """A spawned rank's body (``World.run``): Groups over the world, then :func:`serve`."""
+    """A spawned rank's body (``World.run``): Groups over the world, then :func:`serve`.
+    ``job.device`` "cuda" means GPU ``ctx.local_rank`` (an NCCL world)."""
     try:
         from cpplan.api import Groups
         from cpplan.models import load_model
 
+        device = f"cuda:{ctx.local_rank}" if job.device == "cuda" else job.device
         model = load_model(job.model, seed=job.seed,
-                           dtype=model_dtype(job.device, job.dtype), device=job.device)
+                           dtype=model_dtype(job.device, job.dtype), device=device)
         config = _config(model, job)
-        groups = Groups.build(config, device=job.device, control_timeout_s=job.timeout_s,
+        groups = Groups.build(config, device=device, control_timeout_s=job.timeout_s,
                               store=ctx.store)
         return serve(model, config, job, groups=groups, rank=ctx.rank)
     except Exception as exc:  # noqa: BLE001 - every rank reports in one typed record

@@ -95,16 +95,19 @@ def reference_model(prep: Prepared):
 
 
 def _check_device(device: str, pcp: int, dcp: int) -> None:
+    """cuda: one GPU per rank (P = W = 1 in this process, else an NCCL world of spawned
+    ranks, one GPU each)."""
     if device == "cpu":
         return
     import torch
 
-    if not torch.cuda.is_available():
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have == 0:
         raise ConfigError(f"--device {device}: got no CUDA device here; expected one (or "
                           "--device cpu)")
-    if pcp * dcp != 1:
-        raise ConfigError(f"--device {device} runs one process on one GPU: got --pcp {pcp} "
-                          f"--dcp {dcp}; expected 1 and 1 (more ranks: --device cpu)")
+    if max(pcp, dcp) > have:
+        raise ConfigError(f"--device {device} takes one GPU per rank: --pcp {pcp} --dcp {dcp} "
+                          f"needs {max(pcp, dcp)}, got {have} (or --device cpu: gloo ranks)")
 
 
 def _check_blocks(job: GenerateJob, config) -> None:
@@ -128,6 +131,7 @@ def serve(prep: Prepared, world=None) -> list:
     from cpplan.sim.launch import RankResult, World
 
     job = prep.job
+    backend = "nccl" if job.device == "cuda" else "gloo"
     size = max(job.pcp, job.dcp)
     if size == 1 and world is None:
         return [RankResult(0, value=serve_local(prep.model, job))]
@@ -135,7 +139,7 @@ def serve(prep: Prepared, world=None) -> list:
         if world.world_size != size:
             raise ConfigError(f"world of {world.world_size} ranks; expected {size}")
         return world.run(serve_rank, job, timeout_s=3600.0, settle_s=job.timeout_s)
-    w = World(size, backend="gloo", timeout_s=max(job.timeout_s * 4, 60.0))
+    w = World(size, backend=backend, timeout_s=max(job.timeout_s * 4, 60.0))
     try:
         return w.run(serve_rank, job, timeout_s=3600.0, settle_s=job.timeout_s)
     finally:

@@ -282,9 +282,10 @@ def test_sampling_is_seeded_and_the_same_on_every_rank(prompts_file, world):
     assert one["outputs"] == again["outputs"] == many["outputs"] != greedy["outputs"]
 
 
-def test_cuda_without_a_gpu_or_with_more_ranks_is_one_line():
+def test_cuda_without_a_gpu_or_with_too_few_is_one_line():
     if torch.cuda.is_available():
-        _one_line(run_cli("generate", "--device", "cuda", "--pcp", 2), "--device cuda")
+        n = torch.cuda.device_count() + 1
+        _one_line(run_cli("generate", "--device", "cuda", "--pcp", n), "one GPU per rank")
     else:
         _one_line(run_cli("generate", "--device", "cuda"), "no CUDA device")
 
