@@ -49,6 +49,11 @@ def test_simulate_divergence_exits_3_naming_the_rank():
     (["--steps", "4", "--inject-divergence", "4:1"], "step must be in [0, 4)"),
     (["--timeout", "-1"], "--timeout must be > 0"),
     (["--steps", "0"], "--steps: expected an integer in [1, 1000000]: got 0"),
+    (["--sm-scale", "0"], "--sm-scale: got 0.0; expected a finite positive number"),
+    (["--sm-scale", "nan"], "--sm-scale: got nan"),
+    (["--sm-scale", "inf"], "--sm-scale: got inf"),
+    (["--indexer-pattern", "SF"], "expected letters F and S starting with F"),
+    (["--indexer-pattern", "FX"], "expected letters F and S"),
 ])
 def test_simulate_bad_input_exit_2(args, words):
     assert_one_line_error(cpplan("simulate", *args), 2, words)
@@ -130,3 +135,22 @@ def test_simulate_with_graph_sizes_pads_decode_steps_and_matches_the_oracle(tmp_
     report = json.loads(cpplan("inspect", last, "--json").stdout)
     assert report["cudagraph_size"] > 0
     assert cpplan("replay", last).returncode == 0
+
+
+def test_simulate_shared_layers_sampled_rows_and_a_model_scale_match_the_oracle(tmp_path):
+    """P = W = 2 gloo ranks: shared indexer layers, steps naming their sampled rows and a
+    model's scale, against the oracle (which uses the same scale and selects a shared layer's
+    keys with its source's inputs); a recorded step replays at the recorded scale."""
+    runs = tmp_path / "runs"
+    proc = cpplan("simulate", "--layers", "3", "--indexer-pattern", "FS", "--sampled-rows",
+                  "--sm-scale", "0.0625", "--steps", "10", "--json", "--record", runs)
+    assert proc.returncode == 0, proc.stderr
+    summary = _last_json(proc.stdout)
+    assert summary["ok"] is True and summary["max_abs_err"] <= summary["tolerance"]
+    report = json.loads(cpplan("inspect", runs / "step-9.msgpack", "--json").stdout)
+    assert report["config"]["indexer_sources"] == [0, 0, 2]
+    names = {c["name"] for c in report["collectives"]}
+    assert "sampled" in report and "restore" not in names  # never the full restore
+    assert ("restore_sampled" in names) == bool(report["sampled"]["requests"])
+    assert json.loads((runs / "replay.json").read_text())["sm_scale"] == 0.0625
+    assert cpplan("replay", runs / "step-9.msgpack").returncode == 0
