@@ -16,6 +16,7 @@ alike on every rank) -> ``complete``. So every rank appends the same tokens.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 import traceback
@@ -50,6 +51,8 @@ class GenerateJob:
     top_p: float = 1.0
     keep_logits: bool = False  # return each sampled row's logits (for --check)
     warmup: bool = False  # cpplan.warmup before the clock starts (kernels compiled)
+    # fault injection for tests: (step, rank) where that rank's process exits without a word
+    kill: tuple[int, int] | None = None
     progress: bool = True
     timeout_s: float = 60.0
 
@@ -172,6 +175,8 @@ def serve(model, config, job: GenerateJob, *, groups, rank: int) -> dict:
     t0 = time.monotonic()
     step_id = 0
     while sched.has_work:
+        if job.kill is not None and job.kill == (step_id, rank):
+            os._exit(17)
         step = sched.schedule(step_id)
         plan = compile_plan(config, step)
         bound = ex.bind(plan, book.table(dcp_rank, plan.req_ids, width), job.num_blocks)

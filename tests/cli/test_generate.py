@@ -308,3 +308,20 @@ def test_the_command_spawns_its_own_2x2_world(prompts_file):
     s = lines[-1]
     assert s["ok"] and s["digest_checks"] == s["steps"] and s["collectives"] > 0
     assert (s["pcp"], s["dcp"]) == (2, 2)
+
+
+@pytest.mark.slow
+def test_a_lost_rank_ends_the_run_with_exit_4(prompts_file, capsys):
+    """Rank 1 exits at step 2: the run ends within the timeout, one line a rank, exit 4."""
+    import dataclasses
+
+    from cpplan.cli.generate_cmd import _failures
+
+    prep = prepare(model=MODEL, prompts_path=str(prompts_file), max_new_tokens=NEW, seed=0,
+                   max_num_batched_tokens=BUDGET, progress=False, pcp=2, dcp=2, timeout_s=5.0)
+    prep.job = dataclasses.replace(prep.job, kill=(2, 1))
+    code = _failures(serve(prep), as_json=True)
+    err = capsys.readouterr()
+    assert code == 4, err
+    assert "rank 1 lost" in err.err and json.loads(err.out)["exit_code"] == 4
+    assert "Traceback" not in err.err and len(err.err.strip().splitlines()) <= 2
