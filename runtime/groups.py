@@ -114,6 +114,12 @@ class Groups:
             got = dist.get_world_size(grp) if grp is not None else 1
             if got != want:
                 raise ConfigError(f"adopted {name} group has {got} ranks: expected {want}")
+        if control_group is None and config.world_size > 1:
+            # without it no digest check could run: a rank with another plan would enter the
+            # data collectives (NCCL hangs, gloo aborts) instead of stopping every rank
+            raise ConfigError(f"Groups.adopt control_group: got None for a world of "
+                              f"{config.world_size} ranks; expected a gloo group over the "
+                              "ranks whose plans must agree (the digest check runs on it)")
         return cls(config=config, rank=dist.get_rank(), world_size=dist.get_world_size(),
                    pcp_rank=pcp_rank, dcp_rank=dcp_rank, pcp=pcp_group, dcp=dcp_group,
                    control=control_group, device=torch.device(device), timeout_s=timeout_s,

@@ -245,3 +245,26 @@ def test_more_checks_outstanding_than_the_board_holds_is_a_usage_error():
         ex.start(_row(0, xch.ROWS))
     assert pending[0].wait(1.0) == [_row(0, 0)]  # awaiting the oldest makes room
     assert ex.start(_row(0, xch.ROWS)).wait(1.0) == [_row(0, xch.ROWS)]
+
+
+def _adopt_without_control(ctx):
+    import torch.distributed as dist
+
+    from cpplan.runtime.groups import Groups
+
+    cfg = ParallelConfig(pcp_size=ctx.world_size, dcp_size=ctx.world_size)
+    data = dist.new_group(list(range(ctx.world_size)))
+    try:
+        Groups.adopt(cfg, pcp_group=data, dcp_group=data, control_group=None, device="cpu",
+                     store=ctx.store)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def test_adopt_refuses_a_world_without_a_control_group(world3):
+    """Groups without a control group could run no digest check: the build refuses (it used
+    to build, and a divergent rank then entered the data collectives)."""
+    for r in world3.run(_adopt_without_control, timeout_s=60):
+        assert r.ok, r.tb
+        assert "control_group: got None for a world of 3 ranks" in r.value
