@@ -54,8 +54,8 @@ def register(sub) -> None:
     p.add_argument("--max-num-seqs", type=bounded_int(1, 4096), default=64, metavar="N",
                    help="requests running at once (default 64)")
     p.add_argument("--num-blocks", type=bounded_int(2, 1 << 24), default=None, metavar="N",
-                   help="KV blocks per rank incl. the reserved block 0 (default: all requests "
-                        "at once); fewer makes the scheduler preempt")
+                   help="KV blocks per rank incl. the reserved block 0 (default: the --max-num-seqs "
+                        "largest requests at once); fewer makes the scheduler preempt")
     p.add_argument("--max-model-len", type=bounded_int(1, 1 << 24), default=None, metavar="N",
                    help="longest prompt + new tokens (default the model's "
                         "max_position_embeddings)")

@@ -39,8 +39,8 @@ def prepare(*, model: str, prompts_path: str | None, max_new_tokens: int, seed: 
             timeout_s: float = 60.0) -> Prepared:
     """Load the model (ConfigError for dims that do not fit, a missing transformers, missing
     or truncated weights), read and check the prompts, derive the config (a bad topology is
-    a ConfigError) and the KV blocks per rank (default: every request at once, no
-    preemption)."""
+    a ConfigError) and the KV blocks per rank (default: the ``max_num_seqs`` largest requests
+    at once, so no preemption)."""
     from cpplan.models import load_model, parallel_config
 
     _check_device(device, pcp, dcp)
@@ -63,9 +63,10 @@ def prepare(*, model: str, prompts_path: str | None, max_new_tokens: int, seed: 
         source = prompts_path
     check_prompts(prompts, vocab_size=m.config.vocab_size, max_model_len=mml, source=source)
     book = BlockBook(2, config.block_size, config.dcp_size, config.interleave_size)
-    if num_blocks is None:
-        num_blocks = 1 + sum(book.blocks_for(len(p.token_ids) + p.max_new_tokens)
-                             for p in prompts)
+    if num_blocks is None:  # the max_num_seqs largest requests at once: no preemption
+        need = sorted((book.blocks_for(len(p.token_ids) + p.max_new_tokens) for p in prompts),
+                      reverse=True)
+        num_blocks = 1 + sum(need[:max_num_seqs])
     if max_num_batched_tokens < 1 or max_num_seqs < 1:
         raise ConfigError(f"--max-num-batched-tokens {max_num_batched_tokens}, --max-num-seqs "
                           f"{max_num_seqs}: expected both >= 1")
