@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 
 from cpplan._version import __version__
 from cpplan.cli.terminal import plain, quiet_broken_pipe
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help()
         return EXIT_BAD_INPUT
+    previous = _interrupt_on_sigterm()
     try:
         return int(args.run(args) or 0)
     except CpplanError as exc:
@@ -93,6 +96,23 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write(f"cpplan {args.command}: interrupted\n")
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _sigterm(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _interrupt_on_sigterm():
+    """SIGTERM ends a command as Ctrl-C does (exit 130), through every ``finally``: an atomic
+    writer's temp file is removed, spawned ranks are ended; the default action killed the
+    process mid-write and left the temp file. Returns the handler it replaced (None off the
+    main thread, where no handler can be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _sigterm)
 
 
 def _escape_unencodable_output() -> None:

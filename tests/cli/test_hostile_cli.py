@@ -332,3 +332,37 @@ def test_property_generated_steps_and_configs(tmp_path_factory, reqs, config, st
     assert {p.name for p in folder.iterdir()} <= {"step.json", "config.json", "step.msgpack",
                                                   "p.msgpack"}
 
+
+
+_SIGTERM_MID_WRITE = r"""
+import os, signal, sys, cpplan.schemas.files as files
+real = files.os.fdopen
+class Handle:
+    def __init__(self, h): self.h = h
+    def __enter__(self): return self
+    def __exit__(self, *a): return self.h.__exit__(*a)
+    def write(self, data):  # half the bytes, then SIGTERM, as a kill mid-write
+        self.h.write(data[: len(data) // 2]); self.h.flush()
+        os.kill(os.getpid(), signal.SIGTERM)
+        self.h.write(data[len(data) // 2:])
+files.os.fdopen = lambda fd, mode: Handle(real(fd, mode))
+from cpplan.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_mid_write_leaves_no_temp_file_and_no_target(tmp_path):
+    """SIGTERM while `plan -o` writes: the temp file beside the target is removed, the target
+    is not created, exit 130 (the default action used to leave the temp file behind)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out" / "plan.msgpack"
+    out.parent.mkdir()
+    step = GOLDEN / "mixed_p2w2.step.json"
+    proc = subprocess.run([sys.executable, "-c", _SIGTERM_MID_WRITE, "plan", str(step),
+                           "--config", str(GOLDEN / "mixed_p2w2.config.json"), "-o", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 130, proc.stderr
+    assert "interrupted" in proc.stderr
+    assert list(out.parent.iterdir()) == []
