@@ -2,11 +2,11 @@
 prefill under a token budget, prefills and decodes mixed in one step, finishes at each
 request's ``max_new_tokens``, and preemption by recompute when a DCP rank's blocks run out.
 
-A request holds its token ids (prompt + generated). Each step schedules, for every running
-request in admission order, ``min(remaining, budget left)`` of the tokens not yet in the KV
-cache (``remaining = len(tokens) - computed``: 1 for a decode, the rest of the prompt for a
-prefill, the prompt and the outputs again after a preemption), then admits waiting requests
-while the budget, ``max_num_seqs`` and the blocks allow. A request is sampled in a step iff
+A request holds its token ids (prompt + generated). Each step schedules ``min(remaining,
+budget left)`` of the tokens not yet in the KV cache (``remaining = len(tokens) - computed``:
+1 for a decode, the rest of the prompt for a prefill, the prompt and the outputs again after a
+preemption) of every running decode, then of every running prefill (admission order), then
+admits waiting requests while the budget, ``max_num_seqs`` and the blocks allow. A request is sampled in a step iff
 the step reaches its last token; its new token is appended by :meth:`Scheduler.complete`.
 When a running request's next chunk does not fit a rank's free blocks, the most recently
 admitted running request is preempted (its blocks freed, its KV recomputed later), until it
@@ -23,7 +23,7 @@ from cpplan.schemas.step import StepInput
 from cpplan.serve.blocks import BlockBook
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # compared by identity
 class Request:
     index: int  # input order
     prompt: list[int]
@@ -64,6 +64,7 @@ class Scheduler:
         self.budget, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.scheduled: list[tuple[Request, int]] = []
         self.preempted = 0
+        self._left, self._plan, self._gone = 0, {}, set()
         for r in requests:
             if not book.capacity_ok(len(r.prompt) + r.max_new_tokens):
                 raise ConfigError(
@@ -77,43 +78,49 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self, step_id: int) -> StepInput:
-        """The next step (call only while :attr:`has_work`)."""
-        left, plan = self.budget, []
-        k = 0
-        while k < len(self.running) and left > 0:
-            r = self.running[k]
-            n = min(r.remaining, left)
-            while not self.book.fits(r.req_id, r.computed + n):
-                victim = self.running.pop()  # the most recently admitted
-                self._preempt(victim)
-                if victim is r:
+        """The next step (call only while :attr:`has_work`): running decodes first (one
+        token each), then running prefills (chunks of what the budget leaves), then
+        admissions; requests in admission order within the step."""
+        self._left, self._plan = self.budget, {}  # request index -> scheduled tokens
+        self._gone = set()  # indices preempted in this step
+        for decodes in (True, False):
+            for r in list(self.running):
+                if self._left <= 0:
                     break
-            else:
-                self.book.grow(r.req_id, r.computed + n)
-                plan.append((r, n))
-                left -= n
-                k += 1
-                continue
-            break  # r itself was preempted: nothing after it runs
-        while (left > 0 and self.waiting and len(self.running) < self.max_num_seqs):
+                if (r.remaining == 1) == decodes and r.index not in self._gone:
+                    self._take(r)
+        while self._left > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             r = self.waiting[0]
-            n = min(r.remaining, left)
-            if not self.book.fits(r.req_id, r.computed + n):
-                break
-            self.waiting.pop(0)
-            self.running.append(r)
-            self.book.grow(r.req_id, r.computed + n)
-            plan.append((r, n))
-            left -= n
-        if not plan:  # cannot happen: capacity_ok holds every request alone
+            if not self.book.fits(r.req_id, r.computed + min(r.remaining, self._left)):
+                break  # admission never preempts
+            self.running.append(self.waiting.pop(0))
+            self._take(r)
+        if not self._plan:  # cannot happen: capacity_ok holds every request alone
             raise ConfigError(f"step {step_id}: no request fits the KV blocks")
+        plan = [(r, self._plan[r.index]) for r in self.running if r.index in self._plan]
         self.scheduled = plan
         return StepInput.build(step_id, [r.req_id for r, _ in plan],
                                [r.computed for r, _ in plan], [n for _, n in plan],
                                [r.remaining > 1 for r, _ in plan],
                                [r.computed + n == len(r.tokens) for r, n in plan])
 
+    def _take(self, r: Request) -> None:
+        """Schedule ``min(remaining, budget left)`` of ``r``'s tokens, preempting the most
+        recently admitted running requests (unscheduling them) until every rank holds it;
+        nothing where ``r`` itself is the one preempted."""
+        n = min(r.remaining, self._left)
+        while not self.book.fits(r.req_id, r.computed + n):
+            victim = self.running.pop()
+            self._left += self._plan.pop(victim.index, 0)
+            self._preempt(victim)
+            if victim is r:
+                return
+        self.book.grow(r.req_id, r.computed + n)
+        self._plan[r.index] = n
+        self._left -= n
+
     def _preempt(self, r: Request) -> None:
+        self._gone.add(r.index)
         self.book.release(r.req_id)
         r.computed = 0
         r.preemptions += 1
