@@ -102,6 +102,8 @@ def _prompt(obj, where: str, lineno: int, max_new_tokens: int, tokenizer) -> Pro
         raise ConfigError(f"{where}: max_new_tokens got {n!r}; expected an integer in "
                              "[1, 1000000]")
     text = None
+    if "prompt_token_ids" in obj and "prompt" in obj:
+        raise ConfigError(f'{where}: both "prompt_token_ids" and "prompt"; expected one')
     if "prompt_token_ids" in obj:
         ids = obj["prompt_token_ids"]
         if not isinstance(ids, list) or any(type(t) is not int for t in ids):

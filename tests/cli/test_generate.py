@@ -202,6 +202,12 @@ def test_missing_or_truncated_weights(checkpoint, tmp_path, how):
     ('{"id": "a", "prompt_token_ids": ' + json.dumps([5] * 60) + "}\n", "max_model_len 64"),
     ('{"id": "a", "prompt": "hello"}\n', "tokenizer"),
     ('[1, 2]\n', "line 1"),
+    ('{"prompt_token_ids": [1], "prompt": "a"}\n', "expected one"),
+    ('{"prompt_token_ids": [1], "temperature": 1}\n', "unknown key 'temperature'"),
+    ('{"id": "a", "prompt_token_ids": [1]}\n{"id": "a", "prompt_token_ids": [2]}\n',
+     "line 2: id 'a' repeats"),
+    ('{"prompt_token_ids": []}\n', "empty"),
+    ('{"prompt_token_ids": [1.5]}\n', "list of integers"),
 ])
 def test_bad_prompts_are_one_line(tmp_path, content, needle):
     path = tmp_path / "p.jsonl"
