@@ -274,31 +274,14 @@ def _open_board(groups) -> SharedMemoryExchange | None:
                 os.close(fd)
         except OSError:
             path = ""
-    name = path.encode().ljust(128, b"\0")
-    names = _gather_ints(list(name), groups)
-    path = bytes(names[0]).rstrip(b"\0").decode()
-    board, nonce = None, int.from_bytes(os.urandom(7), "little")
-    if path:
-        try:
-            fd = os.open(path, os.O_RDWR)
+    try:  # whatever happens from here (a peer gone, a timeout, Ctrl-C), the file goes
+        board, marks, verdict = _map_board(groups, path, nbytes)
+    finally:
+        if rank == 0 and path:
             try:
-                board = mmap.mmap(fd, nbytes)
-            finally:
-                os.close(fd)
-            board[rank * HEADER_BYTES: (rank + 1) * HEADER_BYTES] = struct.pack(
-                "<QQQ", os.getpid(), nonce, 0)
-        except (OSError, ValueError):
-            board = None
-    marks = _gather_ints([board is not None, os.getpid(), nonce], groups)
-    seen = board is not None and all(
-        ok and struct.unpack_from("<QQ", board, r * HEADER_BYTES) == (pid, n)
-        for r, (ok, pid, n) in enumerate(marks))
-    verdict = _gather_ints([seen], groups)
-    if rank == 0 and path:
-        try:
-            os.unlink(path)  # every rank has mapped it (or given up): nothing stays behind
-        except OSError:
-            pass
+                os.unlink(path)  # every rank has mapped it (or given up): nothing stays behind
+            except OSError:
+                pass
     if not all(v[0] for v in verdict):
         if board is not None:
             board.close()
@@ -306,3 +289,35 @@ def _open_board(groups) -> SharedMemoryExchange | None:
     pids = [m[1] for m in marks]
     check_pids = all(_process_alive(p) for p in pids)  # False in separate pid namespaces
     return SharedMemoryExchange(board, rank, size, pids, check_pids, groups.control_timeout_s)
+
+
+def _map_board(groups, path: str, nbytes: int):
+    """Every rank maps rank 0's board ``path`` (announced through the control group) and proves
+    it sees the others' writes: (the mapping or None, every rank's (ok, pid, nonce), every
+    rank's verdict). Three small gloo all-gathers."""
+    rank = groups.control_rank
+    names = _gather_ints(list(path.encode().ljust(128, b"\0")), groups)
+    path = bytes(names[0]).rstrip(b"\0").decode()
+    board, nonce = None, int.from_bytes(os.urandom(7), "little")
+    try:
+        if path:
+            try:
+                fd = os.open(path, os.O_RDWR)
+                try:
+                    board = mmap.mmap(fd, nbytes)
+                finally:
+                    os.close(fd)
+                board[rank * HEADER_BYTES: (rank + 1) * HEADER_BYTES] = struct.pack(
+                    "<QQQ", os.getpid(), nonce, 0)
+            except (OSError, ValueError):
+                board = None
+        marks = _gather_ints([board is not None, os.getpid(), nonce], groups)
+        seen = board is not None and all(
+            ok and struct.unpack_from("<QQ", board, r * HEADER_BYTES) == (pid, n)
+            for r, (ok, pid, n) in enumerate(marks))
+        verdict = _gather_ints([seen], groups)
+    except BaseException:
+        if board is not None:
+            board.close()
+        raise
+    return board, marks, verdict

@@ -27,7 +27,7 @@ import torch
 from cpplan.runtime import collectives as coll
 from cpplan.runtime.arena import ArenaRing, arena_words
 from cpplan.runtime.exchange import ROWS
-from cpplan.runtime.faults import FaultBoard, StepWatch, Watchdog
+from cpplan.runtime.faults import FaultBoard, StepWatch, Watchdog, one_line
 from cpplan.runtime.kernels import gather_indexer_k, get_kernels, scatter_indexer_k
 from cpplan.runtime.kernels import reference as kref
 from cpplan.runtime.segments import (AliasCheck, build_tables, check_block_tables,
@@ -40,6 +40,7 @@ from cpplan.schemas.config import ParallelConfig
 from cpplan.schemas.errors import (
     CapacityError,
     ConfigError,
+    CpplanError,
     PlanMismatchError,
     RankLostError,
     TensorArgError,
@@ -301,7 +302,7 @@ class StepExecutor:
                     **kwargs) -> "StepExecutor":
         """A collective call on ``groups`` (the digest exchange is set up here).
         digest_exchange: "auto", "shm" or "gloo" (runtime/exchange.py)."""
-        from cpplan.runtime.verify import DigestCheck
+        from cpplan.runtime.verify import DigestCheck, agree_on_setup
 
         if getattr(groups, "config", None) != config:
             got = (f"groups of {groups.config!r}" if hasattr(groups, "config")
@@ -309,7 +310,16 @@ class StepExecutor:
             raise ConfigError(f"from_groups: got {got}; expected Groups built for this "
                               f"config ({config!r})")
         board = FaultBoard(groups)
-        check = DigestCheck(groups, verify, verify_every, board, exchange=digest_exchange)
+        agree_on_setup(groups, config, verify=verify, verify_every=verify_every,
+                       digest_exchange=digest_exchange)
+        try:
+            check = DigestCheck(groups, verify, verify_every, board, exchange=digest_exchange)
+        except RuntimeError as exc:  # the exchange's set-up traffic: a peer gone or late
+            if isinstance(exc, CpplanError):
+                raise
+            raise RankLostError(f"digest exchange set-up on control rank {groups.control_rank}:"
+                                f" a peer did not take part within the control timeout "
+                                f"({groups.control_timeout_s:g} s): {one_line(exc)}") from None
         ex = cls(config, sm_scale=sm_scale, pcp_rank=groups.pcp_rank, dcp_rank=groups.dcp_rank,
                  comm=coll.DistComm(groups), device=groups.device, check=check, faults=board,
                  data_timeout_s=groups.timeout_s, **kwargs)

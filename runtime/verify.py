@@ -29,13 +29,44 @@ import torch.distributed as dist
 from cpplan.schemas.arrays import Array
 from cpplan.schemas.codec import decode_plan, digest, encode_plan
 from cpplan.runtime.exchange import ExchangeTimeout, open_exchange
-from cpplan.runtime.faults import FaultBoard
-from cpplan.schemas.errors import ConfigError, PlanMismatchError
+from cpplan.runtime.faults import FaultBoard, one_line
+from cpplan.schemas.errors import ConfigError, PlanMismatchError, RankLostError
 from cpplan.schemas.plan import StepPlan
 
 VERIFY_MODES = ("every", "sampled", "off")
 DIGEST_BYTES = 16
 STATUS_OK, STATUS_FAILED = 0, 1  # the byte after the digest: did this rank's bind succeed
+
+
+def agree_on_setup(groups, config, **settings) -> None:
+    """Every rank of the control group builds its executor from the same config and options
+    (a collective call on it, once, before any other set-up traffic): one int64 a rank, the
+    xxh64 of the config's fingerprint and ``settings``. ConfigError on every rank naming the
+    ranks that differ from control rank 0 (they would set up other exchanges, or none, and
+    meet in mismatched collectives); RankLostError when a peer does not take part within the
+    control timeout (it failed before building its executor)."""
+    if groups.control is None:
+        return
+    import xxhash
+
+    from cpplan.schemas.codec import config_fingerprint
+
+    text = config_fingerprint(config) + repr(sorted(settings.items()))
+    mine = torch.tensor([xxhash.xxh64_intdigest(text.encode()) >> 1], dtype=torch.int64)
+    outs = [torch.empty_like(mine) for _ in range(groups.control_size)]
+    try:
+        dist.all_gather(outs, mine, group=groups.control)
+    except RuntimeError as exc:  # gloo: a peer gone or late past the control timeout
+        raise RankLostError(
+            f"executor set-up on control rank {groups.control_rank}: a peer did not take part "
+            f"within the control timeout ({groups.control_timeout_s:g} s): {one_line(exc)}; "
+            "expected every rank to build its executor at the same time") from None
+    values = [int(o) for o in outs]
+    differ = [r for r, v in enumerate(values) if v != values[0]]
+    if differ:
+        raise ConfigError(f"executor set-up: ranks {differ} were built with another config or "
+                          f"other options than rank 0 ({', '.join(sorted(settings))}, the "
+                          "config); expected the same on every rank")
 
 
 class DigestCheck:

@@ -268,3 +268,50 @@ def test_adopt_refuses_a_world_without_a_control_group(world3):
     for r in world3.run(_adopt_without_control, timeout_s=60):
         assert r.ok, r.tb
         assert "control_group: got None for a world of 3 ranks" in r.value
+
+
+def _build_with(ctx, settings: dict, skip_rank: int | None = None):
+    """Every rank builds an executor with its own ``settings[rank]`` (``skip_rank`` builds
+    none: it failed before from_groups); returns (error type, message) or None."""
+    from cpplan.runtime.executor import StepExecutor
+    from cpplan.runtime.groups import Groups
+
+    cfg = ParallelConfig(pcp_size=2, dcp_size=2, num_heads=8, topk=16, index_num_heads=4,
+                         max_model_len=1024, **settings[ctx.rank].pop("config", {}))
+    groups = Groups.build(cfg, store=ctx.store, control_timeout_s=3.0)
+    if ctx.rank == skip_rank:
+        time.sleep(5.0)  # alive, silent: its peer's set-up must end at the control timeout
+        return None
+    try:
+        ex = StepExecutor.from_groups(cfg, groups, sm_scale=0.1, max_tokens=64,
+                                      max_requests=4, **settings[ctx.rank])
+    except Exception as exc:  # noqa: BLE001 - the test compares the typed error
+        return type(exc).__name__, str(exc)
+    ex.check.close()
+    return None
+
+
+@pytest.mark.parametrize("settings,words", [
+    ([{"digest_exchange": "shm"}, {"digest_exchange": "gloo"}], "ranks [1] were built with"),
+    ([{"verify": "every"}, {"verify": "off"}], "ranks [1] were built with"),
+    ([{}, {"config": {"gather_workspace_tokens": 4096}}], "another config or other options"),
+], ids=["exchange", "verify", "config"])
+def test_executors_built_differently_are_refused_on_every_rank(settings, words):
+    """Ranks that set up different exchanges (or one none) used to meet in mismatched
+    collectives (gloo's raw timeout or abort) and leave the board in /dev/shm."""
+    before = _leftovers()
+    with World(2, timeout_s=60) as w:
+        results = w.run(_build_with, settings, timeout_s=60)
+    for r in results:
+        assert r.ok, r.tb
+        assert r.value is not None and r.value[0] == "ConfigError" and words in r.value[1]
+    assert _leftovers() == before
+
+
+def test_a_peer_that_never_builds_is_a_rank_lost_error_and_nothing_leaks():
+    before = _leftovers()
+    with World(2, timeout_s=60) as w:
+        results = w.run(_build_with, [{}, {}], 1, timeout_s=60)
+    assert results[0].ok and results[0].value[0] == "RankLostError", results[0]
+    assert "did not take part within the control timeout (3 s)" in results[0].value[1]
+    assert _leftovers() == before
