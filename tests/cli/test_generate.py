@@ -102,6 +102,7 @@ def test_the_1x1_tokens_equal_the_models_own_forward(prompts_file, kv):
     got = check_outputs(prep.model, prep.job.prompts, base["outputs"], base["logits"], kv,
                         [p.id for p in prep.prompts])
     assert got.ok and got.ties == 0, got.line()
+    assert got.close >= (1.0 if kv == "bf16" else 0.85) * got.positions, got.line()
     steps_140 = -(-140 // BUDGET)
     assert base["steps"] >= steps_140 + NEW - 1  # the long prompt was chunked
 
