@@ -278,6 +278,7 @@ class StepExecutor:
         self.arena = ArenaRing(words, self.device, arena_depth)
         compile_host_kernels()  # bind's host kernels, compiled (or loaded) now rather than at step 1
         self._aliases = AliasCheck()  # blocks written in a step belong to one request
+        self._last_bound: BoundStep | None = None  # refuse() after bind fails this step
         self._act = coll.ACT_DTYPES[config.activation_dtype]  # q, the outputs, restore's rows
 
     @classmethod
@@ -361,12 +362,13 @@ class StepExecutor:
             raise
         if self.watchdog is not None:
             self.watchdog.watch(watch)
-        return BoundStep(plan, host.meta, host.layout, views,
+        self._last_bound = BoundStep(plan, host.meta, host.layout, views,
                          coll.StepChannel(self.comm, pending, watch,
                                           plan if self.debug else None, self.rank_id),
                          lease=self.arena.lease,
                          owner=self, pcp_rank=self.pcp_rank,
                          cache_rows=(top + 1) * plan.config.block_size)
+        return self._last_bound
 
     def refuse(self, plan: StepPlan, exc: BaseException) -> None:
         """This rank cannot run ``plan``: a failure of the engine's own between compile and
@@ -375,9 +377,22 @@ class StepExecutor:
         PeerFailedError naming this rank and ``exc`` at the step's digest check, or, with the
         check off for the step, at their first collective, rather than waiting out a timeout
         for this rank), then ``exc`` is raised here (a plan that differs across ranks is
-        named first, as PlanMismatchError)."""
+        named first, as PlanMismatchError). After ``bind`` (the engine failed mid-step, between
+        two calls of its own), pass the plan or its BoundStep: the failure is posted for that
+        step, so a peer inside one of its collectives raises PeerFailedError within about a
+        second (gloo; on CUDA the watchdog aborts the data groups) instead of waiting out the
+        data timeout, and the step is closed."""
+        bound = plan if isinstance(plan, BoundStep) else self._last_bound
+        if bound is not None and (bound is plan or bound.plan is plan) and bound.owner is self \
+                and not bound.finished:  # after bind, mid-step: the step's own failure slot
+            bound.finished = True
+            if self.watchdog is not None:
+                self.watchdog.watch(None)
+            self._announce(bound.channel.watch, exc)
+            raise exc
         if not isinstance(plan, StepPlan):
-            raise UsageError(f"refuse: got {type(plan).__name__}; expected a StepPlan")
+            raise UsageError(f"refuse: got {type(plan).__name__}; expected a StepPlan or the "
+                             "BoundStep that bind() returned")
         seq = self.faults.next_step() if self.faults is not None else 0
         self._fail_bind(plan, StepWatch(self.faults, seq, plan.step_id, self.data_timeout_s),
                         exc)

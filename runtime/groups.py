@@ -22,8 +22,16 @@ from cpplan.schemas.config import ParallelConfig
 from cpplan.schemas.errors import ConfigError
 from cpplan.schemas.names import Group, group_of
 
-DEFAULT_TIMEOUT_S = 120.0  # data collectives
 DEFAULT_CONTROL_TIMEOUT_S = 30.0  # the digest check: a lost rank is named within this
+DATA_TIMEOUT_FACTOR = 4  # data collectives: by default this many control timeouts
+DEFAULT_TIMEOUT_S = DATA_TIMEOUT_FACTOR * DEFAULT_CONTROL_TIMEOUT_S  # 120 s
+
+
+def data_timeout(timeout_s: float | None, control_timeout_s: float) -> float:
+    """The data collectives' timeout: the one given, else DATA_TIMEOUT_FACTOR control
+    timeouts (a rank stopped after its digest row holds its peers that long, not a fixed
+    120 s whatever control timeout the user chose)."""
+    return float(timeout_s) if timeout_s is not None else DATA_TIMEOUT_FACTOR * control_timeout_s
 
 
 @dataclasses.dataclass
@@ -55,10 +63,12 @@ class Groups:
     # ------------------------------------------------------------------ constructors
     @classmethod
     def build(cls, config: ParallelConfig, *, device: str | torch.device | None = None,
-              timeout_s: float = DEFAULT_TIMEOUT_S,
+              timeout_s: float | None = None,
               control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S, store=None) -> "Groups":
         """From an initialised default world of exactly ``config.world_size`` ranks; collective
-        (every rank calls it). The data groups use the world's backend."""
+        (every rank calls it). The data groups use the world's backend; their timeout is
+        ``timeout_s``, by default four control timeouts (:func:`data_timeout`)."""
+        timeout_s = data_timeout(timeout_s, control_timeout_s)
         if not isinstance(config, ParallelConfig):
             raise ConfigError(f"Groups.build: got {type(config).__name__}; expected a "
                               "ParallelConfig")
@@ -94,7 +104,9 @@ class Groups:
         default world if needed, then :meth:`build`."""
         if not dist.is_initialized():
             backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-            timeout = datetime.timedelta(seconds=kwargs.get("timeout_s", DEFAULT_TIMEOUT_S))
+            timeout = datetime.timedelta(seconds=data_timeout(
+                kwargs.get("timeout_s"), kwargs.get("control_timeout_s",
+                                                    DEFAULT_CONTROL_TIMEOUT_S)))
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group(backend, timeout=timeout)
@@ -102,7 +114,7 @@ class Groups:
 
     @classmethod
     def adopt(cls, config: ParallelConfig, *, pcp_group, dcp_group, control_group,
-              device: str | torch.device, store=None, timeout_s: float = DEFAULT_TIMEOUT_S,
+              device: str | torch.device, store=None, timeout_s: float | None = None,
               control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> "Groups":
         """Take an engine's groups (e.g. one PCP/DCP group per tensor-parallel slice). Ranks are
         read from the groups; ``control_group`` must be a gloo group over the ranks whose plans
@@ -114,6 +126,7 @@ class Groups:
             got = dist.get_world_size(grp) if grp is not None else 1
             if got != want:
                 raise ConfigError(f"adopted {name} group has {got} ranks: expected {want}")
+        timeout_s = data_timeout(timeout_s, control_timeout_s)
         if control_group is None and config.world_size > 1:
             # without it no digest check could run: a rank with another plan would enter the
             # data collectives (NCCL hangs, gloo aborts) instead of stopping every rank

@@ -126,3 +126,50 @@ def test_stopping_the_parent_leaves_no_worker_traceback(how):
     assert "Traceback" not in text and "BrokenPipe" not in text, text
     if how == "SIGTERM":
         assert proc.returncode == 130 and "cpplan simulate: interrupted" in text
+
+
+def _fail_mid_step(ctx, by_bound: bool):
+    """Both ranks bind a prefill step (P = 2: kv_insert each layer); rank 1 inserts layer 0,
+    then its engine fails and calls refuse; rank 0 goes on into layer 1's kv_insert. Returns
+    (error type, message, seconds from rank 0's layer-1 insert to its error) or rank 1's."""
+    import numpy as np
+    import torch
+
+    from cpplan.api import Groups, LayerCache, ParallelConfig, StepExecutor, StepInput, compile
+
+    cfg = ParallelConfig(pcp_size=2, num_heads=8, topk=16, index_num_heads=4, num_layers=2,
+                         hidden_size=64, activation_dtype="float32", max_model_len=512)
+    groups = Groups.build(cfg, store=ctx.store, control_timeout_s=20.0)
+    assert groups.timeout_s == 80.0  # the data timeout follows the control timeout
+    ex = StepExecutor.from_groups(cfg, groups, sm_scale=0.1, max_tokens=128, max_requests=4)
+    plan = compile(cfg, StepInput.build(0, ["a"], [0], [40], [True]))
+    bound = ex.bind(plan, np.array([[1]], np.int32), 4)
+    t = plan.padded_num_tokens
+    caches = [LayerCache.empty(cfg, 4, "cpu") for _ in range(2)]
+    ex.insert(bound, caches[0], torch.zeros(t, 576), torch.zeros(t, 128))
+    if ctx.rank == 1:
+        try:
+            ex.refuse(bound if by_bound else plan, MemoryError("no memory for layer 1"))
+        except MemoryError as exc:
+            return "MemoryError", str(exc), 0.0
+        return None
+    t0 = time.monotonic()
+    try:
+        ex.insert(bound, caches[1], torch.zeros(t, 576), torch.zeros(t, 128))
+    except Exception as exc:  # noqa: BLE001 - compared by the test
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return None
+
+
+@pytest.mark.parametrize("by_bound", [False, True], ids=["plan", "bound"])
+def test_a_failure_mid_step_reaches_the_peer_within_a_second(by_bound):
+    """refuse after bind (the engine failed between its own calls): the peer in the next
+    collective raises PeerFailedError naming rank 1 within 2 s (it used to wait out the data
+    timeout and get RankLostError, and refuse blamed the healthy rank)."""
+    with World(2, timeout_s=60) as world:
+        r0, r1 = world.run(_fail_mid_step, by_bound, timeout_s=120)
+    assert r0.ok and r1.ok, (r0.tb, r1.tb)
+    assert r1.value[:2] == ("MemoryError", "no memory for layer 1")
+    kind, message, seconds = r0.value
+    assert kind == "PeerFailedError" and "rank 1" in message and "no memory" in message
+    assert seconds < 2.0
