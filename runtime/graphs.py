@@ -44,7 +44,7 @@ import torch
 from cpplan.runtime import collectives as coll
 from cpplan.runtime.executor import BoundStep, StepExecutor
 from cpplan.schemas.errors import UsageError
-from cpplan.runtime.tables import StepTables, iota
+from cpplan.runtime.tables import TABLE_NAMES, StepTables, iota
 
 
 @dataclasses.dataclass
@@ -90,7 +90,7 @@ class StepGraphs:
             out = self.body(bound, *inputs)
             self.captured[sig] = self._capture(bound, inputs)
             return out
-        cap.words.copy_(_words(bound.views)[0])
+        cap.words.copy_(_words(_graph_views(bound.views))[0])
         for static, x in zip(cap.inputs, inputs):
             if static is not x:
                 static.copy_(x)
@@ -101,9 +101,11 @@ class StepGraphs:
         return cap.outputs
 
     def _capture(self, bound, inputs) -> CapturedStep:
-        span, offsets = _words(bound.views)
+        graph_views = _graph_views(bound.views)
+        span, offsets = _words(graph_views)
         words = span.clone()
-        views = {name: words[off: off + bound.views[name].numel()] for name, off in offsets.items()}
+        views = {name: words[off: off + graph_views[name].numel()]
+                 for name, off in offsets.items()}
         static_inputs = tuple(x.clone() for x in inputs)
         # the shared arange the expansion reads must not grow inside a capture: memory taken from
         # the shared pool there could later be a temporary of another graph
@@ -117,6 +119,13 @@ class StepGraphs:
             outputs = self.body(step, *static_inputs)
         return CapturedStep(graph, words, static_inputs, outputs, tables,
                             list(channel.ledger.entries))
+
+
+def _graph_views(views: dict) -> dict:
+    """The views a captured graph reads: the step's tables (static in size for a graph key),
+    not restore_sampled's indices, which follow the step's sampled requests and are read
+    after the graph, from the step's own arena."""
+    return {name: views[name] for name in TABLE_NAMES}
 
 
 def _words(views: dict) -> tuple[torch.Tensor, dict]:

@@ -166,3 +166,24 @@ def test_layers_run_in_order():
     with pytest.raises(UsageError, match="insert of layer 1; expected layer 0"):
         ex.insert(bound, LayerCache.empty(cfg, 2, "cpu"), torch.zeros(t, 576),
                   torch.zeros(t, 128), layer=1)
+
+
+def test_graph_words_do_not_depend_on_the_sampled_rows():
+    """A captured graph copies the same span of arena words at every replay of its key: steps
+    of one key that sample different numbers of requests must give spans of one size
+    (restore_sampled's indices are read after the graph, from the step's own arena)."""
+    from cpplan.runtime.graphs import _graph_views, _words
+
+    cfg = _config(1, 1, "FS", cudagraph_token_sizes=(8,))
+    ex = StepExecutor.local(cfg, sm_scale=0.1, max_tokens=64, max_requests=8)
+    sizes = set()
+    for n, sampled in ((5, [True] * 5), (7, [True, False] * 3 + [True]), (6, None)):
+        step = StepInput.build(n, [f"s{n}r{i}" for i in range(n)], [100 + i for i in range(n)],
+                               [1] * n, [False] * n, sampled)
+        plan = compile(cfg, step)
+        bound = ex.bind(plan, np.arange(1, 2 * n + 1, dtype=np.int32).reshape(n, 2), 32)
+        assert bound.meta.graph_key is not None
+        sizes.add(_words(_graph_views(bound.views))[0].numel())
+        if sampled is not None:
+            assert bound.views["sampled"].numel() == sum(sampled)
+    assert len(sizes) == 1
