@@ -168,7 +168,7 @@ def serve(model, config, job: GenerateJob, *, groups, rank: int) -> dict:
 
         warmup(ex)
     checks0 = ex.check.passed if ex.check is not None else 0
-    n = len(reqs)
+    n, keep = len(reqs), job.keep_logits and rank == 0  # rank 0's: the same on every rank
     first, last = [0.0] * n, [0.0] * n
     logits_kept: list[list[torch.Tensor]] = [[] for _ in range(n)]
     stats = dict(steps=0, tokens=0, collectives=0, mixed_steps=0, max_batch=0)
@@ -189,7 +189,7 @@ def serve(model, config, job: GenerateJob, *, groups, rank: int) -> dict:
         for k, row in zip(rows, logits):
             r = sched.scheduled[k][0]
             out[r.index] = sample(r.index, row)
-            if job.keep_logits:
+            if keep:
                 logits_kept[r.index].append(row.float().cpu())
             if not r.output:
                 first[r.index] = now
@@ -214,6 +214,6 @@ def serve(model, config, job: GenerateJob, *, groups, rank: int) -> dict:
                   preempted=sched.preempted, seconds=seconds,
                   digest_checks=(ex.check.passed - checks0) if ex.check is not None else 0,
                   **stats)
-    if job.keep_logits:
+    if keep:
         result["logits"] = [torch.stack(x) if x else torch.zeros(0) for x in logits_kept]
     return result
