@@ -78,7 +78,7 @@ def prepare(*, model: str, prompts_path: str | None, max_new_tokens: int, seed: 
                       dtype=dtype,
                       temperature=temperature, top_p=top_p, keep_logits=keep_logits,
                       progress=progress, timeout_s=timeout_s, warmup=warmup)
-    _check_blocks(job, config)
+    _check_blocks(job, config, [p.id for p in prompts])
     return Prepared(job, m, prompts, tokenizer, load_s)
 
 
@@ -111,15 +111,15 @@ def _check_device(device: str, pcp: int, dcp: int) -> None:
                           f"needs {max(pcp, dcp)}, got {have} (or --device cpu: gloo ranks)")
 
 
-def _check_blocks(job: GenerateJob, config) -> None:
+def _check_blocks(job: GenerateJob, config, ids: list[str]) -> None:
     """Every request must fit an empty rank (else it could never run)."""
     book = BlockBook(job.num_blocks, config.block_size, config.dcp_size, config.interleave_size)
     if job.num_blocks < 2:
         raise ConfigError(f"--num-blocks: got {job.num_blocks}; expected >= 2 (block 0 is "
                           "reserved)")
-    for k, (p, n) in enumerate(zip(job.prompts, job.max_new_tokens)):
+    for rid, p, n in zip(ids, job.prompts, job.max_new_tokens):
         if not book.capacity_ok(len(p) + n):
-            raise ConfigError(f"--num-blocks {job.num_blocks}: request {k} ({len(p)} + {n} "
+            raise ConfigError(f"--num-blocks {job.num_blocks}: request {rid!r} ({len(p)} + {n} "
                               f"tokens) needs {book.blocks_for(len(p) + n)} blocks of "
                               f"{config.block_size} on one rank; expected at most "
                               f"{job.num_blocks - 1} (block 0 is reserved)")

@@ -305,16 +305,18 @@ def test_tokens_over_3x3_ranks_equal_the_1x1_run(prompts_file):
     assert got["outputs"] == base["outputs"] and got["digest_checks"] == got["steps"]
 
 
-def test_the_command_spawns_its_own_2x2_world(prompts_file):
-    res = run_cli("generate", "--model", MODEL, "--prompts", prompts_file, "--max-new-tokens",
-                  2, "--max-num-batched-tokens", BUDGET, "--pcp", 2, "--dcp", 2, "--json")
+def test_the_command_spawns_its_own_2x2_world():
+    """The built-in prompts (1 to 300 tokens: q < 2P, chunks of the long one) at 2 x 2, with
+    --check against the model's own forward."""
+    res = run_cli("generate", "--model", MODEL, "--max-new-tokens", 2, "--pcp", 2, "--dcp", 2,
+                  "--max-num-batched-tokens", 128, "--check", "--json")
     assert res.code == 0, res.stderr
     lines = [json.loads(x) for x in res.stdout.splitlines()]
-    _, base = _base(prompts_file, "fp8_ds_mla")
-    assert [x["output_token_ids"] for x in lines[:-1]] == [o[:2] for o in base["outputs"]]
+    assert [x["prompt_tokens"] for x in lines[:-1]] == [1, 3, 17, 64, 130, 300]
     s = lines[-1]
-    assert s["ok"] and s["digest_checks"] == s["steps"] and s["collectives"] > 0
-    assert (s["pcp"], s["dcp"]) == (2, 2)
+    assert s["ok"] and s["check"]["tokens_equal"] == 12 and s["check"]["near_ties"] == 0
+    assert s["digest_checks"] == s["steps"] and s["collectives"] > 0
+    assert (s["pcp"], s["dcp"]) == (2, 2) and s["mixed_steps"] > 0
 
 
 @pytest.mark.slow
