@@ -9,8 +9,9 @@ the shared :class:`~cpplan.serve.blocks.BlockBook`; digest check across ranks) -
 alike on every rank) -> ``complete``. So every rank appends the same tokens.
 
 :func:`serve_rank` is the job function of a spawned rank (``World.run(serve_rank, job)``);
-:func:`serve_local` runs P = W = 1 in this process. Both return a :class:`RankReport`'s dict
-(errors typed, in ``"error"``, as ``cpplan simulate``'s ranks report them).
+:func:`serve_local` runs P = W = 1 in this process. Both return :func:`serve`'s dict, or a
+rank's failure as ``{"rank", "error": exception, "tb", ...}`` (as ``cpplan simulate``'s ranks
+report them).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """``cpplan generate`` as a function: load and check everything in this process, then serve
-(in this process at P = W = 1, else on a spawned gloo :class:`~cpplan.sim.launch.World` of
-max(P, W) ranks), then optionally check against the model's own forward.
+(in this process at P = W = 1, else on a spawned :class:`~cpplan.sim.launch.World` of
+max(P, W) ranks: gloo on CPU, NCCL with one GPU a rank on CUDA); ``--check`` is
+:mod:`cpplan.serve.check`.
 
 Every input check (the model's dims and weights, the prompts, the topology, the block budget)
 happens in :func:`prepare`, before a rank starts or a byte of output is written.

@@ -1,8 +1,10 @@
 """`cpplan generate`: the --json contract, tokens over P x W ranks equal to the 1 x 1 run's and
-to the model's own teacher-forced forward (--check), chunked prefill, mixed steps, a
-preemption, and every bad input as one line with exit code 2.
+to the model's own teacher-forced forward (--check) and to its own ``generate`` where topk
+covers the contexts, both models (GLM-5's shared-indexer layers), chunked prefill, mixed
+steps, a preemption, seeded sampling, text prompts through a checkpoint's tokenizer, a lost
+rank (exit 4), and every bad input as one line with exit code 2.
 
-One spawned 2-rank gloo world serves every multi-rank run (2x2, 1x2, 2x1: max(P, W) = 2);
+One spawned 2-rank gloo world serves most multi-rank runs (2x2, 1x2, 2x1: max(P, W) = 2);
 1 x 1 runs in this process with one torch thread (the CLI's own threads are the host's)."""
 
 import json
