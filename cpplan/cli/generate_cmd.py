@@ -105,17 +105,27 @@ def run(args) -> int:
                    max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
                    temperature=args.temperature, top_p=args.top_p, keep_logits=args.check,
                    timeout_s=args.timeout, warmup=args.warmup)
-    job = prep.job
-    sys.stderr.write(f"cpplan generate: {args.model} P={job.pcp} W={job.dcp} "
-                     f"I={job.interleave} {job.kv_cache_dtype} on {job.device}, "
-                     f"{len(prep.prompts)} requests, {max(job.pcp, job.dcp)} rank(s), "
-                     f"{job.num_blocks} KV blocks per rank\n")
+    from cpplan.sim.launch import torchrun_env
+
+    job, env = prep.job, torchrun_env()
+    if env is None or env.rank == 0:
+        how = "this process" if max(job.pcp, job.dcp) == 1 and env is None else (
+            "torchrun" if env is not None else "spawned")
+        sys.stderr.write(f"cpplan generate: {args.model} P={job.pcp} W={job.dcp} "
+                         f"I={job.interleave} {job.kv_cache_dtype} on {job.device}, "
+                         f"{len(prep.prompts)} requests, {max(job.pcp, job.dcp)} rank(s) "
+                         f"({how}), {job.num_blocks} KV blocks per rank\n")
     t0 = time.monotonic()
-    previous = signal.signal(signal.SIGTERM, _interrupt)  # so spawned ranks are ended
-    try:
-        results = serve(prep)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    if env is not None:
+        results = _as_torchrun_rank(prep, env, args.json)
+        if "_code" in results[0].value:  # a rank other than 0: rank 0 reports
+            return results[0].value["_code"]
+    else:
+        previous = signal.signal(signal.SIGTERM, _interrupt)  # so spawned ranks are ended
+        try:
+            results = serve(prep)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     elapsed = time.monotonic() - t0
     code = _failures(results, args.json)
     if code is not None:
@@ -125,6 +135,8 @@ def run(args) -> int:
     for v in values[1:]:
         if v["outputs"] != head["outputs"]:
             return _fail(args.json, 1, f"rank {v['rank']}'s tokens differ from rank 0's")
+    if not head.get("outputs_agree", True):
+        return _fail(args.json, 1, "the ranks' tokens differ (digests compared at the end)")
     check = None
     if args.check:
         from cpplan.serve.check import TOL, TOL_BF16_ACTIVATIONS, check_outputs
@@ -138,6 +150,38 @@ def run(args) -> int:
         sys.stderr.write(check.line() + "\n")
     _print(prep, values, elapsed, check, args.json)
     return 0 if check is None or check.ok else 1
+
+
+def _as_torchrun_rank(prep, env, as_json: bool):
+    """This process as rank ``env.rank`` of torchrun's world (max(P, W) ranks; gloo on CPU,
+    NCCL on GPU LOCAL_RANK): rank 0 gets ``[RankResult]`` back to report; the others exit
+    here with their own code (a failure is one line naming the rank)."""
+    from cpplan.cli.simulate_cmd import _report_failures, _said_once
+    from cpplan.schemas.errors import ConfigError, RankLostError
+    from cpplan.serve.engine import serve_rank
+    from cpplan.sim.launch import RankResult, join_torchrun, leave_torchrun
+
+    job = prep.job
+    size = max(job.pcp, job.dcp)
+    if env.world_size != size:  # rank 0 raises it (one line); the others exit alike
+        code = _said_once(env.rank, ConfigError(
+            f"torchrun's world has {env.world_size} rank(s): --pcp {job.pcp} --dcp {job.dcp} "
+            f"needs max(P, W) = {size} (--nproc-per-node x --nnodes)"))
+        return [RankResult(env.rank, value={"rank": env.rank, "_code": code})]
+    ctx = join_torchrun("nccl" if job.device == "cuda" else "gloo",
+                        timeout_s=max(job.timeout_s * 4, 60.0))
+    value = serve_rank(ctx, job)
+    error = value.get("error")
+    leave_torchrun(clean=not isinstance(error, RankLostError))
+    if error is not None:  # each rank names its own failure; rank 0 writes the JSON
+        code = _report_failures([(ctx.rank, error, None)], as_json and ctx.rank == 0,
+                                torchrun=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # before torchrun ends this rank for its peer's exit
+    if ctx.rank != 0:
+        return [RankResult(ctx.rank, value={"rank": ctx.rank, "_code": 0})]
+    return [RankResult(0, value=value)]
 
 
 def _interrupt(signum, frame) -> None:
@@ -180,7 +224,8 @@ def _print(prep, values, elapsed: float, check, as_json: bool) -> None:
             row["output_text"] = prep.tokenizer.decode(out)
         rows.append(row)
     summary = {"ok": check is None or check.ok, "steps": head["steps"],
-               "collectives": sum(v["collectives"] for v in values),
+               "collectives": head.get("collectives_world",
+                                       sum(v["collectives"] for v in values)),
                "digest_checks": head["digest_checks"], "requests": len(rows),
                "prompt_tokens": sum(len(p.token_ids) for p in prep.prompts),
                "output_tokens": new, "query_tokens": head["tokens"],

@@ -215,6 +215,24 @@ def serve(model, config, job: GenerateJob, *, groups, rank: int) -> dict:
                   preempted=sched.preempted, seconds=seconds,
                   digest_checks=(ex.check.passed - checks0) if ex.check is not None else 0,
                   **stats)
+    if groups is not None and groups.control is not None:
+        result.update(_world_facts(groups, stats["collectives"], result["outputs"]))
     if keep:
         result["logits"] = [torch.stack(x) if x else torch.zeros(0) for x in logits_kept]
     return result
+
+
+def _world_facts(groups, collectives: int, outputs) -> dict:
+    """Over the control group (collective): the collectives of every rank summed, and whether
+    every rank generated the same tokens (a digest of them compared)."""
+    import json
+
+    import torch.distributed as dist
+    import xxhash
+
+    digest = xxhash.xxh3_64_intdigest(json.dumps(outputs).encode()) & (2**63 - 1)
+    mine = torch.tensor([collectives, digest], dtype=torch.int64)
+    parts = [torch.empty_like(mine) for _ in range(groups.control_size)]
+    dist.all_gather(parts, mine, group=groups.control)
+    return {"collectives_world": sum(int(p[0]) for p in parts),
+            "outputs_agree": all(int(p[1]) == digest for p in parts)}

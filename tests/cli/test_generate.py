@@ -336,3 +336,24 @@ def test_a_lost_rank_ends_the_run_with_exit_4(prompts_file, capsys):
     assert code == 4, err
     assert "rank 1 lost" in err.err and json.loads(err.out)["exit_code"] == 4
     assert "Traceback" not in err.err and len(err.err.strip().splitlines()) <= 2
+
+
+@pytest.mark.slow
+def test_as_ranks_of_a_torchrun_world(prompts_file):
+    """Two torchrun ranks (gloo): rank 0 alone prints, tokens as the 1 x 1 run's; a world of
+    the wrong size is one line from rank 0, exit 2."""
+    from tests.dist.test_torchrun import rank_exit_codes, torchrun
+
+    proc = torchrun(2, "-m", "cpplan", "generate", "--model", MODEL, "--prompts",
+                    prompts_file, "--max-new-tokens", NEW, "--max-num-batched-tokens", BUDGET,
+                    "--pcp", 2, "--dcp", 2, "--json")
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(x) for x in proc.stdout.splitlines()]
+    assert len(lines) == len(LENGTHS) + 1  # rank 0 alone
+    _, base = _base(prompts_file, "fp8_ds_mla")
+    assert [x["output_token_ids"] for x in lines[:-1]] == base["outputs"]
+    assert lines[-1]["digest_checks"] == lines[-1]["steps"] and lines[-1]["collectives"] > 0
+    bad = torchrun(2, "-m", "cpplan", "generate", "--model", MODEL, "--pcp", 3, "--dcp", 3,
+                   monitor_s=2)
+    assert bad.returncode != 0 and set(rank_exit_codes(bad.stderr)) <= {2}
+    assert bad.stderr.count("needs max(P, W) = 3") == 1
