@@ -349,11 +349,11 @@ def test_as_ranks_of_a_torchrun_world(prompts_file):
                     "--pcp", 2, "--dcp", 2, "--json")
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(x) for x in proc.stdout.splitlines()]
-    assert len(lines) == len(LENGTHS) + 1  # rank 0 alone
+    assert len(lines) == len(LENGTHS) + 1, proc.stdout  # rank 0 alone
     _, base = _base(prompts_file, "fp8_ds_mla")
     assert [x["output_token_ids"] for x in lines[:-1]] == base["outputs"]
     assert lines[-1]["digest_checks"] == lines[-1]["steps"] and lines[-1]["collectives"] > 0
     bad = torchrun(2, "-m", "cpplan", "generate", "--model", MODEL, "--pcp", 3, "--dcp", 3,
                    monitor_s=2)
-    assert bad.returncode != 0 and set(rank_exit_codes(bad.stderr)) <= {2}
-    assert bad.stderr.count("needs max(P, W) = 3") == 1
+    assert bad.returncode != 0 and 2 in rank_exit_codes(bad.stderr), bad.stderr
+    assert bad.stderr.count("needs max(P, W) = 3") == 1, bad.stderr
