@@ -357,3 +357,22 @@ def test_as_ranks_of_a_torchrun_world(prompts_file):
                    monitor_s=2)
     assert bad.returncode != 0 and 2 in rank_exit_codes(bad.stderr), bad.stderr
     assert bad.stderr.count("needs max(P, W) = 3") == 1, bad.stderr
+
+
+@pytest.mark.parametrize("wrong", ["mla-rope", "sm-scale"])
+def test_check_fails_when_the_forward_is_wrong(prompts_file, monkeypatch, wrong):
+    """--check is a real reference: a wrong RoPE convention or softmax scale in the serving
+    side (the reference is the model's own forward, untouched) exits 1 with one line."""
+    from cpplan.models import derive
+
+    if wrong == "mla-rope":
+        monkeypatch.setitem(derive.ROPE, "deepseek_v32", ("half", "half"))
+    else:
+        scale = derive.softmax_scale
+        monkeypatch.setattr(derive, "softmax_scale", lambda config: 1.5 * scale(config))
+    res = run_cli("generate", "--model", MODEL, "--prompts", prompts_file, "--max-new-tokens",
+                  NEW, "--max-num-batched-tokens", BUDGET, "--check", "--json")
+    assert res.code == 1, res.stderr
+    assert json.loads(res.stdout.splitlines()[-1])["ok"] is False
+    failed = [x for x in res.stderr.splitlines() if x.startswith("check FAILED")]
+    assert len(failed) == 1 and "first difference" in failed[0]
