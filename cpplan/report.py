@@ -80,7 +80,8 @@ def ranks_table(plan: StepPlan, limit: int | None = None) -> list[dict]:
 MAX_INDICES = 2**24  # --indices lists at most this many deinterleave entries (about 200 MB)
 
 
-def chunks_table(plan: StepPlan, with_indices: bool) -> list[dict]:
+def chunks_table(plan: StepPlan, with_indices: bool, limit: int | None = None) -> list[dict]:
+    """Per gather chunk (the first ``limit`` when given)."""
     cfg = plan.config
     if with_indices:
         count = sum(chunk.total for chunk in plan.gather_chunks)
@@ -88,7 +89,7 @@ def chunks_table(plan: StepPlan, with_indices: bool) -> list[dict]:
             raise CapacityError(f"--indices would list {count:,} deinterleave indices: limit "
                                 f"{MAX_INDICES:,} (leave --indices off for this plan)")
     out = []
-    for k, chunk in enumerate(plan.gather_chunks):
+    for k, chunk in enumerate(plan.gather_chunks[:limit]):
         entry = {"index": k, "requests": chunk.requests.np().tolist(),
                  "pad": chunk.pad.np().tolist(), "padded_local_total": chunk.padded_local_total,
                  "total": chunk.total, "padded_local_cu": chunk.padded_local_cu.np().tolist(),
@@ -100,12 +101,12 @@ def chunks_table(plan: StepPlan, with_indices: bool) -> list[dict]:
     return out
 
 
-def collectives_table(plan: StepPlan) -> list[dict]:
-    """Per collective; ``layers`` (where some layers share an indexer top-k) lists the layers
-    a per-layer entry is issued on, and only then appears."""
+def collectives_table(plan: StepPlan, limit: int | None = None) -> list[dict]:
+    """Per collective (the first ``limit`` when given); ``layers`` (where some layers share an
+    indexer top-k) lists the layers a per-layer entry is issued on, and only then appears."""
     layers = plan.config.num_layers
     out = []
-    for c in plan.collectives:
+    for c in plan.collectives[:limit]:
         entry = {"name": c.name, "op": c.op, "group": c.group, "dtype": c.dtype,
                  "shape": list(c.shape), "bytes": c.bytes, "per_layer": c.per_layer,
                  "bytes_per_step": c.bytes * c.issues_per_step(layers)}
@@ -149,8 +150,9 @@ def workspace(plan: StepPlan) -> dict:
 
 def plan_report(plan: StepPlan, *, with_indices: bool = False, with_cost: bool = True,
                 max_rows: int | None = None, schema_version: int = SCHEMA_VERSION) -> dict:
-    """The report; ``max_rows`` caps the requests and the rows per rank listed (a text report's
-    view: what is built stays bounded by what is shown), None lists everything.
+    """The report; ``max_rows`` caps the requests, the rows per rank, the gather chunks and the
+    collectives listed (a text report's view: what is built stays bounded by what is shown;
+    ``totals`` then counts them all), None lists everything.
     ``schema_version`` is the plan file's (the default, the version this cpplan writes, is a
     freshly compiled plan's)."""
     report = {
@@ -164,8 +166,8 @@ def plan_report(plan: StepPlan, *, with_indices: bool = False, with_cost: bool =
         "cudagraph_size": plan.cudagraph_size,
         "requests": requests_table(plan, max_rows),
         "ranks": ranks_table(plan, max_rows),
-        "gather_chunks": chunks_table(plan, with_indices),
-        "collectives": collectives_table(plan),
+        "gather_chunks": chunks_table(plan, with_indices, max_rows),
+        "collectives": collectives_table(plan, max_rows),
         "workspace": workspace(plan),
     }
     sampled = sampled_table(plan)

@@ -12,7 +12,8 @@ Per layer and per world rank g (PCP rank ``g % P``, DCP rank ``g % W``):
   decode token on DCP rank r when W > 1); ``2 * index_heads * index_head_dim`` FLOPs per key.
 * gathered bytes: every DCP rank receives ``W * PT * (kv_bytes + 132)`` per gather chunk.
 
-Key counts are exact integer sums (closed forms per row); FLOPs are Python ints.
+Key counts are exact integer sums (closed forms per row and per request: memory and time
+follow the plan's rows and requests, never its token counts); FLOPs are Python ints.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import numpy as np
 
 from cpplan.schemas.config import INDEXER_K_BYTES_PER_TOKEN
 from cpplan.schemas.plan import StepPlan
-from cpplan.schemas.sharding import shard_count
 
 
 class CostEstimate(msgspec.Struct, frozen=True, kw_only=True):
@@ -50,12 +50,6 @@ def _tri_capped(n: np.ndarray, cap: int) -> np.ndarray:
     return _tri(m) + (n - m) * cap
 
 
-def _local_lens(n: np.ndarray, w_size: int, inter: int) -> np.ndarray:
-    """int64 [W, len(n)]: KV tokens of an extent n on each DCP rank (docs/design.md §3.4)."""
-    ranks = np.arange(w_size, dtype=np.int64)[:, None]
-    return np.broadcast_to(shard_count(n[None, :], w_size, inter, ranks), (w_size, len(n)))
-
-
 def _prefill_keys(plan: StepPlan, cap: int) -> tuple[np.ndarray, np.ndarray]:
     """(attention, indexer) keys [P] over each PCP rank's prefill rows."""
     nd = plan.num_decode_rows
@@ -65,19 +59,83 @@ def _prefill_keys(plan: StepPlan, cap: int) -> tuple[np.ndarray, np.ndarray]:
     return attn, (_tri(e) - _tri(s)).sum(axis=1)
 
 
+MAX_WALKED_TOKENS = 1 << 20  # decode tokens past top-k summed one by one (W > 1); see below
+
+
+def _per_rank(w_size: int, everywhere, below, at, j) -> np.ndarray:
+    """int64 [W]: per DCP rank r, sum(everywhere) + sum(below[j > r]) + sum(at[j == r]).
+    O(len + W); int64 arithmetic wraps, which is exact as long as the true totals fit int64
+    (every sum here is of integers whose total does: at most 2**31 tokens times 2**31 keys)."""
+    out = np.zeros(w_size, dtype=np.int64)
+    out += np.sum(everywhere, dtype=np.int64)
+    diff = np.zeros(w_size + 1, dtype=np.int64)
+    np.add.at(diff, np.zeros(1, dtype=np.int64), np.sum(below, dtype=np.int64, keepdims=True))
+    np.add.at(diff, j, -below)
+    out += np.cumsum(diff, dtype=np.int64)[:w_size]
+    np.add.at(out, j, at)
+    return out
+
+
+def _shard_prefix_sums(x: np.ndarray, sign: np.ndarray, w_size: int, inter: int) -> np.ndarray:
+    """int64 [W]: per DCP rank r, sum over i of sign[i] * F_r(x[i]), where
+    F_r(x) = sum_{n=1..x} local_r(n) (local_r(n) = shard_count(n, W, I, r)), in closed form:
+    F_r(x) = x * count_r(x) - (sum of the positions t < x that rank r holds). O(len(x) + W)."""
+    i, period = inter, w_size * inter
+    k = x // period
+    rem = x - k * period
+    j, f = rem // i, rem % i
+    # F_r(x) = x*k*I - A(k) - k*I*I*r + G_r, with G_r = I*rem - I(I-1)/2 - I*I*r for r < j,
+    # f(f+1)/2 at r = j and 0 above (k full periods, then the partial one)
+    const = x * (k * i) - ((k * (k - 1) // 2) * i) * period - (k * i) * (i - 1) // 2
+    below = i * rem - i * (i - 1) // 2
+    point = f * (f + 1) // 2
+    ranks = np.arange(w_size, dtype=np.int64)
+    slope = _per_rank(w_size, sign * (k * i * i), sign * (i * i), np.zeros_like(j), j)
+    return _per_rank(w_size, sign * const, sign * below, sign * point, j) - slope * ranks
+
+
+def _capped_shares(n: np.ndarray, weight: np.ndarray, w_size: int, inter: int,
+                   cap: int) -> np.ndarray:
+    """int64 [W]: per DCP rank r, sum of weight * (cap * local_r(n) // n) (local_r(n) takes
+    three values over the ranks: below the partial period's rank, at it, above it)."""
+    k = n // (w_size * inter)
+    rem = n - k * w_size * inter
+    j, f = rem // inter, rem % inter
+    lo = cap * (k * inter) // n
+    hi = cap * (k * inter + inter) // n
+    mid = cap * (k * inter + f) // n
+    return _per_rank(w_size, weight * lo, weight * (hi - lo), weight * (mid - lo), j)
+
+
 def _decode_keys(plan: StepPlan, cap: int) -> tuple[np.ndarray, np.ndarray]:
-    """(attention, indexer) keys [W] over the decode tokens, per DCP rank (full when W == 1)."""
+    """(attention, indexer) keys [W] over the decode tokens, per DCP rank (full when W == 1).
+    Per request closed forms (a decode's tokens sit at n = c+1 .. c+q): nothing per token is
+    built, except past top-k with W > 1 (n > topk: rank r's share cap * local_r(n) // n),
+    summed token by token while the step has at most MAX_WALKED_TOKENS such tokens; beyond,
+    every such token of a request counts its last token's share (an estimate either way)."""
     cfg, nd = plan.config, plan.num_decode_rows
     req = plan.row_request.np()[:nd]
     q = plan.num_scheduled_tokens.np().astype(np.int64)[req]
-    c = plan.num_computed_tokens.np().astype(np.int64)[req]
-    # n = pos + 1 for every decode token (decodes hold q tokens: 1 + speculative)
-    n = np.repeat(c + q - np.cumsum(q), q) + np.arange(int(q.sum())) + 1
+    a = plan.num_computed_tokens.np().astype(np.int64)[req]
+    b = a + q
     if cfg.dcp_size == 1:
-        return np.minimum(n, cap).sum(keepdims=True), n.sum(keepdims=True)
-    local = _local_lens(n, cfg.dcp_size, cfg.interleave_size)
-    attn = (np.minimum(n, cap) * local // np.maximum(n, 1)).sum(axis=1)
-    return attn, local.sum(axis=1)
+        attn = np.sum(_tri_capped(b, cap) - _tri_capped(a, cap), dtype=np.int64, keepdims=True)
+        return attn, np.sum(_tri(b) - _tri(a), dtype=np.int64, keepdims=True)
+    w_size, inter = cfg.dcp_size, cfg.interleave_size
+    both = np.concatenate([b, a])
+    sign = np.concatenate([np.ones_like(b), -np.ones_like(a)])
+    index = _shard_prefix_sums(both, sign, w_size, inter)
+    attn = _shard_prefix_sums(np.minimum(both, cap), sign, w_size, inter)  # n <= cap: all
+    start = np.maximum(a, cap)
+    count = np.maximum(b - start, 0)
+    walked = int(count.sum())
+    if walked <= MAX_WALKED_TOKENS:  # each token past top-k: n = start + 1 .. b
+        n = np.repeat(start - np.cumsum(count) + count, count) + np.arange(walked) + 1
+        attn = attn + _capped_shares(n, np.ones_like(n), w_size, inter, cap)
+    else:
+        has = count > 0
+        attn = attn + _capped_shares(b[has], count[has], w_size, inter, cap)
+    return attn, index
 
 
 def estimate_cost(plan: StepPlan) -> CostEstimate:

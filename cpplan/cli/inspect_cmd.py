@@ -20,7 +20,9 @@ EXAMPLE = """examples:
 config flags (--config, --pcp, ...) apply to a step file only: a plan carries its config.
 """ + PATHS_NOTE + "\n"
 
-MAX_ROWS_SHOWN = 64  # requests, and rows per rank, in the text report; --json has them all
+# rows of each table in the text report (requests, rows per rank, PCP ranks, gather chunks,
+# collectives, cost ranks); --json has them all
+MAX_ROWS_SHOWN = 64
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -58,7 +60,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit(json.dumps(report, separators=(",", ":")))
         return 0
-    report["totals"] = {"requests": plan.num_requests, "rows": plan.num_rows}
+    report["totals"] = {"requests": plan.num_requests, "rows": plan.num_rows,
+                        "ranks": len(report["ranks"]), "gather_chunks": len(plan.gather_chunks),
+                        "collectives": len(plan.collectives)}
     try:
         _print_text(report)
     except BrokenPipeError:
@@ -120,7 +124,7 @@ def _requests(console, report: dict) -> None:
 
 
 def _ranks(console, report: dict) -> None:
-    for rank in report["ranks"]:
+    for rank in report["ranks"][:MAX_ROWS_SHOWN]:
         real, padded = rank["num_tokens"], rank["padded_num_tokens"]
         waste = 100.0 * rank["padding"] / padded if padded else 0.0
         table = _table(f"PCP rank {rank['rank']}: {real} tokens, padded to {padded} "
@@ -133,6 +137,7 @@ def _ranks(console, report: dict) -> None:
                           "yes" if row["kv_write"] else "-")
         console.print(table)
         _more(console, report["totals"]["rows"], "rows")
+    _more(console, report["totals"]["ranks"], "PCP ranks")
 
 
 def _more(console, total: int, what: str) -> None:
@@ -145,23 +150,25 @@ def _chunks(console, report: dict) -> None:
         return
     table = _table("gather chunks", ("chunk", "requests", "PT", "gathered rows", "total tokens"))
     w = report["config"]["dcp_size"]
-    for c in report["gather_chunks"]:
+    for c in report["gather_chunks"][:MAX_ROWS_SHOWN]:
         reqs = c["requests"]
         shown = ",".join(map(str, reqs[:12])) + (f",... ({len(reqs)})" if len(reqs) > 12 else "")
         table.add_row(str(c["index"]), shown, str(c["padded_local_total"]),
                       str(w * c["padded_local_total"]), str(c["total"]))
     console.print(table)
+    _more(console, report["totals"]["gather_chunks"], "gather chunks")
 
 
 def _collectives(console, report: dict) -> None:
     table = _table(f"collectives (per rank; {report['config']['num_layers']} layers)",
                    ("name", "op", "group", "dtype", "shape", "bytes/layer", "bytes/step"),
                    left=("name", "op", "group", "dtype", "shape"))
-    for c in report["collectives"]:
+    for c in report["collectives"][:MAX_ROWS_SHOWN]:
         table.add_row(markup(c["name"]), c["op"], c["group"], c["dtype"],
                       "x".join(map(str, c["shape"])),
                       f"{c['bytes']:,}" if c["per_layer"] else "-", f"{c['bytes_per_step']:,}")
     console.print(table)
+    _more(console, report["totals"]["collectives"], "collectives")
 
 
 def _cost(console, report: dict) -> None:
@@ -169,12 +176,14 @@ def _cost(console, report: dict) -> None:
     table = _table(f"cost per layer (imbalance max/mean {cost['imbalance']:.3f})",
                    ("rank", "attention keys", "indexer keys", "attention GFLOP",
                     "indexer GFLOP", "gathered MB"))
-    for r in range(len(cost["attention_flops"])):
+    ranks = len(cost["attention_flops"])
+    for r in range(min(ranks, MAX_ROWS_SHOWN)):
         table.add_row(str(r), f"{cost['attention_keys'][r]:,}", f"{cost['indexer_keys'][r]:,}",
                       f"{cost['attention_flops'][r] / 1e9:.2f}",
                       f"{cost['indexer_flops'][r] / 1e9:.2f}",
                       f"{cost['gathered_bytes'][r] / 1e6:.2f}")
     console.print(table)
+    _more(console, ranks, "ranks")
     console.print(
         f"workspace per rank: gather {ws['gather_bytes']:,} B of {ws['gather_capacity_bytes']:,} "
         f"B capacity ({ws['gather_rows']} rows), insert {ws['insert_bytes']:,} B, restore "

@@ -3,6 +3,8 @@
 Ranks run as threads and their collectives are in-process tensor operations; each rank's cache
 is rebuilt from coordinates. The seed comes from ``replay.json`` beside the step file (written by
 ``cpplan simulate --record``; default 0). Exit 0 when the step matches the oracle, 1 otherwise.
+A step beyond what one process replays (``check_replay_size``: ranks, tokens, cache bytes,
+oracle scores) is refused up front, exit 2, before anything is allocated.
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ from cpplan.schemas.files import read_input
 
 MAX_SEED = 2**63 - 1
 MAX_META_BYTES = 1 << 20  # replay.json holds a seed
+# What one replay process holds (every rank is a thread of it): refused above these, up front
+MAX_REPLAY_RANKS = 8  # world_size: each rank thread's buffers grow with the world
+MAX_REPLAY_TOKENS = 1 << 15  # sum of extents (c + q): the history every rank regenerates
+MAX_REPLAY_CACHE_BYTES = 1 << 30  # every rank's layer caches together
+MAX_REPLAY_SCORES = 1 << 22  # the oracle's largest request: q * extent indexer scores
 
 EXAMPLE = """example:
   cpplan simulate --record runs/a && cpplan replay runs/a/step-7.msgpack --device cpu
@@ -58,6 +65,36 @@ def _meta_from(meta_path: str) -> tuple[int, float]:
     return seed, float(scale)
 
 
+def check_replay_size(plan) -> None:
+    """Refuse (CapacityError, one line) a plan whose replay would outgrow one process: more
+    than MAX_REPLAY_RANKS ranks, more than MAX_REPLAY_TOKENS tokens of context, caches beyond
+    MAX_REPLAY_CACHE_BYTES, or a request whose oracle scores more than MAX_REPLAY_SCORES
+    (query, key) pairs. Computed from the plan's columns only (O(requests))."""
+    from cpplan.schemas.errors import CapacityError
+
+    cfg = plan.config
+    if cfg.world_size > MAX_REPLAY_RANKS:
+        raise CapacityError(f"replay runs every rank in one process: at most {MAX_REPLAY_RANKS}"
+                            f" ranks: got {cfg.world_size} (P={cfg.pcp_size}, W={cfg.dcp_size})")
+    extents = plan.extent()
+    tokens = int(extents.sum())
+    if tokens > MAX_REPLAY_TOKENS:
+        raise CapacityError(f"replay regenerates every request's context: at most "
+                            f"{MAX_REPLAY_TOKENS:,} tokens (sum of c + q): got {tokens:,}")
+    # as _run_rank sizes them: 1 + N * blocks of the longest request's shard, per rank, layer
+    blocks = 1 + plan.num_requests * max(1, -(-cfg.shard_rows(int(extents.max()))
+                                             // cfg.block_size))
+    cache = (cfg.world_size * cfg.num_layers * blocks * cfg.block_size
+             * (cfg.kv_bytes_per_token + cfg.index_k_bytes_per_token))
+    if cache > MAX_REPLAY_CACHE_BYTES:
+        raise CapacityError(f"replay's layer caches would take {cache:,} bytes: at most "
+                            f"{MAX_REPLAY_CACHE_BYTES:,}")
+    scores = int((plan.num_scheduled_tokens.np().astype(extents.dtype) * extents).max())
+    if scores > MAX_REPLAY_SCORES:
+        raise CapacityError(f"replay's oracle scores q * extent keys per request: at most "
+                            f"{MAX_REPLAY_SCORES:,}: got {scores:,}")
+
+
 def run(args) -> int:
     from cpplan.schemas.codec import decode_plan
     from cpplan.schemas.errors import ConfigError, StepInputError
@@ -65,6 +102,10 @@ def run(args) -> int:
     plan = decode_plan(read_input(args.step))
     if plan.num_requests == 0:
         raise StepInputError(f"step {plan.step_id} has no requests: nothing to replay")
+    from cpplan.sim.replay import check_replayable
+
+    check_replayable(plan)  # not a simulation model's plan: said first
+    check_replay_size(plan)
     from cpplan.sim.coords import SIM_SM_SCALE
 
     seed, sm_scale = args.seed, SIM_SM_SCALE
