@@ -85,9 +85,11 @@ def cpplan_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, allowed: torc
 
 
 def _cpplan_indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask,
-                            position_ids=None, past_key_values=None):
+                            position_ids=None, past_key_values=None, cache=None):
     """An HF indexer's forward (same signature, same q / k / weights from its weights) with
-    cpplan's numerics (module docstring); bound to one indexer module instance."""
+    cpplan's numerics (module docstring); bound to one indexer module instance. The cache
+    argument is ``past_key_values`` in transformers 5.23 and ``cache`` from 5.24 on."""
+    past_key_values = cache if cache is not None else past_key_values
     b, s, _ = hidden_states.shape
     cos, sin = position_embeddings
     rope = getattr(sys.modules[type(self).__module__], _HF_INDEXER_ROPE[self.config.model_type])
