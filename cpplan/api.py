@@ -54,10 +54,20 @@ from cpplan.schemas.step import StepInput
 
 def record_plan(plan: StepPlan, directory: str) -> str:
     """Write ``step-<id>.msgpack`` (for ``cpplan inspect`` / ``replay``); returns the path.
-    ``directory`` is created if missing; OutputError (got / expected) where it cannot be, or
-    where ``plan`` is not a StepPlan (UsageError)."""
+    ``directory`` (a str path or os.PathLike of one) is created if missing; OutputError (got /
+    expected) where it cannot be; UsageError where ``plan`` is not a StepPlan or
+    ``directory`` is not a str path (bytes, None)."""
     if not isinstance(plan, StepPlan):
         raise UsageError(f"record_plan: got {type(plan).__name__}; expected a StepPlan")
+    try:
+        folder = os.fspath(directory)
+    except TypeError:
+        folder = None
+    if not isinstance(folder, str):  # bytes mixed with the str file name: a raw TypeError
+        raise UsageError(f"record_plan directory: got {type(directory).__name__} "
+                         f"{directory!r}"[:160] + "; expected a str path (or an os.PathLike "
+                         "of one)")
+    directory = folder
     try:
         os.makedirs(directory, exist_ok=True)
     except (OSError, TypeError, ValueError) as exc:

@@ -75,10 +75,15 @@ class LayerCache:
         if not int_in(num_blocks, 2, 2**31 - 1):
             raise ConfigError(f"LayerCache.empty num_blocks: got {num_blocks!r}; expected an "
                               "integer in [2, 2**31) (block 0 is reserved)")
+        device = check_device(device, "LayerCache.empty") if device is not None else None
         slots = int(num_blocks) * config.block_size
-        return cls(torch.zeros(slots, config.kv_bytes_per_token, dtype=torch.uint8, device=device),
-                   torch.zeros(num_blocks, config.block_size * config.index_k_bytes_per_token,
-                               dtype=torch.uint8, device=device))
+        # normal tensors even under torch.inference_mode(): an inference tensor cannot be
+        # written outside that mode, and the caches outlive the block that made them
+        with torch.inference_mode(False):
+            return cls(torch.zeros(slots, config.kv_bytes_per_token, dtype=torch.uint8,
+                                   device=device),
+                       torch.zeros(num_blocks, config.block_size * config.index_k_bytes_per_token,
+                                   dtype=torch.uint8, device=device))
 
 
 @dataclasses.dataclass
@@ -189,6 +194,27 @@ def _check_executor_args(config, **ints) -> None:
             raise ConfigError(f"StepExecutor {name}: got {value!r}; expected {want}")
 
 
+def check_device(device, where: str) -> torch.device:
+    """``device`` as a torch.device this process can allocate on: ConfigError (got / expected)
+    for what is no device name, or a CUDA device where there is none (torch's own errors
+    were an AssertionError "Torch not compiled with CUDA enabled" or a pinned-memory
+    RuntimeError)."""
+    try:
+        dev = torch.device(device)
+    except (TypeError, RuntimeError, ValueError):
+        raise ConfigError(f"{where} device: got {device!r}; expected a torch device ('cpu', "
+                          "'cuda', 'cuda:1' or a torch.device)") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"{where} device: got {str(dev)!r}; expected 'cpu': no CUDA "
+                              "device here (torch.cuda.is_available() is False)")
+        if dev.index is not None and dev.index >= count:
+            raise ConfigError(f"{where} device: got {str(dev)!r}; expected cuda:0..cuda:"
+                              f"{count - 1} ({count} CUDA devices here)")
+    return dev
+
+
 def check_sm_scale(sm_scale) -> float:
     """The attention's softmax scale as a float: ConfigError unless a finite positive number.
     It is the model's own (docs/design.md §4.1: for MLA ``(qk_nope + qk_rope) ** -0.5`` times
@@ -224,6 +250,10 @@ class StepExecutor:
                              max_tokens=max_tokens, max_requests=max_requests,
                              max_blocks_per_request=max_blocks_per_request,
                              arena_depth=arena_depth)
+        if isinstance(data_timeout_s, bool) or not isinstance(data_timeout_s, (int, float)) \
+                or not 0 <= data_timeout_s < math.inf:  # False for NaN
+            raise ConfigError(f"StepExecutor data_timeout_s: got {data_timeout_s!r}"[:160]
+                              + "; expected a finite number of seconds >= 0")
         if prefill_keys not in PREFILL_KEYS:
             raise ConfigError(f"prefill_keys must be one of {PREFILL_KEYS}: got {prefill_keys!r}")
         self.prefill_keys = prefill_keys
@@ -255,7 +285,7 @@ class StepExecutor:
         self.comm, self.check, self.debug = comm, check, debug
         self.faults, self.data_timeout_s = faults, data_timeout_s
         self.watchdog: Watchdog | None = None
-        self.device = torch.device(device)
+        self.device = check_device(device, "StepExecutor")
         self._arg_device = (torch.device("cuda", torch.cuda.current_device())  # "cuda" alone
                             if self.device.type == "cuda" and self.device.index is None
                             else self.device)
@@ -382,6 +412,11 @@ class StepExecutor:
         step, so a peer inside one of its collectives raises PeerFailedError within about a
         second (gloo; on CUDA the watchdog aborts the data groups) instead of waiting out the
         data timeout, and the step is closed."""
+        if not isinstance(exc, BaseException):  # `raise exc` would be a TypeError
+            what = (f"the class {exc.__name__}" if isinstance(exc, type)
+                    else f"{type(exc).__name__} {exc!r}"[:120])
+            raise UsageError(f"refuse exc: got {what}; expected an exception instance (the "
+                             "engine's own failure, raised again here)")
         bound = plan if isinstance(plan, BoundStep) else self._last_bound
         if bound is not None and (bound is plan or bound.plan is plan) and bound.owner is self \
                 and not bound.finished:  # after bind, mid-step: the step's own failure slot
@@ -430,6 +465,13 @@ class StepExecutor:
                                  f"{type(cache).__name__}; expected a LayerCache")
         for name in ("kv", "index_k") if indexer else ("kv",):  # one flat buffer of slots
             t = getattr(cache, name)
+            if isinstance(t, torch.Tensor) and t.is_inference() \
+                    and not torch.is_inference_mode_enabled():  # its writes would raise deep
+                raise TensorArgError(f"step {bound.plan.step_id}: {call}: cache.{name} was made "
+                                     "under torch.inference_mode() and is used outside it; "
+                                     "expected a normal tensor (make the caches outside "
+                                     "inference_mode, as LayerCache.empty does, or run the "
+                                     "step inside it)")
             if isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_contiguous():
                 raise TensorArgError(f"step {bound.plan.step_id}: {call}: cache.{name} has "
                                      f"strides {tuple(t.stride())}; expected a contiguous "

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import numbers
 import os
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -25,6 +27,23 @@ from cpplan.schemas.names import Group, group_of
 DEFAULT_CONTROL_TIMEOUT_S = 30.0  # the digest check: a lost rank is named within this
 DATA_TIMEOUT_FACTOR = 4  # data collectives: by default this many control timeouts
 DEFAULT_TIMEOUT_S = DATA_TIMEOUT_FACTOR * DEFAULT_CONTROL_TIMEOUT_S  # 120 s
+
+
+MAX_TIMEOUT_S = 7 * 86400.0  # a week: any longer is a unit mistake (and overflows timedelta)
+
+
+def check_timeouts(where: str, timeout_s, control_timeout_s) -> None:
+    """ConfigError (got / expected) unless ``control_timeout_s`` and ``timeout_s`` (None: the
+    default) are real numbers of seconds in (0, MAX_TIMEOUT_S]: NaN, negative, infinite or a
+    string failed deep in torch (a timedelta, a rendezvous), or silently never timed out."""
+    for name, value in (("timeout_s", timeout_s), ("control_timeout_s", control_timeout_s)):
+        if value is None and name == "timeout_s":
+            continue
+        ok = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) \
+            and 0 < float(value) <= MAX_TIMEOUT_S  # False for NaN
+        if not ok:
+            raise ConfigError(f"{where} {name}: got {value!r}"[:160] + "; expected a number "
+                              f"of seconds in (0, {MAX_TIMEOUT_S:.0f}]")
 
 
 def data_timeout(timeout_s: float | None, control_timeout_s: float) -> float:
@@ -68,6 +87,7 @@ class Groups:
         """From an initialised default world of exactly ``config.world_size`` ranks; collective
         (every rank calls it). The data groups use the world's backend; their timeout is
         ``timeout_s``, by default four control timeouts (:func:`data_timeout`)."""
+        check_timeouts("Groups.build", timeout_s, control_timeout_s)
         timeout_s = data_timeout(timeout_s, control_timeout_s)
         if not isinstance(config, ParallelConfig):
             raise ConfigError(f"Groups.build: got {type(config).__name__}; expected a "
@@ -80,7 +100,8 @@ class Groups:
             raise ConfigError(f"world size must equal max(pcp_size, dcp_size) = "
                               f"{config.world_size}: got {world}")
         backend = dist.get_backend()
-        dev = torch.device(device) if device is not None else _default_device(backend, rank)
+        dev = _checked_device(device, "Groups.build") if device is not None \
+            else _default_device(backend, rank)
         data = control = None
         if world > 1:
             ranks = list(range(world))
@@ -102,6 +123,8 @@ class Groups:
                  **kwargs) -> "Groups":
         """Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set): initialise the
         default world if needed, then :meth:`build`."""
+        check_timeouts("Groups.from_env", kwargs.get("timeout_s"),
+                       kwargs.get("control_timeout_s", DEFAULT_CONTROL_TIMEOUT_S))
         if not dist.is_initialized():
             backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
             timeout = datetime.timedelta(seconds=data_timeout(
@@ -119,6 +142,14 @@ class Groups:
         """Take an engine's groups (e.g. one PCP/DCP group per tensor-parallel slice). Ranks are
         read from the groups; ``control_group`` must be a gloo group over the ranks whose plans
         must agree (typically the union of the PCP and DCP groups)."""
+        check_timeouts("Groups.adopt", timeout_s, control_timeout_s)
+        if not isinstance(config, ParallelConfig):
+            raise ConfigError(f"Groups.adopt: got {type(config).__name__}; expected a "
+                              "ParallelConfig")
+        device = _checked_device(device, "Groups.adopt")
+        if not dist.is_initialized():
+            raise ConfigError("Groups.adopt: torch.distributed is not initialised; expected the "
+                              "engine's world, whose groups are adopted")
         pcp_rank = dist.get_rank(pcp_group) if pcp_group is not None else 0
         dcp_rank = dist.get_rank(dcp_group) if dcp_group is not None else 0
         for name, grp, want in (("pcp", pcp_group, config.pcp_size),
@@ -145,6 +176,12 @@ class Groups:
     @property
     def control_size(self) -> int:
         return dist.get_world_size(self.control) if self.control is not None else 1
+
+
+def _checked_device(device, where: str) -> torch.device:
+    from cpplan.runtime.executor import check_device  # the executor's rule, one place
+
+    return check_device(device, where)
 
 
 def _default_device(backend: str, rank: int) -> torch.device:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import io
+import os
 import signal
 import sys
 import threading
@@ -67,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _stand_in_for_closed_streams()
     _escape_unencodable_output()
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -115,6 +118,57 @@ def _interrupt_on_sigterm():
     return signal.signal(signal.SIGTERM, _sigterm)
 
 
+class _ClosedStdout:
+    """sys.stdout where fd 1 was closed at start (``cpplan inspect f >&-``; Python then sets
+    sys.stdout to None and the first print was an AttributeError traceback): writing is a
+    one-line OutputError, exit 2; a command that writes no stdout (``plan -o``) runs as usual."""
+
+    encoding, errors = "utf-8", "strict"
+
+    def write(self, text: str) -> int:
+        from cpplan.schemas.errors import OutputError
+
+        raise OutputError("stdout is closed (>&-): got no stream to write the output to; "
+                          "expected an open stdout (redirect it to a file or /dev/null)")
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        raise OSError("stdout is closed")
+
+
+def _closed(stream) -> bool:
+    """None (Python's stand-in for a standard fd closed at start) or a file whose fd is
+    closed; a stream with no fd (an in-process capture) is open."""
+    if stream is None:
+        return True
+    try:
+        fd = stream.fileno()
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        return False
+    try:
+        os.fstat(fd)
+    except OSError:
+        return True
+    return False
+
+
+def _stand_in_for_closed_streams() -> None:
+    """A standard stream closed at start (``>&-``, ``2>&-``): stdout becomes a _ClosedStdout,
+    stderr /dev/null (error lines are dropped; the exit code still tells: 2 for bad input)."""
+    if _closed(sys.stdout):
+        sys.stdout = _ClosedStdout()
+    if _closed(sys.stderr):
+        try:
+            sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+        except OSError:
+            sys.stderr = io.StringIO()
+
+
 def _escape_unencodable_output() -> None:
     """Characters the terminal's encoding lacks are written as ``\\xNN`` / ``\\uNNNN``
     escapes instead of raising UnicodeEncodeError mid-report."""
@@ -128,4 +182,7 @@ def _escape_unencodable_output() -> None:
 
 
 def _error_line(command: str, message: str) -> None:
-    sys.stderr.write(f"cpplan {command}: error: {plain(' '.join(message.split()))}\n")
+    try:
+        sys.stderr.write(f"cpplan {command}: error: {plain(' '.join(message.split()))}\n")
+    except (OSError, ValueError):  # stderr unwritable: the exit code alone tells
+        pass

@@ -102,10 +102,6 @@ def run(args) -> int:
     plan = decode_plan(read_input(args.step))
     if plan.num_requests == 0:
         raise StepInputError(f"step {plan.step_id} has no requests: nothing to replay")
-    from cpplan.sim.replay import check_replayable
-
-    check_replayable(plan)  # not a simulation model's plan: said first
-    check_replay_size(plan)
     from cpplan.sim.coords import SIM_SM_SCALE
 
     seed, sm_scale = args.seed, SIM_SM_SCALE
@@ -113,7 +109,7 @@ def run(args) -> int:
     if os.path.lexists(meta_path):
         recorded, sm_scale = _meta_from(meta_path)
         seed = recorded if seed is None else seed
-    from cpplan.sim.replay import replay_plan
+    from cpplan.sim.replay import check_replayable, replay_plan
     from cpplan.sim.simulate import TOLERANCE
 
     if args.device == "cuda":
@@ -121,6 +117,8 @@ def run(args) -> int:
 
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda: no CUDA device here")
+    check_replayable(plan)  # not a simulation model's plan: said before its size
+    check_replay_size(plan)  # before anything is allocated
     result = replay_plan(plan, seed or 0, device=args.device, sm_scale=sm_scale)
     ok = result.max_abs_err <= TOLERANCE
     summary = {"step_id": result.step_id, "ranks": plan.config.world_size,

@@ -309,3 +309,139 @@ def test_a_paged_3d_kv_cache_is_named_with_the_flat_shape_expected():
                                              r"slot, \[num_blocks \* 64, 656\] \(a paged cache "
                                              r"passes kv.view\(-1, 656\)\)$"):
         ex.insert(bound, cache, torch.zeros(t, 576), torch.zeros(t, 128))
+
+
+# ---------------------------------------------------------------- issue 31 item 7
+@pytest.mark.parametrize("kwargs, words", [
+    ({"timeout_s": float("nan")}, "timeout_s: got nan"),
+    ({"timeout_s": -1.0}, "timeout_s: got -1.0"),
+    ({"timeout_s": "30"}, "timeout_s: got '30'"),
+    ({"control_timeout_s": float("nan")}, "control_timeout_s: got nan"),
+    ({"control_timeout_s": -5}, "control_timeout_s: got -5"),
+    ({"control_timeout_s": 0}, "control_timeout_s: got 0"),
+    ({"control_timeout_s": float("inf")}, "control_timeout_s: got inf"),
+    ({"control_timeout_s": True}, "control_timeout_s: got True"),
+])
+@pytest.mark.parametrize("how", ["build", "from_env", "adopt"])
+def test_groups_timeouts_nan_negative_or_not_numbers(how, kwargs, words):
+    """NaN reached datetime.timedelta (a ValueError from torch's rendezvous), a negative one
+    torch's own errors; every constructor now refuses it first, whatever the world's state."""
+    from cpplan.runtime.groups import Groups
+
+    build = {"build": lambda: Groups.build(CFG, **kwargs),
+             "from_env": lambda: Groups.from_env(CFG, **kwargs),
+             "adopt": lambda: Groups.adopt(CFG, pcp_group=None, dcp_group=None,
+                                           control_group=None, device="cpu", **kwargs)}[how]
+    with pytest.raises(ConfigError, match=f"^Groups.{how} {words}; expected a number of "
+                                          r"seconds in \(0, 604800\]$"):
+        build()
+
+
+def test_groups_timeouts_that_are_numbers_pass_the_check():
+    from cpplan.runtime.groups import check_timeouts
+
+    for value in (0.5, 30, np.float64(2.0), np.int64(5), 604800):
+        check_timeouts("Groups.build", value, value)  # no error
+    check_timeouts("Groups.build", None, 30.0)
+
+
+def test_adopt_outside_a_world_is_a_config_error():
+    from cpplan.runtime.groups import Groups
+
+    with pytest.raises(ConfigError, match="^Groups.adopt: torch.distributed is not initialised"):
+        Groups.adopt(CFG, pcp_group=None, dcp_group=None, control_group=None, device="cpu")
+
+
+@pytest.mark.parametrize("exc, words", [
+    ("oops", "got str 'oops'"), (None, "got NoneType None"), (ValueError, "got the class "
+                                                               "ValueError"), (42, "got int 42")])
+def test_refuse_with_a_non_exception(exc, words):
+    """`raise exc` of a non-exception was a TypeError from inside refuse; before bind or after."""
+    ex = StepExecutor.local(CFG, sm_scale=0.1, max_tokens=64, max_requests=8)
+    with pytest.raises(UsageError, match=f"^refuse exc: {words}; expected an exception "):
+        ex.refuse(_plan(), exc)
+    bound = ex.bind(_plan(2), BT)
+    with pytest.raises(UsageError, match=f"^refuse exc: {words}"):
+        ex.refuse(bound, exc)
+    with pytest.raises(KeyError):  # a real exception is raised again, as documented
+        ex.refuse(bound, KeyError("mine"))
+
+
+@pytest.mark.parametrize("folder", [b"/tmp/cpplan-bytes", None, 3])
+def test_record_plan_with_a_bytes_or_non_path_folder(folder, tmp_path):
+    from cpplan.api import record_plan
+
+    with pytest.raises(UsageError, match="^record_plan directory: got .*; expected a str path"):
+        record_plan(_plan(), folder)
+    assert record_plan(_plan(), tmp_path / "as-pathlike").endswith("step-1.msgpack")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda", 1)])
+def test_a_cuda_device_on_a_cpu_machine(device):
+    """Torch's AssertionError ("Torch not compiled with CUDA enabled") or a pinned-memory
+    RuntimeError before."""
+    with pytest.raises(ConfigError, match="^LayerCache.empty device: got 'cuda.*no CUDA device"):
+        LayerCache.empty(CFG, 4, device)
+    with pytest.raises(ConfigError, match="^StepExecutor device: got 'cuda.*no CUDA device"):
+        StepExecutor.local(CFG, sm_scale=0.1, device=device)
+
+
+@pytest.mark.parametrize("device", ["bogus", 3.5, "cpu:x"])
+def test_a_device_that_is_no_device_name(device):
+    with pytest.raises(ConfigError, match="device: got .*; expected a torch device"):
+        LayerCache.empty(CFG, 4, device)
+    with pytest.raises(ConfigError, match="device: got .*; expected a torch device"):
+        StepExecutor.local(CFG, sm_scale=0.1, device=device)
+
+
+def _run_step(ex, plan, cache):
+    bound = ex.bind(plan, BT)
+    kv, ik, q, iq, iw = _inputs(bound.plan.padded_num_tokens)
+    ex.insert(bound, cache, kv, ik)
+    out = ex.attend(bound, cache, q, iq, iw)
+    ex.finish(bound)
+    return out
+
+
+def test_caches_made_under_inference_mode_work_outside_it():
+    """LayerCache.empty under torch.inference_mode() made inference tensors, which the step's
+    insert (outside that mode) could not write: a raw RuntimeError deep in the kernels. The
+    reference: the same step on caches made normally."""
+    want = _run_step(StepExecutor.local(CFG, sm_scale=0.1, max_tokens=64, max_requests=8),
+                     _plan(), LayerCache.empty(CFG, 32, "cpu"))
+    with torch.inference_mode():
+        cache = LayerCache.empty(CFG, 32, "cpu")
+    assert not cache.kv.is_inference()
+    got = _run_step(StepExecutor.local(CFG, sm_scale=0.1, max_tokens=64, max_requests=8),
+                    _plan(), cache)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with torch.inference_mode():  # and inside it, too
+        got = _run_step(StepExecutor.local(CFG, sm_scale=0.1, max_tokens=64, max_requests=8),
+                        _plan(), LayerCache.empty(CFG, 32, "cpu"))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_engine_tensors_made_under_inference_mode_are_named():
+    """An engine's own cache tensors made under inference_mode and used outside it: one line."""
+    with torch.inference_mode():
+        kv = torch.zeros(32 * 64, CFG.kv_bytes_per_token, dtype=torch.uint8)
+        index_k = torch.zeros(32, 64 * CFG.index_k_bytes_per_token, dtype=torch.uint8)
+    ex = StepExecutor.local(CFG, sm_scale=0.1, max_tokens=64, max_requests=8)
+    bound = ex.bind(_plan(), BT)
+    kv_new, ik, *_ = _inputs(bound.plan.padded_num_tokens)
+    from cpplan.schemas.errors import TensorArgError
+
+    with pytest.raises(TensorArgError, match="insert: cache.kv was made under "
+                                             r"torch.inference_mode\(\) and is used outside it"):
+        ex.insert(bound, LayerCache(kv, index_k), kv_new, ik)
+
+
+@pytest.mark.parametrize("value", [float("nan"), -1.0, float("inf"), "5", True])
+def test_executor_data_timeout_nan_negative_or_not_a_number(value):
+    with pytest.raises(ConfigError, match="^StepExecutor data_timeout_s: got .*; expected a "
+                                          "finite number of seconds >= 0$"):
+        StepExecutor.local(CFG, sm_scale=0.1, max_tokens=64, max_requests=8,
+                           data_timeout_s=value)
+    assert StepExecutor.local(CFG, sm_scale=0.1, max_tokens=64, max_requests=8,
+                              data_timeout_s=2.5).data_timeout_s == 2.5
