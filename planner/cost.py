@@ -59,7 +59,7 @@ def _prefill_keys(plan: StepPlan, cap: int) -> tuple[np.ndarray, np.ndarray]:
     return attn, (_tri(e) - _tri(s)).sum(axis=1)
 
 
-MAX_WALKED_TOKENS = 1 << 20  # decode tokens past top-k summed one by one (W > 1); see below
+MAX_WALKED_TOKENS = 1 << 18  # decode tokens past top-k summed one by one (W > 1), ~30 MB
 
 
 def _per_rank(w_size: int, everywhere, below, at, j) -> np.ndarray:
