@@ -40,7 +40,7 @@ INJECT_KINDS = ("reorder", "q+1", "drop", "config", "step-id")
 KILL_KINDS = ("exit", "hang", "stop")  # die / stay alive and silent / SIGSTOP itself
 # where a rank raises locally; "skip-attend": it leaves out the step's attend calls (an engine
 # bug), so its next collective is not the plan's next: caught before it is issued
-FAIL_KINDS = ("bind", "insert", "attend", "skip-attend")
+FAIL_KINDS = ("bind", "insert", "attend", "restore", "skip-attend")
 # float32 on CPU: ranks and oracle select the same keys (exact integer indexer scores) and read
 # the same dequantised rows; what differs is the summation order (einsum blocking, the LSE merge
 # over W partial softmaxes), a few float32 ulps of outputs bounded by 1: 1e-7 measured.
@@ -315,6 +315,16 @@ class _Malformed:
         if self.where == "insert":
             kv_new = kv_new[:, :100]
         self.executor.insert(bound, cache, kv_new, index_k_new)
+
+    def restore(self, bound, hidden):
+        if self.where == "restore":
+            hidden = hidden[:, :10]
+        return self.executor.restore(bound, hidden)
+
+    def restore_sampled(self, bound, hidden):
+        if self.where == "restore":
+            hidden = hidden[:, :10]
+        return self.executor.restore_sampled(bound, hidden)
 
     def attend(self, bound, cache, q, index_q, index_w):
         if self.where == "skip-attend":

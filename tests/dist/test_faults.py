@@ -32,29 +32,35 @@ ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 5.0  # the control timeout of every case here; the data timeout stays at 120 s
 
 
-@pytest.mark.parametrize("where,verify", [("bind", "every"), ("bind", "off"),
-                                          ("insert", "every"), ("attend", "every"),
-                                          ("skip-attend", "every")])
-def test_local_failure_stops_the_peer_naming_the_rank(where, verify):
+@pytest.mark.parametrize("where,verify,rank", [
+    ("bind", "every", 1), ("bind", "off", 1), ("insert", "every", 1), ("attend", "every", 1),
+    ("skip-attend", "every", 1), ("insert", "every", 0), ("attend", "every", 0),
+    ("restore", "every", 1), ("restore", "every", 0)])
+def test_local_failure_stops_the_peer_naming_the_rank(where, verify, rank):
+    shm = {n for n in os.listdir("/dev/shm") if n.startswith("cpplan-digest-")}
     opts = SimOptions(pcp=2, dcp=2, steps=3, layers=1, progress=False, timeout_s=TIMEOUT,
-                      verify=verify, fail=Inject(step=2, rank=1, kind=where))
+                      verify=verify, fail=Inject(step=2, rank=rank, kind=where))
     with World(2, timeout_s=60) as world:
         t0 = time.monotonic()
-        peer, failed = (r.value for r in world.run(rank_main, opts, timeout_s=120))
+        values = [r.value for r in world.run(rank_main, opts, timeout_s=120)]
         took = time.monotonic() - t0
+    failed, peer = values[rank], values[1 - rank]
+    assert {n for n in os.listdir("/dev/shm") if n.startswith("cpplan-digest-")} <= shm
     own = failed["error"]
     if where == "bind":
         assert isinstance(own, StepInputError) and "block_tables[0][0]" in str(own)
     elif where == "skip-attend":  # its restore was caught before it was issued: gloo aborted
         assert isinstance(own, CollectiveLedgerError) and "would issue" in str(own)
         assert "name='restore'" in str(own) and str(own).endswith("not issued")
+    elif where == "restore":  # a hidden of the wrong width, refused before the all-gather
+        assert "restore: hidden is" in str(own) and failed["step"] == 2
     else:  # the malformed tensor fails inside the executor (kernel shape check or einsum)
         assert "576" in str(own) and failed["step"] == 2
     err = peer["error"]
     assert isinstance(err, PeerFailedError), err
-    assert err.rank == 1 and err.detail == one_line(own)
-    assert "rank 1 failed in step 2" in str(err) and one_line(own) in str(err)
-    assert peer["step"] == 2 and peer["elapsed_s"] < TIMEOUT  # not the 120 s data timeout
+    assert err.rank == rank and err.detail == one_line(own)
+    assert f"rank {rank} failed in step 2" in str(err) and one_line(own) in str(err)
+    assert peer["step"] == 2 and peer["elapsed_s"] < 2.0  # not the data timeout
     if where == "bind" and verify == "every":
         assert peer["ledger"] == 0  # stopped at the digest check, before any data collective
     assert took < 60
