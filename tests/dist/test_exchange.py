@@ -315,3 +315,65 @@ def test_a_peer_that_never_builds_is_a_rank_lost_error_and_nothing_leaks():
     assert results[0].ok and results[0].value[0] == "RankLostError", results[0]
     assert "did not take part within the control timeout (3 s)" in results[0].value[1]
     assert _leftovers() == before
+
+
+def _diverge(ctx, how: str, exchange: str, at: int):
+    """Groups built ``how``, an executor with verify='every' and ``exchange``; rank 1 compiles
+    another step ``at`` (one more token). Returns (step, error type, collectives issued in
+    that step) on each rank, or None if nothing was raised."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from cpplan.api import LayerCache, StepExecutor, StepInput, compile
+    from cpplan.runtime.groups import Groups
+
+    cfg = ParallelConfig(pcp_size=2, num_heads=8, topk=16, index_num_heads=4, num_layers=1,
+                         hidden_size=64, activation_dtype="float32", max_model_len=512)
+    if how == "build":
+        groups = Groups.build(cfg, store=ctx.store, control_timeout_s=10.0)
+    elif how == "from_env":
+        groups = Groups.from_env(cfg, control_timeout_s=10.0)
+    else:
+        ranks = list(range(ctx.world_size))
+        data, control = dist.new_group(ranks), dist.new_group(ranks, backend="gloo")
+        groups = Groups.adopt(cfg, pcp_group=data, dcp_group=None, control_group=control,
+                              device="cpu", store=ctx.store if how == "adopt" else None,
+                              control_timeout_s=10.0)
+    ex = StepExecutor.from_groups(cfg, groups, sm_scale=0.1, verify="every",
+                                  digest_exchange=exchange, max_tokens=128, max_requests=4)
+    cache = LayerCache.empty(cfg, 8, "cpu")
+    for step_id in range(4):
+        q = 20 + step_id + (1 if step_id == at and ctx.rank == 1 else 0)
+        plan = compile(cfg, StepInput.build(step_id, [f"s{step_id}"], [0], [q], [True]))
+        bound = ex.bind(plan, np.array([[1]], np.int32), 8)
+        t = plan.padded_num_tokens
+        try:
+            ex.insert(bound, cache, torch.zeros(t, 576), torch.zeros(t, 128))
+            ex.attend(bound, cache, torch.zeros(t, 8, 576), torch.zeros(t, 4, 128),
+                      torch.zeros(t, 4))
+            ex.restore(bound, torch.zeros(t, 64))
+            ex.finish(bound)
+        except Exception as exc:  # noqa: BLE001 - compared by the test
+            return step_id, type(exc).__name__, len(bound.ledger)
+    ex.check.close()
+    return None
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with World(2, timeout_s=60) as w:
+        yield w
+
+
+@pytest.mark.parametrize("how", ["build", "from_env", "adopt", "adopt-no-store"])
+@pytest.mark.parametrize("exchange", ["auto", "shm", "gloo"])
+def test_every_way_of_building_runs_the_check_on_every_step(world2, how, exchange):
+    """The digest promise, over every public way of building groups and every exchange: the
+    divergent step stops both ranks with PlanMismatchError before any data collective (the
+    one way that could not run a check, adopt without a control group, is refused at
+    construction: test_adopt_refuses_a_world_without_a_control_group)."""
+    at = 1 + (len(how) + len(exchange)) % 3  # the divergent step varies over the cases
+    for r in world2.run(_diverge, how, exchange, at, timeout_s=120):
+        assert r.ok, r.tb
+        assert r.value == (at, "PlanMismatchError", 0), (r.rank, r.value)
