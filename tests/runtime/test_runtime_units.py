@@ -29,7 +29,8 @@ RUNTIME = pathlib.Path(cpplan.runtime.__file__).resolve().parent
 SIM = pathlib.Path(cpplan.sim.__file__).resolve().parent
 # modules whose code runs inside a step (bind excepted: host numpy by design); the harness's
 # model and input generator run inside the simulated step too
-STEP_MODULES = (RUNTIME / "executor.py", RUNTIME / "collectives.py", RUNTIME / "arena.py",
+STEP_MODULES = (RUNTIME / "executor.py", RUNTIME / "passes.py", RUNTIME / "bound.py",
+                RUNTIME / "selection.py", RUNTIME / "collectives.py", RUNTIME / "arena.py",
                 RUNTIME / "faults.py",
                 SIM / "model.py", SIM / "coords.py")
 FORBIDDEN = {"item", "cpu", "tolist", "synchronize"}
