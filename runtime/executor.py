@@ -388,8 +388,8 @@ class StepExecutor(LayerPasses):
         ascending request index (the step's ``is_sampled``), the same on every rank. One
         all-gather of ``[M, hidden]`` over PCP (M: the most any rank supplies), none at
         P == 1 or with nothing sampled. Only for a step that names its sampled rows."""
-        self._check_restore(bound, hidden, sampled=True)
-        with self._announcing(self._watch_of(bound)):
+        with self._announcing(self._watch_of(bound)):  # the peers hear of a refusal too
+            self._check_restore(bound, hidden, sampled=True)
             self._usable(bound, "restore_sampled")
             self._expect(bound, "restore_sampled", "hidden", hidden,
                          (bound.plan.padded_num_tokens, self.config.hidden_size), self._act)
@@ -423,8 +423,8 @@ class StepExecutor(LayerPasses):
         """This rank's rows ``[T, hidden_size]`` (the config's activation dtype) -> every query
         token in global order ``[sum q, hidden_size]`` (all-gathered over PCP when P > 1). A
         step that names its sampled rows restores those only: :meth:`restore_sampled`."""
-        self._check_restore(bound, hidden, sampled=False)
-        with self._announcing(self._watch_of(bound)):
+        with self._announcing(self._watch_of(bound)):  # the peers hear of a refusal too
+            self._check_restore(bound, hidden, sampled=False)
             self._usable(bound, "restore")
             self._expect(bound, "restore", "hidden", hidden,
                          (bound.plan.padded_num_tokens, self.config.hidden_size), self._act)
