@@ -104,7 +104,22 @@ class AliasCheck:
         self.writer = np.zeros(0, dtype=np.int64)  # request * 2**32 + column of that write
         self.generation = 0
 
+    MAX_STAMPS = 1 << 24  # blocks a stamp array covers (256 MiB with the writers)
+
     def check(self, plan: StepPlan, dcp_rank: int, bt: np.ndarray, top: int) -> None:
+        if top >= self.MAX_STAMPS:  # huge block ids (no num_blocks given): renumber the touched
+            need = -(-plan.dcp_local_lens.np()[:, dcp_rank].astype(np.int64)
+                     // plan.config.block_size)
+            touched = np.arange(bt.shape[1])[None, :] < need[:, None]
+            ids, inverse = np.unique(bt[touched], return_inverse=True)
+            dense = np.zeros_like(bt)
+            dense[touched] = inverse.astype(bt.dtype) + 1
+            self._check(plan, dcp_rank, dense, len(ids), bt)
+            return
+        self._check(plan, dcp_rank, bt, top, bt)
+
+    def _check(self, plan: StepPlan, dcp_rank: int, bt: np.ndarray, top: int,
+               given: np.ndarray) -> None:
         if top + 1 > len(self.stamps):
             size = max(top + 1, 2 * len(self.stamps))
             self.stamps = np.zeros(size, dtype=np.int64)
@@ -120,7 +135,7 @@ class AliasCheck:
             other = (f"request {i2} ({ids[i2]!r}) at column {j2}" if i2 != i
                      else f"its own column {j2}")
             raise StepInputError(
-                f"step {plan.step_id}: block {int(bt[i, j])} is written by request {i} "
+                f"step {plan.step_id}: block {int(given[i, j])} is written by request {i} "
                 f"({ids[i]!r}) at block-table column {j} and also used by {other}; expected "
                 "each block a step writes to belong to one request and one position")
 

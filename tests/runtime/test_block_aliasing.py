@@ -76,3 +76,16 @@ def test_shared_read_only_prefix_blocks_stay_legal():
     with pytest.raises(StepInputError, match="block 2 is written by request 1 .'b'. at "
                                              "block-table column 1 and also used by request 0"):
         ex.bind(compile(cfg, step), np.array([[1, 2], [1, 2]], np.int32), 8)
+
+
+def test_huge_block_ids_are_checked_without_a_huge_stamp_array():
+    """Block ids near 2**31 (no num_blocks given): renumbered, not stamped by id."""
+    cfg = ParallelConfig(num_heads=8, topk=16, index_num_heads=4, max_model_len=1024,
+                         num_layers=1, hidden_size=64)
+    ex = StepExecutor.local(cfg, sm_scale=0.1, max_tokens=64, max_requests=4)
+    step = StepInput.build(0, ["a", "b"], [100, 100], [1, 1], [False, False])
+    big = 2**31 - 10
+    ex.bind(compile(cfg, step), np.array([[big, big + 1], [big, big + 2]], np.int64))
+    assert len(ex._aliases.stamps) < 1 << 20
+    with pytest.raises(StepInputError, match=f"block {big + 1} is written by request 1"):
+        ex.bind(compile(cfg, step), np.array([[big, big + 1], [big, big + 1]], np.int64))
