@@ -270,6 +270,12 @@ def test_adopt_refuses_a_world_without_a_control_group(world3):
         assert "control_group: got None for a world of 3 ranks" in r.value
 
 
+@pytest.fixture(scope="module")
+def world2():
+    with World(2, timeout_s=60) as w:
+        yield w
+
+
 def _build_with(ctx, settings: dict, skip_rank: int | None = None):
     """Every rank builds an executor with its own ``settings[rank]`` (``skip_rank`` builds
     none: it failed before from_groups); returns (error type, message) or None."""
@@ -296,22 +302,19 @@ def _build_with(ctx, settings: dict, skip_rank: int | None = None):
     ([{"verify": "every"}, {"verify": "off"}], "ranks [1] were built with"),
     ([{}, {"config": {"gather_workspace_tokens": 4096}}], "another config or other options"),
 ], ids=["exchange", "verify", "config"])
-def test_executors_built_differently_are_refused_on_every_rank(settings, words):
+def test_executors_built_differently_are_refused_on_every_rank(world2, settings, words):
     """Ranks that set up different exchanges (or one none) used to meet in mismatched
     collectives (gloo's raw timeout or abort) and leave the board in /dev/shm."""
     before = _leftovers()
-    with World(2, timeout_s=60) as w:
-        results = w.run(_build_with, settings, timeout_s=60)
-    for r in results:
+    for r in world2.run(_build_with, settings, timeout_s=60):
         assert r.ok, r.tb
         assert r.value is not None and r.value[0] == "ConfigError" and words in r.value[1]
     assert _leftovers() == before
 
 
-def test_a_peer_that_never_builds_is_a_rank_lost_error_and_nothing_leaks():
+def test_a_peer_that_never_builds_is_a_rank_lost_error_and_nothing_leaks(world2):
     before = _leftovers()
-    with World(2, timeout_s=60) as w:
-        results = w.run(_build_with, [{}, {}], 1, timeout_s=60)
+    results = world2.run(_build_with, [{}, {}], 1, timeout_s=60)
     assert results[0].ok and results[0].value[0] == "RankLostError", results[0]
     assert "did not take part within the control timeout (3 s)" in results[0].value[1]
     assert _leftovers() == before
@@ -358,12 +361,6 @@ def _diverge(ctx, how: str, exchange: str, at: int):
             return step_id, type(exc).__name__, len(bound.ledger)
     ex.check.close()
     return None
-
-
-@pytest.fixture(scope="module")
-def world2():
-    with World(2, timeout_s=60) as w:
-        yield w
 
 
 @pytest.mark.parametrize("how", ["build", "from_env", "adopt", "adopt-no-store"])
