@@ -124,6 +124,13 @@ class Sampler:
         self.t, self.top_p, self.seed = job.temperature, job.top_p, job.seed
         self.gens: dict[int, torch.Generator] = {}
 
+    def batch(self, indices: list[int], logits: torch.Tensor) -> list[int]:
+        """``logits`` ``[n, vocab]`` of requests ``indices`` -> their token ids: greedy in one
+        argmax and one host read for the step (not one a row), else row by row."""
+        if self.t <= 0:
+            return logits.argmax(dim=-1).tolist()
+        return [self(i, row) for i, row in zip(indices, logits)]
+
     def __call__(self, index: int, logits: torch.Tensor) -> int:
         """``logits`` ``[vocab]`` -> a token id."""
         if self.t <= 0:
@@ -187,9 +194,10 @@ def serve(model, config, job: GenerateJob, *, groups, rank: int) -> dict:
         rows = sampled_requests(plan).tolist()
         out = {}
         now = time.monotonic() - t0
-        for k, row in zip(rows, logits):
-            r = sched.scheduled[k][0]
-            out[r.index] = sample(r.index, row)
+        reqs_now = [sched.scheduled[k][0] for k in rows]
+        tokens = sample.batch([r.index for r in reqs_now], logits)
+        for r, row, token in zip(reqs_now, logits, tokens):
+            out[r.index] = token
             if keep:
                 logits_kept[r.index].append(row.float().cpu())
             if not r.output:
