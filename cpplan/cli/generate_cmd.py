@@ -189,20 +189,9 @@ def _interrupt(signum, frame) -> None:
 
 
 def _failures(results, as_json: bool) -> int | None:
-    from cpplan.cli.simulate_cmd import _report_failures, _traceback
-    from cpplan.schemas.errors import RankLostError
+    from cpplan.cli.simulate_cmd import _report_failures, rank_failures
 
-    failures = []
-    for r in results:
-        if r.lost:
-            failures.append((r.rank, RankLostError(f"rank {r.rank} lost: {r.lost_reason()}"),
-                             None))
-        elif r.error is not None:
-            _traceback(r.tb)
-            failures.append((r.rank, r.error, None))
-        elif "error" in r.value:
-            _traceback(r.value.get("tb", ""))
-            failures.append((r.rank, r.value["error"], None))
+    failures = rank_failures(results)
     return _report_failures(failures, as_json) if failures else None
 
 

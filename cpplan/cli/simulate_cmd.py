@@ -282,8 +282,9 @@ def _exit_code_of(summary: dict) -> int:
     return 0 if summary["max_abs_err"] <= TOLERANCE else 1
 
 
-def _report(opts, results, elapsed: float, as_json: bool) -> int:
-    from cpplan.sim.simulate import TOLERANCE
+def rank_failures(results, with_values: bool = False) -> list[tuple]:
+    """(rank, error, the rank's record or None) of every rank of a world's ``results`` that
+    was lost, raised or reported an error (tracebacks of untyped errors go to stderr)."""
     from cpplan.schemas.errors import RankLostError
 
     failures = []
@@ -296,7 +297,14 @@ def _report(opts, results, elapsed: float, as_json: bool) -> int:
             failures.append((r.rank, r.error, None))
         elif "error" in r.value:
             _traceback(r.value.get("tb", ""))
-            failures.append((r.rank, r.value["error"], r.value))
+            failures.append((r.rank, r.value["error"], r.value if with_values else None))
+    return failures
+
+
+def _report(opts, results, elapsed: float, as_json: bool) -> int:
+    from cpplan.sim.simulate import TOLERANCE
+
+    failures = rank_failures(results, with_values=True)
     if failures:
         return _report_failures(failures, as_json)
     s = dict(results[0].value)
