@@ -4,7 +4,6 @@
     torchrun --standalone --nproc-per-node 4 bench/step_gpu.py --pcp 4 --dcp 4   # NCCL, 4 GPUs
     python bench/step_gpu.py --prompt 0 --context 65536:131072   # decode-only, long context
     python bench/step_gpu.py --prompt 0 --graphs          # decode-only: eager vs CUDA-graph replay
-    python bench/step_gpu.py --prefill-keys both          # W = 1 prefill: paged vs gathered keys
     python bench/step_gpu.py --prompt 0 --graphs --trace 5   # + device time per kernel
     torchrun --standalone --nproc-per-node 2 bench/step_gpu.py --pcp 2 --dcp 2 --prompt 0 --merge both
     python bench/step_gpu.py --tiny                       # CPU smoke run at toy sizes
@@ -222,7 +221,6 @@ class Rank:
     attention: dict = dataclasses.field(default_factory=dict)  # pass -> plan of the last step
     graphs: StepGraphs | None = None  # --graphs: replays graph-replayable steps
     merge_kernels: object = None  # --merge both: the kernel set with the torch decode merge
-    prefill_both: bool = False  # --prefill-keys both: also time the gathered W == 1 prefill
     trace: int = 0  # --trace: steps profiled for the per-kernel table
     timeline: str | None = None  # --timeline: Chrome trace of the eager profiled steps
 
@@ -254,8 +252,6 @@ def setup_rank(args, dims: dict, groups: Groups) -> Rank:
                                   digest_exchange=args.digest_exchange,
                                   max_tokens=plan.padded_num_tokens,
                                   max_requests=plan.num_requests,
-                                  prefill_keys="paged" if args.prefill_keys == "both"
-                                  else args.prefill_keys,
                                   dcp_compact=COMPACT_CHOICES[args.dcp_compact])
     gen = torch.Generator(device=dev).manual_seed(1000 + groups.rank)
     caches = [_random_cache(cfg, num_blocks, dev, kernels, gen) for _ in range(cfg.num_layers)]
@@ -276,7 +272,6 @@ def setup_rank(args, dims: dict, groups: Groups) -> Rank:
     rank = Rank(groups, cfg, plan, ex, tables, caches, x)
     if args.merge == "both":
         rank.merge_kernels = merge_kernels
-    rank.prefill_both = args.prefill_keys == "both"
     rank.trace = args.trace
     rank.timeline = args.timeline and (args.timeline if groups.rank == 0
                                        else f"{args.timeline}.{groups.rank}")
@@ -320,7 +315,7 @@ def with_indexer_tiles(kernels, tiles: dict):
 
 
 def _indexer_tiles(text: str) -> dict:
-    """``--indexer-tiles long_filter=0,programs_per_sm=4`` -> {field: value of its type}."""
+    """``--indexer-tiles split_rows=0,programs_per_sm=4`` -> {field: value of its type}."""
     from cpplan.runtime.kernels.triton.indexer_tiled import IndexerTiles
 
     kinds = {f.name: type(f.default) for f in dataclasses.fields(IndexerTiles)}
@@ -457,23 +452,6 @@ def time_merge_kernels(r: Rank, repeat: int) -> dict:
     return out
 
 
-def time_gathered_prefill(r: Rank, repeat: int) -> dict:
-    """Plain steps with ``prefill_keys="gather"`` (W == 1 prefill tokens scored over a per-step
-    copy of their requests' keys by the prefill indexer), then back to the paged path; with
-    the per-layer phase split of those steps."""
-    clock = Clock(r.groups.device)
-    r.ex.prefill_keys = "gather"
-    try:
-        run_step(r, _NoLog())
-        clock.sync()
-        out = {f"gather_{k}": v for k, v in time_steps(r, repeat).items()}
-        per_layer, _ = time_phases(r, repeat)
-        out["gather_indexer_ms"] = float(per_layer[:, PHASES.index("indexer")].mean())
-    finally:
-        r.ex.prefill_keys = "paged"
-    return out
-
-
 def bind_parts(r: Rank, repeat: int) -> dict:
     """Host time of each part of ``bind`` alone (medians over max(50, repeat) calls, us): the
     block-table check, the host tables (written into the next arena, after its wait), the
@@ -540,8 +518,6 @@ def measure(r: Rank, repeat: int) -> dict:
         steps["graph_captured"] = r.graphs.captured != {}
     if r.merge_kernels is not None:  # --merge both: the same step with the torch merge
         steps.update(time_merge_kernels(r, repeat))
-    if r.prefill_both:  # the same step with the W == 1 prefill keys gathered
-        steps.update(time_gathered_prefill(r, repeat))
     per_layer, step_level = time_phases(r, repeat)
     if r.trace and r.groups.device.type == "cuda":
         steps["trace"] = {"eager": trace_kernels(r, r.trace, timeline=r.timeline)}
@@ -618,12 +594,9 @@ def parse_args(argv=None):
                     help="the W > 1 decode merge: the kernel set's (Triton: a merge of the "
                          "sorted lists, one fused LSE scaling), torch's (two sorts, unfused "
                          "scaling), or both timed in the same run")
-    ap.add_argument("--prefill-keys", choices=("paged", "gather", "both"), default="gather",
-                    help="W == 1 prefill tokens: the decode indexer over the paged cache, the "
-                         "prefill indexer over a per-step copy of their keys, or both timed")
     ap.add_argument("--indexer-tiles", type=_indexer_tiles, default={}, metavar="F=V,...",
                     help="launch the tiled indexer with these IndexerTiles fields, e.g. "
-                         "long_filter=0 (Triton kernel set only)")
+                         "split_rows=0 (Triton kernel set only)")
     ap.add_argument("--digest-exchange", choices=("auto", "shm", "gloo"), default="auto",
                     help="how the ranks' plan digests meet (runtime/exchange.py)")
     ap.add_argument("--dcp-compact", choices=("auto", "on", "off"), default="auto",
@@ -732,10 +705,6 @@ def report(args, r: Rank, res: dict, stream) -> dict:
           f"{res['graph_step_ms']:.2f} ms; host wall {res['graph_step_wall_ms']:.2f} ms; "
           f"eager / graph {res['step_ms'] / res['graph_step_ms']:.2f}x\n")
         w(_host_line("  replayed", res, "graph_"))
-    if "gather_step_ms" in res:
-        w(f"the same step with the prefill keys gathered (--prefill-keys both): "
-          f"{res['gather_step_ms']:.2f} ms (paged: {res['step_ms']:.2f}); indexer "
-          f"{res['gather_indexer_ms']:.2f} ms per layer\n")
     if "merge_kernel_step_ms" in res:
         w(f"the same step with the torch decode merge (--merge both): "
           f"{res['merge_kernel_step_ms']:.2f} ms eager (kernel set's: {res['step_ms']:.2f})")

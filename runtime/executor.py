@@ -51,12 +51,6 @@ from cpplan.schemas.plan import StepPlan
 
 __all__ = ["DUMMY_SLOT", "BoundStep", "LayerCache", "StepExecutor"]  # the runtime's step API
 
-# how W == 1 prefill tokens reach their keys: "gather" (the default), a per-step copy of their
-# requests' keys and the prefill indexer; "paged", the decode indexer over the paged cache (one
-# query per program). H200, 32k prompt + 64 decodes: indexer 35.3 against 85.9 ms a layer
-# (StepExecutor.prefill_keys; bench/step_gpu.py --prefill-keys both compares them)
-PREFILL_KEYS = ("paged", "gather")
-
 
 class StepExecutor(LayerPasses):
     """One per rank, sized once. ``sm_scale`` is the model's softmax scale, used by every
@@ -70,7 +64,7 @@ class StepExecutor(LayerPasses):
                  max_requests: int = 1024, max_blocks_per_request: int | None = None,
                  arena_depth: int = 2,
                  debug: bool = True, faults: FaultBoard | None = None,
-                 data_timeout_s: float = 0.0, prefill_keys: str = "gather",
+                 data_timeout_s: float = 0.0,
                  dcp_compact: bool | int | str = "auto") -> None:
         self.sm_scale = check_sm_scale(sm_scale)
         check_executor_args(config, pcp_rank=pcp_rank, dcp_rank=dcp_rank,
@@ -81,19 +75,13 @@ class StepExecutor(LayerPasses):
                 or not 0 <= data_timeout_s < math.inf:  # False for NaN
             raise ConfigError(f"StepExecutor data_timeout_s: got {data_timeout_s!r}"[:160]
                               + "; expected a finite number of seconds >= 0")
-        if prefill_keys not in PREFILL_KEYS:
-            raise ConfigError(f"prefill_keys must be one of {PREFILL_KEYS}: got {prefill_keys!r}")
-        self.prefill_keys = prefill_keys
         # dcp_compact: W > 1 decode attention over the rank's slots packed into
-        # compact_width(topk, W) columns plus an overflow pass for rows holding more, not topk
-        # columns mostly -1 (True; an int: that width, e.g. to force the overflow pass in
-        # tests). "auto" (the default): on where interleave_size == 1, where a row's keys
-        # alternate over the ranks token by token, so its top-k splits evenly unless its scores
-        # follow the token's parity: on two H200s the P = W = 2 decode step (64 x 2k-6k)
-        # 0.96 against 1.03 ms back to back (bench/step_gpu.py --dcp-compact on|off). Larger
-        # interleaves keep whole runs of a row's keys on one rank, and a row holding most of
-        # its top-k on one rank takes the overflow pass, which is slow (149.0 against 105.4 us
-        # when 8 of 64 rows hold all their keys on one rank: bench/dcp_attention.py).
+        # compact_width(topk, W) columns, plus an overflow pass for rows holding more, instead
+        # of topk columns mostly -1 (an int: that width, e.g. to force the overflow pass in
+        # tests). "auto": on where interleave_size == 1, where a row's keys alternate over the
+        # ranks token by token and its top-k splits about evenly; larger interleaves put whole
+        # runs of a row's keys on one rank, and the overflow pass is slow (bench/RESULTS.md,
+        # "compacted DCP attention by default"; docs/design.md §3.6).
         if dcp_compact == "auto":
             dcp_compact = config.interleave_size == 1
         elif type(dcp_compact) not in (bool, int):

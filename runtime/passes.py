@@ -162,8 +162,8 @@ class LayerPasses:
         decode tokens' local top-k and the prefill tokens' (W == 1) in one buffer."""
         k, t, cfg = self.kernels, bound.tables, self.config
         bt = bound.token_block_tables(lo, hi)
-        # W == 1 with prefill_keys="gather": the prefill tokens [nd, hi) score a contiguous
-        # copy of their requests' keys with the prefill indexer (a key tile per query block)
+        # W == 1: the prefill tokens [nd, hi) score a contiguous copy of their requests' keys
+        # with the prefill indexer (a key tile per query block, not one query a program)
         mid = max(lo, bound.meta.num_decode_tokens) if self._gathers_prefill(bound) else hi
 
         def decode_topk():
@@ -232,10 +232,9 @@ class LayerPasses:
         return out, lse
 
     def _gathers_prefill(self, bound: BoundStep) -> bool:
-        """W == 1 prefill tokens in this step, and prefill_keys="gather"."""
+        """W == 1 prefill tokens in this step."""
         m = bound.meta
-        return (self.prefill_keys == "gather" and self.config.dcp_size == 1
-                and m.num_tokens > m.num_decode_tokens)
+        return self.config.dcp_size == 1 and m.num_tokens > m.num_decode_tokens
 
     def _prefill_topk(self, bound, cache, index_q, index_w, lo: int, hi: int, width: int, *,
                       out=None):

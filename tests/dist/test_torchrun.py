@@ -90,11 +90,9 @@ def test_bench_step_gpu_tiny_world_1(capsys, monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
         monkeypatch.delenv(var, raising=False)
     bench = _bench_module(monkeypatch)
-    assert bench.main(["--tiny", "--repeat", "1", "--layers", "1", "--json",
-                       "--prefill-keys", "both"]) == 0
+    assert bench.main(["--tiny", "--repeat", "1", "--layers", "1", "--json"]) == 0
     out = last_json(capsys.readouterr().out)
     assert BENCH_KEYS <= set(out) and out["world"] == 1 and out["exchange_ms"] is None
-    assert out["gather_step_ms"] > 0 and out["gather_indexer_ms"] > 0  # the gathered W = 1 prefill
     assert len(out["per_layer_ms"]) == 1 and out["per_layer_ms"][0][out["phases"].index(
         "attention")] > 0
 
@@ -105,16 +103,16 @@ def test_bench_step_gpu_indexer_tiles(capsys, monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
         monkeypatch.delenv(var, raising=False)
     bench = _bench_module(monkeypatch)
-    assert bench._indexer_tiles("long_filter=0,programs_per_sm=4,filter_margin=2.5") == {
-        "long_filter": False, "programs_per_sm": 4, "filter_margin": 2.5}
+    assert bench._indexer_tiles("split_rows=0,programs_per_sm=4,filter_margin=2.5") == {
+        "split_rows": 0, "programs_per_sm": 4, "filter_margin": 2.5}
     for bad, said in (("nope=1", "one of IndexerTiles' fields: got 'nope=1'"),
                       ("programs_per_sm=x", "programs_per_sm expects int: got 'x'"),
-                      ("long_filter", "FIELD=VALUE")):
+                      ("split_rows", "FIELD=VALUE")):
         with pytest.raises(SystemExit):
             bench.parse_args(["--tiny", "--indexer-tiles", bad])
         assert said in capsys.readouterr().err
     assert bench.main(["--tiny", "--repeat", "1", "--layers", "1",
-                       "--indexer-tiles", "long_filter=0"]) == 2  # CPU: the reference set
+                       "--indexer-tiles", "split_rows=0"]) == 2  # CPU: the reference set
     err = capsys.readouterr().err
     assert "--indexer-tiles applies to the Triton kernel set's tiled indexer" in err
     assert "Traceback" not in err

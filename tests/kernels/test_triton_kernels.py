@@ -535,8 +535,8 @@ def test_decode_filter_path_in_a_replayed_step_matches_the_oracle(pwi):
 @pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1")
 @pytest.mark.parametrize("p", [1, 2])
 def test_gathered_prefill_keys_through_the_tiled_indexer_match_the_oracle(p):
-    """W == 1, StepExecutor(prefill_keys="gather"): the prefill tokens' keys copied per step and
-    scored by the tiled Triton prefill indexer (planes, quantised query) equal the oracle."""
+    """W == 1: the prefill tokens' keys copied per step and scored by the tiled Triton prefill
+    indexer (planes, quantised query) equal the oracle."""
     from cpplan.planner.compile import compile as compile_plan
     from cpplan.runtime.kernels import REFERENCE
     from cpplan.runtime.kernels.triton import indexer_tiled
@@ -559,8 +559,7 @@ def test_gathered_prefill_keys_through_the_tiled_indexer_match_the_oracle(p):
             return indexer_tiled.indexer_topk_prefill(*args, **kwargs, tiles=tiles)
 
     kernels = dataclasses.replace(REFERENCE, indexer_topk_prefill=prefill)
-    result = replay_plan(compile_plan(cfg, step), seed=4, kernels=kernels,
-                         executor_options={"prefill_keys": "gather"})
+    result = replay_plan(compile_plan(cfg, step), seed=4, kernels=kernels)
     assert calls and result.max_abs_err <= TOLERANCE
 
 

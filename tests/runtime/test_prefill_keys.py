@@ -1,6 +1,6 @@
-"""W == 1 prefill tokens scored over a per-step copy of their requests' keys
-(``StepExecutor(prefill_keys="gather")``), against the paged path and the single-device oracle,
-on the CPU (ranks as threads), and the copy's layout against a naive construction."""
+"""W == 1 prefill tokens scored over a per-step copy of their requests' keys by the prefill
+indexer (docs/design.md §5.4), against the single-device oracle on the CPU (ranks as threads),
+and the copy's layout against a naive construction."""
 
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from cpplan.planner.compile import compile as compile_plan
-from cpplan.runtime.executor import StepExecutor
 from cpplan.runtime.kernels import REFERENCE
 from cpplan.runtime.segments import build_tables, local_prefill_keys
 from cpplan.runtime.tables import StepTables, local_prefill_rows
-from cpplan.schemas import ConfigError, StepInput
+from cpplan.schemas import StepInput
 from cpplan.sim.replay import replay_plan
 from cpplan.sim.simulate import TOLERANCE, SimOptions, preset_config
 
@@ -39,19 +38,15 @@ def _counting(calls: dict):
 
 @pytest.mark.parametrize("p", [1, 2, 3])
 @pytest.mark.parametrize("kv", ["fp8_ds_mla", "bf16"])
-def test_gathered_prefill_keys_match_the_paged_path_and_the_oracle(p, kv):
+def test_gathered_prefill_keys_match_the_oracle(p, kv):
     plan = compile_plan(preset_config(SimOptions(pcp=p, dcp=1, kv_cache_dtype=kv, layers=2)),
                         STEP)
-    results = {}
-    for mode in ("paged", "gather"):
-        calls: dict = {}
-        results[mode] = replay_plan(plan, seed=3, kernels=_counting(calls),
-                                    executor_options={"prefill_keys": mode})
-        assert results[mode].max_abs_err <= TOLERANCE, mode
-        # the prefill indexer serves exactly the gathered mode (W == 1 has no gather chunks)
-        assert (calls.get("indexer_topk_prefill", 0) > 0) == (mode == "gather"), calls
-    # exact integer indexer scores: the same keys are selected, so the outputs are identical
-    assert results["gather"].max_abs_err == results["paged"].max_abs_err
+    calls: dict = {}
+    result = replay_plan(plan, seed=3, kernels=_counting(calls))
+    assert result.max_abs_err <= TOLERANCE
+    # W == 1 has no gather chunks: the prefill indexer runs only over the gathered keys, the
+    # decode indexer only for the decode rows
+    assert calls.get("indexer_topk_prefill", 0) > 0 and calls.get("indexer_topk_decode", 0) > 0
 
 
 @pytest.mark.parametrize("p,rank", [(1, 0), (2, 0), (2, 1)])
@@ -83,10 +78,3 @@ def test_local_prefill_rows_match_a_naive_layout(p, rank):
     want_src += [0] * (rows - len(want_src))
     assert src.tolist() == want_src
     assert pcu.tolist() == [start[int(t.token_req[j])] for j in range(nd, n)]
-
-
-def test_prefill_keys_option_is_checked():
-    cfg = preset_config(SimOptions(pcp=1, dcp=1, layers=1))
-    with pytest.raises(ConfigError, match=r"prefill_keys must be one of \('paged', 'gather'\): "
-                                          r"got 'copy'"):
-        StepExecutor(cfg, sm_scale=576 ** -0.5, pcp_rank=0, dcp_rank=0, comm=None, device="cpu", prefill_keys="copy")
