@@ -13,8 +13,8 @@ import dataclasses
 import torch
 
 from cpplan.runtime import collectives as coll
-from cpplan.runtime.executor_args import check_device
-from cpplan.runtime.segments import int_in, local_prefill_keys
+from cpplan.runtime.executor_args import check_device, is_int_in_range
+from cpplan.runtime.segments import local_prefill_keys
 from cpplan.runtime.tables import Layout, StepMeta, StepTables, iota, local_prefill_rows
 from cpplan.runtime.tokens import TokenView, token_view
 from cpplan.schemas.config import ParallelConfig
@@ -37,7 +37,7 @@ class LayerCache:
     @classmethod
     def empty(cls, config: ParallelConfig, num_blocks: int, device) -> "LayerCache":
         """Zeroed caches of ``num_blocks`` blocks (block 0 reserved: at least 2)."""
-        if not int_in(num_blocks, 2, 2**31 - 1):
+        if not is_int_in_range(num_blocks, 2, 2**31 - 1):
             raise ConfigError(f"LayerCache.empty num_blocks: got {num_blocks!r}; expected an "
                               "integer in [2, 2**31) (block 0 is reserved)")
         device = check_device(device, "LayerCache.empty") if device is not None else None

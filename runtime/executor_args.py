@@ -11,7 +11,6 @@ import math
 import numpy as np
 import torch
 
-from cpplan.runtime.segments import int_in
 from cpplan.schemas.config import ParallelConfig
 from cpplan.schemas.errors import ConfigError
 
@@ -19,6 +18,13 @@ MAX_ARENA_WORDS = 1 << 28  # 2 GiB of int64 words per arena: far above any real 
 # the dims the runtime's kernels and cache formats take (docs/design.md §4); a config may plan
 # other dims, but no kernel here would compute them
 RUNTIME_DIMS = {"qk_head_dim": 576, "v_head_dim": 512, "index_head_dim": 128}
+
+
+def is_int_in_range(value, lo: int, hi: int) -> bool:
+    """``value`` is an int or a numpy integer (never a bool, a float or a str) in [lo, hi]: the
+    test every size and count the runtime takes from an engine goes through (the executor's
+    sizes here, ``num_blocks`` of the caches and of a bind)."""
+    return (type(value) is int or isinstance(value, np.integer)) and lo <= value <= hi
 
 
 def check_executor_args(config, **ints) -> None:
@@ -37,7 +43,7 @@ def check_executor_args(config, **ints) -> None:
             continue
         low = 0 if name in sizes else 1
         high = sizes.get(name, 1 << 31) - 1
-        if not int_in(value, low, high):
+        if not is_int_in_range(value, low, high):
             want = (f"0..{high} (the config's {name[:3].upper()} size is {high + 1})"
                     if name in sizes else "a positive integer below 2**31")
             raise ConfigError(f"StepExecutor {name}: got {value!r}; expected {want}")

@@ -11,15 +11,16 @@ import dataclasses
 import numpy as np
 from numba import njit
 
+from cpplan.runtime.executor_args import is_int_in_range
 from cpplan.runtime.tables import (
-    A,
-    B,
-    BTROW,
-    K,
-    LIM,
     NUM_PARAMS,
-    PCU,
-    REQ,
+    SEG_BT_ROW_START,
+    SEG_K_BASE,
+    SEG_KEEP_LIMIT,
+    SEG_REGION_PCU,
+    SEG_REQUEST,
+    SEG_SLOPE,
+    SEG_X_BASE,
     TABLE_NAMES,
     Layout,
     RankTables,
@@ -32,12 +33,6 @@ from cpplan.schemas.plan import MODE_SPLIT, StepPlan
 
 _I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)  # block-table dtypes used as they are
 _NO_WORDS = np.zeros(0, np.int64)  # ``out`` of build_tables' sizing call
-
-
-def int_in(value, lo: int, hi: int) -> bool:
-    """``value`` is an int or a numpy integer (never a bool, a float or a str) in [lo, hi]: the
-    test every size and count the runtime takes from an engine goes through."""
-    return (type(value) is int or isinstance(value, np.integer)) and lo <= value <= hi
 
 
 def check_block_tables(plan: StepPlan, dcp_rank: int, block_tables, num_blocks: int | None,
@@ -54,7 +49,7 @@ def check_block_tables(plan: StepPlan, dcp_rank: int, block_tables, num_blocks: 
     host, in jitted calls (bind runs it cold, after the previous step's work: few host
     calls)."""
     n = plan.num_requests
-    if num_blocks is not None and not int_in(num_blocks, 2, 2**62 - 1):
+    if num_blocks is not None and not is_int_in_range(num_blocks, 2, 2**62 - 1):
         raise StepInputError(f"step {plan.step_id}: num_blocks: got {num_blocks!r}; expected "
                              "None or the caches' block count, an integer >= 2 (block 0 is "
                              "reserved)")
@@ -419,9 +414,10 @@ def _segment_kernel(start, lens, off, write, row_req, computed, scheduled, mode,
             a = computed[req] + off[q, r] - start[q, r]  # position of token t: a + t
             ends[k], ends[k + 1] = s + shift, e + shift  # the gap before the row, the row
             k += 1
-            par[A, k], par[K, k], par[B, k] = a - shift, a - shift + 1, 1
-            par[REQ, k], par[PCU, k] = req, (pcu_of[req] * pcu_on if pcu_of.size else 0)
-            par[BTROW, k], par[LIM, k] = req * width, write[q, r]
+            par[SEG_X_BASE, k], par[SEG_K_BASE, k] = a - shift, a - shift + 1
+            par[SEG_SLOPE, k], par[SEG_REQUEST, k] = 1, req
+            par[SEG_REGION_PCU, k] = pcu_of[req] * pcu_on if pcu_of.size else 0
+            par[SEG_BT_ROW_START, k], par[SEG_KEEP_LIMIT, k] = req * width, write[q, r]
             k += 1
             if w < 2 and e > s:
                 facts[F_KEYS] = max(facts[F_KEYS], a + e)
@@ -434,8 +430,9 @@ def _segment_kernel(start, lens, off, write, row_req, computed, scheduled, mode,
         k += 1
     for j in range(n_reg):  # gather rows: x = k = the region's local row
         ends[k] = regions[2, j] + gather_base
-        par[A, k] = par[K, k] = -(regions[1, j] + gather_base)
-        par[B, k], par[BTROW, k], par[LIM, k] = 1, regions[0, j] * width, regions[3, j]
+        par[SEG_X_BASE, k] = par[SEG_K_BASE, k] = -(regions[1, j] + gather_base)
+        par[SEG_SLOPE, k], par[SEG_KEEP_LIMIT, k] = 1, regions[3, j]
+        par[SEG_BT_ROW_START, k] = regions[0, j] * width
         k += 1
     _restore_segments(start, lens, off, row_req, scheduled, mode, t_pad, ends, par, k,
                       gather_base + (regions[2, n_reg - 1] if n_reg else 0), n_seg)
@@ -489,7 +486,7 @@ def _restore_segments(start, lens, off, row_req, scheduled, mode, t_pad, ends, p
                 j += 1
     for i in np.argsort(dst):
         ends[k] = dst[i] + length[i] + base
-        par[A, k], par[B, k] = src[i] - dst[i] - base, 1
+        par[SEG_X_BASE, k], par[SEG_SLOPE, k] = src[i] - dst[i] - base, 1
         k += 1
 
 

@@ -13,10 +13,14 @@ tokens ``[0, T)`` (this rank's: token_req, token_pos, key_len, region_pcu); inse
 (``insert_dec`` then ``insert_pre``: own tokens, or after ``kv_insert`` own decodes then every
 PCP rank's prefill tokens); every gather chunk's ``[PT]`` rows, chunk after chunk; restore.
 
-Per segment (rows of ``seg_params``): ``x = A + B * u`` (a token's position, a gather row's
-local index, a restore row), ``k = K + B * u`` (a token's key count; a gather row's local index),
-``REQ`` and ``PCU`` (tokens), ``BTROW`` (request * packed block-table width) and ``LIM`` (insert: 1 where
-the row's KV is written; gather: rows of the region this rank holds). Gaps (padding) are zeros.
+Per segment (a column of ``seg_params [NUM_PARAMS, S]``, its rows named ``SEG_*``):
+``x = SEG_X_BASE + SEG_SLOPE * u`` (a token's position, a gather row's local index, a restore
+row), ``k = SEG_K_BASE + SEG_SLOPE * u`` (a token's key count; a gather row's local index),
+``SEG_REQUEST`` and ``SEG_REGION_PCU`` (tokens: the request, its region's start ``pcu``),
+``SEG_BT_ROW_START`` (request * packed block-table width: where its block-table row starts in
+the flattened tables) and ``SEG_KEEP_LIMIT`` (insert: 1 where the row's KV is written; gather:
+rows of the region this rank holds; a row's slot is kept where the keep test of ``_slots``
+passes). Gaps (padding) are zeros.
 
 Sentinels: padded tokens have request 0, position 0 and key length 0 (no key); KV rows that are
 not written point at ``dummy_slot``.
@@ -33,7 +37,9 @@ import torch
 from cpplan.schemas.errors import CapacityError
 
 
-A, K, B, REQ, PCU, BTROW, LIM = range(7)  # rows of seg_params
+# rows of seg_params (SEG_X_BASE and SEG_K_BASE adjacent: expand updates both in one op)
+(SEG_X_BASE, SEG_K_BASE, SEG_SLOPE, SEG_REQUEST, SEG_REGION_PCU, SEG_BT_ROW_START,
+ SEG_KEEP_LIMIT) = range(7)
 NUM_PARAMS = 7
 # one bind's arena words, in this order: seg_ends [S], seg_params [7, S], block_tables [N, width]
 TABLE_NAMES = ("seg_ends", "seg_params", "block_tables")
@@ -144,9 +150,9 @@ class StepTables:
         bt = views["block_tables"].view(max(lay.num_requests, 1), -1)  # a step of no requests: [1, 0]
         u = iota(lay.total(meta), ends.device)
         g = seg.index_select(1, torch.searchsorted(ends, u, right=True))
-        g[A: K + 1].addcmul_(g[B], u)  # x and k in one op
+        g[SEG_X_BASE: SEG_K_BASE + 1].addcmul_(g[SEG_SLOPE], u)  # x and k in one op
         t_pad, ui, nd = meta.padded, lay.insert_len, meta.num_decode_tokens
-        key_len = g[K, :t_pad]
+        key_len = g[SEG_K_BASE, :t_pad]
         local_len = key_len if lay.dcp_size == 1 else _shard_count(key_len, lay)
         z_end = t_pad + ui + sum(meta.chunk_rows)
         slots = _slots(g, t_pad, ui, z_end, bt, lay)
@@ -155,10 +161,10 @@ class StepTables:
             gather.append(GatherChunkTables(src=slots[off: off + rows], num_rows=rows,
                                             token_range=token_range))
             off += rows
-        return cls(token_req=g[REQ, :t_pad], token_pos=g[A, :t_pad], key_len=key_len,
-                   local_len=local_len, region_pcu=g[PCU, :t_pad], insert_dec=slots[:nd],
-                   insert_pre=slots[nd:ui], block_tables=bt, restore_index=g[A, z_end:],
-                   gather=tuple(gather))
+        return cls(token_req=g[SEG_REQUEST, :t_pad], token_pos=g[SEG_X_BASE, :t_pad],
+                   key_len=key_len, local_len=local_len, region_pcu=g[SEG_REGION_PCU, :t_pad],
+                   insert_dec=slots[:nd], insert_pre=slots[nd:ui], block_tables=bt,
+                   restore_index=g[SEG_X_BASE, z_end:], gather=tuple(gather))
 
 
 def arena_overflow(step_id: int, sizes: dict, capacity: int):
@@ -215,14 +221,14 @@ def _shard_count(length: torch.Tensor, lay: Layout) -> torch.Tensor:
 def _slots(g: torch.Tensor, lo: int, ui: int, hi: int, bt: torch.Tensor,
            lay: Layout) -> torch.Tensor:
     """Cache slots of u in ``[lo, hi)`` (the insert section, then the gather rows), dummy where
-    this rank writes / holds nothing. Rewrites the insert section's ``A`` (position -> local
-    index) and ``K`` rows of ``g`` in place; those rows are not part of any table."""
+    this rank writes / holds nothing. Rewrites the insert section's ``SEG_X_BASE`` (position ->
+    local index) and ``SEG_K_BASE`` rows of ``g`` in place; those rows are not part of any table."""
     w_size, inter, bs = lay.dcp_size, lay.interleave_size, lay.block_size
-    loc = g[A, lo:hi]
+    loc = g[SEG_X_BASE, lo:hi]
     if w_size == 1:
-        keep = g[LIM, lo:hi]  # 1 where written (no gather rows when W == 1)
+        keep = g[SEG_KEEP_LIMIT, lo:hi]  # 1 where written (no gather rows when W == 1)
     else:
-        pos, other = g[A, lo: lo + ui], g[K, lo: lo + ui]
+        pos, other = g[SEG_X_BASE, lo: lo + ui], g[SEG_K_BASE, lo: lo + ui]
         if inter == 1:
             torch.bitwise_xor(torch.remainder(pos, w_size), lay.dcp_rank, out=other)
             pos.div_(w_size, rounding_mode="floor")  # local index
@@ -232,12 +238,12 @@ def _slots(g: torch.Tensor, lo: int, ui: int, hi: int, bt: torch.Tensor,
             within = torch.remainder(pos, inter)
             torch.add(within, blk.div_(w_size, rounding_mode="floor"), alpha=inter, out=pos)
         # insert: owner xor rank (0 iff owned) < written flag; gather: local index < held
-        keep = torch.lt(g[K, lo:hi], g[LIM, lo:hi])
+        keep = torch.lt(g[SEG_K_BASE, lo:hi], g[SEG_KEEP_LIMIT, lo:hi])
     flat = bt.reshape(-1) if bt.numel() else bt.new_zeros(1)
     col = torch.div(loc, bs, rounding_mode="floor")
     if w_size > 1:  # a row this rank does not hold may lie past its table's width
         col.clamp_(max=max(bt.shape[1] - 1, 0))
-    col.add_(g[BTROW, lo:hi])
+    col.add_(g[SEG_BT_ROW_START, lo:hi])
     slot = torch.remainder(loc, bs).add_(flat.take(col), alpha=bs)
     if lay.dummy_slot == 0:
         return slot.mul_(keep)
