@@ -36,7 +36,7 @@ def _load_reference():
 
 def run(quick: bool) -> list[dict]:
     reference = _load_reference()
-    planner.warmup()
+    planner.compile_planner_kernels()
     rows = []
     for n in (64, 512, 4096):
         for size in (2, 4, 8):

@@ -5,8 +5,9 @@ gather-chunk cut is a sequential scan, so the whole derivation runs in one jitte
 (:func:`plan_kernel`) that returns plain arrays; ``planner.compile`` only wraps them. All inputs
 are global facts (docs/design.md §3): nothing here depends on the rank that runs it.
 
-``cache=True`` keeps the machine code in ``planner/__pycache__``; :func:`warmup` compiles (or
-loads) every signature the planner uses, so a serving loop pays the JIT cost at start-up.
+``cache=True`` keeps the machine code in ``planner/__pycache__``;
+:func:`compile_planner_kernels` compiles (or loads) every signature the planner uses, so a
+serving loop pays the JIT cost at start-up.
 """
 
 from __future__ import annotations
@@ -177,7 +178,7 @@ def plan_kernel(c, q, pre, p_size, w_size, inter, budget):
             creq, cpad, bounds, pcu, gcu)
 
 
-def warmup() -> None:
+def compile_planner_kernels() -> None:
     """Compile (or load from cache) the planner's kernels for the column dtypes StepInput uses
     (read-only int64 / uint8 views), so the first real step pays no JIT cost."""
     c = np.frombuffer(np.array([5, 0, 40], np.int64).tobytes(), np.int64)

@@ -37,11 +37,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _planner_warmup():
+def _planner_kernels_compiled():
     """JIT the planner once per session, before any test times itself."""
-    from cpplan.planner import warmup
+    from cpplan.planner import compile_planner_kernels
 
-    warmup()
+    compile_planner_kernels()
 
 
 @pytest.fixture
