@@ -1,7 +1,7 @@
 """Runtime step overheads on CPU (gloo): bind cost, digest-check cost, next to kv_insert.
 
     python bench/step.py [--repeat 50] [--worlds 2 4 8]
-    python bench/step.py --issue15 [--repeat 50]    # only the host bind cases of issue 15
+    python bench/step.py --host-bind [--repeat 50]  # only host bind at full model dims (3.)
     python bench/step.py --digest-only [--repeat 50] [--worlds 2 4 8]
 
 1. bind (tables + arena pack, no device copy on CPU) per step, median, for 64 / 512 / 4096
@@ -11,19 +11,20 @@
    typical kv_insert (gloo all-gather of [T - nd, 656] uint8 per rank,
    T = 512) in the same world. Worlds are spawned processes on this host: on a 2-core machine
    a world of 8 is oversubscribed, so its figures are an upper bound.
-3. (``--issue15``) host bind at full model dims (128 heads, topk 2048, fp8_ds_mla,
-   max_model_len 32k) for 64 decodes of 2k-6k context (also with CUDA-graph sizes: the static
-   layout ``bench/step_gpu.py --graphs`` binds), and for a 32k prompt plus those 64 decodes,
-   at P = W = 1 and P = W = 2 (rank 0). Parts: the block-table check, the host tables
-   (written into the arena) and the arena's copy (on CUDA the one H2D copy and its event; on
-   this CPU none). Host time on a GPU also counts the launch of device ops (about 5-10 us each
-   there), so the ATen calls that are not views are counted, for bind (on CUDA add the H2D
-   copy) and for the table expansion at first use (``BoundStep.tables``, in the first insert,
-   not in bind), as well as the Python and C calls one bind makes. Back to back, bind runs with
-   hot caches; in a step it follows the previous step's work (on the H200: 0.36 ms in
-   ``bench/step_gpu.py --prompt 0`` against 93 us for its parts alone), so it is also timed
-   after each of a small CPU step (insert + attend of another executor's 2 layers, reference
-   kernels): the "bind ms in a step" column, which moves by tens of percent between runs.
+3. (``--host-bind``; ``--issue15`` is its old name) host bind at full model dims (128 heads,
+   topk 2048, fp8_ds_mla, max_model_len 32k) for 64 decodes of 2k-6k context (also with
+   CUDA-graph sizes: the static layout ``bench/step_gpu.py --graphs`` binds), and for a 32k
+   prompt plus those 64 decodes, at P = W = 1 and P = W = 2 (rank 0). Parts: the block-table
+   check, the host tables (written into the arena) and the arena's copy (on CUDA the one H2D
+   copy and its event; on this CPU none). Host time on a GPU also counts the launch of device
+   ops (about 5-10 us each there), so the ATen calls that are not views are counted, for bind
+   (on CUDA add the H2D copy) and for the table expansion at first use (``BoundStep.tables``,
+   in the first insert, not in bind), as well as the Python and C calls one bind makes. Back to
+   back, bind runs with hot caches; in a step it follows the previous step's work (on the H200:
+   0.36 ms in ``bench/step_gpu.py --prompt 0`` against 93 us for its parts alone), so it is
+   also timed after each of a small CPU step (insert + attend of another executor's 2 layers,
+   reference kernels): the "bind ms in a step" column, which moves by tens of percent between
+   runs.
 Writes a markdown table to stdout.
 """
 
@@ -126,7 +127,7 @@ def _host_calls(fn) -> int:
     return count - 1  # setprofile(None) itself
 
 
-def _issue15_config(w: int, graphs: tuple[int, ...] = ()) -> ParallelConfig:
+def _full_dims_config(w: int, graphs: tuple[int, ...] = ()) -> ParallelConfig:
     return ParallelConfig(pcp_size=w, dcp_size=w, kv_cache_dtype="fp8_ds_mla", num_layers=4,
                           cudagraph_token_sizes=graphs,
                           num_heads=128, topk=2048, index_num_heads=64, hidden_size=7168,
@@ -136,7 +137,7 @@ def _issue15_config(w: int, graphs: tuple[int, ...] = ()) -> ParallelConfig:
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # bench/step_gpu.py --graphs
 
 
-def _issue15_step(prompt: int, n: int = 64) -> StepInput:
+def _decodes_step(prompt: int, n: int = 64) -> StepInput:
     ctx = 2048 + (np.arange(n, dtype=np.int64) * 1543) % 4096  # 2k-6k contexts
     ids = [f"d{i}" for i in range(n)] + (["prompt"] if prompt else [])
     c = np.concatenate([ctx, [0] if prompt else []]).astype(np.int64)
@@ -179,14 +180,14 @@ class _OtherWork:
         self.bound.layers_inserted = self.bound.layers_attended = 0
 
 
-def bench_issue15(repeat: int) -> list[tuple]:
+def bench_host_bind(repeat: int) -> list[tuple]:
     """(case, P = W, T, check ms, host tables ms, arena copy ms, device ops of bind and of the
     expansion at first use, host calls, bind ms, bind ms in a step), rank 0."""
     rows, other = [], _OtherWork()
     for prompt, graphs in ((0, ()), (0, GRAPH_SIZES), (32768, ())):
         for w in (1, 2):
-            cfg = _issue15_config(w, graphs)
-            plan = compile(cfg, _issue15_step(prompt))
+            cfg = _full_dims_config(w, graphs)
+            plan = compile(cfg, _decodes_step(prompt))
             width = -(-cfg.shard_rows(cfg.max_model_len) // cfg.block_size)
             bt = np.arange(plan.num_requests * width, dtype=np.int64).reshape(-1, width) + 1
             ex = StepExecutor(cfg, sm_scale=576 ** -0.5, pcp_rank=0, dcp_rank=0, comm=_NoComm(),
@@ -236,13 +237,13 @@ def bench_issue15(repeat: int) -> list[tuple]:
     return rows
 
 
-def print_issue15(repeat: int) -> None:
-    print("## host bind, issue 15 cases (rank 0, full dims, CPU, medians)\n")
+def print_host_bind(repeat: int) -> None:
+    print("## host bind at full model dims (rank 0, CPU, medians)\n")
     print("| case | P = W | T per rank | check tables ms | of it: aliasing ms | host tables ms "
           "| arena copy ms | host sum ms | device ops per bind | expansion ops (first use) | "
           "host calls per bind | bind ms (CPU: incl. the device ops) | bind ms in a step |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for case, w, t, tc, th, tp, n_ops, n_exp, calls, tb, ts, plain in bench_issue15(repeat):
+    for case, w, t, tc, th, tp, n_ops, n_exp, calls, tb, ts, plain in bench_host_bind(repeat):
         print(f"| {case} | {w} | {t} | {tc:.3f} | {tc - plain:.3f} | {th:.3f} | {tp:.3f} | "
               f"{tc + th + tp:.3f} | {n_ops} | {n_exp} | {calls} | {tb:.3f} | {ts:.3f} |")
 
@@ -289,12 +290,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=50)
     ap.add_argument("--worlds", type=int, nargs="*", default=[2, 4, 8])
-    ap.add_argument("--issue15", action="store_true", help="only the issue 15 bind cases")
+    ap.add_argument("--host-bind", action="store_true",
+                    help="only host bind at full model dims (64 decodes, a 32k prompt)")
+    ap.add_argument("--issue15", action="store_true", dest="host_bind",
+                    help=argparse.SUPPRESS)  # the old name of --host-bind
     ap.add_argument("--digest-only", action="store_true", help="only the digest-check table")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    if args.issue15:
-        print_issue15(args.repeat)
+    if args.host_bind:
+        print_host_bind(args.repeat)
         return
     if not args.digest_only:
         print_bind(args.repeat)
