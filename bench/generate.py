@@ -9,8 +9,9 @@ prompts, the same device, one run (docs/design.md §4.5).
 Cases (``--context`` tokens of prompt each, ``--new-tokens`` greedy tokens): transformers'
 ``generate`` (bf16, sdpa attention; its indexer and mask are dense over the context) at
 ``--hf-batch`` requests, then ``cpplan.serve`` (P = W = 1 on this device, fp8_ds_mla KV,
-chunked prefill under ``--max-num-batched-tokens``) at ``--batch`` requests, each after an
-untimed warm-up run (kernels compiled, allocator warm). Per case: TTFT
+chunked prefill under ``--max-num-batched-tokens``) at ``--batch`` requests, eagerly and
+(on CUDA) with decode steps replayed as CUDA graphs, each after an untimed warm-up run
+(kernels compiled, allocator warm; cpplan's on the same engine, so its graphs are captured). Per case: TTFT
 (prompt to first token) and TPOT (mean time between later tokens), medians over requests,
 tokens/s, peak device memory; the ratios cpplan / transformers last. A transformers case that
 runs out of memory is reported as such. Writes a markdown table to stdout, ``--json`` one JSON
@@ -29,7 +30,7 @@ import time
 import torch
 
 from cpplan.models import build_model, preset_config
-from cpplan.serve.engine import GenerateJob, serve_local
+from cpplan.serve.engine import GenerateJob, local_engine, serve_local
 
 BENCH_MODEL = dict(hidden_size=2048, num_attention_heads=128, num_key_value_heads=128,
                    q_lora_rank=1536, qk_nope_head_dim=128, v_head_dim=128,
@@ -84,31 +85,40 @@ def bench_hf(model, prompts: torch.Tensor, new_tokens: int, device) -> dict:
             "peak_gib": _peak_gib(device), "tokens": out[:, prompts.shape[1]:].tolist()}
 
 
-def bench_cpplan(model, prompts: list[list[int]], new_tokens: int, args) -> dict:
-    """cpplan.serve at P = W = 1 on the device: per-request TTFT / TPOT from the engine."""
+def bench_cpplan(model, prompts: list[list[int]], new_tokens: int, args, *,
+                 graphs: bool) -> dict:
+    """cpplan.serve at P = W = 1 on the device, one engine (executor, caches, graphs) for a
+    warm-up workload and then the timed one, as a long-lived server: per-request TTFT / TPOT
+    from the engine. The warm-up (not timed) is the same prompts with 2 new tokens: every
+    kernel variant compiled, and with ``graphs`` the decode steps' graph keys captured (the
+    timed run's decodes have the same batch and key-block bucket; its captures are counted)."""
     blocks = 1 + len(prompts) * -(-(len(prompts[0]) + new_tokens) // 64)
     job = GenerateJob(model="bench", seed=0, prompts=tuple(tuple(p) for p in prompts),
                       max_new_tokens=(new_tokens,) * len(prompts),
                       max_model_len=len(prompts[0]) + new_tokens,
                       max_num_batched_tokens=args.max_num_batched_tokens,
                       max_num_seqs=max(len(prompts), 1), num_blocks=blocks,
-                      device=args.device, progress=False)
+                      device=args.device, progress=False, cuda_graphs=graphs)
     _reset_peak(args.device)
     with torch.inference_mode():
-        # warm-up (not timed): a short run compiles every kernel variant the long one uses
-        serve_local(model, dataclasses.replace(
-            job, prompts=tuple(p[:300] for p in job.prompts[:2]), max_new_tokens=(3, 3)[
-                : min(2, len(job.prompts))], max_num_seqs=2))
+        engine = local_engine(model, job)
+        warm = serve_local(model, dataclasses.replace(job, max_new_tokens=(2,) * len(prompts)),
+                           engine)
+        if "error" in warm:
+            raise warm["error"]
         _sync(args.device)
         t0 = time.perf_counter()
-        res = serve_local(model, job)
+        res = serve_local(model, job, engine)
         _sync(args.device)
         seconds = time.perf_counter() - t0
     if "error" in res:
         raise res["error"]
+    del engine
     return {"ttft_s": statistics.median(res["ttft_s"]), "tpot_s": statistics.median(res["tpot_s"]),
             "tokens_per_s": len(prompts) * new_tokens / seconds, "peak_gib": _peak_gib(args.device),
-            "steps": res["steps"], "tokens": res["outputs"]}
+            "steps": res["steps"], "graph_steps": res["graph_steps"],
+            "captures": res["captures"], "warmup_captures": warm["captures"],
+            "tokens": res["outputs"]}
 
 
 def main(argv=None) -> int:
@@ -122,6 +132,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-hf", action="store_true", help="cpplan only")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="toy sizes (runs on a CPU)")
+    ap.add_argument("--no-eager", action="store_true",
+                    help="skip cpplan's eager case (on CUDA both eager and CUDA graphs run)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     fields = dict(BENCH_MODEL, **(TINY_MODEL if args.tiny else {}))
@@ -146,23 +158,38 @@ def main(argv=None) -> int:
                                         args.new_tokens, args.device)
         model.set_attn_implementation("eager") if hasattr(model, "set_attn_implementation") \
             else None
-    rows["cpplan"] = bench_cpplan(model, ids[: args.batch].tolist(), args.new_tokens, args)
+    cuda = torch.device(args.device).type == "cuda"
+    if not (cuda and args.no_eager):
+        rows["cpplan eager"] = bench_cpplan(model, ids[: args.batch].tolist(), args.new_tokens,
+                                            args, graphs=False)
+    if cuda:
+        rows["cpplan graphs"] = bench_cpplan(model, ids[: args.batch].tolist(),
+                                             args.new_tokens, args, graphs=True)
     print(f"## generate, {args.context}-token prompts, {args.new_tokens} new tokens, "
           f"{args.device} ({torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'})\n")
-    print("| engine | requests | TTFT ms | TPOT ms | tokens/s | peak GiB |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| engine | requests | TTFT ms | TPOT ms | tokens/s | peak GiB | graph steps |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, r in rows.items():
         n = hf_batch if name == "transformers" else args.batch
         if r.get("oom"):
             print(f"| {name} | {n} | out of memory | | | {r['peak_gib']:.1f} |")
             continue
+        graph = (f"{r['graph_steps']} of {r['steps']} ({r['captures']} captured in the run)"
+                 if "graph_steps" in r else "")
         print(f"| {name} | {n} | {r['ttft_s'] * 1e3:.1f} | {r['tpot_s'] * 1e3:.2f} | "
-              f"{r['tokens_per_s']:.1f} | {r['peak_gib']:.1f} |")
-    hf, cp = rows.get("transformers"), rows["cpplan"]
-    if hf and not hf.get("oom"):
+              f"{r['tokens_per_s']:.1f} | {r['peak_gib']:.1f} | {graph} |")
+    hf = rows.get("transformers")
+    eager, graphs = rows.get("cpplan eager"), rows.get("cpplan graphs")
+    if eager and graphs:
+        print(f"\ngraphs / eager: TPOT {graphs['tpot_s'] / eager['tpot_s']:.3f}; tokens equal: "
+              f"{graphs['tokens'] == eager['tokens']}")
+    for name in ("cpplan eager", "cpplan graphs"):
+        cp = rows.get(name)
+        if not (cp and hf and not hf.get("oom")):
+            continue
         same = sum(a == b for x, y in zip(hf["tokens"], cp["tokens"]) for a, b in zip(x, y))
         total = sum(len(x) for x in hf["tokens"][: args.batch])
-        print(f"\nratio cpplan / transformers: TTFT {cp['ttft_s'] / hf['ttft_s']:.3f}, TPOT "
+        print(f"ratio {name} / transformers: TTFT {cp['ttft_s'] / hf['ttft_s']:.3f}, TPOT "
               f"{cp['tpot_s'] / hf['tpot_s']:.3f}; greedy tokens equal at {same} of {total} "
               "positions (bf16: near-ties flip)")
     if args.json:

@@ -73,6 +73,9 @@ def register(sub) -> None:
     p.add_argument("--warmup", action="store_true",
                    help="compile every kernel variant before the clock starts (TTFT without "
                         "the first steps' compiles)")
+    p.add_argument("--eager", action="store_true",
+                   help="no CUDA graphs (default on CUDA: decode-only steps are padded to a "
+                        "graph size and replayed as captured graphs)")
     p.add_argument("--check", action="store_true",
                    help="compare with the model's own teacher-forced forward (exit 1 on a "
                         "difference)")
@@ -104,7 +107,8 @@ def run(args) -> int:
                    max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
                    max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
                    temperature=args.temperature, top_p=args.top_p, keep_logits=args.check,
-                   timeout_s=args.timeout, warmup=args.warmup)
+                   timeout_s=args.timeout, warmup=args.warmup,
+                   cuda_graphs=args.device == "cuda" and not args.eager)
     from cpplan.sim.launch import torchrun_env
 
     job, env = prep.job, torchrun_env()
@@ -219,6 +223,7 @@ def _print(prep, values, elapsed: float, check, as_json: bool) -> None:
                "prompt_tokens": sum(len(p.token_ids) for p in prep.prompts),
                "output_tokens": new, "query_tokens": head["tokens"],
                "mixed_steps": head["mixed_steps"], "preempted": head["preempted"],
+               "graph_steps": head["graph_steps"], "graph_captures": head["captures"],
                "serve_s": round(head["seconds"], 3), "seconds": round(elapsed, 3),
                "output_tokens_per_s": round(new / head["seconds"], 2) if head["seconds"] else 0,
                "pcp": job.pcp, "dcp": job.dcp, "interleave": job.interleave,
@@ -240,7 +245,8 @@ def _print(prep, values, elapsed: float, check, as_json: bool) -> None:
                      f"{text}  TTFT {r['ttft_s'] * 1e3:.0f} ms  TPOT {r['tpot_s'] * 1e3:.0f} ms")
     s = summary
     lines.append(f"{s['requests']} requests, {s['output_tokens']} new tokens in {s['steps']} "
-                 f"steps ({s['mixed_steps']} mixed, {s['preempted']} preemptions), "
+                 f"steps ({s['mixed_steps']} mixed, {s['preempted']} preemptions, "
+                 f"{s['graph_steps']} by CUDA graph), "
                  f"{s['output_tokens_per_s']} tokens/s, {s['collectives']} collectives, "
                  f"{s['digest_checks']} digest checks, {s['seconds']} s")
     sys.stdout.write("\n".join(lines) + "\n")

@@ -75,9 +75,15 @@ class RankForward:
         tokens, in ascending request index (:func:`cpplan.models.rows.sampled_requests`), on
         every rank. ``token_ids`` ``[T]`` int64: the token of each of the rank's rows
         (:func:`cpplan.models.rows.rank_token_ids`; padding rows any valid id)."""
-        hidden = self.hidden_states(executor, bound, caches, token_ids)
-        head = self.model.lm_head
-        return head(sampled_hidden(executor, bound, hidden).to(head.weight.dtype))
+        return self.head(executor, bound, self.hidden_states(executor, bound, caches, token_ids))
+
+    @torch.no_grad()
+    def head(self, executor, bound, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[num_sampled, vocab]`` from the rank's rows after the final norm
+        (:meth:`hidden_states`): the sampled rows restored to every rank, then the LM head.
+        Runs outside a CUDA graph (restore's row count follows the step's sampled requests)."""
+        lm_head = self.model.lm_head
+        return lm_head(sampled_hidden(executor, bound, hidden).to(lm_head.weight.dtype))
 
     @torch.no_grad()
     def hidden_states(self, executor, bound, caches: Sequence, token_ids: torch.Tensor

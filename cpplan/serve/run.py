@@ -37,11 +37,12 @@ def prepare(*, model: str, prompts_path: str | None, max_new_tokens: int, seed: 
             num_blocks: int | None = None, max_model_len: int | None = None,
             device: str = "cpu", dtype: str = "auto", temperature: float = 0.0, top_p: float = 1.0,
             keep_logits: bool = False, progress: bool = True, warmup: bool = False,
-            timeout_s: float = 60.0) -> Prepared:
+            timeout_s: float = 60.0, cuda_graphs: bool = False) -> Prepared:
     """Load the model (ConfigError for dims that do not fit, a missing transformers, missing
     or truncated weights), read and check the prompts, derive the config (a bad topology is
     a ConfigError) and the KV blocks per rank (default: the ``max_num_seqs`` largest requests
-    at once, so no preemption)."""
+    at once, so no preemption). ``cuda_graphs``: decode-only steps padded to graph sizes and,
+    on CUDA, replayed as captured graphs."""
     from cpplan.models import load_model, parallel_config
 
     _check_device(device, pcp, dcp)
@@ -78,7 +79,8 @@ def prepare(*, model: str, prompts_path: str | None, max_new_tokens: int, seed: 
                       max_num_seqs=max_num_seqs, num_blocks=num_blocks, device=device,
                       dtype=dtype,
                       temperature=temperature, top_p=top_p, keep_logits=keep_logits,
-                      progress=progress, timeout_s=timeout_s, warmup=warmup)
+                      progress=progress, timeout_s=timeout_s, warmup=warmup,
+                      cuda_graphs=cuda_graphs)
     _check_blocks(job, config, [p.id for p in prompts])
     return Prepared(job, m, prompts, tokenizer, load_s)
 

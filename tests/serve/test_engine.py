@@ -1,0 +1,74 @@
+"""The serving engine (cpplan/serve/engine.py) on the CPU: decode steps padded to CUDA-graph
+sizes (the graphs' static shapes; replayed only on CUDA) give the unpadded run's tokens and
+pass ``--check``; one engine serves workload after workload with fresh-engine tokens; a job
+that does not fit the engine is refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from cpplan.models import load_model  # noqa: E402
+from cpplan.schemas.errors import UsageError  # noqa: E402
+from cpplan.serve.check import check_outputs  # noqa: E402
+from cpplan.serve.engine import GenerateJob, graph_sizes, local_engine, serve_local  # noqa: E402
+
+PROMPTS = ((5, 17, 3), tuple(range(40, 130)), (9,), tuple(range(200, 261)))
+
+
+def _job(model: str, **kw) -> GenerateJob:
+    fields = dict(model=model, seed=0, prompts=PROMPTS, max_new_tokens=(5, 4, 6, 3),
+                  max_model_len=512, max_num_batched_tokens=64, max_num_seqs=4,
+                  num_blocks=40, progress=False, keep_logits=True)
+    return GenerateJob(**{**fields, **kw})
+
+
+@pytest.fixture(scope="module", params=["tiny-deepseek-v32", "tiny-glm-5"])
+def model(request):
+    return request.param, load_model(request.param, seed=0)
+
+
+def test_graph_sizes_cover_every_batch_with_the_smallest_size():
+    for n in range(1, 70):
+        sizes = graph_sizes(n)
+        assert sizes[-1] == n and list(sizes) == sorted(set(sizes))
+        for b in range(1, n + 1):  # a batch of b pads to the first size >= b: under 2b
+            pad = next(s for s in sizes if s >= b)
+            assert b <= pad < 2 * b or pad == n
+
+
+def test_padded_decode_steps_keep_the_tokens_and_pass_the_check(model):
+    name, m = model
+    plain = serve_local(m, _job(name))
+    padded = serve_local(m, _job(name, cuda_graphs=True))
+    assert "error" not in plain and "error" not in padded
+    assert padded["graph_steps"] > 0 and plain["graph_steps"] == 0
+    assert padded["captures"] == 0  # the CPU runs every step eagerly
+    assert padded["outputs"] == plain["outputs"]
+    res = check_outputs(m, PROMPTS, padded["outputs"], padded["logits"], "fp8_ds_mla",
+                        [str(i) for i in range(len(PROMPTS))])
+    assert res.ok, res.line()
+
+
+def test_one_engine_serves_one_workload_after_another(model):
+    name, m = model
+    job = _job(name, cuda_graphs=True)
+    engine = local_engine(m, job)
+    first = serve_local(m, dataclasses.replace(job, prompts=PROMPTS[:2],
+                                               max_new_tokens=(2, 7)), engine)
+    again = serve_local(m, job, engine)
+    fresh = serve_local(m, job)
+    assert "error" not in first and again["outputs"] == fresh["outputs"]
+    # greedy: the same prompts' tokens are prefixes of each other (request 1 asks for 7 of 4)
+    assert first["outputs"][0] == fresh["outputs"][0][:2]
+    assert first["outputs"][1][:4] == fresh["outputs"][1]
+
+
+def test_a_job_the_engine_was_not_built_for_is_refused(model):
+    name, m = model
+    engine = local_engine(m, _job(name))
+    with pytest.raises(UsageError, match="num_blocks is 41; expected the engine's 40"):
+        engine.serve(_job(name, num_blocks=41))
