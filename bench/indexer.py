@@ -39,7 +39,6 @@ import json
 import torch
 import triton
 import triton.language as tl
-from cpplan.runtime.kernels.triton import indexer as old_indexer
 from cpplan.runtime.kernels.triton import indexer_tiled as it
 from cpplan.runtime.kernels.triton import pack
 from cpplan.runtime.kernels import reference as ref
@@ -48,6 +47,7 @@ from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench, do_bench_cudagraph
 
 from common import kernel_device_times  # bench/common.py, beside this script
+from variants import old_indexer  # bench/variants: the first Triton indexer
 
 HI, TOPK, BLOCK = 64, 2048, 64
 RANK_SEGS = (8, 32)  # every candidate ordered from this many segments (select_exact off)
@@ -446,7 +446,7 @@ def gluon_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops)
     with epilogues), each checked equal to the default Triton tiles' keys; a Triton without
     Gluon, or a variant that does not build or run, prints one line."""
     try:
-        from cpplan.runtime.kernels.gluon import logits as gl_logits
+        from variants import gluon_logits as gl_logits
     except ImportError as e:
         print(f"  gluon logits: not available ({e})", flush=True)
         return True

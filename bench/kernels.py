@@ -30,7 +30,6 @@ import triton
 from cpplan.runtime.kernels import reference as ref
 from cpplan.runtime.kernels.triton import attention as ta
 from cpplan.runtime.kernels.triton import index as ti
-from cpplan.runtime.kernels.triton import indexer as tx
 from cpplan.runtime.kernels.triton import merge as tm
 from cpplan.runtime.kernels.triton import pack as tp
 from cpplan.runtime.kernels.triton.plan import plan_attention
@@ -255,7 +254,10 @@ def bench_remap_vs_copy():
         row(f"attn T{T}: fused remap + kernel", fused, note=f"{copy / fused:.3f}x vs copy")
         row(f"attn T{T}: remap kernel + kernel", two, note=f"remap alone {rmp * 1e3:.1f} us")
         row(f"attn T{T}: index_select deinterleave + kernel", copy, note=f"copy alone {sel * 1e3:.1f} us")
-    # indexer: T queries of one request at positions spread over E, 64 heads
+    # indexer: T queries of one request at positions spread over E, 64 heads; the first Triton
+    # indexer (bench/variants/old_indexer.py), whose kernel reads rows through the remap
+    from variants import old_indexer as tx
+
     kx = tp.quantize_indexer_k(torch.randint(-3, 4, (W * PT, 128), device="cuda", generator=g).float())
     T, Hi = 512, 64
     qx = torch.randn(T, Hi, 128, device="cuda", generator=g).to(torch.bfloat16)

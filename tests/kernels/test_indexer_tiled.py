@@ -103,13 +103,11 @@ def test_prefill(env, W, I, block_q, nreq, sms):
 
 
 @pytest.mark.parametrize("env", ENVS)
-@pytest.mark.parametrize("backend", ["tiled", "old", "reference"])
+@pytest.mark.parametrize("backend", ["tiled", "reference"])
 def test_prefill_out_rows_of_a_larger_buffer(env, backend):
     """``out=``: the top-k lands in the given views (rows of a buffer that holds other rows
     before them, as the executor's decode rows), equal to the returned tensors of a call
     without it; the other rows are untouched; a wrong out is a ValueError."""
-    from cpplan.runtime.kernels.triton import indexer as old
-
     it = _it()
     T, Hi, PT, topk = (9, 4, 240, 24) if env == "interp" else (64, 64, 4096, 2048)
     q, w, k = _inputs(env, T, Hi, PT, 11)
@@ -117,7 +115,6 @@ def test_prefill_out_rows_of_a_larger_buffer(env, backend):
     if backend == "reference":
         q, w, k, key_len, pcu = (x.cpu() for x in (q.double(), w, k, key_len, pcu))
     fn = {"tiled": lambda **kw: it.indexer_topk_prefill(*args, tiles=_tiles(env), **kw),
-          "old": lambda **kw: old.indexer_topk_prefill(*args, **kw),
           "reference": lambda **kw: ref.indexer_topk_prefill(*args, **kw)}[backend]
     args = (q, w, k, key_len, pcu, PT, 1, 1, topk)
     want = fn(max_keys=PT)
@@ -323,54 +320,26 @@ def test_prefill_all_equal_scores(env):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_gpu_prefill_matches_old_kernel():
-    """Full shape, realistic causal bounds (the last T of N tokens): new == old == reference."""
-    from cpplan.runtime.kernels.triton import indexer as old
-
+def test_gpu_prefill_full_shape():
+    """Full shape, realistic causal bounds (the last T of N tokens): equal to the reference."""
     it = _it()
     T, N, topk = 1024, 8192, 2048
     q, w, k = _inputs("cuda", T, 64, N, 9)
     key_len = torch.arange(N - T + 1, N + 1, device="cuda")
     pcu = torch.zeros(T, dtype=torch.int64, device="cuda")
     got = it.indexer_topk_prefill(q, w, k, key_len, pcu, N, 1, 1, topk, max_keys=N)
-    _check(got, old.indexer_topk_prefill(q, w, k, key_len, pcu, N, 1, 1, topk, max_keys=N))
     _check(got, ref.indexer_topk_prefill(q.float(), w, k, key_len, pcu, N, 1, 1, topk, max_keys=N))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("W,I,nreq,stages,unroll,Hi,regs", [
-    (1, 1, 1, 4, 4, 64, 0), (1, 1, 3, 3, 2, 64, 0), (2, 64, 2, 4, 3, 64, 0), (1, 1, 2, 4, 4, 6, 0),
-    (2, 64, 2, 4, 2, 64, 168)])
-def test_gpu_gluon_logits(W, I, nreq, stages, unroll, Hi, regs):
-    """The opt-in Gluon prefill logits (IndexerTiles.logits_gluon): the whole prefill indexer
-    against the reference, with request boundaries inside query blocks (nreq > 1), an odd
-    query count (a half block), rows shorter than topk, unrolled loops that run past the last
-    key tile, padded heads (6 of 16), and registers capped (168: a small spill)."""
-    pytest.importorskip("triton.experimental.gluon")
-    it = _it()
-    T, PT, topk = 255, 8192, 2048
-    q, w, k = _inputs("cuda", T, Hi, W * PT, 7)
-    key_len, pcu = _prefill_case("cuda", T, PT, topk, W, 3, nreq)
-    tiles = it.IndexerTiles(logits_gluon=True, gluon_stages=stages, gluon_unroll=unroll,
-                             gluon_maxnreg=regs)
-    got = it.indexer_topk_prefill(q, w, k, key_len, pcu, PT, W, I, topk, max_keys=PT,
-                                  tiles=tiles)
-    _check(got, ref.indexer_topk_prefill(q.cpu().double(), w.cpu(), k.cpu(), key_len.cpu(),
-                                         pcu.cpu(), PT, W, I, topk, max_keys=PT))
 
 
 @pytest.mark.parametrize("env", ENVS)
 def test_zero_queries(env):
     """No query (a rank whose step has no token of that kind): [0, topk] results from every
     backend, without max_keys (no reduction over an empty tensor)."""
-    from cpplan.runtime.kernels.triton import indexer as old
-
     dev = _dev(env)
     q, w, k = _inputs(env, 0, 4, 128, 1)
     none, bt = torch.zeros(0, dtype=torch.int64, device=dev), torch.zeros(0, 2, dtype=torch.int32,
                                                                              device=dev)
-    for mod in (_it(), old, ref):
+    for mod in (_it(), ref):
         s, ids = mod.indexer_topk_decode(q, w, block_planar(k, 64), none, bt, 64, 1, 0, 1, 16)
         assert s.shape == ids.shape == (0, 16)
         s, ids = mod.indexer_topk_prefill(q, w, k, none, none, 128, 1, 1, 16)

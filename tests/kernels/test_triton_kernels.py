@@ -316,54 +316,38 @@ def _indexer_inputs(env, T, Hi, N, seed):
 
 
 @pytest.mark.parametrize("env", ENVS)
-def test_indexer_scores_rows(env):
-    from cpplan.runtime.kernels.triton import indexer as tx
-
-    q, w, k = _indexer_inputs(env, 3, 4, 50, 6)
-    rows = torch.randint(-1, 50, (3, 200), generator=torch.Generator().manual_seed(1)).to(q.device)
-    s = tx.indexer_scores(q, w, k, rows)
-    want = ref.indexer_scores(q.cpu().double(), w.cpu(), k.cpu(), rows.cpu())
-    assert torch.equal(s.cpu().double(), want)
-
-
-@pytest.mark.parametrize("env", ENVS)
-@pytest.mark.parametrize("W,I", [(1, 1), (2, 1), (2, 64)])
-def test_indexer_topk_prefill(env, W, I):
-    from cpplan.runtime.kernels.triton import indexer as tx
+def test_old_indexer_bench_variant(env):
+    """bench/variants' first Triton indexer (bench/indexer.py's "old" kernel): prefill over a
+    gather chunk (W 2, I 64; padded rows, rows shorter than topk, several query chunks) and
+    decode over a rank's paged shard equal the reference, order included."""
+    from bench.variants import old_indexer as old
 
     dev = _dev(env)
     T, Hi, PT, topk = (4, 4, 200, 20) if env == "interp" else (64, 64, 8192, 2048)
+    W, I = 2, 64
     q, w, k = _indexer_inputs(env, T, Hi, W * PT, 7)
     key_len = torch.randint(1, PT, (T,), generator=torch.Generator().manual_seed(2)).to(dev)
     key_len[0] = 0  # a padded row
     key_len[-1] = min(topk // 2, PT)  # fewer keys than topk
     pcu = torch.zeros(T, dtype=torch.int64, device=dev)
-    s, ids = tx.indexer_topk_prefill(q, w, k, key_len, pcu, PT, W, I, topk,
-                                     logits_budget_bytes=8 * 200 * 2)  # forces several chunks
-    ws, wids = ref.indexer_topk_prefill(q.cpu().double(), w.cpu(), k.cpu(), key_len.cpu(), pcu.cpu(),
-                                        PT, W, I, topk)
-    assert torch.equal(ids.cpu(), wids)
-    assert torch.equal(s.cpu().double(), ws)
-
-
-@pytest.mark.parametrize("env", ENVS)
-@pytest.mark.parametrize("W,rank,I", [(1, 0, 1), (4, 2, 1), (2, 1, 64)])
-def test_indexer_topk_decode(env, W, rank, I):
-    from cpplan.runtime.kernels.triton import indexer as tx
-
-    dev = _dev(env)
-    T, Hi, B, topk, nblk = (3, 4, 64, 16, 4) if env == "interp" else (128, 64, 64, 2048, 64)
+    s, ids = old.indexer_topk_prefill(q, w, k, key_len, pcu, PT, W, I, topk,
+                                      logits_budget_bytes=8 * 200 * 2)  # several chunks
+    ws, wids = ref.indexer_topk_prefill(q.cpu().double(), w.cpu(), k.cpu(), key_len.cpu(),
+                                        pcu.cpu(), PT, W, I, topk)
+    assert torch.equal(ids.cpu(), wids) and torch.equal(s.cpu().double(), ws)
+    W, rank, I = 4, 2, 1
+    T, B, topk, nblk = (3, 64, 16, 4) if env == "interp" else (128, 64, 2048, 64)
     q, w, k = _indexer_inputs(env, T, Hi, 2 * T * nblk * B, 8)
     g = torch.Generator().manual_seed(3)
-    bt = torch.stack([torch.randperm(2 * T * nblk, generator=g)[:nblk] for _ in range(T)]).int().to(dev)
+    bt = torch.stack([torch.randperm(2 * T * nblk, generator=g)[:nblk]
+                      for _ in range(T)]).int().to(dev)
     local_len = torch.randint(1, nblk * B, (T,), generator=g).to(dev)
     local_len[-1] = 5
     k = block_planar(k, B)
-    s, ids = tx.indexer_topk_decode(q, w, k, local_len, bt, B, W, rank, I, topk)
-    ws, wids = ref.indexer_topk_decode(q.cpu().double(), w.cpu(), k.cpu(), local_len.cpu(), bt.cpu(),
-                                       B, W, rank, I, topk)
-    assert torch.equal(ids.cpu(), wids)
-    assert torch.equal(s.cpu().double(), ws)
+    s, ids = old.indexer_topk_decode(q, w, k, local_len, bt, B, W, rank, I, topk)
+    ws, wids = ref.indexer_topk_decode(q.cpu().double(), w.cpu(), k.cpu(), local_len.cpu(),
+                                       bt.cpu(), B, W, rank, I, topk)
+    assert torch.equal(ids.cpu(), wids) and torch.equal(s.cpu().double(), ws)
 
 
 def test_dispatch_table():

@@ -167,12 +167,6 @@ class IndexerTiles:
     logits_maxnreg: int = 128  # prefill logits: registers per thread capped (0: no cap); 4
     # warps at 128: four programs per SM. H200, T 4096 x N 32768: 2.20 ms against 2.23-2.25
     # for 128-key tiles in 8 warps (two programs per SM)
-    logits_gluon: bool = False  # prefill logits by the Gluon kernel (gluon/logits.py: the next
-    # tile's products under this tile's epilogue; CUDA, at most 64 padded heads). H200, T 4096
-    # x N 32768: 2.41 ms against 2.21 for the Triton kernel, so off
-    gluon_stages: int = 4  # ... key tiles in its ring
-    gluon_unroll: int = 4  # ... tiles an iteration of its overlapped loop
-    gluon_maxnreg: int = 0  # ... registers a thread capped (0: none)
     decode_block_k: int = 128
     few_rows: int = 16  # decode batches of at most this many rows use few_rows_block_k
     few_rows_block_k: int = 64  # (8 x 128k logits 53.5 us against 62.5 at 128; 64 rows of
@@ -646,26 +640,14 @@ def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_loc
     key_len, region_pcu = key_len.contiguous(), region_pcu.contiguous()
     step = max(1, logits_budget_bytes // (4 * L))
     keys = _keys_buffer(min(step, T), L, q.device)
-    gluon = None
-    if tiles.logits_gluon and gpu:
-        from ..gluon import logits as gluon  # needs a Triton with Gluon (tested: 3.6)
-
-        if max(16, triton.next_power_of_2(q.shape[1])) > gluon.MAX_HEADS:
-            gluon = None  # more heads than its accumulators hold: the Triton kernel
     # the last chunk first: a causal prefill's later queries have the most keys, so the
     # longest launches are queued first and the host runs ahead of the device sooner
     for t0 in reversed(range(0, T, step)):
         t1 = min(T, t0 + step)
-        if gluon is not None:
-            gluon.launch(q8[t0:t1], w8[t0:t1], kp, ks, keys[: t1 - t0], L, key_len[t0:t1],
-                         region_pcu[t0:t1], padded_local_total, dcp_size, interleave,
-                         stages=tiles.gluon_stages, unroll=tiles.gluon_unroll,
-                         maxnreg=tiles.gluon_maxnreg)
-        else:
-            _logits_planar(q8[t0:t1], w8[t0:t1], kp, ks, keys[: t1 - t0], L, key_len[t0:t1],
-                           region_pcu[t0:t1], padded_local_total, dcp_size, interleave,
-                           bq=tiles.block_q, bk=tiles.block_k, warps=tiles.logits_warps,
-                           stages=tiles.logits_stages, maxnreg=tiles.logits_maxnreg)
+        _logits_planar(q8[t0:t1], w8[t0:t1], kp, ks, keys[: t1 - t0], L, key_len[t0:t1],
+                       region_pcu[t0:t1], padded_local_total, dcp_size, interleave,
+                       bq=tiles.block_q, bk=tiles.block_k, warps=tiles.logits_warps,
+                       stages=tiles.logits_stages, maxnreg=tiles.logits_maxnreg)
         _select(keys[: t1 - t0], key_len[t0:t1], topk, top_s[t0:t1], top_i[t0:t1], tiles)
     return top_s, top_i
 

@@ -1,4 +1,4 @@
-"""Jitted body of the Triton indexer scores (launched by ``indexer.py``)."""
+"""Jitted body of the first Triton indexer (launched by ``old_indexer.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import triton.language as tl
 
 # B is not specialised: Triton's alignment analysis otherwise assumes key addresses 64-byte
 # aligned and emits 16-byte loads (a misaligned address on the H200 with packed rows). The
-# tiled indexer (indexer_logits_jit.py) reads the block-planar cache with 16-byte loads.
+# tiled indexer (runtime/kernels/triton/indexer_logits_jit.py) reads the block-planar cache with 16-byte loads.
 @triton.jit(do_not_specialize=["B"])
 def indexer_kernel(q_ptr, w_ptr, k_ptr, out_ptr, rows_ptr, len_ptr, pcu_ptr, bt_ptr,
                     stride_qt, stride_qh, stride_wt, stride_ot, stride_rt, stride_bt,

@@ -1,23 +1,14 @@
-"""Triton indexer: scores sum_h w_h * ReLU(q_h . k) over packed fp8 keys, then the top-k in the
-reference order (score descending, token id ascending; docs/design.md §Decode rows: LSE merge and top-k merge).
-q is first quantised to fp8 with the weights absorbing its scales (``quantize_indexer_q``,
-docs/design.md §4.3), as in every indexer backend. The per-(query, key block) kernel of the first
-Triton set, kept as the benchmarks' "old" indexer; the set's indexer is ``indexer_tiled``.
+"""The first Triton indexer, one program per (query, block of 128 keys): bench/indexer.py's
+"old" kernel, against which it times and checks the tiled one (the Triton set's indexer,
+``runtime/kernels/triton/indexer_tiled.py``; the figures that retired this one: bench/RESULTS.md,
+"The tiled indexer with the sampled-threshold select: now the default").
 
-One program per (query, block of BLOCK_L keys): a [Hi, 128] x [128, BLOCK_L] product on the
-fp8 keys upcast exactly to the operand dtype, the per-key scale applied after the product (a
-power of two, so exact), ReLU, then the weighted sum over heads. The key rows come from one of
-three sources, chosen at compile time:
-
-- ROWS: an explicit ``key_rows [T, L]`` rectangle (``reference.indexer_scores``);
-- PREFILL: keys ``0 .. key_len[j]-1`` of query j's request, rows computed in the kernel from the
-  gather chunk's region parameters (zero-copy deinterleave);
-- DECODE: the rank's local shard, ``local_len[j]`` keys, slots through the block table.
-
-For PREFILL and DECODE the kernel writes one int64 sort key per (query, key):
-``ordered(score_bits) << 32 | (2**32 - 1 - c)`` with c the key's local position, which is
-monotonic in the global token id; ``torch.topk`` on those keys is then exactly the reference
-order. Queries are processed in chunks so the keys fit ``logits_budget_bytes``.
+Scores sum_h w_h * ReLU(q_h . k) over packed fp8 keys, q quantised first
+(``quantize_indexer_q``, docs/design.md §4.3): a [Hi, 128] x [128, 128] product on the fp8 keys
+upcast exactly to the operand dtype, the per-key scale after it. Key rows from an explicit
+rectangle (ROWS), a gather chunk's region (PREFILL) or the paged cache through the block table
+(DECODE); the last two write int64 composites ``ordered(score) << 32 | (2**32 - 1 - c)`` and
+``torch.topk`` of those is the reference order (docs/design.md §3.6).
 """
 
 from __future__ import annotations
@@ -26,10 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.formats import INDEXER_K_BYTES, NO_KEY
-from ..reference.indexer import topk_out, topk_reference_order
-from .indexer_jit import indexer_kernel
-from .pack import quantize_indexer_q
+from cpplan.runtime.kernels.reference.formats import INDEXER_K_BYTES, NO_KEY
+from cpplan.runtime.kernels.reference.indexer import topk_out, topk_reference_order
+from cpplan.runtime.kernels.triton.pack import quantize_indexer_q
+
+from .old_indexer_jit import indexer_kernel
 
 MODE_ROWS, MODE_PREFILL, MODE_DECODE = 0, 1, 2
 LOGITS_BUDGET_BYTES = 1 << 28

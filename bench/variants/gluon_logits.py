@@ -1,19 +1,15 @@
-"""Launcher of the Gluon prefill indexer logits (body in ``logits_jit.py``).
-
-Opt-in (``IndexerTiles.logits_gluon``). H200, T 4096 x N 32768 (``bench/indexer.py --only
-planar``): 2.41 ms (2.49 with one product per query instead of one of both queries a tile)
-against 2.19-2.21 for the Triton kernel; the int32 keys are equal. Offline sm_90 compile with
-Triton 3.6: 241 registers (two programs a SM), no spills, 48 KB of shared memory. Why it
-does not win is not profiled: two one-warpgroup programs a SM leave each scheduler two warps
-for the epilogues, against four for the Triton kernel. Importing this module fails with
-ImportError on a Triton without Gluon.
+"""Launcher of the Gluon prefill indexer logits (body in ``gluon_logits_jit.py``; sm_90, a Triton
+with Gluon, else ImportError): products overlapped with epilogues. Correct but slower on the
+H200 than the Triton kernel it would replace (``indexer_logits_jit.logits_planar_kernel``;
+bench/RESULTS.md, "The Gluon prefill logits, first run"), so bench/indexer.py --only planar
+times it and no default path runs it.
 """
 
 from __future__ import annotations
 
 import triton
 
-from . import logits_jit
+from . import gluon_logits_jit as logits_jit
 
 BLOCK_K = 64  # keys per tile: the M of the wgmma products (one warpgroup)
 MAX_HEADS = 64  # padded heads (half the N of a product): two tiles of accumulators in registers
@@ -21,7 +17,7 @@ MAX_HEADS = 64  # padded heads (half the N of a product): two tiles of accumulat
 
 def launch(q, weights, kp, ks, out, L: int, lens, pcu, PT: int, W: int, I: int, *,
            stages: int = 4, unroll: int = 4, maxnreg: int = 0) -> None:
-    """Prefill int32 keys ``out [T, L]`` (``triton.indexer_tiled._logits_planar``'s contract):
+    """Prefill int32 keys ``out [T, L]`` (``indexer_tiled._logits_planar``'s contract):
     q ``[T, HI, 128]`` float8_e4m3fn, weights ``[T, HI]`` float32, the key planes ``kp [R, 128]``
     float8_e4m3fn and ``ks [R]`` float32, key_len ``lens [T]``, region starts ``pcu [T]``.
     Two queries a program; ``stages`` key tiles in the ring (>= 3), ``unroll`` tiles an

@@ -1,24 +1,24 @@
 """Jitted body of the Gluon prefill indexer logits (sm_90): products overlapped with epilogues.
 
-Same contract and int32 keys as ``triton/indexer_logits_jit.logits_planar_kernel`` (fp8 key
-planes, the fp8-quantised query, ReLU, head weights, the sum over heads, the per-key scale).
-Why Gluon: in the Triton kernel each ``wgmma`` is waited on right after it is issued, so a
-program's tensor cores idle through its epilogue and its CUDA cores through its products
-(about 0.93 PFLOP/s on the H200, bench/RESULTS.md). Here the schedule is written out (on
-the H200 it is still slower than the Triton kernel: 2.41 against 2.21 ms, bench/RESULTS.md):
+Same contract and int32 keys as ``runtime/kernels/triton/indexer_logits_jit.logits_planar_kernel``
+(fp8 key planes, the fp8-quantised query, ReLU, head weights, the sum over heads, the per-key
+scale). Why Gluon: in the Triton kernel each ``wgmma`` is waited on right after it is issued,
+so a program's tensor cores idle through its epilogue and its CUDA cores through its products.
+Here the schedule is written out (on the H200 it is still slower than the Triton kernel:
+bench/RESULTS.md, "The Gluon prefill logits, first run"):
 
 - key tiles of BK keys are copied with ``cp.async`` (16 bytes a copy) into a ring of NS slots
   of shared memory, swizzled for the products;
 - per tile, one product of both queries of the block (BQ 2), ``K [BK, 128] @ [Q_0; Q_1]^T
-  [128, 2 HP]`` (one product per query read each key tile twice from shared memory: 2.49
-  against 2.41 ms), is issued asynchronously; the program then waits only for the previous
-  tile's product and runs its epilogue while the new one is on the tensor cores (two tiles of
-  accumulators live), U tiles an iteration of straight-line code (U - 1 of U epilogues
+  [128, 2 HP]`` (one product per query reads each key tile twice from shared memory), is
+  issued asynchronously; the program then waits only for the previous tile's product and runs
+  its epilogue while the new one is on the tensor cores (two tiles of accumulators live), U tiles an iteration of straight-line code (U - 1 of U epilogues
   overlapped: a product in flight across iterations made ptxas serialise every ``wgmma``);
 - a block of queries across a request boundary (rare) takes one pass per query, as in the
   Triton kernel.
 
-One warpgroup (4 warps) a program; HP <= 64 (the launcher checks). Launched by ``logits.py``.
+One warpgroup (4 warps) a program; HP <= 64 (the launcher checks). Launched by
+``gluon_logits.py``.
 """
 
 from __future__ import annotations
