@@ -112,9 +112,10 @@ def arena_words(max_tokens: int, max_requests: int, max_blocks_per_request: int,
     ends and 7 parameters per segment, and the block tables, for ``max_requests`` per step.
     Rows R <= 2 * requests (a split request has two); segments: per token window (3 without
     kv_insert, P + 3 with) 2R + 1, one per gather region (<= requests), one per restored
-    (rank, row) (<= P * R); the sampled rows' two indices. A graph-replayable step of size G <= ``max_tokens`` packs a static
-    layout instead (``segments.graph_segments`` segments, ``[G, 2^k]`` block tables with
-    ``2^k < 2 * max_blocks_per_request``)."""
+    (rank, row) (<= P * R); the sampled rows' two indices. A graph-replayable step of size
+    G <= ``max_tokens`` packs a static layout instead (``segments.graph_segments`` segments,
+    ``[G, 2^k]`` block tables with ``2^k < 2 * max_blocks_per_request``), and the sampled
+    rows' indices after it (two per request: <= 2 * min(G, max_requests))."""
     rows = 2 * max_requests
     windows = pcp_size + 3 if pcp_size > 1 else 3
     segments = (windows * (2 * rows + 1) + (max_requests if dcp_size > 1 else 0)
@@ -124,5 +125,6 @@ def arena_words(max_tokens: int, max_requests: int, max_blocks_per_request: int,
     blocks = 1 << max(0, max_blocks_per_request - 1).bit_length()
     for g in graph_sizes:
         if g <= max_tokens:
-            words = max(words, 8 * graph_segments(g, pcp_size) + g * blocks)
+            words = max(words, 8 * graph_segments(g, pcp_size) + g * blocks
+                        + 2 * min(g, max_requests))
     return words

@@ -531,3 +531,27 @@ def test_runtime_calls_refuse_caches_that_do_not_fit():
                        rf"tables reach block {top} "):
         ex.insert(bound, small, a["kv_new"], a["index_k_new"])
     ex.insert(bound, LayerCache.empty(cfg, top + 1, "cpu"), a["kv_new"], a["index_k_new"])
+
+
+@pytest.mark.parametrize("p_size,w_size", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_a_sampled_graph_step_fits_an_arena_sized_to_it(p_size, w_size):
+    """A graph-replayable step packs its static layout and then the sampled rows' indices;
+    an executor sized exactly to the graph size (``max_tokens`` = ``max_requests`` = G, long
+    contexts so the ``[G, 2^k]`` block tables dominate) must hold both: bind on every rank,
+    and the words committed (the tables' and the sampled indices') within ``arena_words``."""
+    for g in (1, 2, 4, 8):
+        cfg = msgspec.structs.replace(_config(p_size, w_size, 1), cudagraph_token_sizes=(g,),
+                                      max_model_len=16416, gather_workspace_tokens=0)
+        max_blocks = -(-cfg.shard_rows(cfg.max_model_len) // BLOCK)
+        step = StepInput.build(g, [f"r{k}" for k in range(g)], [16384 + k for k in range(g)],
+                               [1] * g, [False] * g, is_sampled=[True] * g)
+        plan = compile_plan(cfg, step)
+        assert plan.graph_replayable and plan.sampled_source is not None
+        bt = _block_tables(g, max_blocks, g)
+        for rank in range(cfg.world_size):
+            p, w = (rank if p_size > 1 else 0), (rank if w_size > 1 else 0)
+            ex = StepExecutor(cfg, sm_scale=576 ** -0.5, pcp_rank=p, dcp_rank=w, comm=_NoComm(),
+                              device="cpu", max_tokens=g, max_requests=g)
+            bound = ex.bind(plan, bt)
+            used = sum(v.numel() for v in bound.views.values())
+            assert used <= arena_words(g, g, max_blocks, p_size, w_size, (g,))
