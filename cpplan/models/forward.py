@@ -29,6 +29,7 @@ the final norm, the sampled rows (:func:`cpplan.models.rows.sampled_hidden`) and
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 
@@ -40,6 +41,22 @@ from cpplan.models.rows import rank_rows, sampled_hidden
 from cpplan.schemas.errors import ConfigError, TensorArgError
 
 _ACT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+CAPTURABLE_EXPERTS = "batched_mm"
+
+
+@contextlib.contextmanager
+def experts_implementation(model: torch.nn.Module, name: str):
+    """transformers' MoE experts implementation of ``model`` set to ``name`` inside the block
+    (the config's ``_experts_implementation``, which each experts module reads per call)."""
+    config = model.config
+    before = config._experts_implementation
+    config._experts_implementation = name
+    try:
+        yield
+    finally:
+        config._experts_implementation = before
 
 
 def rope_functions() -> dict:
@@ -86,11 +103,16 @@ class RankForward:
         return lm_head(sampled_hidden(executor, bound, hidden).to(lm_head.weight.dtype))
 
     @torch.no_grad()
-    def hidden_states(self, executor, bound, caches: Sequence, token_ids: torch.Tensor
-                      ) -> torch.Tensor:
+    def hidden_states(self, executor, bound, caches: Sequence, token_ids: torch.Tensor, *,
+                      capturable: bool = False) -> torch.Tensor:
         """The rank's rows after the final norm, ``[T, hidden_size]`` in the config's
         activation dtype (what ``restore`` takes); every layer inserted and attended in
-        order 0..L-1."""
+        order 0..L-1. ``capturable``: the MoE experts by transformers' "batched_mm" (a
+        gather of each row's experts and batched products: no host sync, so a CUDA graph can
+        capture it; the default "grouped_mm" copies from the host) for this call."""
+        if capturable:
+            with experts_implementation(self.model, CAPTURABLE_EXPERTS):
+                return self.hidden_states(executor, bound, caches, token_ids)
         act = self._check(executor, bound, caches, token_ids)
         rows = rank_rows(bound)
         x = self.model.model.embed_tokens(token_ids)

@@ -211,8 +211,10 @@ class RankEngine:
         self.warmed = False
 
     def _layers(self, bound, token_ids: torch.Tensor) -> torch.Tensor:
-        """A step's per-layer work (StepGraphs' body): the rank's hidden rows ``[T, hidden]``."""
-        return self.forward.hidden_states(self.ex, bound, self.caches, token_ids)
+        """A step's per-layer work (StepGraphs' body): the rank's hidden rows ``[T, hidden]``;
+        a graph-keyed step's in capturable form (the same step eager, captured and replayed)."""
+        return self.forward.hidden_states(self.ex, bound, self.caches, token_ids,
+                                          capturable=bound.meta.graph_key is not None)
 
     def serve(self, job: GenerateJob) -> dict:
         """Serve ``job``'s requests to the end. Returns ``{"rank", "outputs": [[ids]...]

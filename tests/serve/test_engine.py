@@ -53,6 +53,32 @@ def test_padded_decode_steps_keep_the_tokens_and_pass_the_check(model):
     assert res.ok, res.line()
 
 
+def test_graph_keyed_steps_take_the_capturable_experts(model, monkeypatch):
+    """A CUDA graph cannot capture transformers' default MoE path (it copies from the host):
+    the graph-keyed (padded decode-only) steps run the experts by "batched_mm", every other
+    step by the model's own default, and the model's setting is restored after each."""
+    from transformers.integrations import moe
+
+    name, m = model
+    default = m.config._experts_implementation
+    calls = []
+    batched = moe.ALL_EXPERTS_FUNCTIONS["batched_mm"]
+
+    def counting(self, hidden, *args, **kw):
+        calls.append(hidden.shape[0])
+        return batched(self, hidden, *args, **kw)
+
+    monkeypatch.setitem(moe.ALL_EXPERTS_FUNCTIONS, "batched_mm", counting)
+    padded = serve_local(m, _job(name, cuda_graphs=True))
+    assert m.config._experts_implementation == default != "batched_mm"
+    moe_layers = sum(type(layer.mlp).__name__.endswith("MoE") for layer in m.model.layers)
+    assert len(calls) == padded["graph_steps"] * moe_layers > 0
+    assert set(calls) <= {1, 2, 4}  # graph sizes of max_num_seqs 4: decode-only rows
+    calls.clear()
+    serve_local(m, _job(name))
+    assert calls == []
+
+
 def test_one_engine_serves_one_workload_after_another(model):
     name, m = model
     job = _job(name, cuda_graphs=True)
