@@ -15,10 +15,10 @@ long-context step's rows on one GPU and on a P = W = 2 rank), block-planar paged
 shuffled block table). Inputs are integer-valued, so scores are exact and ties
 abound; each case checks new == old (ids and scores, order included). Logits FLOPs: 2 * 64 * 128
 per (query, key). Medians of ``triton.testing.do_bench``. Each prefill case also times its parts:
-the planar fp8 logits and the select (default: the exact top K kept, then ordered; radix-only;
-every candidate ordered from ``sort_segments`` segments, the default before ``select_exact``;
-other ``exact_segments``; the filter path with ``PREFILL_FILTERS``' tunables; each checked
-equal to the default), the query quantisation and the plane split alone, and planar tile choices
+the planar fp8 logits and the select (default: the filter path; the segment path alone, and
+radix-only; other ``exact_segments``; the filter path with ``PREFILL_FILTERS``' tunables; each
+checked equal to the default), the query quantisation and the plane split alone, and planar
+tile choices
 (each checked equal to the default tiles' keys; the byte-row prefill kernel they replaced took
 6.2-8.9 ms for the first case, bench/RESULTS.md); each decode case times the whole decode
 indexer, its logits and its select, eager and replayed from a CUDA graph (``do_bench_cudagraph``:
@@ -50,7 +50,9 @@ from common import kernel_device_times  # bench/common.py, beside this script
 from variants import old_indexer  # bench/variants: the first Triton indexer
 
 HI, TOPK, BLOCK = 64, 2048, 64
-RANK_SEGS = (8, 32)  # every candidate ordered from this many segments (select_exact off)
+# more candidate slots than rank_runs runs hold: the filter path does not apply, every row takes
+# the segment path (the fallback for rows whose sampled threshold missed)
+SEGMENT_PATH = {"filter_cap": 1 << 20}
 PREFILL = [(4096, 32768), (2048, 65536), (8192, 8192)]
 DECODE = ([(b, ctx) for ctx in (4096, 131072) for b in (1, 8, 64)] + [(64, 6144, 2048)]
           # the long-context decode step's rows: one GPU (64k-128k), a P = W = 2 rank (half)
@@ -158,27 +160,22 @@ def prefill_parts(args, tiles, ceil, flops, label):
     def select():
         it._select(keys, key_len, TOPK, top_s, top_i, tiles)
 
-    def radix():  # the select before the sampled threshold (the fallback path alone)
+    def radix():  # the segment path's radix select alone
         it._select(keys, key_len, TOPK, top_s, top_i,
-                   dataclasses.replace(tiles, select_attempts=0, filter_short_rows=False))
+                   dataclasses.replace(tiles, select_attempts=0, **SEGMENT_PATH))
 
     parts = [("planar logits", logits, flops), ("select", select, None)]
     if label == "parts":
-        t = dataclasses.replace(tiles, filter_short_rows=False)
-        parts.append(("select segment path (before)", lambda t=t: it._select(
+        t = dataclasses.replace(tiles, **SEGMENT_PATH)
+        parts.append(("select segment path", lambda t=t: it._select(
             keys, key_len, TOPK, top_s, top_i, t), None))
         parts.append(("select radix only", radix, None))
-        for segs in RANK_SEGS:  # every candidate ordered (before select_exact), from segments
-            t = dataclasses.replace(tiles, sort_segments=segs, select_exact=False,
-                                    filter_short_rows=False)
-            parts.append((f"select ranked {segs} segments", lambda t=t: it._select(
-                keys, key_len, TOPK, top_s, top_i, t), None))
         for name, kw in PREFILL_FILTERS.items():  # every row through the filter path
-            t = dataclasses.replace(tiles, long_filter=True, filter_short_rows=True, **kw)
+            t = dataclasses.replace(tiles, **kw)
             parts.append((f"select {name}", lambda t=t: it._select(
                 keys, key_len, TOPK, top_s, top_i, t), None))
         for segs in (2, 8):  # the segment path's exact top K, ordered from other segments
-            t = dataclasses.replace(tiles, exact_segments=segs, filter_short_rows=False)
+            t = dataclasses.replace(tiles, exact_segments=segs, **SEGMENT_PATH)
             parts.append((f"select exact, {segs} segments", lambda t=t: it._select(
                 keys, key_len, TOPK, top_s, top_i, t), None))
     if VARIANTS is not None:  # --variants: the default parts and the named ones
@@ -199,16 +196,15 @@ def prefill_parts(args, tiles, ceil, flops, label):
             print(f"  {label} {part}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
 
 
-# the prefill select through the filter path (IndexerTiles.filter_short_rows), with these
-# tunables; each checked equal to the default select
+# the prefill select through the filter path with these tunables; each checked equal to the
+# default select
 PREFILL_FILTERS = {
     "filter path": {},
     "filter path, margin 3": {"filter_margin": 3.0},
-    "filter path, no trim (before)": {"filter_trim": False},
     "filter path, trim in 4 warps": {"trim_warps": 4},
-    "filter path, counted by the threshold programs": {"filter_fused_count": True},
     "filter path, threshold in 4 warps": {"filter_warps": 4},
-    "filter path, rank chunk 256 (before)": {"filter_rank_chunk": 256},
+    "filter path, untrimmed": {"trim_rows": 1 << 30},
+    "filter path, rank chunk 256": {"filter_rank_chunk": 256},
     "filter path, margin 5": {"filter_margin": 5.0},
     "filter path, margin 3.5": {"filter_margin": 3.5},
     "filter path, sample 512": {"filter_sample": 512},
@@ -219,14 +215,10 @@ PREFILL_FILTERS = {
     "filter path, run sorts in 2 warps": {"filter_sort_warps": 2},
     "filter path, chunk 2048 (before)": {"filter_chunk": 2048},
     "filter path, chunk 4096": {"filter_chunk": 4096},
-    "filter path, trim over all slots (before)": {"trim_halved": False},
-    "filter path, threshold by sorting the sample (before)": {"filter_bisect": False},
     "filter path, gathering in 8 warps": {"filter_scatter_warps": 8},
     "filter path, gathering in 4 warps (before)": {"filter_scatter_warps": 4},
     "filter path, gathering in 2 warps (before)": {"filter_scatter_warps": 2},
     "filter path, trim in 16 warps": {"trim_warps": 16},
-    "filter path, trims over half the slots, not 3/8 (before)": {"trim_three_quarters": False},
-    "filter path, bisections stop at an exact count": {"bisect_exit": True},
     "filter path, one chunk a counting / gathering program (before)": {"filter_group": 1},
     "filter path, two chunks a counting / gathering program": {"filter_group": 2},
     "filter path, eight chunks a counting / gathering program": {"filter_group": 8},
@@ -235,9 +227,6 @@ PREFILL_FILTERS = {
                                                         "filter_sort_warps": 8},
     "filter path, runs of 256": {"split_run": 256},
     "filter path, runs of 2048": {"split_run": 2048, "filter_sort_warps": 8},
-    "filter path, as before the eighth session": {"filter_rank_chunk": 256, "filter_chunk": 2048,
-                                                   "filter_bisect": False,
-                                                   "trim_halved": False},
 }
 # select variants timed beside the default for decode (each checked equal to the default)
 DECODE_SELECTS = {
@@ -246,22 +235,15 @@ DECODE_SELECTS = {
     "split runs of 256": {"split_run": 256},
     "long rows: second select": {"rank_runs": 1},
     "long rows: 4 segment items per SM (before)": {"programs_per_sm": 4},
-    "long rows: segment path only (long_filter off, before)": {"long_filter": False},
+    "long rows: segment path only": SEGMENT_PATH,
     "long rows: filter sample 2048": {"filter_sample": 2048},
     "long rows: filter chunk 4096": {"filter_chunk": 4096},
     "long rows: filter trim": {"trim_rows": 0},
     "long rows: filter gathering in 2 warps (before)": {"filter_scatter_warps": 2},
     "long rows: filter threshold in 16 warps": {"filter_warps": 16},
-    "long rows: filter threshold by sorting the sample (before)": {"filter_bisect": False},
     "long rows: filter chunk 2048, rank chunk 256 (before)": {"filter_chunk": 2048,
                                                               "filter_rank_chunk": 256},
-    "long rows: all candidates ordered (no exact top K)": {"select_exact": False},
     "split: at most 8 runs, of up to 1024 (before)": {"split_runs": 8, "split_run_max": 1024},
-}
-# whole-decode variants timed beside the default (graph; each checked equal to the default)
-DECODE_WHOLES = {
-    "bf16 logits (decode_fp8 off)": {"decode_fp8": False},
-    "logits splits rounded up (before)": {"whole_waves": False},
 }
 
 
@@ -289,18 +271,18 @@ def kernel_table(label, fn, calls=5):
 
 
 def decode_parts(args, tiles, ceil, flops):
-    """Times the tiled decode indexer whole, its logits alone (fp8 products where the tiles
-    say so, as the whole call) and its select alone (the whole batch), eager and replayed
-    from a CUDA graph (the way a decode step runs), then variants of the whole call
-    (``DECODE_WHOLES``) and of the select (``DECODE_SELECTS``), each checked equal."""
+    """Times the tiled decode indexer whole, its logits alone (fp8 products, as the whole
+    call) and its select alone (the whole batch), eager and replayed from a CUDA graph (the
+    way a decode step runs), then variants of the select (``DECODE_SELECTS``), each checked
+    equal."""
     q, w, k, local_len, bt, block, W, rank, I, topk = args
     ctx = int(local_len.max())
     keys = it._keys_buffer(q.shape[0], ctx, q.device)
     top_s, top_i = it._outputs(q.shape[0], topk, q.device)
     splits = it.decode_splits(q.shape[0], ctx, tiles, it._num_sms(q.device))
 
-    fp8 = tiles.decode_fp8 and q.is_cuda  # the query as indexer_topk_decode quantises it
-    qq, ww = pack.quantize_indexer_q(q, w, torch.float8_e4m3fn if fp8 else q.dtype)
+    # the query as indexer_topk_decode quantises it
+    qq, ww = pack.quantize_indexer_q(q, w, torch.float8_e4m3fn if q.is_cuda else q.dtype)
 
     balanced = it.decode_balanced(q.shape[0], ctx, tiles)
 
@@ -330,8 +312,7 @@ def decode_parts(args, tiles, ceil, flops):
     want = it.indexer_topk_decode(*args, max_keys=ctx)
     if PROFILE:
         kernel_table("whole (default tiles)", whole)
-    variants = ([(f"whole, {n}", kw, whole, flops) for n, kw in DECODE_WHOLES.items()]
-                + [(f"select {n}", kw, select, None) for n, kw in DECODE_SELECTS.items()])
+    variants = [(f"select {n}", kw, select, None) for n, kw in DECODE_SELECTS.items()]
     for name, kw, fn, fl in variants:
         if VARIANTS is not None and not any(v in name for v in VARIANTS):
             continue
@@ -442,8 +423,8 @@ GLUON_TILES = ((4, 4, 0), (4, 2, 0), (4, 2, 168), (4, 3, 168), (5, 2, 168))
 
 
 def gluon_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops):
-    """The opt-in Gluon prefill logits (``IndexerTiles.logits_gluon``: products overlapped
-    with epilogues), each checked equal to the default Triton tiles' keys; a Triton without
+    """The Gluon prefill logits (bench/variants/gluon_logits.py: products overlapped with
+    epilogues; no default path runs them), each checked equal to the default Triton tiles' keys; a Triton without
     Gluon, or a variant that does not build or run, prints one line."""
     try:
         from variants import gluon_logits as gl_logits
@@ -516,10 +497,10 @@ SELECT_SWEEP = {"select_sample": (256, 512, 2048), "select_margin": (2.0, 3.0, 4
 
 def sweep_select(args, base, ceil):
     """One segment-path tunable at a time around the defaults (the select alone, first prefill
-    case, its rows through the segment path as before ``filter_short_rows``)."""
+    case, every row through the segment path)."""
     for name, values in SELECT_SWEEP.items():
         for v in values:
-            t = dataclasses.replace(base, filter_short_rows=False, **{name: v})
+            t = dataclasses.replace(base, **SEGMENT_PATH, **{name: v})
             prefill_parts(args, t, ceil, None, f"select {name} {v}")
 
 

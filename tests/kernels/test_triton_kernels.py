@@ -474,10 +474,10 @@ def test_triton_decode_merge_in_a_replayed_step_matches_the_oracle(pwi):
 @pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1")
 @pytest.mark.parametrize("pwi", [(1, 1, 1), (2, 2, 4)])
 def test_decode_filter_path_in_a_replayed_step_matches_the_oracle(pwi):
-    """End to end: the tiled decode indexer with the opt-in filter path for long rows (small
-    tiles: rows of a few hundred keys count as long), swapped into a kernel set the way the
-    Triton set's docstring says, in a step whose local top-k lists are then merged across DCP
-    ranks: the restored outputs equal the single-device oracle, and the path ran."""
+    """End to end: the tiled decode indexer's filter path for long rows (small tiles: rows of
+    a few hundred keys count as long; ``functools.partial(..., tiles=)`` swapped into a kernel
+    set), in a step whose local top-k lists are then merged across DCP ranks: the restored
+    outputs equal the single-device oracle, and the path ran."""
     import functools
 
     from cpplan.planner.compile import compile as compile_plan
@@ -493,7 +493,7 @@ def test_decode_filter_path_in_a_replayed_step_matches_the_oracle(pwi):
     lock, ran = threading.Lock(), []
     tiles = indexer_tiled.IndexerTiles(decode_block_k=32, select_block=64, select_cap=64,
                                        select_sample=64, split_rows=0, rank_chunk=32,
-                                       rank_runs=8, programs_per_sm=8, long_filter=True,
+                                       rank_runs=8, programs_per_sm=8,
                                        filter_chunk=128, filter_cap=256, filter_sample=64,
                                        filter_margin=2.0, split_run=32)
     spy = indexer_tiled._filter_launch

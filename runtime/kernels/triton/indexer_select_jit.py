@@ -5,7 +5,9 @@ sample gives a threshold, one pass gathers the composites ``key << 32 | (2**32 -
 keys above it and of the first K equal to it (retried with a corrected threshold when the counts
 miss), the radix select (histogram passes of BITS bits) is the in-kernel fallback, and a sort of
 the CAP candidates (or sorted segments and ranks) orders them (score descending, position
-ascending).
+ascending). ``sort_runs_kernel`` / ``rank_runs_kernel``: the split path's sorted runs and their
+one-round merge by ranks. ``filter_*_kernel``: the filter path's threshold, counts, gathering
+and trim (the order of the launches: ``indexer_tiled._filter_launch``).
 
 Keys are the logits kernels' order-preserving int32 keys; INT32_MIN (the key of no float we
 produce) marks "no key".
@@ -435,32 +437,21 @@ def rank_runs_kernel(runs_ptr, len_ptr, skip_ptr, s_ptr, i_ptr, stride_rr, strid
                   RANK, W, I, True, DECODE_IDS, 1, True)
 
 
-@triton.jit(do_not_specialize=["len_ptr", "N", "K", "C"])
-def filter_threshold_kernel(keys_ptr, len_ptr, thr_ptr, cnt_ptr, stride_kr, N, K, MARGIN, C,
-                            CAP: tl.constexpr, S: tl.constexpr, COUNT: tl.constexpr,
-                            CH: tl.constexpr, BISECT: tl.constexpr,
-                            EXIT: tl.constexpr = False):
-    """Program row of the filter path: the row's sampled threshold to thr[row] (rows of at
-    most min(CAP, 2K) keys: below every key, all taken). One program a row, so the sample is
-    sorted once, not by every chunk's program (8 x 128k: 61 us of counting with 32 sorts a
-    row). COUNT: it also counts the row, as ``filter_count_kernel`` does for each of its C
-    chunks of CH keys (one launch fewer, the row read by one program). BISECT: the sample's
-    key at the threshold rank found by bisection instead of by sorting the sample (the same
-    key); EXIT: ``_kth_largest``'s."""
+@triton.jit(do_not_specialize=["len_ptr", "N", "K"])
+def filter_threshold_kernel(keys_ptr, len_ptr, thr_ptr, stride_kr, N, K, MARGIN,
+                            CAP: tl.constexpr, S: tl.constexpr):
+    """Program row of the filter path: the row's sampled threshold to thr[row], the key of a
+    strided sample of S keys at the rank ``m + MARGIN * sqrt(m)`` (``_sample_rank``), found by
+    bisection rather than by sorting the sample (the same key); rows of at most min(CAP, 2K)
+    keys get a threshold below every key (all taken). One program a row, so the sample is
+    ranked once, not by every chunk's program."""
     row = tl.program_id(0).to(tl.int64)
-    R = tl.num_programs(0)
     n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
     thr = tl.zeros((), tl.int32) - 2147483647
-    if n > tl.minimum(CAP, 2 * K):
-        if BISECT:  # the sorted sample's key at rank idx is its (idx + 1)-th largest
-            key, idx = _sample_rank(keys_ptr + row * stride_kr, 0, n, K, MARGIN, False, S)
-            thr = tl.maximum(_kth_largest(key, tl.min(key, 0), idx + 1, EXIT), -2147483647)
-        else:
-            thr, _, _ = _sample_threshold(keys_ptr + row * stride_kr, 0, n, K, MARGIN, False, S)
+    if n > tl.minimum(CAP, 2 * K):  # the sorted sample's key at rank idx: its (idx + 1)-th largest
+        key, idx = _sample_rank(keys_ptr + row * stride_kr, 0, n, K, MARGIN, False, S)
+        thr = tl.maximum(_kth_largest(key, tl.min(key, 0), idx + 1), -2147483647)
     tl.store(thr_ptr + row, thr)
-    if COUNT:  # the chunks holding keys (the gathering reads no count past the row's end)
-        for chunk in range(0, (n + CH - 1) // CH):
-            _count_chunk(keys_ptr + row * stride_kr, n, thr, cnt_ptr, row, chunk, R, C, CH)
 
 
 @triton.jit
@@ -538,29 +529,26 @@ def _gather_chunk(src, dst, before, n, thr, chunk, CH: tl.constexpr):
 
 @triton.jit(do_not_specialize=["cand_len_ptr", "K"])
 def filter_trim_kernel(cand_ptr, cand_len_ptr, stride_cr, K, CAP: tl.constexpr,
-                       BLK: tl.constexpr, HALF: tl.constexpr = True,
-                       EXIT: tl.constexpr = False, THREE_Q: tl.constexpr = False):
+                       BLK: tl.constexpr, THREE_Q: tl.constexpr):
     """Program row of the filter path, between the gathering and the run sorts: a row with
     more than K candidates (in position order) keeps its exact top K in place, the keys above
     the K-th largest key t, then the first of those equal to t, and its count becomes K; the
     run sorts and ranks then order K composites, not the up to CAP the sampled threshold let
     through. t by bisection on the int32 keys (at most 32 halvings of the live keys' range),
     held as int32 and compacted BLK at a time, so a program is small enough for several a SM
-    (``_keep_top`` bisects int64 composites: one 8-warp program a SM, 962 us at T 4096 x N
-    32768). HALF: a row of at most CAP / 2 candidates (the usual: slots are 1.5x the expected
-    count) bisects over CAP / 2 slots, half the work a halving; THREE_Q: one of at most
-    3 CAP / 8 (most rows of a causal prefill: 2600-3100 candidates in 8192 slots) over
-    CAP / 4 + CAP / 8 slots. EXIT: ``_kth_largest``'s."""
+    (``_keep_top`` bisects int64 composites). The bisection covers only the slots a row fills:
+    CAP / 2 for a row of at most CAP / 2 candidates (the usual: slots are 1.5x the expected
+    count) and, with THREE_Q (CAP >= 64), CAP / 4 + CAP / 8 for one of at most 3 CAP / 8."""
     row = tl.program_id(0).to(tl.int64)
     n = tl.load(cand_len_ptr + row)
     if n > K:
         dst = cand_ptr + row * stride_cr
         if THREE_Q and n <= 3 * CAP // 8:
-            t, above = _trim_bisect(dst, n, K, CAP // 4, EXIT, CAP // 8)
-        elif HALF and n <= CAP // 2:
-            t, above = _trim_bisect(dst, n, K, CAP // 2, EXIT)
+            t, above = _trim_bisect(dst, n, K, CAP // 4, CAP // 8)
+        elif n <= CAP // 2:
+            t, above = _trim_bisect(dst, n, K, CAP // 2)
         else:
-            t, above = _trim_bisect(dst, n, K, CAP, EXIT)
+            t, above = _trim_bisect(dst, n, K, CAP)
         k_eq = K - above  # keys equal to t taken, lowest positions
         taken = tl.zeros((), tl.int32)
         eqs = tl.zeros((), tl.int32)
@@ -579,7 +567,7 @@ def filter_trim_kernel(cand_ptr, cand_len_ptr, stride_cr, K, CAP: tl.constexpr,
 
 
 @triton.jit
-def _trim_bisect(dst, n, K, WIDTH: tl.constexpr, EXIT: tl.constexpr, TAIL: tl.constexpr = 0):
+def _trim_bisect(dst, n, K, WIDTH: tl.constexpr, TAIL: tl.constexpr = 0):
     """The K-th largest int32 key t of the n (<= WIDTH + TAIL, > K) candidates at dst and
     #(key > t). TAIL: slots WIDTH .. WIDTH + TAIL - 1 held as a second tensor (so the slots
     bisected need not be a power of two)."""
@@ -593,23 +581,17 @@ def _trim_bisect(dst, n, K, WIDTH: tl.constexpr, EXIT: tl.constexpr, TAIL: tl.co
         key2 = (tl.load(dst + slot2, mask=slot2 < n, other=-9223372036854775808)
                 >> 32).to(tl.int32)
         lo = tl.minimum(lo, tl.min(tl.where(slot2 < n, key2, 2147483647), 0))
-        t = _kth_largest(key, lo, K, EXIT, key2)
+        t = _kth_largest(key, lo, K, key2)
         return t, tl.sum((key > t).to(tl.int32), 0) + tl.sum((key2 > t).to(tl.int32), 0)
-    t = _kth_largest(key, lo, K, EXIT)
+    t = _kth_largest(key, lo, K)
     return t, tl.sum((key > t).to(tl.int32), 0)
 
 
 @triton.jit
-def _kth_largest(key, lo, R, EXIT: tl.constexpr = False, key2=None):
+def _kth_largest(key, lo, R, key2=None):
     """The R-th largest of the int32 keys: the largest t with #(key >= t) >= R, by bisection
-    between lo (#(key >= lo) >= R) and the largest key (at most 32 halvings). EXIT: a halving
-    point with exactly R keys at or above it ends the search, t being the least of those keys.
-    That needs distinct keys near t: on continuous scores it halves the halvings (about 14
-    against 23 for 3100 candidates, simulated in numpy), on the bench's integer-valued scores,
-    tied at the threshold, it never fires. On the H200 it was slower both ways (T 4096 x N
-    32768: trim 266 against 205 us on integer scores; 198.8 against 189.2 on continuous ones,
-    where only the threshold gained, 81.7 against 89.1). key2: more keys (a second tensor), or
-    None."""
+    between lo (#(key >= lo) >= R) and the largest key (at most 32 halvings). key2: more keys
+    (a second tensor), or None."""
     lo = lo.to(tl.int64)
     hi = tl.max(key, 0).to(tl.int64) + 1
     if key2 is not None:
@@ -617,22 +599,9 @@ def _kth_largest(key, lo, R, EXIT: tl.constexpr = False, key2=None):
     for _ in tl.static_range(32):  # #(key >= lo) >= R > #(key >= hi)
         if hi - lo > 1:
             mid = lo + ((hi - lo) >> 1)
-            ge = key >= mid.to(tl.int32)
-            cnt = tl.sum(ge.to(tl.int32), 0)
+            cnt = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), 0)
             if key2 is not None:
-                ge2 = key2 >= mid.to(tl.int32)
-                cnt += tl.sum(ge2.to(tl.int32), 0)
-            if EXIT:  # (a compile-time branch: without EXIT the loop is the plain bisection)
-                if cnt == R:
-                    lo = tl.min(tl.where(ge, key, 2147483647), 0).to(tl.int64)
-                    if key2 is not None:
-                        lo = tl.minimum(lo, tl.min(tl.where(ge2, key2, 2147483647),
-                                                   0).to(tl.int64))
-                    hi = lo + 1
-                else:
-                    lo = tl.where(cnt > R, mid, lo)
-                    hi = tl.where(cnt > R, hi, mid)
-            else:
-                lo = tl.where(cnt >= R, mid, lo)
-                hi = tl.where(cnt >= R, hi, mid)
+                cnt += tl.sum((key2 >= mid.to(tl.int32)).to(tl.int32), 0)
+            lo = tl.where(cnt >= R, mid, lo)
+            hi = tl.where(cnt >= R, hi, mid)
     return lo.to(tl.int32)
