@@ -81,7 +81,7 @@ COMPACT_CHOICES = {"auto": "auto", "on": True, "off": False}  # --dcp-compact ->
 PHASES = ("insert", "gather", "indexer", "attention", "merge", "other")
 KERNEL_PHASE = {"quantize_fp8_ds_mla": "insert", "quantize_indexer_k": "insert",
                 "indexer_topk_prefill": "indexer", "indexer_topk_decode": "indexer",
-                "topk_reference_order": "merge", "merge_topk_candidates": "merge",
+                "merge_topk_candidates": "merge",
                 "merge_local_slots": "merge", "filter_local_slots": "attention",
                 "remap_to_gathered": "attention", "sparse_mla_attention": "attention",
                 "sparse_mla_overflow": "attention"}

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from cpplan.runtime.kernels import get_kernels
+from cpplan.runtime.kernels import reference as kref
 from cpplan.schemas.config import ParallelConfig
 from cpplan.sim import coords
 
@@ -32,7 +33,7 @@ def oracle_request(config: ParallelConfig, seed: int, layer: int, key: int, comp
     source = config.indexer_source(layer)
     index_k = coords.key_inputs(seed, source, keys, all_pos)[1]
     if config.kv_cache_dtype == "fp8_ds_mla":
-        kv = k.dequantize_fp8_ds_mla(k.quantize_fp8_ds_mla(kv))
+        kv = kref.dequantize_fp8_ds_mla(k.quantize_fp8_ds_mla(kv))
     else:
         kv = kv.to(torch.bfloat16).float()
     k_packed = k.quantize_indexer_k(index_k)
@@ -44,7 +45,8 @@ def oracle_request(config: ParallelConfig, seed: int, layer: int, key: int, comp
         index_heads=config.index_num_heads)
     ids = all_pos[None, :].expand(scheduled, extent)
     ids = torch.where(ids <= qpos[:, None], ids, NO_KEY)
-    top = k.indexer_topk(sel["index_q"], sel["index_w"], k_packed, ids, ids, config.topk)[1]
+    # the reference scores every causal key (exact: integer inputs, docs/design.md §7.1)
+    top = kref.indexer_topk(sel["index_q"], sel["index_w"], k_packed, ids, ids, config.topk)[1]
     out, _ = k.sparse_mla_attention(inp["q"], kv, top, sm_scale, kv_format="bf16")
     return out
 

@@ -1,9 +1,10 @@
 """Sparse-MLA kernels behind one dispatch table: torch reference (CPU, CUDA) and Triton (CUDA;
 its attention runs a Gluon kernel for the few-head fp8 decode on Hopper).
 
-Use ``get_kernels(device, backend=None)`` and call ops on the returned ``KernelSet``; attention is
-planned once (``plan_attention`` -> ``AttentionPlan``) and run per layer with ``plan=``. The
-reference ops are also exported directly. Layout: ``dispatch.py`` (the table),
+Use ``get_kernels(device, backend=None)`` and call ops on the returned ``KernelSet`` (the ops
+step code calls); attention is planned once (``plan_attention`` -> ``AttentionPlan``) and run per
+layer with ``plan=``. The reference functions are also exported directly, those only tests and
+the oracle call (dequantisation, ``indexer_topk`` over explicit rows, ...) included. Layout: ``dispatch.py`` (the table),
 ``attention_plan.py`` (the plan), one package per backend: ``reference/`` (contracts in its
 docstrings), ``triton/``, ``gluon/`` (used by ``triton/``).
 """

@@ -1,8 +1,12 @@
 """One dispatch table for the kernel backends (no ``if backend == ...`` in step code).
 
-``get_kernels(device, backend)`` returns a frozen ``KernelSet``: one callable per op, each with
-the signature and semantics of the same-named function of the reference backend (``reference/``;
-read its docstrings for every array's shape and dtype). Attention is a plan / run pair:
+``get_kernels(device, backend)`` returns a frozen ``KernelSet``: one callable per op that step
+code calls (the executor, the layer passes, the selection; docs/design.md §5.4), each with the
+signature and semantics of the same-named function of the reference backend (``reference/``;
+read its docstrings for every array's shape and dtype). Ops only tests and the single-device
+oracle call (dequantisation, ``lse_merge``, ``indexer_scores`` / ``indexer_topk`` over explicit
+key rows, ``topk_reference_order``, ``deinterleave_index_select``) are the reference's
+functions, imported from ``reference`` (a backend's own versions from its modules). Attention is a plan / run pair:
 ``plan_attention(...)`` -> ``AttentionPlan`` once per bound step, then
 ``sparse_mla_attention(..., plan=plan)`` per layer (``attention_plan.py``).
 
@@ -34,28 +38,21 @@ class KernelBackendError(CpplanError, ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class KernelSet:
-    """Callables for every kernel op; see ``reference/`` for each contract."""
+    """Callables for every op step code calls; see ``reference/`` for each contract."""
 
     name: str
     quantize_fp8_ds_mla: Callable
-    dequantize_fp8_ds_mla: Callable
     quantize_indexer_k: Callable
-    dequantize_indexer_k: Callable
     pack_fp8_ds_mla_into: Callable
     pack_indexer_k_into: Callable
     plan_attention: Callable
     sparse_mla_attention: Callable
-    lse_merge: Callable
+    sparse_mla_overflow: Callable
     lse_scale: Callable
     remap_to_gathered: Callable
     filter_local_slots: Callable
-    sparse_mla_overflow: Callable
-    deinterleave_index_select: Callable
-    indexer_scores: Callable
-    topk_reference_order: Callable
     merge_topk_candidates: Callable
     merge_local_slots: Callable
-    indexer_topk: Callable
     indexer_topk_prefill: Callable
     indexer_topk_decode: Callable
     # op name -> backend that implements it (ops not named here are the set's own backend)

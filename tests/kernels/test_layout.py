@@ -124,3 +124,15 @@ def test_gluon_package_imports_on_this_machine():
 
     assert decode.BLOCK_K == plan.GLUON_BLOCK_K
     assert plan.gluon_available()
+
+
+def test_kernel_set_lists_the_ops_step_code_calls():
+    """``KernelSet``'s ops are exactly those step code (runtime/*.py) calls on its kernel set
+    (``k.op(`` / ``kernels.op(``): an op only tests or the oracle use belongs to the reference
+    side (dispatch.py's docstring), and step code calls nothing the table lacks."""
+    import re
+
+    from cpplan.runtime.kernels import OP_NAMES
+
+    step = "\n".join(p.read_text() for p in sorted((ROOT / "runtime").glob("*.py")))
+    assert set(re.findall(r"\b(?:k|kernels)\.(\w+)\(", step)) == set(OP_NAMES)
