@@ -27,33 +27,28 @@ reused only while every shape (batch, s_q, heads, page size, topk) stays the sam
 ``topk_length`` is unchanged (not used here); ``decode_schedule`` keeps one per shape. The first
 call with a new shape computes it (allocates): warm every shape before CUDA-graph capture.
 
-Which backend runs (``choose``; H200, torch 2.11, Triton 3.6, same inputs both sides; decode:
-topk 2048 over a 262,144-slot cache, every query its own rows; prefill: topk 2048, 65,536 rows):
+Which backend runs (``choose``; the H200 measurements behind each row, same inputs both
+sides: bench/RESULTS.md, "Attention: FlashMLA against cpplan's Triton/Gluon", and
+``bench/attention.py``, which has a case for each row, the derived ones included):
 
-=========================  ================  ================  ========  ======================
-case                       FlashMLA          cpplan Triton     choice    source
-=========================  ================  ================  ========  ======================
-prefill bf16 T4096 H128    4.41 ms           9.47 ms           flashmla  measured (issue 12)
-prefill bf16 T4096 H64     2.31 ms           4.85 ms           flashmla  measured (issue 12)
-prefill bf16 H32 / H16     ~2.31 ms (pad)    ~2.4 / ~1.2 ms    triton    derived: Triton ~ H
-prefill, T x H/64 < 132    grid < 1 wave     splits the top-k  triton    derived
-decode fp8 B128 H128       180 us            393 us            flashmla  measured (issue 12)
-decode fp8 B256 H64        227 us            395 us            flashmla  measured (issue 12)
-decode fp8 B64 H32         80 us (pad 64)    89 us (Gluon)     triton    measured (2026-11-30)
-decode fp8 B256 H16        226 us (pad 64)   221 us (Gluon)    triton    measured (issue 12)
-decode fp8 B1 H128         65.7 us (adapter)  52.4 us           triton    measured (2026-11-30)
-fp8, T*topk < 4N, pages    the decode kernel: decode rows      per H     derived (see below)
-fp8, otherwise             dequantise once + prefill rows      per H, T  derived (see below)
-fp8, that and T*topk < N   dequantising dominates              triton    derived
-=========================  ================  ================  ========  ======================
+=============================  ==========================================  ========
+case                           why                                         choice
+=============================  ==========================================  ========
+prefill bf16, H 64 / 128       about 2x faster than Triton                 flashmla
+prefill bf16, H < 64           padding to 64 heads eats the gain           triton
+prefill, T x H/64 < 128        its grid does not split the top-k: < 1 wave triton
+decode fp8, H 64 / 128         about 2x faster than Triton                 flashmla
+decode fp8, H < 64             Triton's Gluon few-head decode wins         triton
+decode fp8, one token          the adapter's launches outweigh the kernel  triton
+fp8, T*topk < 4N, pages        the decode kernel: decode rows              per H
+fp8, otherwise                 dequantise once + prefill rows              per H, T
+fp8, that and T*topk < N       dequantising dominates                      triton
+=============================  ==========================================  ========
 
-fp8 rows: the decode kernel (~0.6 ns per reference at H128) against dequantise-once (0.55 ns per
-row, bench/RESULTS.md) plus the bf16 kernel (~0.53 ns per reference) breaks even near 4
-references per row, the same threshold as Triton's ``DEQUANTISE_ONCE_REUSE``.
-The derived rows are estimates from the measured ones (bench/attention.py has a case for each,
-marked "to settle"). Shapes between measured ones follow their neighbours (decode at any batch
-with H >= 32, prefill at H 65..127 padded to 128); below the measured gains (decode H < 32,
-prefill H < 64) Triton runs. fp16/fp32 q and H > 128 always run Triton.
+fp8 rows: the decode kernel against dequantise-once plus the bf16 kernel breaks even near 4
+references per row, the same threshold as Triton's ``DEQUANTISE_ONCE_REUSE``. Shapes between
+measured ones follow their neighbours (decode at any batch with H >= 64, prefill at H 65..127
+padded to 128). fp16/fp32 q and H > 128 always run Triton.
 Each decode token is its own FlashMLA batch entry (B = T, s_q = 1), so the metadata is per
 number of decode tokens: an attention plan made once per step should call ``decode_schedule``.
 """
@@ -71,16 +66,11 @@ from ..reference.formats import D_QK, D_V, FP8_DS_MLA_BYTES, NO_KEY
 PAGE = 64  # FlashMLA's only page size ("page_block_size must be 64")
 TOPK_GRANULE = 64  # the kernels' key block: topk must be a multiple of it
 HEAD_SIZES = (64, 128)  # "h_q == 64 || h_q == 128"
-# decode B64 H32 padded to 64: adapter 134.5 / raw 78.6 us vs Triton's Gluon 89.1; B64 H16
-# 134.8 vs 106.2 (bench/attention.py, H200, 2026-11-30): the Gluon few-head decode keeps H < 64
-MIN_HEADS_DECODE = 64
-# one decode token, H 128: adapter 65.7 us (kernel 21.9) vs Triton 52.4 (bench/attention.py,
-# 2026-11-30): the adapter's launches outweigh the kernel's gain
-MIN_DECODE_TOKENS = 2
-MIN_HEADS_PREFILL = 64  # prefill H64: 2.31 vs 4.85 ms; below, padding eats the gain (derived)
-# the prefill grid is T x H/64 with no split over the top-k: bf16-cache decode B64 H128 (128
-# programs) 107.6 vs Triton 188.9 us, B1 H128 121.8 vs 65.5 (bench/attention.py, 2026-11-30)
-MIN_PREFILL_PROGRAMS = 128
+# the thresholds of the table above (bench/attention.py; figures: bench/RESULTS.md)
+MIN_HEADS_DECODE = 64  # fewer heads: Triton's Gluon few-head decode, padding would cost more
+MIN_DECODE_TOKENS = 2  # one decode token: the adapter's launches outweigh the kernel's gain
+MIN_HEADS_PREFILL = 64  # fewer heads: padding to 64 eats the gain
+MIN_PREFILL_PROGRAMS = 128  # the prefill grid is T x H/64, no split over the top-k
 DECODE_KERNEL_MAX_REUSE = 4  # fp8 rows referenced < 4x each on average: the fp8 decode kernel
 FP8_PREFILL_MIN_REUSE = 1  # fp8 prefill via dequantise-once only when every row is read >= 1x
 _SCHEDULES = 64  # decode metadata entries kept (one per decode shape)
@@ -202,7 +192,7 @@ def finish(out: torch.Tensor, lse: torch.Tensor, num_heads: int,
     ``(out [T, H, 512], lse [T, H] float32)``: padded heads dropped, -inf on rows with no key,
     out 0 there. ``kernel_zeroes_empty``: the kernel already writes 0 on such rows (the sparse
     prefill kernel does: tests/kernels/test_flashmla.py, raw conventions), so out is not passed
-    over again (a full read + write of out: 0.25 ms at T 4096, H 128)."""
+    over again (a full read + write of out)."""
     lse = lse[:, :num_heads].float()
     empty = torch.isposinf(lse)
     out = out[:, :num_heads]
@@ -215,8 +205,8 @@ def finish_decode(out: torch.Tensor, lse: torch.Tensor, num_heads: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``finish`` for the decode kernel's ``out [T, Hp, 512]`` / ``lse [T, Hp]`` float32
     (contiguous): one Triton launch that converts lse and zeroes out only on rows with no key,
-    where ``finish`` passes over all of out (in the 64-decode step on the H200: a 10 us copy
-    kernel a layer, plus three small ones). Elsewhere (CPU tensors, other layouts): ``finish``."""
+    where ``finish`` passes over all of out (a copy kernel a layer, plus three small ones).
+    Elsewhere (CPU tensors, other layouts): ``finish``."""
     T, Hp, _ = out.shape
     if not (out.is_cuda and out.is_contiguous() and lse.is_contiguous()
             and lse.dtype == torch.float32 and tuple(lse.shape) == (T, Hp)):

@@ -135,9 +135,8 @@ def sparse_mla_overflow(q, kv, over, count, width: int, out, lse, sm_scale: floa
     """Triton ``sparse_mla_overflow`` (contract: the reference's): one program per (16 heads,
     token); a token without overflow (``count <= width``, the common case) costs a load of its
     count. ``out`` / ``lse`` are updated in place. Keys 64 at a time, 8 warps, no software
-    pipelining: 65.1 us for 8 of 64 rows x 896 overflow keys x 128 heads on the H200, against
-    95.9 with 32 keys, 4 warps and 2 stages (bench/overflow_sweep.py; bench/RESULTS.md,
-    2026-12-01, eleventh session)."""
+    pipelining: faster than 32 keys, 4 warps and 2 stages (bench/overflow_sweep.py;
+    bench/RESULTS.md, "What changed (each timed against what it replaced)")."""
     check_kv_format(kv_format)
     if kv.dim() == 3:
         kv = kv.reshape(-1, kv.shape[-1])

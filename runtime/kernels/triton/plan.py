@@ -34,8 +34,8 @@ FAMILIES = HEADS_FAMILIES + GLUON_FAMILIES
 # families that read fp8 rows as stored (a dequantised buffer cannot feed them)
 _FP8_IN_KERNEL_FAMILIES = ("triton-heads-scaled",) + GLUON_FAMILIES
 
-# H200, 128 heads, 65,536 rows (bench/kernels.py --only reuse): in-kernel / once = 0.80x at 0.5
-# references per row, 0.99x at 2, 1.03x at 4, 1.08x at 8, 1.13x at 128; the pass is 36 us.
+# in-kernel fp8 reads against one dequantising pass break even near 4 references per row
+# (bench/kernels.py --only reuse; bench/RESULTS.md, "Kernels, third pass")
 DEQUANTISE_ONCE_REUSE = 4
 GLUON_BLOCK_K = 64  # the M of the Gluon kernels' wgmma products
 
@@ -48,10 +48,14 @@ def _next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-def heads_block(num_heads: int) -> int:
+def heads_block(num_heads: int, operand_bytes: int = 2, fp8_in_kernel: bool = False) -> int:
     """Heads per program of the heads kernels: next power of two, clamped to [16, 64] (8-32
-    heads per rank pay for 16-32 rows of the products, not 64)."""
-    return max(16, min(64, _next_pow2(num_heads)))
+    heads per rank pay for 16-32 rows of the products, not 64). float32 q over fp8 rows read
+    in the kernel: 16, the block that fits beside two stages of fp8 key tiles and their
+    dequantised copies (64 fp32 heads asked 337,408 B of shared memory on the H200, whose
+    limit is 232,448 B; 32 would ask about 263 KB)."""
+    cap = 16 if operand_bytes >= 4 and fp8_in_kernel else 64
+    return max(16, min(cap, _next_pow2(num_heads)))
 
 
 def heads_launch(fp8_in_kernel: bool, num_heads: int, operand_bytes: int) -> tuple[str, int, int, int]:
@@ -61,12 +65,12 @@ def heads_launch(fp8_in_kernel: bool, num_heads: int, operand_bytes: int) -> tup
     block and drops pipelining: 64 fp32 rows of 576 in two stages need 258 KB of shared memory,
     above the H200's 227 KB. Keys-major layouts, register prefetch, bf16 dequantisation,
     evict-first loads and warp specialisation never won (bench/RESULTS.md; bench/variants)."""
-    block_h = heads_block(num_heads)
+    block_h = heads_block(num_heads, operand_bytes, fp8_in_kernel)
     if operand_bytes >= 4 and not fp8_in_kernel:
         return "triton-heads", 32, 4 if block_h <= 32 else 8, 1
     if block_h <= 32:
         return ("triton-heads-scaled" if fp8_in_kernel else "triton-heads"), 64, 4, 2
-    # bf16 rows: 3 stages 9.43 ms vs 2 stages 10.06 ms at T 4096, H 128
+    # bf16 rows: 3 stages beat 2 at T 4096, H 128 (bench/kernels.py --only sweep)
     return "triton-heads", 64, 8, 2 if fp8_in_kernel else 3
 
 
@@ -80,9 +84,9 @@ def split_policy(programs: int, topk: int, block_k: int, sm_count: int, min_bloc
 
 
 # One query token of 64+ heads (bf16 q): 16 heads per program, 4 warps, 2 stages, 32 splits of
-# one 64-key block: fp8 rows 44.2 us vs 138.2 with 64 heads per program at the same splits (and
-# 78.9 for the 64-head default), bf16 rows 40.1 vs 59.3 (bench/kernels.py --only plans, H200,
-# 2026-11-30). Two tokens keep 64 heads per program (38.7 us vs 55.5 with 16).
+# one 64-key block, faster than 64 heads per program for fp8 and bf16 rows; two tokens keep 64
+# heads per program (bench/kernels.py --only plans; bench/RESULTS.md, "Single-token decode
+# plans").
 SINGLE_TOKEN_BLOCK_H = 16
 
 
@@ -103,18 +107,18 @@ def gluon_heads(num_heads: int) -> int:
 
 
 def gluon_launch(num_heads: int) -> tuple[str, int, int]:
-    """(family, num_warps, num_stages) of the Gluon decode, H200, B 256 H 16 / B 64 H 32:
-    "small" 214.8 us vs "ring" 255.1 at 16 heads; ring (8 warps) 88.7-98.3 us vs small 105.6 at
-    32. Warps: 16 heads 4 (ring 254 us vs 285 with 8; two small CTAs fit at 4 warps only), 32
-    heads 8 (the two warpgroups split the heads). Ring depth: 3 blocks of 41 KB at 16 heads
-    (213 KB), 2 at 32 (3 would take 233 KB of the 227)."""
+    """(family, num_warps, num_stages) of the Gluon decode (timed at B 256 H 16 / B 64 H 32:
+    bench/RESULTS.md, "Kernels, third pass"): "small" at up to 16 heads, in 4 warps (two small
+    CTAs fit a SM at 4 warps only); "ring" above, in 8 (the two warpgroups split the heads).
+    Ring depth: 3 blocks of 41 KB at 16 heads (213 KB), 2 at 32 (3 would take 233 KB of the
+    227)."""
     hp = gluon_heads(num_heads)
     return ("gluon-small" if hp <= 16 else "gluon-ring"), (4 if hp <= 16 else 8), (3 if hp <= 16 else 2)
 
 
 def gluon_splits(num_tokens: int, topk: int, family: str, spec) -> int:
-    """No more programs than run at once (one "ring" or two "small" CTAs per SM): B 64 H 32 ->
-    2 splits (91.7 us) beat 4 (101 us); B 256 H 16 small -> 1 (214.8 us vs 226.5 with 2)."""
+    """No more programs than run at once (one "ring" or two "small" CTAs per SM): more splits
+    were slower at B 64 H 32 and B 256 H 16 (bench/RESULTS.md, "Kernels, third pass")."""
     per_sm = 2 if family == "gluon-small" else 1
     return max(1, min(per_sm * spec.sm_count // max(num_tokens, 1), _cdiv(topk, 2 * GLUON_BLOCK_K)))
 
@@ -176,7 +180,7 @@ def plan_attention(*, num_tokens: int, num_heads: int, topk: int, kv_format: str
         if family == "triton-heads-scaled" and not fp8_in_kernel:
             raise AttentionPlanError("family 'triton-heads-scaled': needs fp8_ds_mla rows read in the "
                                      f"kernel, got kv_format {kv_format!r} with fp8_rows {rows_mode!r}")
-        block_h = heads_block(num_heads)
+        block_h = heads_block(num_heads, q_dtype.itemsize, fp8_in_kernel)
         if (family is None and spec.kind == "cuda" and num_tokens == 1 and block_h > SINGLE_TOKEN_BLOCK_H
                 and q_dtype.itemsize == 2):
             block_h, warps, stages = SINGLE_TOKEN_BLOCK_H, 4, 2  # one token: heads over programs
