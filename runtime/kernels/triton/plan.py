@@ -48,10 +48,14 @@ def _next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-def heads_block(num_heads: int) -> int:
+def heads_block(num_heads: int, operand_bytes: int = 2, fp8_in_kernel: bool = False) -> int:
     """Heads per program of the heads kernels: next power of two, clamped to [16, 64] (8-32
-    heads per rank pay for 16-32 rows of the products, not 64)."""
-    return max(16, min(64, _next_pow2(num_heads)))
+    heads per rank pay for 16-32 rows of the products, not 64). float32 q over fp8 rows read
+    in the kernel: 16, the block that fits beside two stages of fp8 key tiles and their
+    dequantised copies (64 fp32 heads asked 337,408 B of shared memory on the H200, whose
+    limit is 232,448 B; 32 would ask about 263 KB)."""
+    cap = 16 if operand_bytes >= 4 and fp8_in_kernel else 64
+    return max(16, min(cap, _next_pow2(num_heads)))
 
 
 def heads_launch(fp8_in_kernel: bool, num_heads: int, operand_bytes: int) -> tuple[str, int, int, int]:
@@ -61,7 +65,7 @@ def heads_launch(fp8_in_kernel: bool, num_heads: int, operand_bytes: int) -> tup
     block and drops pipelining: 64 fp32 rows of 576 in two stages need 258 KB of shared memory,
     above the H200's 227 KB. Keys-major layouts, register prefetch, bf16 dequantisation,
     evict-first loads and warp specialisation never won (bench/RESULTS.md; bench/variants)."""
-    block_h = heads_block(num_heads)
+    block_h = heads_block(num_heads, operand_bytes, fp8_in_kernel)
     if operand_bytes >= 4 and not fp8_in_kernel:
         return "triton-heads", 32, 4 if block_h <= 32 else 8, 1
     if block_h <= 32:
@@ -176,7 +180,7 @@ def plan_attention(*, num_tokens: int, num_heads: int, topk: int, kv_format: str
         if family == "triton-heads-scaled" and not fp8_in_kernel:
             raise AttentionPlanError("family 'triton-heads-scaled': needs fp8_ds_mla rows read in the "
                                      f"kernel, got kv_format {kv_format!r} with fp8_rows {rows_mode!r}")
-        block_h = heads_block(num_heads)
+        block_h = heads_block(num_heads, q_dtype.itemsize, fp8_in_kernel)
         if (family is None and spec.kind == "cuda" and num_tokens == 1 and block_h > SINGLE_TOKEN_BLOCK_H
                 and q_dtype.itemsize == 2):
             block_h, warps, stages = SINGLE_TOKEN_BLOCK_H, 4, 2  # one token: heads over programs
