@@ -45,13 +45,23 @@ def rank_token_ids(bound, sequences: Sequence[Sequence[int]], device=None) -> to
     every position this step schedules."""
     rows = rank_rows(bound)
     out = np.zeros(rows.request.shape[0], dtype=np.int64)
-    for j in np.flatnonzero(rows.valid):
-        seq, p = sequences[rows.request[j]], int(rows.position[j])
-        if p >= len(seq):
+    valid = np.flatnonzero(rows.valid)
+    if len(valid):
+        req, pos = rows.request[valid], rows.position[valid]
+        lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences))
+        short = pos >= lengths[req]
+        if short.any():
+            j = valid[int(np.argmax(short))]
             raise TensorArgError(f"step {bound.plan.step_id}: request {rows.request[j]} has "
-                                 f"{len(seq)} tokens; expected at least {p + 1} (the step "
-                                 f"schedules position {p})")
-        out[j] = seq[p]
+                                 f"{lengths[rows.request[j]]} tokens; expected at least "
+                                 f"{int(rows.position[j]) + 1} (the step schedules position "
+                                 f"{int(rows.position[j])})")
+        # per request its scheduled slice, read once: a prefill chunk is one numpy copy
+        for r in np.unique(req):
+            mine = req == r
+            p = pos[mine]
+            out[valid[mine]] = np.asarray(sequences[r][int(p.min()): int(p.max()) + 1],
+                                          dtype=np.int64)[p - p.min()]
     return torch.from_numpy(out).to(device if device is not None else rows.position_t.device)
 
 
