@@ -3,7 +3,7 @@
 Decoding must stay cheap (a 512-request plan decodes in tens of microseconds) and a numpy
 expression costs about a microsecond however small its array, so the dozens of comparisons run
 as one numba loop that re-derives each table from the request columns and the config (the
-rules of docs/design.md §Planning) and returns the first broken rule. This is a second, plain
+rules of docs/design.md §3) and returns the first broken rule. This is a second, plain
 derivation written apart from the planner's kernels: a plan either matches it exactly or is
 refused. :mod:`cpplan.schemas.invariants` turns the returned rule into the one-line error.
 """

@@ -1,5 +1,4 @@
-"""Reading and writing cpplan files, the one place that touches paths (docs/design.md §Failure
-behaviour).
+"""Reading and writing cpplan files, the one place that touches paths (docs/failures.md).
 
 Reading (:func:`read_input`): regular files only. The path is opened non-blocking (a FIFO then
 neither hangs the open nor the read), checked with ``fstat`` before any byte is read, and at

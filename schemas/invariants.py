@@ -1,5 +1,5 @@
-"""The invariants of a decoded StepPlan, checked before anything reads it (docs/design.md
-§Failure behaviour).
+"""The invariants of a decoded StepPlan, checked before anything reads it (docs/design.md §6.3;
+docs/failures.md).
 
 A plan file whose checksum and digest are right can still say nonsense (a mode of 7, a row
 pointing past the requests, T = 2**40, a gather chunk of 2 G rows); ``inspect``, ``diff``,

@@ -88,7 +88,7 @@ def make_raw_plan(seed: int, num_requests: int = 16) -> StepPlan:
 
 
 def _mode(pre: bool, q: int, p: int, w: int) -> tuple[int, int]:
-    """(mode, chunk size): decode 0, split 1, replicated 2 (docs/design.md §Planning)."""
+    """(mode, chunk size): decode 0, split 1, replicated 2 (docs/design.md §3.1)."""
     if not pre:
         return 0, q
     if p == 1:

@@ -1,7 +1,6 @@
 """Hostile input at the schemas boundary: configs and steps refuse wrong types and sizes at
 construction, decoding refuses checksum-valid but inconsistent plans, input files must be
-regular and small, outputs never replace a symlink or device (docs/design.md §Failure
-behaviour)."""
+regular and small, outputs never replace a symlink or device (docs/failures.md)."""
 
 import errno
 import os
