@@ -19,6 +19,7 @@ from cpplan.schemas import (ParallelConfig, StepInput, decode_plan, encode_confi
                             encode_plan, encode_step_json)
 from tests.cli.inprocess import payload_of, reseal, run_cli
 from tests.cli.test_cli import ENV, ROOT
+from tests.lane import examples
 
 GOLDEN = ROOT / "tests" / "golden" / "v2"
 EXIT_CODES = {0, 1, 2}  # documented for plan / inspect / diff / draw
@@ -256,7 +257,7 @@ def _hostile_leaf(value, data):
 CORPUS = ["mixed_p2w2", "mixed_p4w4", "w1_zero_length_rows_p2", "p1w2_dcp_only"]
 
 
-@settings(max_examples=40, deadline=None,
+@settings(max_examples=examples(40, quick=4), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(st.sampled_from(CORPUS), st.data())
 def test_property_mutated_plan_files_every_command(tmp_path_factory, name, data):
@@ -304,7 +305,7 @@ def _spoil(step: dict, config: dict, data) -> None:
         step["step_id"] = value
 
 
-@settings(max_examples=40, deadline=None,
+@settings(max_examples=examples(40, quick=4), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(requests, configs, st.integers(0, 2**63 - 1), st.data())
 def test_property_generated_steps_and_configs(tmp_path_factory, reqs, config, step_id, data):

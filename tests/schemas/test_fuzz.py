@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from cpplan.schemas import PlanFormatError, decode_config, decode_plan, decode_step, encode_plan
 from cpplan.schemas import codec
+from tests.lane import examples
 from tests.schemas.factories import make_plan
 
 NUM_FUZZ_CASES = 20_000
@@ -95,7 +96,7 @@ garbage = st.recursive(
 )
 
 
-@settings(max_examples=400)
+@settings(max_examples=examples(400, quick=50))
 @given(garbage)
 def test_structured_garbage_with_valid_checksum(obj):
     """Valid msgpack (even with a correct checksum) of the wrong shape is a PlanFormatError."""
@@ -105,7 +106,7 @@ def test_structured_garbage_with_valid_checksum(obj):
     _decode_all_ways(msgspec.json.encode(obj))
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200, quick=30))
 @given(st.lists(st.integers(0, 5), min_size=1, max_size=6), garbage)
 def test_wrong_payload_inside_a_valid_envelope(kinds, obj):
     payload = msgspec.msgpack.encode(obj)
