@@ -1,11 +1,19 @@
 """`cpplan simulate` and `cpplan replay` through a real subprocess: JSON contract, exit codes,
-record -> replay -> inspect round trip."""
+record -> replay -> inspect round trip. Arguments refused up front run in-process
+(cpplan.cli.main: the same code, without a new interpreter and its imports per case), one of
+them through a real process too.
+
+A simulate spawns one process per rank (about 4 s of CPU each to start): the default P = W = 2
+world's run is shared by the tests that read it (``graphs_run``), and the tests of what one
+rank's failure or divergence does to its peer run P = 2, W = 1 (two ranks, the preset
+workload depends on P only); tests/dist covers the P x W topologies."""
 
 import json
 import time
 
 import pytest
 
+from tests.cli.inprocess import run_cli
 from tests.cli.test_cli import assert_one_line_error, cpplan
 
 SIM_KEYS = {"steps", "tokens", "max_abs_err", "collectives", "digest_checks", "ok"}
@@ -15,26 +23,38 @@ def _last_json(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
-def test_simulate_json_record_replay_inspect(tmp_path):
-    runs = tmp_path / "runs"
-    proc = cpplan("simulate", "--steps", 6, "--json", "--record", runs)
+@pytest.fixture(scope="module")
+def graphs_run(tmp_path_factory):
+    """One default simulate (P = W = 2, 24 steps, 2 layers) with --graphs, recorded: the JSON
+    contract and the record -> replay -> inspect round trip of an eager step, and the padded
+    graph-replayable decode steps, read from the same run."""
+    runs = tmp_path_factory.mktemp("simulate") / "runs"
+    proc = cpplan("simulate", "--graphs", "--json", "--record", runs)
     assert proc.returncode == 0, proc.stderr
+    return proc, runs
+
+
+def test_simulate_json_record_replay_inspect(graphs_run):
+    proc, runs = graphs_run
     summary = _last_json(proc.stdout)
     assert SIM_KEYS <= set(summary)
-    assert summary["ok"] is True and summary["steps"] == 6
-    assert summary["digest_checks"] == 6 and summary["collectives"] > 0
+    n = summary["steps"]
+    assert summary["ok"] is True and n == 24
+    assert summary["digest_checks"] == n and summary["collectives"] > 0
     assert summary["max_abs_err"] <= summary["tolerance"]
-    assert "step   5/6" in proc.stderr  # progress on stderr
-    recorded = sorted(runs.glob("step-*.msgpack"))
-    assert len(recorded) == 6
-    replay = cpplan("replay", recorded[-1])
+    assert f"step {n - 1:3d}/{n}" in proc.stderr  # progress on stderr
+    recorded = sorted(runs.glob("step-*.msgpack"), key=lambda p: int(p.stem.split("-")[1]))
+    assert len(recorded) == n
+    first = recorded[0]  # a prefill step (the graphs test replays the last, a decode-only one)
+    inspect = cpplan("inspect", first, "--json")
+    assert json.loads(inspect.stdout)["step_id"] == 0
+    replay = cpplan("replay", first)
     assert replay.returncode == 0, replay.stderr
-    inspect = cpplan("inspect", recorded[-1], "--json")
-    assert json.loads(inspect.stdout)["step_id"] == 5
 
 
 def test_simulate_divergence_exits_3_naming_the_rank():
-    proc = cpplan("simulate", "--steps", 4, "--inject-divergence", "2:1:q+1", "--json")
+    proc = cpplan("simulate", "--pcp", 2, "--dcp", 1, "--steps", 4, "--inject-divergence",
+                  "2:1:q+1", "--json")
     assert proc.returncode == 3, proc.stderr
     assert "ranks [0] and [1] disagree" in proc.stderr and "at step 2" in proc.stderr
     assert "(ledger 0 collectives" in proc.stderr  # stopped before any data collective
@@ -56,7 +76,21 @@ def test_simulate_divergence_exits_3_naming_the_rank():
     (["--indexer-pattern", "FX"], "expected letters F and S"),
 ])
 def test_simulate_bad_input_exit_2(args, words):
-    assert_one_line_error(cpplan("simulate", *args), 2, words)
+    assert_one_line_error(_in_process("simulate", *args), 2, words)
+
+
+def test_simulate_bad_input_exit_2_in_a_real_process():
+    """The user's view of one of the refusals above: a process that exits 2 with one line."""
+    assert_one_line_error(cpplan("simulate", "--pcp", "2", "--dcp", "3"), 2,
+                          "unsupported topology")
+
+
+def _in_process(*argv):
+    """``cpplan ARGV`` through cpplan.cli.main in this process, as the subprocess result's
+    fields (returncode, stdout, stderr) that assert_one_line_error reads."""
+    result = run_cli(*argv)
+    result.returncode = result.code
+    return result
 
 
 @pytest.mark.parametrize("args, words", [
@@ -70,20 +104,21 @@ def test_simulate_refuses_options_that_would_do_nothing_or_abort(args, words, tm
     injected rank ran another plan than its peers (gloo aborted the rank: exit 4); a spawned
     world of 128 ranks would take about 50 GB here. None leaves a --record folder behind."""
     record = tmp_path / "deep" / "new"
-    assert_one_line_error(cpplan("simulate", *args, "--record", record), 2, words)
+    assert_one_line_error(_in_process("simulate", *args, "--record", record), 2, words)
     assert not (tmp_path / "deep").exists()
 
 
 def test_simulate_injection_that_never_happens_is_an_error():
     """The workload of the default preset ends after 32 steps, and reordering a one-request
     step changes nothing: each ran to "OK", exit 0, with nothing injected."""
-    proc = cpplan("simulate", "--steps", 60, "--layers", 1, "--inject-divergence", "45:1")
+    proc = cpplan("simulate", "--pcp", 2, "--dcp", 1, "--steps", 60, "--layers", 1,
+                  "--inject-divergence", "45:1")
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     assert "step  31/60" in proc.stderr  # the last step that ran
     assert "the workload ended after 32 steps, so nothing was injected" in proc.stderr
-    proc = cpplan("simulate", "--steps", 31, "--layers", 1, "--inject-divergence",
-                  "30:1:reorder")
+    proc = cpplan("simulate", "--pcp", 2, "--dcp", 1, "--steps", 31, "--layers", 1,
+                  "--inject-divergence", "30:1:reorder")
     assert proc.returncode == 2, proc.stderr
     assert "rank 1 at step 30" in proc.stderr and "'reorder' changes nothing" in proc.stderr
     assert "PeerFailedError: rank 1 failed in step 30" in proc.stderr  # rank 0, told at once
@@ -97,7 +132,8 @@ def test_simulate_record_write_failure_stops_every_rank_at_once(tmp_path):
     record.mkdir()
     (record / "step-1.msgpack").symlink_to(tmp_path / "elsewhere")
     t0 = time.monotonic()
-    proc = cpplan("simulate", "--steps", 3, "--layers", 1, "--record", record, "--timeout", 20)
+    proc = cpplan("simulate", "--pcp", 2, "--dcp", 1, "--steps", 3, "--layers", 1, "--record",
+                  record, "--timeout", 20)
     assert proc.returncode == 2, proc.stderr
     assert "rank 0 at step 1" in proc.stderr and "OutputError" in proc.stderr
     assert "rank 1 at step 1" in proc.stderr and "PeerFailedError: rank 0 failed" in proc.stderr
@@ -121,13 +157,11 @@ def test_simulate_and_replay_help_have_examples():
         assert proc.returncode == 0 and "example" in proc.stdout.lower()
 
 
-def test_simulate_with_graph_sizes_pads_decode_steps_and_matches_the_oracle(tmp_path):
+def test_simulate_with_graph_sizes_pads_decode_steps_and_matches_the_oracle(graphs_run):
     """--graphs: decode-only steps become graph-replayable (every padded token a decode, T-row
     decode collectives); on the CPU they run eagerly with the graph's static shapes, and a
     recorded one replays against the oracle."""
-    runs = tmp_path / "runs"
-    proc = cpplan("simulate", "--graphs", "--json", "--record", runs)
-    assert proc.returncode == 0, proc.stderr
+    proc, runs = graphs_run
     summary = _last_json(proc.stdout)
     assert summary["ok"] is True and summary["max_abs_err"] <= summary["tolerance"]
     assert summary["graph_steps"] >= 1 and summary["replayed"] == 0  # no CUDA here
