@@ -32,18 +32,28 @@ ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 5.0  # the control timeout of every case here; the data timeout stays at 120 s
 
 
+@pytest.fixture(scope="module")
+def world2():
+    """One two-rank world for the local-failure and mid-step cases: a failure ends the job on
+    both ranks, never the world (each job builds its own groups); about 4 s of CPU a rank to
+    start, once instead of per case."""
+    with World(2, timeout_s=60) as world:
+        yield world
+
+
 @pytest.mark.parametrize("where,verify,rank", [
     ("bind", "every", 1), ("bind", "off", 1), ("insert", "every", 1), ("attend", "every", 1),
     ("skip-attend", "every", 1), ("insert", "every", 0), ("attend", "every", 0),
     ("restore", "every", 1), ("restore", "every", 0)])
-def test_local_failure_stops_the_peer_naming_the_rank(where, verify, rank):
+def test_local_failure_stops_the_peer_naming_the_rank(world2, where, verify, rank):
     shm = {n for n in os.listdir("/dev/shm") if n.startswith("cpplan-digest-")}
     opts = SimOptions(pcp=2, dcp=2, steps=3, layers=1, progress=False, timeout_s=TIMEOUT,
                       verify=verify, fail=Inject(step=2, rank=rank, kind=where))
-    with World(2, timeout_s=60) as world:
-        t0 = time.monotonic()
-        values = [r.value for r in world.run(rank_main, opts, timeout_s=120)]
-        took = time.monotonic() - t0
+    t0 = time.monotonic()
+    results = world2.run(rank_main, opts, timeout_s=120)
+    took = time.monotonic() - t0
+    assert all(r.ok for r in results), [(r.rank, r.lost, r.tb) for r in results]
+    values = [r.value for r in results]
     failed, peer = values[rank], values[1 - rank]
     assert {n for n in os.listdir("/dev/shm") if n.startswith("cpplan-digest-")} <= shm
     own = failed["error"]
@@ -168,12 +178,11 @@ def _fail_mid_step(ctx, by_bound: bool):
 
 
 @pytest.mark.parametrize("by_bound", [False, True], ids=["plan", "bound"])
-def test_a_failure_mid_step_reaches_the_peer_within_a_second(by_bound):
+def test_a_failure_mid_step_reaches_the_peer_within_a_second(world2, by_bound):
     """refuse after bind (the engine failed between its own calls): the peer in the next
     collective raises PeerFailedError naming rank 1 within 2 s (it used to wait out the data
     timeout and get RankLostError, and refuse blamed the healthy rank)."""
-    with World(2, timeout_s=60) as world:
-        r0, r1 = world.run(_fail_mid_step, by_bound, timeout_s=120)
+    r0, r1 = world2.run(_fail_mid_step, by_bound, timeout_s=120)
     assert r0.ok and r1.ok, (r0.tb, r1.tb)
     assert r1.value[:2] == ("MemoryError", "no memory for layer 1")
     kind, message, seconds = r0.value
