@@ -95,6 +95,7 @@ SLOW = (
 QUICK = (
     "tests/cli/test_cli.py::test_plan_prints_digest_and_is_byte_stable",
     "tests/cli/test_cli.py::test_inspect_json_keys_and_golden[[]mixed_p4w4[]]",
+    "tests/cli/test_cli.py::test_bad_input_is_one_line_exit_2[[]*",  # in-process
     "tests/cli/test_generate.py::test_bad_prompts_are_one_line*",
     "tests/sim/test_replay.py::test_replay_matches_oracle[[]fp8_ds_mla-pwi3[]]",
     "tests/serve/test_engine.py::test_a_job_the_engine_was_not_built_for_is_refused*",

@@ -1,4 +1,5 @@
-"""Every CLI command and error path, through a real subprocess (the user's view)."""
+"""Every CLI command and error path, through a real subprocess (the user's view); the table
+of bad inputs in-process, one of them through a real process too."""
 
 import json
 import os
@@ -19,6 +20,7 @@ from cpplan.schemas import (
     encode_step_json,
 )
 from cpplan.schemas import codec
+from tests.cli.inprocess import run_cli
 from tests.golden.regen import golden_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -256,11 +258,20 @@ def _config_file(tmp_path):
     (None, ["diff", "tests/golden/v1/mixed_p2w2.msgpack"], "required"),
     (None, ["nosuchcommand"], "invalid choice"),
 ])
-def test_bad_input_is_one_line_exit_2(tmp_path, make, args, words):
+def test_bad_input_is_one_line_exit_2(tmp_path, monkeypatch, make, args, words):
+    """In-process (cpplan.cli.main, from the repository root as the real process below): the
+    same refusals without an interpreter's start-up per case."""
     f = make(tmp_path) if make else None
-    proc = cpplan(*[a.format(f=f) for a in args], cwd=ROOT)
-    assert_one_line_error(proc, 2, words)
+    monkeypatch.chdir(ROOT)
+    result = run_cli(*[a.format(f=f) for a in args])
+    result.returncode = result.code  # the field assert_one_line_error reads
+    assert_one_line_error(result, 2, words)
     assert not (ROOT / "o.msgpack").exists()  # nothing half written
+
+
+def test_bad_input_is_one_line_exit_2_in_a_real_process(tmp_path):
+    assert_one_line_error(cpplan("inspect", _newer_schema(tmp_path), cwd=ROOT), 2,
+                          "schema version 3")
 
 
 def test_plan_output_not_written_on_error(tmp_path):
