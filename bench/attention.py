@@ -134,8 +134,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench/attention.py needs a CUDA GPU (none visible)", file=sys.stderr)
         return 2
-    from cpplan.runtime.kernels.flashmla import attention as fm
     from cpplan.runtime.kernels import get_kernels
+    from cpplan.runtime.kernels.flashmla import attention as fm
 
     ks = get_kernels("cuda", "triton")
     why = fm.unavailable_reason()

@@ -16,10 +16,9 @@ from __future__ import annotations
 import dataclasses
 import sys
 
+import step_gpu as sg  # bench/step_gpu.py, beside this file
 import torch
 from triton.testing import do_bench
-
-import step_gpu as sg  # bench/step_gpu.py, beside this file
 
 from cpplan.runtime.kernels.flashmla import attention as fa
 

@@ -21,6 +21,7 @@ import xxhash
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import make_step, median_us  # noqa: E402  (bench/common.py)
+
 from cpplan.schemas import ParallelConfig, decode_plan, digest, encode_plan  # noqa: E402
 from cpplan.schemas.codec import plan_payload  # noqa: E402
 

@@ -39,15 +39,15 @@ import json
 import torch
 import triton
 import triton.language as tl
-from cpplan.runtime.kernels.triton import indexer_tiled as it
-from cpplan.runtime.kernels.triton import pack
-from cpplan.runtime.kernels import reference as ref
+from common import kernel_device_times  # bench/common.py, beside this script
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 from triton.testing import do_bench, do_bench_cudagraph
-
-from common import kernel_device_times  # bench/common.py, beside this script
 from variants import old_indexer  # bench/variants: the first Triton indexer
+
+from cpplan.runtime.kernels import reference as ref
+from cpplan.runtime.kernels.triton import indexer_tiled as it
+from cpplan.runtime.kernels.triton import pack
 
 HI, TOPK, BLOCK = 64, 2048, 64
 # more candidate slots than rank_runs runs hold: the filter path does not apply, every row takes

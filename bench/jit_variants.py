@@ -33,12 +33,14 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from cpplan.api import compile as compile_plan  # noqa: E402
 from cpplan.runtime.executor import LayerCache, StepExecutor  # noqa: E402
-from cpplan.warmup import warmup  # noqa: E402
 from cpplan.runtime.kernels import attention_plan  # noqa: E402
-from cpplan.runtime.kernels.triton import TRITON  # noqa: E402
-from cpplan.runtime.kernels.triton import indexer_tiled, plan as tplan  # noqa: E402
-from cpplan.sim.allocator import BlockAllocator  # noqa: E402
+from cpplan.runtime.kernels.triton import (  # noqa: E402
+    TRITON,  # noqa: E402
+    indexer_tiled,
+)
+from cpplan.runtime.kernels.triton import plan as tplan
 from cpplan.schemas.names import Group  # noqa: E402
+from cpplan.sim.allocator import BlockAllocator  # noqa: E402
 from cpplan.sim.scheduler import MiniScheduler, preset_requests  # noqa: E402
 from cpplan.sim.simulate import (  # noqa: E402
     KV_TOKEN_BUDGET,
@@ -47,6 +49,7 @@ from cpplan.sim.simulate import (  # noqa: E402
     SimOptions,
     preset_config,
 )
+from cpplan.warmup import warmup  # noqa: E402
 
 H200 = attention_plan.DeviceSpec(kind="cuda", sm_count=132, capability=(9, 0))
 

@@ -27,13 +27,14 @@ import time
 
 import torch
 import triton
+from triton.testing import do_bench
+
 from cpplan.runtime.kernels import reference as ref
 from cpplan.runtime.kernels.triton import attention as ta
 from cpplan.runtime.kernels.triton import index as ti
 from cpplan.runtime.kernels.triton import merge as tm
 from cpplan.runtime.kernels.triton import pack as tp
 from cpplan.runtime.kernels.triton.plan import plan_attention
-from triton.testing import do_bench
 
 ROWS: list[dict] = []
 
@@ -374,7 +375,7 @@ def sweep(regimes=None, workers=12):
     t0 = time.time()
     failed = {}
     with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-        for r, i, err, dt in ex.map(_warm, tasks):
+        for r, i, err, _dt in ex.map(_warm, tasks):
             if err:
                 failed[(r, i)] = err
                 print(f"compile {r} {_cfg_name(SWEEP[r][6][i])}: {err}", flush=True)

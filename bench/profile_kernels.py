@@ -32,12 +32,13 @@ CASES = {
 
 
 def build(case: str):
-    from cpplan.runtime.kernels.triton import attention as ta
     from kernels import (  # same inputs as the benchmark table (bench/ is on sys.path)
         _inputs,
         attn_plan,
     )
     from variants.kmajor import sparse_mla_attention_kmajor
+
+    from cpplan.runtime.kernels.triton import attention as ta
 
     T, H, topk, rows, fmt, forced, launch, keys_prefetch = CASES[case]
     q, kv, idx = _inputs(T, H, topk, rows, fmt, seed=T + H, distinct=case.startswith("decode"))

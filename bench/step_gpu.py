@@ -71,8 +71,8 @@ from cpplan.runtime.graphs import StepGraphs
 from cpplan.runtime.kernels import get_kernels
 from cpplan.runtime.kernels.dispatch import KernelBackendError
 from cpplan.runtime.verify import DigestCheck
-from cpplan.schemas.config import indexer_sources_from_types
 from cpplan.schemas.codec import digest
+from cpplan.schemas.config import indexer_sources_from_types
 from cpplan.schemas.errors import ConfigError
 from cpplan.sim.allocator import BlockAllocator
 from cpplan.sim.launch import join_torchrun, leave_torchrun, torchrun_env

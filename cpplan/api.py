@@ -40,16 +40,16 @@ import os
 from cpplan.planner.compile import compile  # noqa: A004 - the planner's public name
 from cpplan.runtime.executor import BoundStep, LayerCache, StepExecutor
 from cpplan.runtime.graphs import StepGraphs
+from cpplan.runtime.groups import Groups
 from cpplan.runtime.selection import Attended
 from cpplan.runtime.tokens import TokenView
-from cpplan.warmup import warmup
-from cpplan.runtime.groups import Groups
 from cpplan.schemas.codec import encode_plan
 from cpplan.schemas.config import ParallelConfig
+from cpplan.schemas.errors import OutputError, UsageError
 from cpplan.schemas.files import write_atomic
 from cpplan.schemas.plan import StepPlan
-from cpplan.schemas.errors import OutputError, UsageError
 from cpplan.schemas.step import StepInput
+from cpplan.warmup import warmup
 
 
 def record_plan(plan: StepPlan, directory: str) -> str:

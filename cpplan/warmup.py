@@ -24,8 +24,6 @@ from cpplan.schemas.config import ParallelConfig
 from cpplan.schemas.errors import StepInputError, UsageError
 from cpplan.schemas.step import StepInput
 
-
-
 # Decode rows of at least this many keys on a rank take other indexer variants (the Triton
 # set's balanced logits launch, ``IndexerTiles.decode_balanced_keys``; the filter path of the
 # long-row select): where ``max_model_len`` allows such rows, a warm-up step has two of them.

@@ -15,9 +15,9 @@ import msgspec
 import numpy as np
 
 from cpplan.planner._kernels import plan_kernel
+from cpplan.schemas import names
 from cpplan.schemas.arrays import Array
 from cpplan.schemas.config import INDEXER_K_BYTES_PER_TOKEN, MAX_SUPPORTED_TOKENS, ParallelConfig
-from cpplan.schemas import names
 from cpplan.schemas.errors import ConfigError, StepInputError
 from cpplan.schemas.names import TOPK_CANDIDATE_DTYPE
 from cpplan.schemas.plan import EAGER, MODE_SPLIT, Collective, GatherChunk, StepPlan

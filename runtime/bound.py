@@ -35,7 +35,7 @@ class LayerCache:
     index_k: torch.Tensor
 
     @classmethod
-    def empty(cls, config: ParallelConfig, num_blocks: int, device) -> "LayerCache":
+    def empty(cls, config: ParallelConfig, num_blocks: int, device) -> LayerCache:
         """Zeroed caches of ``num_blocks`` blocks (block 0 reserved: at least 2)."""
         if not is_int_in_range(num_blocks, 2, 2**31 - 1):
             raise ConfigError(f"LayerCache.empty num_blocks: got {num_blocks!r}; expected an "

@@ -16,7 +16,8 @@ passes first, and to the step's fault watch (runtime/faults.py): a transport err
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist

@@ -79,7 +79,7 @@ class GlooExchange:
     def __init__(self, groups) -> None:
         self.group, self.size = groups.control, groups.control_size
 
-    def start(self, row: bytes) -> "_GlooPending":
+    def start(self, row: bytes) -> _GlooPending:
         mine = torch.frombuffer(bytearray(row), dtype=torch.uint8)
         outs = [torch.empty(len(row), dtype=torch.uint8) for _ in range(self.size)]
         return _GlooPending(outs, dist.all_gather(outs, mine, group=self.group, async_op=True))
@@ -117,7 +117,7 @@ class SharedMemoryExchange:
     def _slot(self, row: int, rank: int) -> int:
         return self.size * HEADER_BYTES + (row * self.size + rank) * SLOT_BYTES
 
-    def start(self, row: bytes) -> "_ShmPending":
+    def start(self, row: bytes) -> _ShmPending:
         if len(row) > SLOT_BYTES - 16:
             raise ValueError(f"exchange row of {len(row)} bytes: expected at most "
                              f"{SLOT_BYTES - 16}")

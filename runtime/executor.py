@@ -26,15 +26,13 @@ import torch
 from cpplan.runtime import collectives as coll
 from cpplan.runtime.arena import ArenaRing, arena_words
 from cpplan.runtime.bound import DUMMY_SLOT, BoundStep, LayerCache
-from cpplan.runtime.executor_args import (MAX_ARENA_WORDS, check_executor_args,
-                                          check_device, check_sm_scale)
 from cpplan.runtime.exchange import ROWS
+from cpplan.runtime.executor_args import MAX_ARENA_WORDS, check_device, check_executor_args, check_sm_scale
 from cpplan.runtime.faults import FaultBoard, StepWatch, Watchdog, one_line
 from cpplan.runtime.kernels import get_kernels
 from cpplan.runtime.kernels import reference as kref
 from cpplan.runtime.passes import LayerPasses
-from cpplan.runtime.segments import (AliasCheck, build_tables, check_block_tables,
-                                     compile_host_kernels)
+from cpplan.runtime.segments import AliasCheck, build_tables, check_block_tables, compile_host_kernels
 from cpplan.runtime.tables import TABLE_NAMES
 from cpplan.runtime.tokens import pack_sampled
 from cpplan.schemas.config import ParallelConfig
@@ -128,7 +126,7 @@ class StepExecutor(LayerPasses):
 
     @classmethod
     def local(cls, config: ParallelConfig, *, sm_scale: float, device="cpu",
-              **kwargs) -> "StepExecutor":
+              **kwargs) -> StepExecutor:
         """A one-rank executor (P = W = 1) that needs no torch.distributed world: such a plan
         lists no collective and there is no peer to verify a digest with. Same API as
         :meth:`from_groups`'s (``kwargs``: the constructor's sizes and options)."""
@@ -145,7 +143,7 @@ class StepExecutor(LayerPasses):
     @classmethod
     def from_groups(cls, config: ParallelConfig, groups, *, sm_scale: float,
                     verify: str = "every", verify_every: int = 1, digest_exchange: str = "auto",
-                    **kwargs) -> "StepExecutor":
+                    **kwargs) -> StepExecutor:
         """A collective call on ``groups`` (the digest exchange is set up here).
         digest_exchange: "auto", "shm" or "gloo" (runtime/exchange.py)."""
         from cpplan.runtime.verify import DigestCheck, agree_on_setup

@@ -37,14 +37,14 @@ rank captures and replays the same keys in the same order, since keys depend on 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from cpplan.runtime import collectives as coll
 from cpplan.runtime.executor import BoundStep, StepExecutor
-from cpplan.schemas.errors import UsageError
 from cpplan.runtime.tables import TABLE_NAMES, StepTables, iota
+from cpplan.schemas.errors import UsageError
 
 
 @dataclasses.dataclass

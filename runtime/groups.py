@@ -83,7 +83,7 @@ class Groups:
     @classmethod
     def build(cls, config: ParallelConfig, *, device: str | torch.device | None = None,
               timeout_s: float | None = None,
-              control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S, store=None) -> "Groups":
+              control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S, store=None) -> Groups:
         """From an initialised default world of exactly ``config.world_size`` ranks; collective
         (every rank calls it). The data groups use the world's backend; their timeout is
         ``timeout_s``, by default four control timeouts (:func:`data_timeout`)."""
@@ -120,7 +120,7 @@ class Groups:
 
     @classmethod
     def from_env(cls, config: ParallelConfig, *, backend: str | None = None,
-                 **kwargs) -> "Groups":
+                 **kwargs) -> Groups:
         """Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set): initialise the
         default world if needed, then :meth:`build`."""
         check_timeouts("Groups.from_env", kwargs.get("timeout_s"),
@@ -138,7 +138,7 @@ class Groups:
     @classmethod
     def adopt(cls, config: ParallelConfig, *, pcp_group, dcp_group, control_group,
               device: str | torch.device, store=None, timeout_s: float | None = None,
-              control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> "Groups":
+              control_timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S) -> Groups:
         """Take an engine's groups (e.g. one PCP/DCP group per tensor-parallel slice). Ranks are
         read from the groups; ``control_group`` must be a gloo group over the ranks whose plans
         must agree (typically the union of the PCP and DCP groups)."""

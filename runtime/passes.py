@@ -11,7 +11,6 @@ MLA over the selection, or, on a shared indexer layer, over its source layer's s
 
 from __future__ import annotations
 
-
 import torch
 
 from cpplan.runtime import collectives as coll

@@ -30,13 +30,12 @@ from cpplan.runtime.tables import (
 from cpplan.schemas.errors import CapacityError, PlanFormatError, StepInputError
 from cpplan.schemas.plan import MODE_SPLIT, StepPlan
 
-
 _I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)  # block-table dtypes used as they are
 _NO_WORDS = np.zeros(0, np.int64)  # ``out`` of build_tables' sizing call
 
 
 def check_block_tables(plan: StepPlan, dcp_rank: int, block_tables, num_blocks: int | None,
-                       aliases: "AliasCheck | None" = None) -> tuple[np.ndarray, int]:
+                       aliases: AliasCheck | None = None) -> tuple[np.ndarray, int]:
     """Validate a rank's block tables for ``plan`` and return them as ``[N, max_blocks]`` int32
     or int64, C order (other integer types and layouts are converted to int64), with the
     largest block the step touches (0 if none: the caches must hold its rows).

@@ -10,7 +10,8 @@ return_selection=True)`` hands the selection to the engine (:class:`Attended`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 

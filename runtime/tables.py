@@ -36,7 +36,6 @@ import torch
 
 from cpplan.schemas.errors import CapacityError
 
-
 # rows of seg_params (SEG_X_BASE and SEG_K_BASE adjacent: expand updates both in one op)
 (SEG_X_BASE, SEG_K_BASE, SEG_SLOPE, SEG_REQUEST, SEG_REGION_PCU, SEG_BT_ROW_START,
  SEG_KEEP_LIMIT) = range(7)
@@ -143,7 +142,7 @@ class StepTables:
     gather: tuple[GatherChunkTables, ...]  # per gather chunk (empty when W == 1)
 
     @classmethod
-    def expand(cls, views: dict, meta: StepMeta, lay: Layout) -> "StepTables":
+    def expand(cls, views: dict, meta: StepMeta, lay: Layout) -> StepTables:
         """Expand the arena's segments into the step's tables on the arena's device: a fixed
         number of ops on shapes the plan fixes (no host sync, nothing per request or chunk)."""
         ends, seg = views["seg_ends"], views["seg_params"].view(NUM_PARAMS, -1)

@@ -26,10 +26,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cpplan.schemas.arrays import Array
-from cpplan.schemas.codec import decode_plan, digest, encode_plan
 from cpplan.runtime.exchange import ExchangeTimeout, open_exchange
 from cpplan.runtime.faults import FaultBoard, one_line
+from cpplan.schemas.arrays import Array
+from cpplan.schemas.codec import decode_plan, digest, encode_plan
 from cpplan.schemas.errors import ConfigError, PlanMismatchError, RankLostError
 from cpplan.schemas.plan import StepPlan
 
@@ -87,7 +87,7 @@ class DigestCheck:
         self.seq = 0  # binds seen by this rank: the same on every rank
         self.passed = 0  # checks that passed
 
-    def start(self, plan: StepPlan, failed: bool = False) -> "PendingCheck | None":
+    def start(self, plan: StepPlan, failed: bool = False) -> PendingCheck | None:
         """Start the check of ``plan`` if this bind is due; returns the handle to wait on.
         ``failed``: this rank's bind failed (its error already announced for this bind)."""
         self.seq += 1

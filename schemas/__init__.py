@@ -16,7 +16,6 @@ from cpplan.schemas.codec import (
     plan_payload,
 )
 from cpplan.schemas.config import ParallelConfig
-from cpplan.schemas.sharding import local_index, owner, shard_count, shard_rows
 from cpplan.schemas.errors import (
     CapacityError,
     CollectiveLedgerError,
@@ -24,8 +23,8 @@ from cpplan.schemas.errors import (
     CpplanError,
     InputFileError,
     OutputError,
-    PlanFormatError,
     PeerFailedError,
+    PlanFormatError,
     PlanMismatchError,
     RankLostError,
     SchemaVersionError,
@@ -43,6 +42,7 @@ from cpplan.schemas.plan import (
     GatherChunk,
     StepPlan,
 )
+from cpplan.schemas.sharding import local_index, owner, shard_count, shard_rows
 from cpplan.schemas.step import RequestInput, StepInput
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -42,7 +42,7 @@ class Array(msgspec.Struct, frozen=True, array_like=True):
             )
 
     @classmethod
-    def of(cls, values: np.ndarray | list, dtype: str) -> "Array":
+    def of(cls, values: np.ndarray | list, dtype: str) -> Array:
         """Pack ``values`` as ``dtype`` (one of ALLOWED_DTYPES)."""
         arr = np.ascontiguousarray(values, dtype=np.dtype(dtype))
         return cls(dtype, tuple(int(d) for d in arr.shape), arr.tobytes())

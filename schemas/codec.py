@@ -15,11 +15,10 @@ with one line saying what was wrong. No pickle anywhere.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from typing import Annotated, TypeVar
-
-import functools
 
 import msgspec
 import xxhash

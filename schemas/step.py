@@ -7,7 +7,7 @@ docs/design.md §2.3; ``cpplan.schemas.codec`` converts between the two.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import msgspec
 import numpy as np
@@ -15,7 +15,6 @@ import numpy as np
 from cpplan.schemas.arrays import Array
 from cpplan.schemas.config import ParallelConfig
 from cpplan.schemas.errors import StepInputError
-
 
 MAX_STEP_ID = 2**63 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -145,7 +144,7 @@ class StepInput(msgspec.Struct, frozen=True, kw_only=True):
         num_scheduled_tokens: Sequence[int] | np.ndarray,
         is_prefilling: Sequence[bool] | np.ndarray,
         is_sampled: Sequence[bool] | np.ndarray | None = None,
-    ) -> "StepInput":
+    ) -> StepInput:
         """Columns from sequences or arrays. Token counts must be integers (a float, bool or
         str is refused, never rounded or coerced) within int32; ``is_prefilling`` and
         ``is_sampled`` (optional) must be bools (or 0/1 integers in an integer array). Range
@@ -166,7 +165,7 @@ class StepInput(msgspec.Struct, frozen=True, kw_only=True):
         )
 
     @classmethod
-    def from_requests(cls, step_id: int, requests: Sequence[RequestInput]) -> "StepInput":
+    def from_requests(cls, step_id: int, requests: Sequence[RequestInput]) -> StepInput:
         """Requests that say nothing of sampling count as not sampled, unless none says
         anything (then the step names no sampled rows)."""
         said = any(r.is_sampled is not None for r in requests)

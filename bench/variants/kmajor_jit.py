@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
 from cpplan.runtime.kernels.triton.attention_jit import block_rows as _block_rows
 
 

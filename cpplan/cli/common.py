@@ -13,14 +13,13 @@ from cpplan.schemas import (
     ParallelConfig,
     PlanFormatError,
     StepPlan,
+    codec,
     decode_config,
     decode_plan,
     decode_step,
 )
-from cpplan.schemas import codec
 from cpplan.schemas.errors import InputFileError
 from cpplan.schemas.files import read_input
-
 
 INT32_MAX = 2**31 - 1
 MAX_PARALLEL_SIZE = 1024  # ParallelConfig's limit on pcp_size / dcp_size

@@ -6,8 +6,7 @@ import argparse
 
 import numpy as np
 
-from cpplan.cli.common import (PATHS_NOTE, add_config_flags, bounded_int, load_plans,
-                               path_arg)
+from cpplan.cli.common import PATHS_NOTE, add_config_flags, bounded_int, load_plans, path_arg
 from cpplan.schemas import MODE_DECODE, MODE_REPLICATED, MODE_SPLIT, StepPlan
 from cpplan.schemas.errors import CapacityError, OutputError
 from cpplan.schemas.files import check_output_target, write_atomic

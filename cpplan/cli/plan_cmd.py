@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from cpplan.cli.common import (PATHS_NOTE, add_config_flags, config_from_args, named,
-                               path_arg, read_file)
-from cpplan.schemas.files import check_output_target, write_atomic
+from cpplan.cli.common import PATHS_NOTE, add_config_flags, config_from_args, named, path_arg, read_file
 from cpplan.schemas import decode_step, digest, encode_plan
+from cpplan.schemas.files import check_output_target, write_atomic
 
 EXAMPLE = """example:
   cpplan plan examples/step.json --pcp 2 --dcp 2 -o step.msgpack

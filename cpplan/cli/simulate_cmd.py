@@ -109,8 +109,8 @@ def check_record_dir(path: str) -> None:
 
 
 def _options(args):
-    from cpplan.sim.simulate import INJECT_KINDS, Inject, SimOptions
     from cpplan.schemas.errors import ConfigError
+    from cpplan.sim.simulate import INJECT_KINDS, Inject, SimOptions
 
     inject = None
     if args.inject_divergence is not None:
@@ -159,8 +159,8 @@ def _options(args):
 
 
 def run(args) -> int:
-    from cpplan.sim.simulate import preset_config
     from cpplan.schemas.errors import ConfigError
+    from cpplan.sim.simulate import preset_config
 
     opts = _options(args)
     config = preset_config(opts)  # ConfigError (exit 2) for an unsupported topology
@@ -221,9 +221,9 @@ def _as_torchrun_rank(opts, world: int, env, as_json: bool) -> int:
     """Run as rank ``env.rank`` of torchrun's world. Errors that every rank detects alike
     (world size, GPUs) are said once, by rank 0 (local rank 0 for GPUs); the others exit with
     the same code silently."""
+    from cpplan.schemas.errors import ConfigError, RankLostError
     from cpplan.sim.launch import RankResult, join_torchrun, leave_torchrun
     from cpplan.sim.simulate import rank_main
-    from cpplan.schemas.errors import ConfigError, RankLostError
 
     if env.world_size != world:
         return _said_once(env.rank, ConfigError(

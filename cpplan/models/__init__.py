@@ -47,10 +47,15 @@ from __future__ import annotations
 
 from cpplan.models.derive import ModelSpec, model_spec, parallel_config, softmax_scale
 from cpplan.models.forward import RankForward
-from cpplan.models.loading import (PRESETS, build_model, check_dims, load_model, preset_config,
-                                   require_transformers)
-from cpplan.models.rows import (RankRows, rank_rows, rank_token_ids, sampled_hidden,
-                                sampled_requests)
+from cpplan.models.loading import (
+                                   PRESETS,
+                                   build_model,
+                                   check_dims,
+                                   load_model,
+                                   preset_config,
+                                   require_transformers,
+)
+from cpplan.models.rows import RankRows, rank_rows, rank_token_ids, sampled_hidden, sampled_requests
 
 __all__ = ["PRESETS", "ModelSpec", "RankForward", "RankRows", "build_model", "check_dims",
            "load_model", "model_spec", "parallel_config", "preset_config", "rank_rows",

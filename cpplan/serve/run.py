@@ -14,10 +14,8 @@ import time
 
 from cpplan.schemas.errors import ConfigError
 from cpplan.serve.blocks import BlockBook
-from cpplan.serve.engine import GenerateJob, activation_dtype, model_dtype, serve_local, \
-    serve_rank
-from cpplan.serve.prompts import Prompt, builtin_prompts, check_prompts, load_tokenizer, \
-    read_prompts
+from cpplan.serve.engine import GenerateJob, activation_dtype, model_dtype, serve_local, serve_rank
+from cpplan.serve.prompts import Prompt, builtin_prompts, check_prompts, load_tokenizer, read_prompts
 
 MAX_SPAWNED = 64
 

@@ -284,7 +284,7 @@ class World:
                 proc.kill()
                 proc.join(timeout=5)
 
-    def __enter__(self) -> "World":
+    def __enter__(self) -> World:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -19,7 +19,6 @@ from cpplan.schemas.sharding import local_index, owner
 from cpplan.sim import coords
 
 
-
 def request_keys_on(plan: StepPlan, device) -> torch.Tensor:
     """``[N]`` int64 input coordinates of the plan's requests on ``device`` (uploaded before a
     step starts: the simulator's own data, not the executor's)."""

@@ -25,7 +25,6 @@ from cpplan.sim.allocator import BlockAllocator
 from cpplan.sim.model import prefill_history, request_keys_on, run_step
 from cpplan.sim.oracle import max_abs_error, oracle_step
 
-
 REPLAY_TIMEOUT_S = 120.0  # a rank thread stuck this long fails the replay
 
 

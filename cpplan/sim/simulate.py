@@ -26,8 +26,8 @@ import torch.distributed as dist
 from cpplan.api import Groups, LayerCache, StepExecutor, StepGraphs, record_plan
 from cpplan.api import compile as compile_plan
 from cpplan.schemas.config import ParallelConfig, indexer_sources_from_types
-from cpplan.schemas.files import write_atomic
 from cpplan.schemas.errors import ConfigError, CpplanError, OutputError, StepInputError
+from cpplan.schemas.files import write_atomic
 from cpplan.schemas.step import StepInput
 from cpplan.sim import coords
 from cpplan.sim.allocator import BlockAllocator

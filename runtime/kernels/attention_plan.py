@@ -14,6 +14,7 @@ import dataclasses
 import functools
 
 import torch
+
 from cpplan.schemas.errors import CpplanError
 
 KV_FORMATS = ("bf16", "fp8_ds_mla")

@@ -13,13 +13,13 @@ import pytest
 from cpplan.schemas import (
     ParallelConfig,
     StepInput,
+    codec,
     decode_plan,
     encode_config,
     encode_config_json,
     encode_step,
     encode_step_json,
 )
-from cpplan.schemas import codec
 from tests.cli.inprocess import run_cli
 from tests.golden.regen import golden_dir
 

@@ -15,8 +15,7 @@ import xxhash
 
 import cpplan.cli.plan_cmd as plan_cmd
 from cpplan.cli import main
-from cpplan.schemas import (ParallelConfig, StepInput, codec, decode_plan, encode_config_json,
-                            encode_step_json)
+from cpplan.schemas import ParallelConfig, StepInput, codec, decode_plan, encode_config_json, encode_step_json
 from tests.cli.inprocess import payload_of, reseal, run_cli
 
 

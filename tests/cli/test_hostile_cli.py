@@ -15,8 +15,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cpplan.schemas import (ParallelConfig, StepInput, decode_plan, encode_config_json,
-                            encode_plan, encode_step_json)
+from cpplan.schemas import (
+    ParallelConfig,
+    StepInput,
+    decode_plan,
+    encode_config_json,
+    encode_plan,
+    encode_step_json,
+)
 from tests.cli.inprocess import payload_of, reseal, run_cli
 from tests.cli.test_cli import ENV, ROOT
 from tests.lane import examples

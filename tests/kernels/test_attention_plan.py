@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+
 from cpplan.runtime.kernels import (
     AttentionPlan,
     AttentionPlanError,

@@ -17,9 +17,10 @@ import os
 
 import pytest
 import torch
-from cpplan.runtime.kernels.flashmla import attention as fm
+
 from cpplan.runtime.kernels import reference as ref
 from cpplan.runtime.kernels.dispatch import OP_NAMES, KernelBackendError
+from cpplan.runtime.kernels.flashmla import attention as fm
 
 BF16, F16 = torch.bfloat16, torch.float16
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"

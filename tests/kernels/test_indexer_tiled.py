@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+
 from cpplan.runtime.kernels import reference as ref
 from tests.kernels.caches import block_planar
 
@@ -342,6 +343,7 @@ def test_filter_trim_keeps_the_exact_top_k(env, distinct, three_q):
     its K largest keys, the lowest positions first among those equal to the K-th, in position
     order, and its count becomes K; over tied or distinct keys."""
     import numpy as np
+
     from cpplan.runtime.kernels.triton import indexer_select_jit as sjit
 
     K, CAP = 24, 128

@@ -110,6 +110,7 @@ def test_jitted_bodies_live_in_jit_modules():
 
 def test_import_triton_inside_the_backend_is_the_compiler():
     import triton
+
     from cpplan.runtime.kernels.triton import attention, attention_jit, plan
 
     assert attention.triton is triton and attention_jit.triton is triton

@@ -6,6 +6,7 @@ import struct
 import numpy as np
 import pytest
 import torch
+
 from cpplan.runtime.kernels import reference as ref
 from tests.kernels.caches import block_planar
 

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from cpplan.runtime.kernels import reference as ref
 from tests.kernels.caches import block_planar
 

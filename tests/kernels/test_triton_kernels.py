@@ -13,6 +13,7 @@ import threading
 
 import pytest
 import torch
+
 from cpplan.runtime.kernels import AttentionPlanError
 from cpplan.runtime.kernels import reference as ref
 from tests.kernels.caches import block_planar

@@ -68,12 +68,12 @@ def test_parallel_config_from_the_model():
 
 
 def test_rope_conventions_are_the_modeling_files():
-    from transformers.models.deepseek_v32 import modeling_deepseek_v32 as ds
-    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm
-
     # the indexer of DeepSeek-V3.2 calls the half-split rotation, GLM-5's the interleaved one;
     # both MLA attentions the interleaved one (read from the source, not assumed)
     import inspect
+
+    from transformers.models.deepseek_v32 import modeling_deepseek_v32 as ds
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm
 
     ds_ix, glm_ix = (inspect.getsource(m.forward) for m in (ds.DeepseekV32Indexer,
                                                           glm.GlmMoeDsaIndexer))

@@ -10,15 +10,19 @@ pytest.importorskip("transformers")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from harness import compare, prompts, serve  # noqa: E402
 
 from cpplan.api import LayerCache, StepExecutor, compile  # noqa: E402
-from cpplan.models import RankForward, model_spec, parallel_config, rank_token_ids  # noqa: E402
-from cpplan.models import derive  # noqa: E402
+from cpplan.models import (  # noqa: E402
+    RankForward,
+    derive,  # noqa: E402
+    model_spec,
+    parallel_config,
+    rank_token_ids,
+)
 from cpplan.models.reference import reference_generate  # noqa: E402
 from cpplan.schemas.errors import ConfigError, TensorArgError  # noqa: E402
 from cpplan.schemas.step import StepInput  # noqa: E402
-
-from harness import compare, prompts, serve  # noqa: E402
 
 NAMES = ("tiny-deepseek-v32", "tiny-glm-5")
 KV = ("bf16", "fp8_ds_mla")

@@ -8,14 +8,19 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+from harness import prompts  # noqa: E402
 
-from cpplan.models.reference import (cpplan_topk, fp8_pow2, reference_numerics,  # noqa: E402
-                                     round_kv, selection_overlap, teacher_forced_logits)
+from cpplan.models.reference import (  # noqa: E402
+    cpplan_topk,
+    fp8_pow2,
+    reference_numerics,
+    round_kv,
+    selection_overlap,
+    teacher_forced_logits,
+)
 from cpplan.runtime.kernels.reference import formats  # noqa: E402
 from cpplan.runtime.kernels.reference.indexer import indexer_topk  # noqa: E402
 from cpplan.schemas.errors import ConfigError  # noqa: E402
-
-from harness import prompts  # noqa: E402
 
 
 def _values(n=3000, seed=0):

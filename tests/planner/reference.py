@@ -56,11 +56,11 @@ def local_len(extent: int, rank: int, w_size: int, inter: int) -> int:
 def rank_rows(p: int, p_size: int, reqs: list[tuple[int, int, bool]], modes) -> list[tuple]:
     """Rank p's rows in published order: (request, query offset, tokens, kv written)."""
     rows = []
-    for i, (c, q, pre) in enumerate(reqs):
+    for i, (_c, q, _pre) in enumerate(reqs):
         if modes[i][0] == MODE_DECODE:
             rows.append((i, 0, q, 1))
     s = 2 * p_size
-    for i, (c, q, pre) in enumerate(reqs):
+    for i, (_c, q, _pre) in enumerate(reqs):
         mode, cs = modes[i]
         if mode == MODE_REPLICATED:
             rows.append((i, 0, q, 1 if p == 0 else 0))
@@ -79,7 +79,7 @@ def cut_chunks(config: ParallelConfig, reqs, modes) -> list[dict]:
     chunks: list[list[int]] = []
     current: list[int] = []
     rows = 0
-    for i, (c, q, pre) in enumerate(reqs):
+    for i, (c, q, _pre) in enumerate(reqs):
         if modes[i][0] == MODE_DECODE:
             continue
         pad = local_len(c + q, 0, w, inter)

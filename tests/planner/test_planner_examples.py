@@ -8,7 +8,13 @@ import pytest
 
 from cpplan import planner
 from cpplan.schemas import (
-    EAGER, MODE_DECODE, MODE_REPLICATED, MODE_SPLIT, ParallelConfig, StepInput, StepInputError,
+    EAGER,
+    MODE_DECODE,
+    MODE_REPLICATED,
+    MODE_SPLIT,
+    ParallelConfig,
+    StepInput,
+    StepInputError,
     shard_rows,
 )
 

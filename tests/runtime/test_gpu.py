@@ -12,9 +12,9 @@ import torch
 
 from cpplan.planner.compile import compile as compile_plan
 from cpplan.runtime.kernels import get_kernels
+from cpplan.schemas import StepInput
 from cpplan.sim.replay import replay_plan
 from cpplan.sim.simulate import TOLERANCE, SimOptions, preset_config
-from cpplan.schemas import StepInput
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 import cpplan.runtime
 import cpplan.sim
-
 from cpplan.planner.compile import compile as compile_plan
 from cpplan.runtime import collectives as coll
 from cpplan.runtime.arena import ArenaRing

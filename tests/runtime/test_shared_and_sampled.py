@@ -38,7 +38,7 @@ def _step(sampled=None, reqs=REQS):
                            [r[1] for r in reqs], [r[2] for r in reqs], sampled)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _full_replay(p, w):
     """The replay of the plain step (no sampled rows) at seed 3, shared by the two tests that
     read it: the oracle's comparison and the full restore the sampled rows are checked
@@ -125,7 +125,7 @@ def test_selection_is_returned_in_the_reference_order():
     plan = compile(cfg, _step())
     pos = np.concatenate([np.arange(c, c + q) for c, q, _ in
                           [REQS[i] for i in plan.row_request.np()]])
-    for o, ids, lse in out:
+    for _o, ids, lse in out:
         ids = ids.numpy()
         for j, p_ in enumerate(pos):
             sel = ids[j][ids[j] >= 0]

@@ -16,11 +16,17 @@ import torch.utils._python_dispatch
 
 from cpplan.planner import compile as compile_plan
 from cpplan.runtime.arena import arena_words
-from cpplan.runtime.executor import DUMMY_SLOT, StepExecutor
+from cpplan.runtime.executor import DUMMY_SLOT, LayerCache, StepExecutor
 from cpplan.runtime.segments import build_tables, check_block_tables
-from cpplan.runtime.executor import LayerCache
-from cpplan.schemas import (CapacityError, ConfigError, ParallelConfig, StepInput, StepInputError,
-                            TensorArgError, UsageError)
+from cpplan.schemas import (
+    CapacityError,
+    ConfigError,
+    ParallelConfig,
+    StepInput,
+    StepInputError,
+    TensorArgError,
+    UsageError,
+)
 from cpplan.schemas.arrays import Array
 from cpplan.schemas.errors import PlanFormatError
 

@@ -7,8 +7,18 @@ import stat
 
 import pytest
 
-from cpplan.schemas import (SCHEMA_VERSION, InputFileError, OutputError, PlanFormatError, SchemaVersionError,
-                            codec, decode_config, decode_plan, decode_step, encode_plan)
+from cpplan.schemas import (
+    SCHEMA_VERSION,
+    InputFileError,
+    OutputError,
+    PlanFormatError,
+    SchemaVersionError,
+    codec,
+    decode_config,
+    decode_plan,
+    decode_step,
+    encode_plan,
+)
 from cpplan.schemas.files import check_output_target, read_input, write_atomic
 from tests.cli.inprocess import payload_of, reseal
 from tests.schemas.factories import make_plan

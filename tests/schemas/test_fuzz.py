@@ -12,8 +12,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpplan.schemas import PlanFormatError, decode_config, decode_plan, decode_step, encode_plan
-from cpplan.schemas import codec
+from cpplan.schemas import PlanFormatError, codec, decode_config, decode_plan, decode_step, encode_plan
 from tests.lane import examples
 from tests.schemas.factories import make_plan
 

@@ -9,12 +9,18 @@ Regenerate on purpose with:  CPPLAN_REGEN_GOLDEN=1 pytest tests/schemas/test_gol
 import os
 from pathlib import Path
 
+import msgspec
 import pytest
 
-import msgspec
-
-from cpplan.schemas import (SCHEMA_VERSION, PlanFormatError, StepPlan, decode_plan, digest,
-                            encode_plan, plan_payload)
+from cpplan.schemas import (
+    SCHEMA_VERSION,
+    PlanFormatError,
+    StepPlan,
+    decode_plan,
+    digest,
+    encode_plan,
+    plan_payload,
+)
 from tests.schemas.factories import make_raw_plan
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats import (INDEXER_K_BYTES, NO_KEY, dequantize_indexer_k, gather_indexer_k,
-                      quantize_indexer_q)
+from .formats import INDEXER_K_BYTES, NO_KEY, dequantize_indexer_k, gather_indexer_k, quantize_indexer_q
 from .index import remap_to_gathered
 
 _SCORE_BUDGET = 1 << 22  # gathered [t, L, 128] elements per chunk in indexer_scores

@@ -52,11 +52,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference.formats import INDEXER_K_BYTES, NO_KEY
+from ..reference.indexer import topk_out
 from . import indexer_logits_jit as ljit
 from . import indexer_select_jit as sjit
 from . import pack
-from ..reference.formats import INDEXER_K_BYTES, NO_KEY
-from ..reference.indexer import topk_out
 
 LOGITS_BUDGET_BYTES = 1 << 29  # int32 keys of a prefill chunk: 4096 queries x 32k keys
 _DOT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
