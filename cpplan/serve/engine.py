@@ -6,14 +6,15 @@ Per step (every rank): ``schedule`` -> ``compile`` -> ``bind`` (this rank's bloc
 the shared :class:`~cpplan.serve.blocks.BlockBook`; digest check across ranks) ->
 :class:`~cpplan.models.RankForward`'s layers (with ``cuda_graphs``, a decode-only step is
 padded to a graph size and, on CUDA, replayed as a captured graph) -> its head (logits
-``[num_sampled, vocab]``, identical on every rank) -> ``finish`` -> sample (greedy, or temperature / top-p from per-request generators seeded
-alike on every rank) -> ``complete``. So every rank appends the same tokens.
+``[num_sampled, vocab]``, identical on every rank) -> ``finish`` -> sample (greedy, or
+temperature / top-p from per-request generators seeded alike on every rank) -> ``complete``.
+So every rank appends the same tokens.
 
 :func:`serve_rank` is the job function of a spawned rank (``World.run(serve_rank, job)``);
 :func:`serve_local` runs P = W = 1 in this process; a :class:`RankEngine` serves one
-workload after another on the same executor, caches and graphs. All return :func:`serve`'s dict, or a
-rank's failure as ``{"rank", "error": exception, "tb", ...}`` (as ``cpplan simulate``'s ranks
-report them).
+workload after another on the same executor, caches and graphs. All return :func:`serve`'s
+dict, or a rank's failure as ``{"rank", "error": exception, "tb", ...}`` (as ``cpplan
+simulate``'s ranks report them).
 """
 
 from __future__ import annotations
