@@ -6,7 +6,7 @@ bf16 matmul ceiling.
                             [--decode-cases 8x131072,64x65536-131072] [--variants filter] [--profile]
                             [--sweep]
                             [--planar-sweep] [--planar-tiles 2:128:4:3,2:64:8:3:128] [--json out.json]
-                            [--inputs integer|normal]
+                            [--inputs integer|normal] [--deepgemm]
 
 Prefill cases: the last T tokens of an N-token context (query i has keys 0 .. N - T + i),
 64 heads x 128 dims, topk 2048, one rank. Decode cases: B requests of one context each (and 64
@@ -28,6 +28,9 @@ logits (``GLUON_TILES``); ``sort`` times
 ``tl.sort`` of 4096 values as segments; ``decode-sweep`` the decode tiles
 (graph); ``select-sweep`` the select tunables (first prefill case); ``--planar-sweep`` the
 planar tiles; ``--sweep`` tile variants of the first prefill case and of the decode cases.
+``--deepgemm`` adds an outside anchor to each prefill case: DeepGEMM's ``fp8_mqa_logits`` (and
+``torch.topk`` of its logits) on the same fp8 query, keys, scales and weights
+(``deepgemm_anchor``; build it with ``bench/deepgemm_build.sh``, then ``PYTHONPATH=/tmp/site``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import time
 
 import torch
 import triton
@@ -450,13 +454,107 @@ def gluon_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops)
     return ok
 
 
-def run_prefill(cases, ceil, kernels, planar_sweep=False):
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def load_deepgemm():
+    """``import deep_gemm`` (``--deepgemm``), or None with one line saying why it failed."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):  # its own import-time notes, shown on success only
+            import deep_gemm
+    except Exception as e:  # a build for another torch fails in many ways
+        print(f"deepgemm anchor: not available ({_first_line(e)})", flush=True)
+        return None
+    print(f"{out.getvalue()}deepgemm anchor: deep_gemm {getattr(deep_gemm, '__version__', '?')} "
+          f"from {deep_gemm.__file__}", flush=True)
+    return deep_gemm
+
+
+def _row_ms(name):
+    """The latest timed row of this name (None if it was not timed)."""
+    return next((r["ms"] for r in reversed(ROWS) if r["name"] == name), None)
+
+
+def deepgemm_anchor(dg, args, ceil, flops, label):
+    """DeepGEMM's prefill indexer logits (``deep_gemm.fp8_mqa_logits``) and ``torch.topk`` of
+    them on the inputs of cpplan's case ``label``, timed like its rows and checked against
+    cpplan's top-k.
+
+    The same fp8 operands, in the layouts both read: the query as cpplan's prefill quantises it
+    (``pack.quantize_indexer_q``: q8 ``[T, 64, 128]`` float8_e4m3fn, one power-of-two scale a
+    (token, head) folded into the weights, ``w8 [T, 64]`` float32: DeepGEMM's q and weights as
+    they are), the keys as cpplan's logits read them (``it.split_planes`` of the packed
+    132-byte rows: fp8 ``[N, 128]`` and float32 scales ``[N]``: DeepGEMM's ``kv`` pair), and
+    query i's keys ``[0, key_len[i])`` as ``cu_seqlen_ks = 0`` / ``cu_seqlen_ke = key_len``
+    (int32). DeepGEMM's score is sum_h w8 * relu(q8 . k8) * scale, cpplan's sum_h w8 *
+    relu(q8 . (k8 * scale)): the same value (exact on the integer inputs), so the top-k
+    scores must match cpplan's; the ids may differ among tied scores (torch.topk orders ties
+    arbitrarily, cpplan by id), so their overlap is reported instead of an equality. Rows: the
+    logits kernel alone (``clean_logits=False``: entries outside [ks, ke) left unwritten), with
+    its clean kernel (-inf there, what a dense top-k needs), and with ``torch.topk`` (the
+    anchor of cpplan's whole ``new`` row, which also quantises q and splits the planes; those
+    two are timed apart in ``planar_logits``). FLOPs: the case's (valid (query, key) pairs),
+    as in cpplan's rows.
+    """
+    q, w, k, key_len, pcu, N = args[:6]
+    T = q.shape[0]
+    q8, w8 = pack.quantize_indexer_q(q, w)
+    kp, ks = it.split_planes(k)
+    starts = torch.zeros(T, dtype=torch.int32, device="cuda")
+    ends = key_len.to(torch.int32).contiguous()
+
+    def logits(clean=True):
+        return dg.fp8_mqa_logits(q8, (kp, ks), w8, starts, ends, clean_logits=clean)
+
+    def topk():
+        return torch.topk(logits(), TOPK, dim=1)
+
+    try:
+        t0 = time.perf_counter()
+        logits()  # the first call compiles the kernels (DeepGEMM's JIT, nvcc)
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t0
+        vals, ids = topk()
+        want_s, want_i = it.indexer_topk_prefill(*args, max_keys=N)
+        valid = want_i >= 0  # rows with fewer than TOPK keys: -inf pads, no id to match
+        same_s = torch.equal(vals, want_s)
+        hit = torch.zeros(T, N + 1, dtype=torch.bool, device="cuda")
+        hit.scatter_(1, torch.where(valid, want_i.long(), N), True)
+        overlap = hit.gather(1, ids)[valid].float().mean().item() if valid.any() else 1.0
+        del hit
+        t_new, t_logits = _row_ms(f"{label} new"), _row_ms("  parts planar logits")
+        diff = (vals - want_s).nan_to_num(0.0).abs().max().item()  # -inf pads: equal, not nan
+        row("  deepgemm fp8_mqa_logits, no clean", bench(lambda: logits(False)), flops, ceil,
+            f"first call (JIT) {first:.1f} s")
+        t = bench(logits)
+        row("  deepgemm fp8_mqa_logits", t, flops, ceil,
+            f"{t / t_logits:.2f} x cpplan planar logits' time" if t_logits else "")
+        t = bench(topk)
+        row("  deepgemm fp8_mqa_logits + torch.topk", t, flops, ceil,
+            (f"{t / t_new:.2f} x cpplan new's time; " if t_new else "")
+            + f"top-k scores == cpplan: {same_s} (max |diff| {diff:.3g}), "
+              f"ids overlap {overlap:.4f}")
+        del vals, ids
+    except FAILS as e:
+        print(f"  deepgemm anchor: failed ({_first_line(e)[:120]})", flush=True)
+
+
+def run_prefill(cases, ceil, kernels, planar_sweep=False, dg=None):
     ok = True
     for T, N in cases:
         args, flops = prefill_inputs(T, N)
-        ok &= case(f"prefill T {T} N {N}", kernels.indexer_topk_prefill, it.indexer_topk_prefill,
-                   args, N, flops, ceil)
+        label = f"prefill T {T} N {N}"
+        ok &= case(label, kernels.indexer_topk_prefill, it.indexer_topk_prefill, args, N, flops,
+                   ceil)
         prefill_parts(args, it.IndexerTiles(), ceil, flops, "parts")
+        if dg is not None:  # --deepgemm: beside the parts it compares with; reported, not in ok
+            deepgemm_anchor(dg, args, ceil, flops, label)
         ok &= planar_logits(args, ceil, flops, planar_sweep)
         del args
     return ok
@@ -555,6 +653,10 @@ def main():
     ap.add_argument("--inputs", choices=("integer", "normal"), default="integer",
                     help="prefill inputs: integer-valued (exact, tied scores; the default) or "
                          "normal draws (continuous scores)")
+    ap.add_argument("--deepgemm", action="store_true",
+                    help="each prefill case also times DeepGEMM's fp8_mqa_logits (+ torch.topk) "
+                         "on the same inputs (bench/deepgemm_build.sh builds it; one line and "
+                         "no rows if deep_gemm does not import)")
     a = ap.parse_args()
     global VARIANTS, PROFILE, PLANAR_DEFAULT_TILES, INPUTS
     PROFILE = a.profile
@@ -565,11 +667,12 @@ def main():
     # "old": the per-(query, key block) kernel, the Triton set's indexer until 2026-11-30
     kernels = old_indexer
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    dg = load_deepgemm() if a.deepgemm else None
     ceil = ceiling()
     parts = a.only.split(",")
     ok = True
     if "prefill" in parts:
-        ok &= run_prefill(PREFILL[:1] if a.quick else PREFILL, ceil, kernels, a.planar_sweep)
+        ok &= run_prefill(PREFILL[:1] if a.quick else PREFILL, ceil, kernels, a.planar_sweep, dg)
     if "planar" in parts:  # the planar logits tiles alone, first prefill case
         args, flops = prefill_inputs(*PREFILL[0])
         ok &= planar_logits(args, ceil, flops, a.planar_sweep)
