@@ -16,7 +16,7 @@ from cpplan.runtime import collectives as coll
 from cpplan.runtime.executor_args import check_device, is_int_in_range
 from cpplan.runtime.segments import local_prefill_keys
 from cpplan.runtime.tables import Layout, StepMeta, StepTables, iota, local_prefill_rows
-from cpplan.runtime.tokens import TokenView, token_view
+from cpplan.runtime.tokens import TokenView, host_tokens, token_view
 from cpplan.schemas.config import ParallelConfig
 from cpplan.schemas.errors import ConfigError
 from cpplan.schemas.plan import StepPlan
@@ -75,6 +75,7 @@ class BoundStep:
     owner: object = None  # the StepExecutor that bound it (None: a graph capture's own step)
     pcp_rank: int = 0
     _tokens: TokenView | None = None
+    _host_tokens: tuple | None = None
     layers_inserted: int = 0  # layers run so far this step (they run in order)
     layers_attended: int = 0
     # (layer, attention pass) -> Selection of a full layer a later shared layer reuses
@@ -96,9 +97,23 @@ class BoundStep:
         engine passes to insert / attend / restore. Built once per step at first use."""
         if self._tokens is None:
             t = self.tables
-            self._tokens = token_view(self.plan, self.pcp_rank, t.token_req, t.token_pos,
+            self._tokens = token_view(self.host_tokens, t.token_req, t.token_pos,
                                       iota(self.plan.padded_num_tokens, t.token_req.device))
         return self._tokens
+
+    @property
+    def host_tokens(self) -> tuple:
+        """(request [T], position [T], real count) of this rank's rows on the host only
+        (:func:`~cpplan.runtime.tokens.host_tokens`; what :attr:`tokens` holds as numpy):
+        no device work, so a step a graph replays need not expand its tables for it."""
+        if self._host_tokens is None:
+            self._host_tokens = host_tokens(self.plan, self.pcp_rank)
+        return self._host_tokens
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the step's tables (the executor's)."""
+        return next(iter(self.views.values())).device
 
     @property
     def sampled_counts(self) -> tuple[int, int]:

@@ -64,11 +64,11 @@ def host_tokens(plan: StepPlan, pcp_rank: int) -> tuple[np.ndarray, np.ndarray, 
     return request, position, n
 
 
-def token_view(plan: StepPlan, pcp_rank: int, token_req: torch.Tensor,
+def token_view(host: tuple[np.ndarray, np.ndarray, int], token_req: torch.Tensor,
                token_pos: torch.Tensor, iota: torch.Tensor) -> TokenView:
-    """The view of a bound step (``token_req`` / ``token_pos``: its device tables; ``iota``: an
-    arange of at least T on the same device)."""
-    request, position, n = host_tokens(plan, pcp_rank)
+    """The view of a bound step (``host``: its :func:`host_tokens`; ``token_req`` /
+    ``token_pos``: its device tables; ``iota``: an arange of at least T on the same device)."""
+    request, position, n = host
     valid = iota[: len(request)] < n
     return TokenView(num_tokens=n, request_np=request, position_np=position,
                      valid_np=request != PAD_REQUEST,

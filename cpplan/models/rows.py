@@ -42,27 +42,36 @@ def rank_token_ids(bound, sequences: Sequence[Sequence[int]], device=None) -> to
     """Token ids of the rank's T rows, ``[T]`` int64 on ``device`` (default: the step's
     tables' device): row j holds ``sequences[request[j]][position[j]]``, padding holds 0.
     ``sequences[i]``: request i's tokens so far (prompt + generated), at least as long as
-    every position this step schedules."""
-    rows = rank_rows(bound)
-    out = np.zeros(rows.request.shape[0], dtype=np.int64)
-    valid = np.flatnonzero(rows.valid)
+    every position this step schedules. Host work and one upload only (the rows from
+    ``bound.host_tokens``; on CUDA from pinned memory, asynchronously): a step a CUDA graph
+    replays expands no tables for it."""
+    request, position, _ = bound.host_tokens
+    valid = np.flatnonzero(request >= 0)
+    out = np.zeros(request.shape[0], dtype=np.int64)
     if len(valid):
-        req, pos = rows.request[valid], rows.position[valid]
+        req, pos = request[valid], position[valid]
         lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences))
         short = pos >= lengths[req]
         if short.any():
             j = valid[int(np.argmax(short))]
-            raise TensorArgError(f"step {bound.plan.step_id}: request {rows.request[j]} has "
-                                 f"{lengths[rows.request[j]]} tokens; expected at least "
-                                 f"{int(rows.position[j]) + 1} (the step schedules position "
-                                 f"{int(rows.position[j])})")
-        # per request its scheduled slice, read once: a prefill chunk is one numpy copy
-        for r in np.unique(req):
-            mine = req == r
-            p = pos[mine]
-            out[valid[mine]] = np.asarray(sequences[r][int(p.min()): int(p.max()) + 1],
-                                          dtype=np.int64)[p - p.min()]
-    return torch.from_numpy(out).to(device if device is not None else rows.position_t.device)
+            raise TensorArgError(f"step {bound.plan.step_id}: request {request[j]} has "
+                                 f"{lengths[request[j]]} tokens; expected at least "
+                                 f"{int(position[j]) + 1} (the step schedules position "
+                                 f"{int(position[j])})")
+        # each run of consecutive rows of one request reads its span once (a prefill chunk
+        # is one numpy copy, a decode one element)
+        cut = np.flatnonzero(np.diff(req)) + 1
+        for lo, hi in zip(np.r_[0, cut], np.r_[cut, len(req)]):
+            p = pos[lo:hi]
+            first = int(p.min())
+            src = np.asarray(sequences[int(req[lo])][first: int(p.max()) + 1], dtype=np.int64)
+            out[valid[lo:hi]] = src[p - first]
+    device = torch.device(device) if device is not None else bound.device
+    if device.type != "cuda":
+        return torch.from_numpy(out).to(device)
+    host = torch.empty(out.shape, dtype=torch.int64, pin_memory=True)  # torch's host cache:
+    host.numpy()[:] = out  # a block is reused only after the copy that reads it completes
+    return host.to(device, non_blocking=True)
 
 
 def sampled_requests(plan) -> np.ndarray:

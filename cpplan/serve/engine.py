@@ -267,9 +267,9 @@ class RankEngine:
             ex.finish(bound)
             rows = sampled_requests(plan).tolist()
             out = {}
-            now = time.monotonic() - t0
             reqs_now = [sched.scheduled[k][0] for k in rows]
             tokens = sample.batch([r.index for r in reqs_now], logits)
+            now = time.monotonic() - t0  # the tokens are on the host: the step's work is done
             for r, row, token in zip(reqs_now, logits, tokens):
                 out[r.index] = token
                 if keep:

@@ -15,17 +15,14 @@ from cpplan.schemas.errors import TensorArgError
 
 
 def _bound(plan, pcp_rank: int):
-    """The parts of a bound step rank_token_ids reads: the host token view and the plan."""
-    request, position, _ = host_tokens(plan, pcp_rank)
-    tokens = types.SimpleNamespace(request_np=request, position_np=position,
-                                   valid_np=request >= 0, position=torch.zeros(1))
-    return types.SimpleNamespace(tokens=tokens, plan=plan)
+    """The parts of a bound step rank_token_ids may read: the host rows and the plan (no
+    device tables: reading ``tokens`` would expand them, which a graph step must not)."""
+    return types.SimpleNamespace(host_tokens=host_tokens(plan, pcp_rank), plan=plan)
 
 
 def _walk(bound, sequences) -> list[int]:
-    t = bound.tokens
-    return [sequences[r][p] if v else 0 for r, p, v in zip(t.request_np, t.position_np,
-                                                          t.valid_np)]
+    request, position, _ = bound.host_tokens
+    return [sequences[r][p] if r >= 0 else 0 for r, p in zip(request, position)]
 
 
 @pytest.mark.parametrize("p_size,w_size", [(1, 1), (2, 1), (3, 3)])

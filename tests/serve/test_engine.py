@@ -114,3 +114,33 @@ def test_a_job_the_engine_was_not_built_for_is_refused(model):
     engine = local_engine(m, _job(name))
     with pytest.raises(UsageError, match="num_blocks is 41; expected the engine's 40"):
         engine.serve(_job(name, num_blocks=41))
+
+
+def test_token_times_are_read_once_the_tokens_reach_the_host(glm5, monkeypatch):
+    """TTFT / TPOT are stamped after the sampler's host read: on CUDA that read is where the
+    step's device work (a long prefill's above all) is waited for. A first step whose read
+    takes 2 s (standing in for that wait) must be in every request's TTFT, and each TPOT must
+    be the mean interval between the reads that returned the request's tokens (stamped before
+    the read, the 2 s would land in the first request's first interval)."""
+    import time
+
+    from cpplan.serve import engine
+
+    name, m = glm5
+    delay, reads = 2.0, []  # (request indices, time the read returned)
+    plain = engine.Sampler.batch
+
+    def slow_first(self, indices, logits):
+        if not reads:
+            time.sleep(delay)
+        out = plain(self, indices, logits)
+        reads.append((list(indices), time.monotonic()))
+        return out
+
+    monkeypatch.setattr(engine.Sampler, "batch", slow_first)
+    res = serve_local(m, _job(name, keep_logits=False))
+    assert reads[0][0] and min(res["ttft_s"]) >= delay
+    for i, tpot in enumerate(res["tpot_s"]):
+        stamps = [t for indices, t in reads if i in indices]
+        want = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+        assert abs(tpot - want) < 5e-3, (i, tpot, want)
