@@ -530,7 +530,11 @@ def test_gathered_prefill_keys_through_the_tiled_indexer_match_the_oracle(p):
     from cpplan.sim.simulate import TOLERANCE, SimOptions, preset_config
 
     cfg = preset_config(SimOptions(pcp=p, dcp=1, layers=1))
-    step = StepInput.build(2, ["a", "b", "c"], [300, 0, 40], [1, 150, 33], [False, True, True])
+    # a decode, a fresh prompt, a chunk after history whose rows hold up to 70 keys: more
+    # than topk (64) and than one select run (64 keys). The interpreter's cost is per program
+    # (rows x runs): 30 prefill rows, not 183 (rows of up to 150 keys) as before
+    step = StepInput.build(2, ["a", "b", "c"], [300, 0, 60], [1, 20, 10], [False, True, True])
+    assert cfg.topk == 64
     lock, calls = threading.Lock(), []
 
     # small tiles, as in test_indexer_tiled.py: the interpreter runs every program in turn
