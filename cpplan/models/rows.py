@@ -67,11 +67,11 @@ def rank_token_ids(bound, sequences: Sequence[Sequence[int]], device=None) -> to
             src = np.asarray(sequences[int(req[lo])][first: int(p.max()) + 1], dtype=np.int64)
             out[valid[lo:hi]] = src[p - first]
     device = torch.device(device) if device is not None else bound.device
+    ids = torch.from_numpy(out)
     if device.type != "cuda":
-        return torch.from_numpy(out).to(device)
-    host = torch.empty(out.shape, dtype=torch.int64, pin_memory=True)  # torch's host cache:
-    host.numpy()[:] = out  # a block is reused only after the copy that reads it completes
-    return host.to(device, non_blocking=True)
+        return ids.to(device)
+    # pinned by torch's host cache, whose block is reused only after the copy reading it ends
+    return ids.pin_memory().to(device, non_blocking=True)
 
 
 def sampled_requests(plan) -> np.ndarray:
