@@ -15,7 +15,9 @@
 # its kernel JIT looks for them), and TARGET/deep_gemm/envs.py records CUDA_HOME and
 # DG_JIT_CACHE_DIR for the JIT, which compiles each kernel with nvcc at its first call. A
 # smoke test then imports the package and checks fp8_mqa_logits on a small case against torch.
-# Any failure prints one line starting "deepgemm_build: FAILED" and exits non-zero.
+# Any failure prints one line starting "deepgemm_build: FAILED" and exits non-zero. DG_CFLAGS
+# adds compiler flags (e.g. -DDG_JIT_USE_RUNTIME_API: kernels loaded and launched through the
+# CUDA runtime instead of DeepGEMM's dlsym'd driver calls).
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -122,7 +124,8 @@ print("include:", *incs)
 # CUDA libraries at run time
 cpp_extension.load(
     name="_C", sources=[f"{src}/csrc/python_api.cpp"], build_directory=build, with_cuda=True,
-    extra_cflags=["-std=c++17", "-O3", "-Wno-psabi", "-Wno-deprecated-declarations"],
+    extra_cflags=["-std=c++17", "-O3", "-Wno-psabi", "-Wno-deprecated-declarations"]
+    + os.environ.get("DG_CFLAGS", "").split(),
     extra_include_paths=incs + [f"{src}/deep_gemm/include", f"{src}/third-party/cutlass/include",
                                 f"{src}/third-party/fmt/include"],
     extra_ldflags=[f"-L{link}", "-lcudart", "-lnvrtc"]

@@ -130,7 +130,7 @@ def serve(prep: Prepared, world=None) -> list:
     """Run the job; returns one result per rank (``RankResult``-like: ``.rank``, ``.value``,
     ``.error``, ``.lost``, ``.tb``). ``world``: a started World of max(P, W) ranks to reuse
     (default: spawn one for this run, or none at P = W = 1)."""
-    from cpplan.sim.launch import RankResult, World
+    from cpplan.sim.launch import PRELOAD, RankResult, World
 
     job = prep.job
     backend = "nccl" if job.device == "cuda" else "gloo"
@@ -141,7 +141,8 @@ def serve(prep: Prepared, world=None) -> list:
         if world.world_size != size:
             raise ConfigError(f"world of {world.world_size} ranks; expected {size}")
         return world.run(serve_rank, job, timeout_s=3600.0, settle_s=job.timeout_s)
-    w = World(size, backend=backend, timeout_s=max(job.timeout_s * 4, 60.0))
+    w = World(size, backend=backend, timeout_s=max(job.timeout_s * 4, 60.0),
+              preload=(*PRELOAD, "cpplan.serve.engine", "cpplan.models"))
     try:
         return w.run(serve_rank, job, timeout_s=3600.0, settle_s=job.timeout_s)
     finally:

@@ -1,10 +1,10 @@
-"""A spawn-based world of rank processes, reusable across jobs (tests, ``cpplan simulate``).
+"""A world of rank processes, reusable across jobs (tests, ``cpplan simulate``).
 
-``World(n)`` starts n processes (multiprocessing "spawn"), each joining one torch.distributed
-world through a TCPStore that the parent hosts on 127.0.0.1 (so the store outlives any rank);
-``world.run(fn, *args)`` runs ``fn(ctx, *args)`` on every rank and returns one
-:class:`RankResult` per rank. Workers run with OMP_NUM_THREADS=1 and stay up between jobs:
-spawning and importing torch is the expensive part.
+``World(n)`` starts n processes (forked from a server with torch preloaded: :func:`_context`),
+each joining one torch.distributed world through a TCPStore that the parent hosts on 127.0.0.1
+(so the store outlives any rank); ``world.run(fn, *args)`` runs ``fn(ctx, *args)`` on every
+rank and returns one :class:`RankResult` per rank. Workers run with OMP_NUM_THREADS=1 and stay
+up between jobs: starting them is the expensive part.
 
 A job ends in bounded time: once one rank has answered (or died), the others get ``settle_s``
 more before they are declared lost (hung or stopped); ``close`` then kills them. Workers ignore
@@ -131,10 +131,24 @@ class RankResult:
         return "process exited or hung"
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's (a reused pid: treated as alive)
+        return True
+    return True
+
+
 def _exit_with_parent(parent_pid: int) -> None:
-    """End this worker quietly once its parent is gone (it was re-parented)."""
+    """End this worker quietly once the World's process is gone. The worker's own parent is
+    the fork server, which outlives it only briefly: either one gone (the worker re-parented,
+    or the World's pid not alive) ends the worker."""
+    server = os.getppid()
+
     def loop() -> None:
-        while os.getppid() == parent_pid:
+        while os.getppid() == server and _pid_alive(parent_pid):
             time.sleep(0.5)
         os._exit(0)
 
@@ -191,15 +205,32 @@ def _send(conn, reply) -> None:
         os._exit(0)
 
 
+# What the fork server imports once, so that each rank it forks starts with torch, gloo and the
+# simulate / serve job code already loaded (a spawned rank imported them itself: ~2 s of CPU a
+# rank, the main cost of a world on a 2-core machine).
+PRELOAD = ("torch", "torch.distributed", "cpplan.sim.simulate")
+
+
+def _context(preload: tuple[str, ...]):
+    """multiprocessing's "forkserver" context: ranks are forked from a server process that
+    imported nothing but ``preload`` (no threads, no CUDA context). The server starts with the
+    first World of this process (OMP_NUM_THREADS=1, the multicast variables set) and serves
+    every World after it, with the first World's preload."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(preload))
+    return ctx
+
+
 class World:
     """n rank processes joined in one gloo (or NCCL) world; reuse it for many jobs."""
 
-    def __init__(self, world_size: int, *, backend: str = "gloo", timeout_s: float = 120.0):
+    def __init__(self, world_size: int, *, backend: str = "gloo", timeout_s: float = 120.0,
+                 preload: tuple[str, ...] = PRELOAD):
         self.world_size, self.backend = world_size, backend
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=timeout_s))
         keep_multicast_off()
-        ctx = mp.get_context("spawn")
+        ctx = _context(preload)
         self._conns, self._procs = [], []
         saved = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned children
