@@ -129,7 +129,7 @@ def _check_blocks(job: GenerateJob, config, ids: list[str]) -> None:
 def serve(prep: Prepared, world=None) -> list:
     """Run the job; returns one result per rank (``RankResult``-like: ``.rank``, ``.value``,
     ``.error``, ``.lost``, ``.tb``). ``world``: a started World of max(P, W) ranks to reuse
-    (default: spawn one for this run, or none at P = W = 1)."""
+    (default: start one for this run, or none at P = W = 1)."""
     from cpplan.sim.launch import PRELOAD, RankResult, World
 
     job = prep.job

@@ -233,7 +233,7 @@ class World:
         ctx = _context(preload)
         self._conns, self._procs = [], []
         saved = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned children
+        os.environ["OMP_NUM_THREADS"] = "1"  # read by the fork server when this starts it
         try:
             for rank in range(world_size):
                 parent, child = ctx.Pipe()
