@@ -17,7 +17,8 @@
 # smoke test then imports the package and checks fp8_mqa_logits on a small case against torch.
 # Any failure prints one line starting "deepgemm_build: FAILED" and exits non-zero. DG_CFLAGS
 # adds compiler flags (e.g. -DDG_JIT_USE_RUNTIME_API: kernels loaded and launched through the
-# CUDA runtime instead of DeepGEMM's dlsym'd driver calls).
+# CUDA runtime instead of DeepGEMM's dlsym'd driver calls). The compiled csrc/ is a copy with
+# its std::regex uses replaced (bench/deepgemm_patch.py; DG_KEEP_REGEX=1: unpatched).
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -78,10 +79,17 @@ for f in csrc/python_api.cpp deep_gemm/__init__.py deep_gemm/include/deep_gemm \
 done
 [[ -f "$SRC/SOURCES.txt" ]] && sed 's/^/source: /' "$SRC/SOURCES.txt"
 
-STEP="compile csrc/python_api.cpp"
+STEP="patch a copy of csrc/ (std::regex out: bench/deepgemm_patch.py says why)"
 mkdir -p "$BUILD"
+CSRC=$SRC/csrc
+if [[ "${DG_KEEP_REGEX:-0}" != 1 ]]; then  # DG_KEEP_REGEX=1: the staged csrc/ as it is
+    rm -rf "$BUILD/csrc" && cp -r "$SRC/csrc" "$BUILD/csrc" && CSRC=$BUILD/csrc
+    "$PY" "$HERE/deepgemm_patch.py" "$CSRC" || fail "the std::regex patch did not apply"
+fi
+
+STEP="compile csrc/python_api.cpp"
 t1=$(date +%s)
-DG_SRC="$SRC" DG_BUILD="$BUILD" DG_LIB="$LIBDIR" "$PY" - <<'EOF'
+DG_SRC="$SRC" DG_CSRC="$CSRC" DG_BUILD="$BUILD" DG_LIB="$LIBDIR" "$PY" - <<'EOF'
 import glob
 import importlib.util
 import os
@@ -89,7 +97,8 @@ import sys
 
 from torch.utils import cpp_extension
 
-src, build, lib, cuda = (os.environ[k] for k in ("DG_SRC", "DG_BUILD", "DG_LIB", "CUDA_HOME"))
+src, csrc, build, lib, cuda = (os.environ[k]
+                               for k in ("DG_SRC", "DG_CSRC", "DG_BUILD", "DG_LIB", "CUDA_HOME"))
 # headers and libraries beyond the toolkit's: a toolkit assembled from pip packages may lack
 # nvrtc / cuBLAS(Lt) / cuSPARSE / cuSOLVER, which torch's own CUDA wheels bring (site-packages'
 # nvidia/cu13/{include,lib}, or nvidia/<lib>/{include,lib} for CUDA 12)
@@ -123,7 +132,7 @@ print("include:", *incs)
 # adds its includes, the ABI define and the torch / c10 (CUDA) libraries; the rpaths find the
 # CUDA libraries at run time
 cpp_extension.load(
-    name="_C", sources=[f"{src}/csrc/python_api.cpp"], build_directory=build, with_cuda=True,
+    name="_C", sources=[f"{csrc}/python_api.cpp"], build_directory=build, with_cuda=True,
     extra_cflags=["-std=c++17", "-O3", "-Wno-psabi", "-Wno-deprecated-declarations"]
     + os.environ.get("DG_CFLAGS", "").split(),
     extra_include_paths=incs + [f"{src}/deep_gemm/include", f"{src}/third-party/cutlass/include",

@@ -6,7 +6,7 @@ bf16 matmul ceiling.
                             [--decode-cases 8x131072,64x65536-131072] [--variants filter] [--profile]
                             [--sweep]
                             [--planar-sweep] [--planar-tiles 2:128:4:3,2:64:8:3:128] [--json out.json]
-                            [--inputs integer|normal] [--deepgemm]
+                            [--planar-variants gluon,tma] [--inputs integer|normal] [--deepgemm]
 
 Prefill cases: the last T tokens of an N-token context (query i has keys 0 .. N - T + i),
 64 heads x 128 dims, topk 2048, one rank. Decode cases: B requests of one context each (and 64
@@ -23,8 +23,9 @@ tile choices
 6.2-8.9 ms for the first case, bench/RESULTS.md); each decode case times the whole decode
 indexer, its logits and its select, eager and replayed from a CUDA graph (``do_bench_cudagraph``:
 eager decode figures are host-launch-bound), and select variants (graph; ``DECODE_SELECTS``).
-``planar`` times the planar logits tiles alone (``--planar-tiles``) and the opt-in Gluon
-logits (``GLUON_TILES``); ``sort`` times
+``planar`` times the planar logits tiles alone (``--planar-tiles``) and the variant kernels of
+bench/variants (``--planar-variants``: the Gluon logits, ``GLUON_TILES``; the TMA logits,
+``TMA_TILES``); ``sort`` times
 ``tl.sort`` of 4096 values as segments; ``decode-sweep`` the decode tiles
 (graph); ``select-sweep`` the select tunables (first prefill case); ``--planar-sweep`` the
 planar tiles; ``--sweep`` tile variants of the first prefill case and of the decode cases.
@@ -379,6 +380,7 @@ def _planar_tiles(text: str) -> list[tuple]:
     return tiles
 
 
+PLANAR_VARIANTS = ("gluon", "tma")  # --planar-variants: the variant kernels planar_logits times
 PLANAR_DEFAULT_TILES = None  # --planar-tiles: the tiles planar_logits times (None: its own list)
 
 
@@ -418,7 +420,40 @@ def planar_logits(args, ceil, flops, sweep_tiles=False):
         except FAILS as e:
             print(f"  planar bq {bq} bk {bk} w {warps} s {stages}: failed ({type(e).__name__}: "
                   f"{str(e)[:80]})", flush=True)
-    ok &= gluon_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops)
+    if "gluon" in PLANAR_VARIANTS:
+        ok &= gluon_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops)
+    if "tma" in PLANAR_VARIANTS:
+        ok &= tma_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops)
+    return ok
+
+
+# (BQ, BK, warps, stages, register cap) of the TMA logits (bench/variants/tma_logits.py); an
+# sm_90 compile (Triton 3.6) of 2:128:8:3:128 fits two programs a SM without spills
+TMA_TILES = ((2, 64, 4, 3, 0), (2, 64, 4, 3, 128), (2, 128, 8, 3, 128), (2, 128, 8, 4, 128),
+             (2, 64, 4, 4, 0))
+
+
+def tma_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops):
+    """The TMA prefill logits (key tiles by TMA copies; no default path runs them), each checked
+    equal to the default Triton tiles' keys; a variant that does not build or run prints one
+    line."""
+    from variants import tma_logits as tma
+
+    ok = True
+    for bq, bk, warps, stages, mr in TMA_TILES:
+        def fn(bq=bq, bk=bk, warps=warps, stages=stages, mr=mr):
+            tma.launch(q8, w8, kp, ks, got, N, key_len, pcu, N, 1, 1, bq=bq, bk=bk, warps=warps,
+                       stages=stages, maxnreg=mr)
+        try:
+            got.fill_(0)
+            fn()
+            eq = torch.equal(torch.where(valid, got, 0), torch.where(valid, want, 0))
+            ok &= eq
+            row(f"  tma fp8 logits bq {bq} bk {bk} w {warps} s {stages}{f' regs {mr}' * bool(mr)}",
+                bench(fn), flops, ceil, f"== default tiles: {eq}")
+        except FAILS + (ValueError, AssertionError) as e:
+            print(f"  tma bq {bq} bk {bk} w {warps} s {stages}: failed ({_first_line(e)[:100]})",
+                  flush=True)
     return ok
 
 
@@ -641,6 +676,9 @@ def main():
     ap.add_argument("--planar-sweep", action="store_true", help="planar fp8 logits tiles")
     ap.add_argument("--planar-tiles", type=_planar_tiles, metavar="BQ:BK:W:S[:REGS],...",
                     help="the planar logits tiles timed (default: the default and one other)")
+    ap.add_argument("--planar-variants", default="gluon,tma", metavar="NAME[,NAME]",
+                    help="variant logits kernels timed beside the planar tiles: gluon, tma; "
+                         "'' for none")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--decode-cases", type=_decode_cases, metavar="BxCTX[,BxLO-HI...]",
                     help="these decode cases only, e.g. 8x131072,64x65536-131072")
@@ -658,7 +696,8 @@ def main():
                          "on the same inputs (bench/deepgemm_build.sh builds it; one line and "
                          "no rows if deep_gemm does not import)")
     a = ap.parse_args()
-    global VARIANTS, PROFILE, PLANAR_DEFAULT_TILES, INPUTS
+    global VARIANTS, PROFILE, PLANAR_DEFAULT_TILES, PLANAR_VARIANTS, INPUTS
+    PLANAR_VARIANTS = tuple(v for v in a.planar_variants.split(",") if v)
     PROFILE = a.profile
     INPUTS = a.inputs
     PLANAR_DEFAULT_TILES = a.planar_tiles

@@ -1,11 +1,15 @@
-"""One attention launch per case, bracketed for Nsight Compute (the profile behind bench/RESULTS.md).
+"""One attention or indexer call per case, bracketed for Nsight Compute (the profile behind
+bench/RESULTS.md).
 
     ncu --clock-control none --profile-from-start off --set full -o rep \\
         python3 bench/profile_kernels.py --case decode_h16
 
-Each case builds the inputs of bench/kernels.py, runs the launch twice outside the profiled range
-(compilation, caches), then once between ``cudaProfilerStart`` and ``cudaProfilerStop``.
-``--list`` prints the cases; ``--time`` times every case with do_bench instead (no ncu needed).
+Each attention case builds the inputs of bench/kernels.py, each indexer case (``INDEXER_CASES``)
+those of bench/indexer.py's first prefill case (T 4096 x N 32768: the whole prefill indexer, its
+logits and select kernels; or the TMA logits variant alone); each runs twice outside the profiled
+range (compilation, caches), then once between ``cudaProfilerStart`` and ``cudaProfilerStop``.
+``--list`` prints the cases; ``--time`` times every attention case with do_bench instead (no ncu
+needed).
 """
 
 from __future__ import annotations
@@ -29,9 +33,33 @@ CASES = {
     "decode_h16_scaled": (256, 16, 2048, 1 << 18, "fp8_ds_mla", {"family": "triton-heads-scaled"}, {}, None),
     "decode_h16_dequant": (256, 16, 2048, 1 << 18, "fp8_ds_mla", {"family": "triton-heads"}, {}, None),
 }
+# name: what one call runs, on bench/indexer.py's prefill inputs (T 4096 x N 32768)
+INDEXER_CASES = {
+    "indexer_prefill": "indexer_topk_prefill (quantise, planes, logits, select)",
+    "indexer_logits_tma": "the TMA logits variant alone (bench/variants/tma_logits.py), BQ 2 BK 64",
+}
+
+
+def build_indexer(case: str):
+    from indexer import PREFILL, prefill_inputs  # bench/indexer.py
+    from variants import tma_logits
+
+    from cpplan.runtime.kernels.triton import indexer_tiled as it
+    from cpplan.runtime.kernels.triton import pack
+
+    (args, _), N = prefill_inputs(*PREFILL[0]), PREFILL[0][1]
+    if case == "indexer_prefill":
+        return lambda: it.indexer_topk_prefill(*args, max_keys=N)
+    q, w, k, key_len, pcu = args[:5]
+    q8, w8 = pack.quantize_indexer_q(q, w)
+    kp, ks = it.split_planes(k)
+    out = torch.empty(q.shape[0], N, dtype=torch.int32, device="cuda")
+    return lambda: tma_logits.launch(q8, w8, kp, ks, out, N, key_len, pcu, N, 1, 1)
 
 
 def build(case: str):
+    if case in INDEXER_CASES:
+        return build_indexer(case)
     from kernels import (  # same inputs as the benchmark table (bench/ is on sys.path)
         _inputs,
         attn_plan,
@@ -50,12 +78,12 @@ def build(case: str):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--case", choices=sorted(CASES))
+    ap.add_argument("--case", choices=sorted([*CASES, *INDEXER_CASES]))
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--time", action="store_true", help="time every case (median, do_bench)")
     a = ap.parse_args(argv)
     if a.list:
-        print("\n".join(CASES))
+        print("\n".join([*CASES, *INDEXER_CASES]))
         return 0
     if a.time:
         from triton.testing import do_bench
