@@ -17,8 +17,8 @@
 # smoke test then imports the package and checks fp8_mqa_logits on a small case against torch.
 # Any failure prints one line starting "deepgemm_build: FAILED" and exits non-zero. DG_CFLAGS
 # adds compiler flags (e.g. -DDG_JIT_USE_RUNTIME_API: kernels loaded and launched through the
-# CUDA runtime instead of DeepGEMM's dlsym'd driver calls). The compiled csrc/ is a copy with
-# its std::regex uses replaced (bench/deepgemm_patch.py; DG_KEEP_REGEX=1: unpatched).
+# CUDA runtime instead of DeepGEMM's dlsym'd driver calls); DG_CXX names the host compiler (see
+# "pick the host compiler").
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -32,6 +32,23 @@ STEP="start"
 trap 'echo "deepgemm_build: FAILED at step \"$STEP\" (exit $?; output above)" >&2' ERR
 fail() { echo "deepgemm_build: FAILED: $*" >&2; trap - ERR; exit 1; }
 t0=$(date +%s)
+
+STEP="pick the host compiler"
+# torch.utils.cpp_extension compiles with $CXX (else c++). On the lent H200 that is a wrapper
+# script pointing g++ at a private toolchain (-B /opt/gcc/...); the module it built crashed at
+# its first call inside libstdc++ code (std::regex's compiler, under DeepGEMM's include
+# parser), one built by the system's /usr/bin/g++ did not (bench/RESULTS.md). So: DG_CXX if
+# set; else $CXX (or c++) unless it is such a wrapper, in which case /usr/bin/g++.
+is_wrapper() {  # a compiler command that is a shell script passing -B (a private toolchain)
+    local f; f=$(command -v "$1" 2>/dev/null) || return 1; f=$(readlink -f "$f")
+    [[ $(head -c 2 "$f" 2>/dev/null) == "#!" ]] && grep -q -- " -B" "$f"
+}
+CXX=${DG_CXX:-${CXX:-c++}}
+if [[ -z "${DG_CXX:-}" ]] && is_wrapper "$CXX" && [[ -x /usr/bin/g++ ]]; then
+    echo "host compiler: $CXX wraps a private toolchain (-B): /usr/bin/g++ instead (DG_CXX overrides)"
+    CXX=/usr/bin/g++
+fi
+export CXX
 
 STEP="find nvcc"
 # CUDA_HOME: $CUDA_HOME if set, else the toolkit of the nvcc on PATH (through symlinks, and
@@ -65,7 +82,7 @@ export PATH=$CUDA_HOME/bin:$PATH
 LIBDIR=$CUDA_HOME/lib64
 [[ -d "$LIBDIR" ]] || LIBDIR=$CUDA_HOME/lib
 echo "nvcc: $NVCC ($("$NVCC" --version | grep -o 'release [0-9.]*, V[0-9.]*'))"
-echo "CUDA_HOME: $CUDA_HOME; host compiler: $(${CXX:-c++} --version | head -1)"
+echo "CUDA_HOME: $CUDA_HOME; host compiler: $CXX ($("$CXX" --version | head -1))"
 "$PY" -c 'import sys, torch; print(f"python {sys.version.split()[0]}, torch {torch.__version__} '\
 '(CUDA {torch.version.cuda}, cxx11 abi {torch.compiled_with_cxx11_abi()})")' \
     || fail "python3 cannot import torch"
@@ -79,17 +96,10 @@ for f in csrc/python_api.cpp deep_gemm/__init__.py deep_gemm/include/deep_gemm \
 done
 [[ -f "$SRC/SOURCES.txt" ]] && sed 's/^/source: /' "$SRC/SOURCES.txt"
 
-STEP="patch a copy of csrc/ (std::regex out: bench/deepgemm_patch.py says why)"
-mkdir -p "$BUILD"
-CSRC=$SRC/csrc
-if [[ "${DG_KEEP_REGEX:-0}" != 1 ]]; then  # DG_KEEP_REGEX=1: the staged csrc/ as it is
-    rm -rf "$BUILD/csrc" && cp -r "$SRC/csrc" "$BUILD/csrc" && CSRC=$BUILD/csrc
-    "$PY" "$HERE/deepgemm_patch.py" "$CSRC" || fail "the std::regex patch did not apply"
-fi
-
 STEP="compile csrc/python_api.cpp"
+mkdir -p "$BUILD"
 t1=$(date +%s)
-DG_SRC="$SRC" DG_CSRC="$CSRC" DG_BUILD="$BUILD" DG_LIB="$LIBDIR" "$PY" - <<'EOF'
+DG_SRC="$SRC" DG_BUILD="$BUILD" DG_LIB="$LIBDIR" "$PY" - <<'EOF'
 import glob
 import importlib.util
 import os
@@ -97,8 +107,7 @@ import sys
 
 from torch.utils import cpp_extension
 
-src, csrc, build, lib, cuda = (os.environ[k]
-                               for k in ("DG_SRC", "DG_CSRC", "DG_BUILD", "DG_LIB", "CUDA_HOME"))
+src, build, lib, cuda = (os.environ[k] for k in ("DG_SRC", "DG_BUILD", "DG_LIB", "CUDA_HOME"))
 # headers and libraries beyond the toolkit's: a toolkit assembled from pip packages may lack
 # nvrtc / cuBLAS(Lt) / cuSPARSE / cuSOLVER, which torch's own CUDA wheels bring (site-packages'
 # nvidia/cu13/{include,lib}, or nvidia/<lib>/{include,lib} for CUDA 12)
@@ -132,7 +141,7 @@ print("include:", *incs)
 # adds its includes, the ABI define and the torch / c10 (CUDA) libraries; the rpaths find the
 # CUDA libraries at run time
 cpp_extension.load(
-    name="_C", sources=[f"{csrc}/python_api.cpp"], build_directory=build, with_cuda=True,
+    name="_C", sources=[f"{src}/csrc/python_api.cpp"], build_directory=build, with_cuda=True,
     extra_cflags=["-std=c++17", "-O3", "-Wno-psabi", "-Wno-deprecated-declarations"]
     + os.environ.get("DG_CFLAGS", "").split(),
     extra_include_paths=incs + [f"{src}/deep_gemm/include", f"{src}/third-party/cutlass/include",
@@ -144,6 +153,9 @@ EOF
 SO=$BUILD/_C.so
 [[ -f "$SO" ]] || fail "no $SO after the build"
 echo "compiled $SO in $(( $(date +%s) - t1 )) s"
+# the module should use the process's libstdc++ (torch's): one linked into it is a second copy
+command -v readelf >/dev/null && { readelf -d "$SO" | grep -q 'libstdc++' \
+    || echo "warning: $SO does not load libstdc++.so: its own copy may clash with torch's"; }
 
 STEP="assemble $TARGET/deep_gemm"
 mkdir -p "$TARGET"

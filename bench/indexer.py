@@ -6,7 +6,7 @@ bf16 matmul ceiling.
                             [--decode-cases 8x131072,64x65536-131072] [--variants filter] [--profile]
                             [--sweep]
                             [--planar-sweep] [--planar-tiles 2:128:4:3,2:64:8:3:128] [--json out.json]
-                            [--planar-variants gluon,tma] [--inputs integer|normal] [--deepgemm]
+                            [--planar-variants gluon] [--inputs integer|normal] [--deepgemm]
 
 Prefill cases: the last T tokens of an N-token context (query i has keys 0 .. N - T + i),
 64 heads x 128 dims, topk 2048, one rank. Decode cases: B requests of one context each (and 64
@@ -23,9 +23,9 @@ tile choices
 6.2-8.9 ms for the first case, bench/RESULTS.md); each decode case times the whole decode
 indexer, its logits and its select, eager and replayed from a CUDA graph (``do_bench_cudagraph``:
 eager decode figures are host-launch-bound), and select variants (graph; ``DECODE_SELECTS``).
-``planar`` times the planar logits tiles alone (``--planar-tiles``) and the variant kernels of
-bench/variants (``--planar-variants``: the Gluon logits, ``GLUON_TILES``; the TMA logits,
-``TMA_TILES``); ``sort`` times
+``planar`` times the planar logits tiles alone (``--planar-tiles``; each also with per-thread key
+copies instead of TMA copies, the default before) and the Gluon logits of bench/variants
+(``--planar-variants``, ``GLUON_TILES``); ``sort`` times
 ``tl.sort`` of 4096 values as segments; ``decode-sweep`` the decode tiles
 (graph); ``select-sweep`` the select tunables (first prefill case); ``--planar-sweep`` the
 planar tiles; ``--sweep`` tile variants of the first prefill case and of the decode cases.
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import time
 
@@ -380,7 +381,7 @@ def _planar_tiles(text: str) -> list[tuple]:
     return tiles
 
 
-PLANAR_VARIANTS = ("gluon", "tma")  # --planar-variants: the variant kernels planar_logits times
+PLANAR_VARIANTS = ("gluon",)  # --planar-variants: the variant kernels planar_logits times
 PLANAR_DEFAULT_TILES = None  # --planar-tiles: the tiles planar_logits times (None: its own list)
 
 
@@ -405,55 +406,23 @@ def planar_logits(args, ceil, flops, sweep_tiles=False):
     chosen = PLANAR_DEFAULT_TILES or [(tiles.block_q, tiles.block_k, tiles.logits_warps,
                                        tiles.logits_stages, tiles.logits_maxnreg),
                                       (2, 128, 4, 3, 0)]  # the default before 2026-12-01
-    for bq, bk, warps, stages, mr in ([t + (0,) for t in PLANAR_TILES] if sweep_tiles else chosen):
-        def fn(bq=bq, bk=bk, warps=warps, stages=stages, mr=mr):
+    tiles_timed = [t + (0,) for t in PLANAR_TILES] if sweep_tiles else chosen
+    for (bq, bk, warps, stages, mr), tma in itertools.product(tiles_timed, (True, False)):
+        def fn(bq=bq, bk=bk, warps=warps, stages=stages, mr=mr, tma=tma):
             it._logits_planar(q8, w8, kp, ks, got, N, key_len, pcu, N, 1, 1, bq=bq, bk=bk,
-                              warps=warps, stages=stages, maxnreg=mr)
+                              warps=warps, stages=stages, maxnreg=mr, tma=tma)
+        name = f"bq {bq} bk {bk} w {warps} s {stages}{f' regs {mr}' * bool(mr)}"
+        name += "" if tma else ", per-thread copies"
         try:
             got.fill_(0)
             fn()
             eq = torch.equal(torch.where(valid, got, 0), torch.where(valid, want, 0))
             ok &= eq
-            cap = f" regs {mr}" if mr else ""
-            row(f"  planar fp8 logits bq {bq} bk {bk} w {warps} s {stages}{cap}", bench(fn), flops,
-                ceil, f"== default tiles: {eq}")
+            row(f"  planar fp8 logits {name}", bench(fn), flops, ceil, f"== default tiles: {eq}")
         except FAILS as e:
-            print(f"  planar bq {bq} bk {bk} w {warps} s {stages}: failed ({type(e).__name__}: "
-                  f"{str(e)[:80]})", flush=True)
+            print(f"  planar {name}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
     if "gluon" in PLANAR_VARIANTS:
         ok &= gluon_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops)
-    if "tma" in PLANAR_VARIANTS:
-        ok &= tma_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops)
-    return ok
-
-
-# (BQ, BK, warps, stages, register cap) of the TMA logits (bench/variants/tma_logits.py); an
-# sm_90 compile (Triton 3.6) of 2:128:8:3:128 fits two programs a SM without spills
-TMA_TILES = ((2, 64, 4, 3, 0), (2, 64, 4, 3, 128), (2, 128, 8, 3, 128), (2, 128, 8, 4, 128),
-             (2, 64, 4, 4, 0))
-
-
-def tma_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops):
-    """The TMA prefill logits (key tiles by TMA copies; no default path runs them), each checked
-    equal to the default Triton tiles' keys; a variant that does not build or run prints one
-    line."""
-    from variants import tma_logits as tma
-
-    ok = True
-    for bq, bk, warps, stages, mr in TMA_TILES:
-        def fn(bq=bq, bk=bk, warps=warps, stages=stages, mr=mr):
-            tma.launch(q8, w8, kp, ks, got, N, key_len, pcu, N, 1, 1, bq=bq, bk=bk, warps=warps,
-                       stages=stages, maxnreg=mr)
-        try:
-            got.fill_(0)
-            fn()
-            eq = torch.equal(torch.where(valid, got, 0), torch.where(valid, want, 0))
-            ok &= eq
-            row(f"  tma fp8 logits bq {bq} bk {bk} w {warps} s {stages}{f' regs {mr}' * bool(mr)}",
-                bench(fn), flops, ceil, f"== default tiles: {eq}")
-        except FAILS + (ValueError, AssertionError) as e:
-            print(f"  tma bq {bq} bk {bk} w {warps} s {stages}: failed ({_first_line(e)[:100]})",
-                  flush=True)
     return ok
 
 
@@ -676,9 +645,9 @@ def main():
     ap.add_argument("--planar-sweep", action="store_true", help="planar fp8 logits tiles")
     ap.add_argument("--planar-tiles", type=_planar_tiles, metavar="BQ:BK:W:S[:REGS],...",
                     help="the planar logits tiles timed (default: the default and one other)")
-    ap.add_argument("--planar-variants", default="gluon,tma", metavar="NAME[,NAME]",
-                    help="variant logits kernels timed beside the planar tiles: gluon, tma; "
-                         "'' for none")
+    ap.add_argument("--planar-variants", default="gluon", metavar="NAME[,NAME]",
+                    help="variant logits kernels timed beside the planar tiles: gluon; '' for "
+                         "none")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--decode-cases", type=_decode_cases, metavar="BxCTX[,BxLO-HI...]",
                     help="these decode cases only, e.g. 8x131072,64x65536-131072")

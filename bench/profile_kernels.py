@@ -6,7 +6,7 @@ bench/RESULTS.md).
 
 Each attention case builds the inputs of bench/kernels.py, each indexer case (``INDEXER_CASES``)
 those of bench/indexer.py's first prefill case (T 4096 x N 32768: the whole prefill indexer, its
-logits and select kernels; or the TMA logits variant alone); each runs twice outside the profiled
+logits and select kernels; or the logits alone, with TMA or per-thread key copies); each runs twice outside the profiled
 range (compilation, caches), then once between ``cudaProfilerStart`` and ``cudaProfilerStop``.
 ``--list`` prints the cases; ``--time`` times every attention case with do_bench instead (no ncu
 needed).
@@ -36,13 +36,13 @@ CASES = {
 # name: what one call runs, on bench/indexer.py's prefill inputs (T 4096 x N 32768)
 INDEXER_CASES = {
     "indexer_prefill": "indexer_topk_prefill (quantise, planes, logits, select)",
-    "indexer_logits_tma": "the TMA logits variant alone (bench/variants/tma_logits.py), BQ 2 BK 64",
+    "indexer_logits": "the prefill logits alone, default tiles (TMA key tiles)",
+    "indexer_logits_copies": "the prefill logits alone, default tiles, per-thread key copies",
 }
 
 
 def build_indexer(case: str):
     from indexer import PREFILL, prefill_inputs  # bench/indexer.py
-    from variants import tma_logits
 
     from cpplan.runtime.kernels.triton import indexer_tiled as it
     from cpplan.runtime.kernels.triton import pack
@@ -54,7 +54,11 @@ def build_indexer(case: str):
     q8, w8 = pack.quantize_indexer_q(q, w)
     kp, ks = it.split_planes(k)
     out = torch.empty(q.shape[0], N, dtype=torch.int32, device="cuda")
-    return lambda: tma_logits.launch(q8, w8, kp, ks, out, N, key_len, pcu, N, 1, 1)
+    t = it.IndexerTiles()
+    return lambda: it._logits_planar(q8, w8, kp, ks, out, N, key_len, pcu, N, 1, 1, bq=t.block_q,
+                                     bk=t.block_k, warps=t.logits_warps, stages=t.logits_stages,
+                                     maxnreg=t.logits_maxnreg,
+                                     tma=case == "indexer_logits")
 
 
 def build(case: str):

@@ -11,10 +11,15 @@ ReLU, the head weights, the sum over each query's HP heads and the per-key scale
   then its BLOCK float32 scales: 16-byte loads of 128-byte aligned rows, where packed rows at a
   132-byte stride allow 4-byte ones; int32 keys); fp8 -> DOT_DTYPE.
 - ``logits_planar_kernel``: prefill keys as two planes, fp8 values ``[R, 128]`` (128-byte
-  aligned rows: eight 16-byte loads each) and float32 scales ``[R]``; fp8 operands on the GPU
-  (DOT_DTYPE float8e4nv, the query being the fp8-quantised indexer query, docs/design.md §4.3),
-  fp16 / fp32 in the interpreter (fp8 values are exact there); rows through the gather chunk's
-  remap; int32 keys.
+  aligned rows) and float32 scales ``[R]``; fp8 operands on the GPU (DOT_DTYPE float8e4nv, the
+  query being the fp8-quantised indexer query, docs/design.md §4.3), fp16 / fp32 in the
+  interpreter (fp8 values are exact there); rows through the gather chunk's remap; int32 keys.
+  With TMA (``kp`` a tensor descriptor, boxes of ``[BK, 128]``) a key tile is one bulk copy of
+  one thread, waited on through an mbarrier; it needs each tile to be one run of consecutive
+  rows (the launcher checks: one rank, or an interleave that BK divides). Without, each thread
+  copies 16-byte pieces of the tile's rows (eight per row), which takes about 60 more
+  instructions a thread per tile and a barrier of the whole program (bench/RESULTS.md, "The
+  logits with TMA key tiles").
 
 Ordered key of a float32 score: its bits if >= 0, else bits ^ 0x7FFFFFFF; signed int32 order of
 the keys is the float order.
@@ -68,6 +73,9 @@ def _query_tile(q_ptr, w_ptr, j0, T, HI, stride_qt, stride_qh, stride_wt, BQ: tl
 
 @triton.jit
 def _prefill_rows(c, pcu, PT, W: tl.constexpr, I: tl.constexpr):
+    """The plane rows of key positions ``c`` of a request whose region starts at ``pcu``
+    (the gather chunk's remap: interleaves of I keys dealt round-robin to W ranks' regions of PT
+    rows)."""
     g = c // I
     return (g % W) * PT + pcu + (g // W) * I + c % I
 
@@ -141,17 +149,25 @@ def _planar_scores(kp_ptr, ks_ptr, rows, kvalid, qT, w, BQ: tl.constexpr, HP: tl
     # rows past the block's keys are clamped to row 0 by the caller: a real row, whose scores
     # are never stored (each key's scores depend on its own row only), so no mask
     k = tl.load((kp_ptr + rows.to(tl.int64) * 128)[:, None] + d[None, :])
-    if kp_ptr.dtype.element_ty == tl.uint8:  # the interpreter's planes: bytes
-        k = k.to(tl.float8e4nv, bitcast=True)
-    if DOT_DTYPE == tl.float8e4nv:
-        acc = tl.dot(k, qT)  # [BK, BQ * HP] fp32
-    else:
-        acc = tl.dot(k.to(DOT_DTYPE), qT.to(DOT_DTYPE), input_precision=PRECISION)
     if SCALE_BYTES:
         scale = tl.load((ks_ptr + rows * 4).to(tl.pointer_type(tl.float32)), mask=kvalid,
                         other=0.0)
     else:
         scale = tl.load(ks_ptr + rows, mask=kvalid, other=0.0)
+    return _tile_scores(k, scale, qT, w, BQ, HP, DOT_DTYPE, PRECISION)
+
+
+@triton.jit
+def _tile_scores(k, scale, qT, w, BQ: tl.constexpr, HP: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """Scores [BK, BQ] of a key tile ``k [BK, 128]`` (fp8, or the interpreter's bytes of fp8)
+    with its scales ``[BK]`` against qT [128, BQ*HP]."""
+    if k.dtype == tl.uint8:  # the interpreter's planes: bytes
+        k = k.to(tl.float8e4nv, bitcast=True)
+    if DOT_DTYPE == tl.float8e4nv:
+        acc = tl.dot(k, qT)  # [BK, BQ * HP] fp32
+    else:
+        acc = tl.dot(k.to(DOT_DTYPE), qT.to(DOT_DTYPE), input_precision=PRECISION)
     return _epilogue(acc, w, scale, BQ, HP)
 
 
@@ -161,7 +177,9 @@ def _planar_scores(kp_ptr, ks_ptr, rows, kvalid, qT, w, BQ: tl.constexpr, HP: tl
 def logits_planar_kernel(q_ptr, w_ptr, kp_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
                          stride_qt, stride_qh, stride_wt, stride_ot, T, HI, L, PT, KEYS_PER_SPLIT,
                          W: tl.constexpr, I: tl.constexpr, BQ: tl.constexpr, HP: tl.constexpr,
-                         BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+                         BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+                         TMA: tl.constexpr):
+    """kp_ptr: the value plane, or (TMA) a tensor descriptor over it with boxes of [BK, 128]."""
     split = tl.program_id(0)
     # the last query blocks first: a prefill's later queries have the most keys, and the
     # longest programs starting first leave no long tail (longest processing time first)
@@ -188,9 +206,15 @@ def logits_planar_kernel(q_ptr, w_ptr, kp_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr
         for kb in range(lo, hi, BK):
             c = kb + tl.arange(0, BK)
             kvalid = c < hi
-            rows = tl.where(kvalid, _prefill_rows(c, pq, PT, W, I), 0)
-            s = _planar_scores(kp_ptr, ks_ptr, rows, kvalid, qT, w, BQ, HP, DOT_DTYPE, PRECISION,
-                               False)
+            if TMA:  # the tile is one run of rows from its first; rows past the plane read 0
+                r0 = _prefill_rows(kb, pq, PT, W, I)
+                k = kp_ptr.load([r0.to(tl.int32), 0])
+                scale = tl.load(ks_ptr + r0 + tl.arange(0, BK), mask=kvalid, other=0.0)
+                s = _tile_scores(k, scale, qT, w, BQ, HP, DOT_DTYPE, PRECISION)
+            else:
+                rows = tl.where(kvalid, _prefill_rows(c, pq, PT, W, I), 0)
+                s = _planar_scores(kp_ptr, ks_ptr, rows, kvalid, qT, w, BQ, HP, DOT_DTYPE,
+                                   PRECISION, False)
             valid = (c[:, None] < n[None, :]) & mine[None, :]
             _store(optr + c[:, None], s, valid, valid, True)
 

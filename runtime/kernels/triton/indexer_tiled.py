@@ -10,9 +10,9 @@ head, folded into the weights), as in every backend.
 Logits. Prefill (``logits_planar_kernel``): the gathered keys split into two planes (fp8 values
 ``[R, 128]`` in 128-byte rows, float32 scales ``[R]``: ``split_planes``); a program owns
 ``block_q`` consecutive queries and per ``block_k`` keys computes ``K @ Q^T`` on fp8 tensor
-cores, each key tile read once for its queries; a block across a request boundary takes one
-pass per query; query blocks run last first (a causal prefill's later queries have the most
-keys). Decode and explicit rows (``logits_kernel``): the key tile is the A operand, the
+cores, each key tile read once for its queries (one TMA copy where the tile is one run of
+rows, ``tma_tiles``); a block across a request boundary takes one pass per query; query
+blocks run last first (a causal prefill's later queries have the most keys). Decode and explicit rows (``logits_kernel``): the key tile is the A operand, the
 queries x heads the B operand; decode reads the block-planar paged cache (reference/formats.py)
 with 16-byte loads, fp8 products on CUDA, a request's keys split over programs
 (``decode_splits``: at most one wave of ``decode_programs_per_sm`` x SMs); rows of at least
@@ -51,6 +51,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..reference.formats import INDEXER_K_BYTES, NO_KEY
 from ..reference.indexer import topk_out
@@ -197,22 +198,35 @@ def split_planes(k_packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return vals, k_packed[:, 128:].contiguous().view(torch.float32).reshape(-1)
 
 
+def tma_tiles(W: int, I: int, bk: int) -> bool:
+    """Whether the prefill logits read their key tiles by TMA copies: each tile of ``bk`` key
+    positions must be one run of consecutive plane rows (one rank, or interleaves that ``bk``
+    divides); other gather layouts take per-thread copies."""
+    return W == 1 or I % bk == 0
+
+
 def _logits_planar(q, weights, kp, ks, out, L, lens, pcu, PT, W, I, *, bq, bk, warps, stages,
-                   dot=None, maxnreg=0):
+                   dot=None, maxnreg=0, tma=None):
     """Prefill int32 keys ``out [T, L]`` from the planes; q float8_e4m3fn (fp8 products) or,
     with ``dot`` fp16 / fp32 (the interpreter), any float q holding fp8 values. maxnreg: a
-    register cap per thread (0: the compiler's choice)."""
+    register cap per thread (0: the compiler's choice). tma: key tiles by TMA copies (None:
+    where ``tma_tiles`` allows; False: per-thread copies, as bench/indexer.py compares)."""
     T, HI, _ = q.shape
     dot = dot or (tl.float8e4nv if q.dtype == torch.float8_e4m3fn else _DOT[q.dtype])
     if q.numel() == 0:
         return
+    tma = tma_tiles(W, I, bk) if tma is None else tma
+    if tma and not tma_tiles(W, I, bk):
+        raise ValueError(f"TMA key tiles: got {W} ranks at interleave {I} with {bk}-key tiles; "
+                         f"expected one rank or an interleave that the tile divides")
     grid = (1, triton.cdiv(T, bq))
     hp = max(16, triton.next_power_of_2(HI))  # the cap fits tiles of <= 128 query-head columns
     ljit.logits_planar_kernel[grid](
-        q, weights, kp, ks, out, lens, pcu, q.stride(0), q.stride(1), weights.stride(0),
-        out.stride(0), T, HI, L, PT, triton.cdiv(L, bk) * bk, W=W, I=I, BQ=bq,
-        HP=hp, BK=bk, DOT_DTYPE=dot,
-        PRECISION="ieee" if dot == tl.float32 else "tf32", num_warps=warps, num_stages=stages,
+        q, weights, TensorDescriptor.from_tensor(kp, [bk, 128]) if tma else kp, ks, out, lens,
+        pcu, q.stride(0), q.stride(1), weights.stride(0), out.stride(0), T, HI, L, PT,
+        triton.cdiv(L, bk) * bk, W=W, I=I, BQ=bq, HP=hp, BK=bk, DOT_DTYPE=dot,
+        PRECISION="ieee" if dot == tl.float32 else "tf32", TMA=tma, num_warps=warps,
+        num_stages=stages,
         **({"maxnreg": maxnreg} if maxnreg and q.is_cuda and bq * hp <= 128 else {}))
 
 
