@@ -3,6 +3,7 @@ one (``runtime/kernels/indexer_tiled.py``, the Triton set's default) in the same
 bf16 matmul ceiling.
 
     python bench/indexer.py [--quick] [--only prefill,planar,decode,sort,decode-sweep,select-sweep]
+                            [--prefill-cases 2048x65536,8192x8192]
                             [--decode-cases 8x131072,64x65536-131072] [--variants filter] [--profile]
                             [--sweep]
                             [--planar-sweep] [--planar-tiles 2:128:4:3,2:64:8:3:128] [--json out.json]
@@ -622,6 +623,18 @@ def sweep_decode(B, ctx, ceil):
                     print(f"{name}: failed ({type(e).__name__})", flush=True)
 
 
+def _prefill_cases(text: str) -> list[tuple]:
+    """"2048x65536,8192x8192" -> [(2048, 65536), (8192, 8192)] (T queries x N keys)."""
+    try:
+        cases = [tuple(int(v) for v in item.lower().split("x")) for item in text.split(",")]
+    except ValueError:
+        cases = []
+    if not cases or any(len(c) != 2 or min(c) < 1 or c[0] > c[1] for c in cases):
+        raise argparse.ArgumentTypeError(
+            f"prefill cases {text!r}: expected TxN,... with 1 <= T <= N, e.g. 2048x65536")
+    return cases
+
+
 def _decode_cases(text: str) -> list[tuple]:
     """"8x131072,64x65536-131072" -> [(8, 131072), (64, 131072, 65536)] (B x context, or
     B x lo-hi: contexts spread over [lo, hi], as DECODE's ranged cases)."""
@@ -649,6 +662,8 @@ def main():
                     help="variant logits kernels timed beside the planar tiles: gluon; '' for "
                          "none")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--prefill-cases", type=_prefill_cases, metavar="TxN[,TxN...]",
+                    help="these prefill cases only, e.g. 2048x65536,8192x8192")
     ap.add_argument("--decode-cases", type=_decode_cases, metavar="BxCTX[,BxLO-HI...]",
                     help="these decode cases only, e.g. 8x131072,64x65536-131072")
     ap.add_argument("--variants", metavar="SUB[,SUB...]",
@@ -680,7 +695,8 @@ def main():
     parts = a.only.split(",")
     ok = True
     if "prefill" in parts:
-        ok &= run_prefill(PREFILL[:1] if a.quick else PREFILL, ceil, kernels, a.planar_sweep, dg)
+        cases = a.prefill_cases or (PREFILL[:1] if a.quick else PREFILL)
+        ok &= run_prefill(cases, ceil, kernels, a.planar_sweep, dg)
     if "planar" in parts:  # the planar logits tiles alone, first prefill case
         args, flops = prefill_inputs(*PREFILL[0])
         ok &= planar_logits(args, ceil, flops, a.planar_sweep)
