@@ -91,7 +91,6 @@ def run(args) -> int:
     # on small CPU hosts (measured on 2 cores: 14x slower steps without it)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from cpplan.schemas.errors import ConfigError
-    from cpplan.serve.run import prepare, serve
 
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise ConfigError(f"--temperature: got {args.temperature}; expected >= 0")
@@ -99,6 +98,20 @@ def run(args) -> int:
         raise ConfigError(f"--top-p: got {args.top_p}; expected in (0, 1]")
     if not (math.isfinite(args.timeout) and 1 <= args.timeout <= 86_400):
         raise ConfigError(f"--timeout: got {args.timeout}; expected in [1, 86400] seconds")
+    from cpplan.sim.launch import torchrun_env
+
+    env = torchrun_env()
+    size = max(args.pcp, args.dcp)
+    if env is not None and env.world_size != size:
+        # before the model is built or read (a checkpoint's weights can take minutes): rank 0
+        # says it in one line, the others exit alike
+        from cpplan.cli.simulate_cmd import _said_once
+
+        return _said_once(env.rank, ConfigError(
+            f"torchrun's world has {env.world_size} rank(s): --pcp {args.pcp} --dcp "
+            f"{args.dcp} needs max(P, W) = {size} (--nproc-per-node x --nnodes)"))
+    from cpplan.serve.run import prepare, serve
+
     prep = prepare(model=args.model, prompts_path=args.prompts,
                    max_new_tokens=args.max_new_tokens, seed=args.seed, pcp=args.pcp,
                    dcp=args.dcp, interleave=args.interleave,
@@ -109,9 +122,7 @@ def run(args) -> int:
                    temperature=args.temperature, top_p=args.top_p, keep_logits=args.check,
                    timeout_s=args.timeout, warmup=args.warmup,
                    cuda_graphs=args.device == "cuda" and not args.eager)
-    from cpplan.sim.launch import torchrun_env
-
-    job, env = prep.job, torchrun_env()
+    job = prep.job
     if env is None or env.rank == 0:
         how = "this process" if max(job.pcp, job.dcp) == 1 and env is None else (
             "torchrun" if env is not None else "spawned")
@@ -157,21 +168,16 @@ def run(args) -> int:
 
 
 def _as_torchrun_rank(prep, env, as_json: bool):
-    """This process as rank ``env.rank`` of torchrun's world (max(P, W) ranks; gloo on CPU,
-    NCCL on GPU LOCAL_RANK): rank 0 gets ``[RankResult]`` back to report; the others exit
-    here with their own code (a failure is one line naming the rank)."""
-    from cpplan.cli.simulate_cmd import _report_failures, _said_once
-    from cpplan.schemas.errors import ConfigError, RankLostError
+    """This process as rank ``env.rank`` of torchrun's world (max(P, W) ranks, checked by
+    ``run``; gloo on CPU, NCCL on GPU LOCAL_RANK): rank 0 gets ``[RankResult]`` back to
+    report; the others exit here with their own code (a failure is one line naming the
+    rank)."""
+    from cpplan.cli.simulate_cmd import _report_failures
+    from cpplan.schemas.errors import RankLostError
     from cpplan.serve.engine import serve_rank
     from cpplan.sim.launch import RankResult, join_torchrun, leave_torchrun
 
     job = prep.job
-    size = max(job.pcp, job.dcp)
-    if env.world_size != size:  # rank 0 raises it (one line); the others exit alike
-        code = _said_once(env.rank, ConfigError(
-            f"torchrun's world has {env.world_size} rank(s): --pcp {job.pcp} --dcp {job.dcp} "
-            f"needs max(P, W) = {size} (--nproc-per-node x --nnodes)"))
-        return [RankResult(env.rank, value={"rank": env.rank, "_code": code})]
     ctx = join_torchrun("nccl" if job.device == "cuda" else "gloo",
                         timeout_s=max(job.timeout_s * 4, 60.0))
     value = serve_rank(ctx, job)
