@@ -125,9 +125,14 @@ def test_killed_rank_is_named_within_timeout(fault, exchange):
     timeout = 5.0
     opts = SimOptions(pcp=3, dcp=3, steps=4, layers=1, progress=False, timeout_s=timeout,
                       kill=Inject(step=2, rank=1, kind=fault), digest_exchange=exchange)
+    # hang: the peers answer after the control timeout while rank 1 still sleeps (2 x the
+    # timeout); 1 s later it is declared lost (no answer) and close() ends it, instead of
+    # waiting out its sleep. exit: no settle (rank 1's death is the first answer; the peers
+    # may take up to timeout + 3 s after it)
+    settle = 1.0 if fault == "hang" else None
     with World(3, timeout_s=60) as world:
         t0 = time.monotonic()
-        results = world.run(rank_main, opts, timeout_s=120)
+        results = world.run(rank_main, opts, timeout_s=120, settle_s=settle)
         took = time.monotonic() - t0
     assert results[1].lost
     for r in (results[0], results[2]):
