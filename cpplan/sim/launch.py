@@ -264,16 +264,22 @@ class World:
                 results[rank] = RankResult(rank, lost=True)
         deadline = time.monotonic() + timeout_s
         first: float | None = None
-        while len(results) < self.world_size and time.monotonic() < deadline:
-            pending = [r for r in range(self.world_size) if r not in results]
-            multiprocessing.connection.wait([self._conns[r] for r in pending], timeout=0.05)
-            for rank in pending:
-                got = self._poll(rank)
-                if got is not None:
-                    results[rank] = got
-                    if first is None and settle_s is not None:
-                        first = time.monotonic()
-                        deadline = min(deadline, first + settle_s)
+        try:
+            while len(results) < self.world_size and time.monotonic() < deadline:
+                pending = [r for r in range(self.world_size) if r not in results]
+                multiprocessing.connection.wait([self._conns[r] for r in pending], timeout=0.05)
+                for rank in pending:
+                    got = self._poll(rank)
+                    if got is not None:
+                        results[rank] = got
+                        if first is None and settle_s is not None:
+                            first = time.monotonic()
+                            deadline = min(deadline, first + settle_s)
+        except KeyboardInterrupt:  # Ctrl-C / SIGTERM mid-job: close() ends the busy ranks now
+            for rank in range(self.world_size):  # rather than after their job
+                if rank not in results:
+                    self.alive[rank] = False
+            raise
         waited = time.monotonic() - first if first is not None else 0.0
         for rank in range(self.world_size):
             if rank not in results:
