@@ -19,7 +19,7 @@ ReLU, the head weights, the sum over each query's HP heads and the per-key scale
   rows (the launcher checks: one rank, or an interleave that BK divides). Without, each thread
   copies 16-byte pieces of the tile's rows (eight per row), which takes about 60 more
   instructions a thread per tile and a barrier of the whole program (bench/RESULTS.md, "The
-  logits with TMA key tiles").
+  prefill logits with TMA key tiles").
 
 Ordered key of a float32 score: its bits if >= 0, else bits ^ 0x7FFFFFFF; signed int32 order of
 the keys is the float order.

@@ -12,8 +12,9 @@ Logits. Prefill (``logits_planar_kernel``): the gathered keys split into two pla
 ``block_q`` consecutive queries and per ``block_k`` keys computes ``K @ Q^T`` on fp8 tensor
 cores, each key tile read once for its queries (one TMA copy where the tile is one run of
 rows, ``tma_tiles``); a block across a request boundary takes one pass per query; query
-blocks run last first (a causal prefill's later queries have the most keys). Decode and explicit rows (``logits_kernel``): the key tile is the A operand, the
-queries x heads the B operand; decode reads the block-planar paged cache (reference/formats.py)
+blocks run last first (a causal prefill's later queries have the most keys). Decode and
+explicit rows (``logits_kernel``): the key tile is the A operand, the queries x heads the B
+operand; decode reads the block-planar paged cache (reference/formats.py)
 with 16-byte loads, fp8 products on CUDA, a request's keys split over programs
 (``decode_splits``: at most one wave of ``decode_programs_per_sm`` x SMs); rows of at least
 ``decode_balanced_keys`` take the balanced launch (``logits_balanced_kernel``: the batch's key
