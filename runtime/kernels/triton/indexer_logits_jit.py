@@ -17,7 +17,7 @@ ReLU, the head weights, the sum over each query's HP heads and the per-key scale
   With TMA (``kp`` a tensor descriptor, boxes of ``[BK, 128]``) a key tile is one bulk copy of
   one thread, waited on through an mbarrier; it needs each tile to be one run of consecutive
   rows (the launcher checks: one rank, or an interleave that BK divides). Without, each thread
-  copies 16-byte pieces of the tile's rows (eight per row), which takes about 60 more
+  copies 16-byte pieces of the tile's rows (eight per row), which takes about 45 more
   instructions a thread per tile and a barrier of the whole program (bench/RESULTS.md, "The
   prefill logits with TMA key tiles").
 

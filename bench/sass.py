@@ -1,0 +1,113 @@
+"""The prefill logits kernel compiled for sm_90 offline (no GPU needed) and its key loop read.
+
+    python bench/sass.py [--bk 64] [--warps 4] [--stages 3] [--maxnreg 128] [--copies] [--bq 2]
+                         [--sass FILE]
+
+``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` with the installed Triton (install the
+device's Triton version to read what the H200 runs), then the cuobjdump / nvdisasm that Triton's
+NVIDIA backend ships: registers, stack and spills of the kernel, and the instruction mix of the
+loop that holds the tensor-core products (one key tile a trip). ``--copies``: per-thread key
+copies instead of TMA tiles. bench/RESULTS.md ("Where the prefill indexer's time goes") reads
+these counts next to the H200's timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from cpplan.runtime.kernels.triton import indexer_logits_jit as ljit
+
+POINTERS = {"q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "ks_ptr": "*fp32", "out_ptr": "*i32",
+            "len_ptr": "*i32", "pcu_ptr": "*i64"}
+INTS = ("stride_qt", "stride_qh", "stride_wt", "stride_ot", "T", "HI", "L", "PT", "KEYS_PER_SPLIT")
+
+
+def compile_logits(bq: int, bk: int, warps: int, stages: int, maxnreg: int, tma: bool):
+    """The compiled kernel (``triton.compile`` for sm_90) of ``logits_planar_kernel``."""
+    kp = f"tensordesc<fp8e4nv[{bk}, 128]>" if tma else "*fp8e4nv"
+    sig = {"q_ptr": POINTERS["q_ptr"], "w_ptr": POINTERS["w_ptr"], "kp_ptr": kp,
+           **{k: POINTERS[k] for k in ("ks_ptr", "out_ptr", "len_ptr", "pcu_ptr")},
+           **dict.fromkeys(INTS, "i32")}
+    const = {"W": 1, "I": 1, "BQ": bq, "HP": 64, "BK": bk, "DOT_DTYPE": tl.float8e4nv,
+             "PRECISION": "tf32", "TMA": tma}
+    sig.update(dict.fromkeys(const, "constexpr"))
+    names = list(sig)
+    aligned = [n for n in names if sig[n].startswith("*")] + ["stride_ot"]  # as the launcher's
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    opts = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    return triton.compile(ASTSource(ljit.logits_planar_kernel, sig, const, attrs),
+                          target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def _tool(name: str) -> str:
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    if not os.access(path, os.X_OK):
+        sys.exit(f"bench/sass.py: no {name} in this Triton ({path}); expected Triton's NVIDIA "
+                 f"backend binaries")
+    return path
+
+
+def loop_mix(sass: str) -> tuple[int, collections.Counter]:
+    """(lines, opcode counts) of the loop around the first tensor-core product: from the label
+    before it to the first branch after it."""
+    lines = sass.splitlines()
+    first = next((i for i, s in enumerate(lines) if "GMMA" in s), None)
+    if first is None:
+        return 0, collections.Counter()
+    start = max(i for i in range(first) if re.match(r"^\.L_x_\d+:", lines[i]))
+    end = next(i for i in range(first, len(lines)) if "BRA" in lines[i])
+    ops = collections.Counter()
+    for s in lines[start:end + 1]:
+        m = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", s)
+        if m:
+            ops[m.group(1)] += 1
+    return sum(ops.values()), ops
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bq", type=int, default=2)
+    ap.add_argument("--bk", type=int, default=64)
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--maxnreg", type=int, default=128, help="0: no register cap")
+    ap.add_argument("--copies", action="store_true", help="per-thread key copies, not TMA tiles")
+    ap.add_argument("--sass", help="write the disassembly here")
+    a = ap.parse_args(argv)
+    k = compile_logits(a.bq, a.bk, a.warps, a.stages, a.maxnreg, not a.copies)
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(k.asm["cubin"])
+        res = subprocess.run([_tool("cuobjdump"), "-res-usage", cubin], capture_output=True,
+                             text=True, check=True).stdout
+        sass = subprocess.run([_tool("nvdisasm"), "-c", cubin], capture_output=True, text=True,
+                              check=True).stdout
+    if a.sass:
+        with open(a.sass, "w") as f:
+            f.write(sass)
+    usage = re.search(r"REG:(\d+) STACK:(\d+)", res)
+    n, ops = loop_mix(sass)
+    print(f"logits_planar_kernel, Triton {triton.__version__}, sm_90: BQ {a.bq} BK {a.bk}, "
+          f"{a.warps} warps, {a.stages} stages, cap {a.maxnreg or 'none'}, "
+          f"{'per-thread copies' if a.copies else 'TMA tiles'}")
+    print(f"registers {usage.group(1)}, stack {usage.group(2)} B, spill instructions "
+          f"{len(re.findall(r'STL|LDL', sass))}, shared memory {k.metadata.shared} B")
+    print(f"key loop: {n} instructions a thread a trip: "
+          + ", ".join(f"{c} {op}" for op, c in ops.most_common()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
