@@ -6,8 +6,9 @@ bench/RESULTS.md).
 
 Each attention case builds the inputs of bench/kernels.py, each indexer case (``INDEXER_CASES``)
 those of bench/indexer.py's first prefill case (T 4096 x N 32768: the whole prefill indexer, its
-logits and select kernels; or the logits alone, with TMA or per-thread key copies); each runs twice outside the profiled
-range (compilation, caches), then once between ``cudaProfilerStart`` and ``cudaProfilerStop``.
+logits and select kernels; or the logits alone, with TMA or per-thread key copies); each runs
+twice outside the profiled range (compilation, caches), then once between ``cudaProfilerStart``
+and ``cudaProfilerStop``.
 ``--list`` prints the cases; ``--time`` times every attention case with do_bench instead (no ncu
 needed).
 """
@@ -47,7 +48,8 @@ def build_indexer(case: str):
     from cpplan.runtime.kernels.triton import indexer_tiled as it
     from cpplan.runtime.kernels.triton import pack
 
-    (args, _), N = prefill_inputs(*PREFILL[0]), PREFILL[0][1]
+    args, _ = prefill_inputs(*PREFILL[0])
+    N = args[5]  # keys
     if case == "indexer_prefill":
         return lambda: it.indexer_topk_prefill(*args, max_keys=N)
     q, w, k, key_len, pcu = args[:5]

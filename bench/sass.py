@@ -28,26 +28,25 @@ from triton.compiler import ASTSource
 
 from cpplan.runtime.kernels.triton import indexer_logits_jit as ljit
 
+# argument types of logits_planar_kernel's pointers (the key plane's by ``tma``); ints are i32
 POINTERS = {"q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "ks_ptr": "*fp32", "out_ptr": "*i32",
             "len_ptr": "*i32", "pcu_ptr": "*i64"}
-INTS = ("stride_qt", "stride_qh", "stride_wt", "stride_ot", "T", "HI", "L", "PT", "KEYS_PER_SPLIT")
 
 
 def compile_logits(bq: int, bk: int, warps: int, stages: int, maxnreg: int, tma: bool):
     """The compiled kernel (``triton.compile`` for sm_90) of ``logits_planar_kernel``."""
-    kp = f"tensordesc<fp8e4nv[{bk}, 128]>" if tma else "*fp8e4nv"
-    sig = {"q_ptr": POINTERS["q_ptr"], "w_ptr": POINTERS["w_ptr"], "kp_ptr": kp,
-           **{k: POINTERS[k] for k in ("ks_ptr", "out_ptr", "len_ptr", "pcu_ptr")},
-           **dict.fromkeys(INTS, "i32")}
+    fn = ljit.logits_planar_kernel
     const = {"W": 1, "I": 1, "BQ": bq, "HP": 64, "BK": bk, "DOT_DTYPE": tl.float8e4nv,
              "PRECISION": "tf32", "TMA": tma}
-    sig.update(dict.fromkeys(const, "constexpr"))
-    names = list(sig)
-    aligned = [n for n in names if sig[n].startswith("*")] + ["stride_ot"]  # as the launcher's
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    kp = f"tensordesc<fp8e4nv[{bk}, 128]>" if tma else "*fp8e4nv"
+    sig = {n: "constexpr" if n in const else kp if n == "kp_ptr" else POINTERS.get(n, "i32")
+           for n in fn.arg_names}
+    # 16-byte aligned, as the launcher's tensors and its output row stride are
+    aligned = [i for i, n in enumerate(fn.arg_names) if sig[n].startswith("*") or n == "stride_ot"]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     opts = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
-    return triton.compile(ASTSource(ljit.logits_planar_kernel, sig, const, attrs),
-                          target=GPUTarget("cuda", 90, 32), options=opts)
+    return triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=opts)
 
 
 def _tool(name: str) -> str:
