@@ -7,7 +7,7 @@ bf16 matmul ceiling.
                             [--decode-cases 8x131072,64x65536-131072] [--variants filter] [--profile]
                             [--sweep]
                             [--planar-sweep] [--planar-tiles 2:128:4:3,2:64:8:3:128] [--json out.json]
-                            [--planar-variants gluon] [--inputs integer|normal] [--deepgemm]
+                            [--planar-variants gluon,ws] [--inputs integer|normal] [--deepgemm]
 
 Prefill cases: the last T tokens of an N-token context (query i has keys 0 .. N - T + i),
 64 heads x 128 dims, topk 2048, one rank. Decode cases: B requests of one context each (and 64
@@ -25,8 +25,10 @@ tile choices
 indexer, its logits and its select, eager and replayed from a CUDA graph (``do_bench_cudagraph``:
 eager decode figures are host-launch-bound), and select variants (graph; ``DECODE_SELECTS``).
 ``planar`` times the planar logits tiles alone (``--planar-tiles``; each also with per-thread key
-copies instead of TMA copies, the default before) and the Gluon logits of bench/variants
-(``--planar-variants``, ``GLUON_TILES``); ``sort`` times
+copies instead of TMA copies, the default before), the Gluon logits of bench/variants
+(``GLUON_TILES``) and the warp-specialised Gluon logits (``WS_TILES``; ``--planar-variants``);
+the prefill cases' "planar logits" part is the default kernel (the warp-specialised one on a
+Hopper GPU, ``indexer_tiled.prefill_logits``); ``sort`` times
 ``tl.sort`` of 4096 values as segments; ``decode-sweep`` the decode tiles
 (graph); ``select-sweep`` the select tunables (first prefill case); ``--planar-sweep`` the
 planar tiles; ``--sweep`` tile variants of the first prefill case and of the decode cases.
@@ -159,10 +161,8 @@ def prefill_parts(args, tiles, ceil, flops, label):
     q8, w8 = pack.quantize_indexer_q(q, w)
     kp, ks = it.split_planes(k)
 
-    def logits():
-        it._logits_planar(q8, w8, kp, ks, keys, N, key_len, pcu, N, 1, 1, bq=tiles.block_q,
-                          bk=tiles.block_k, warps=tiles.logits_warps, stages=tiles.logits_stages,
-                          maxnreg=tiles.logits_maxnreg)
+    def logits():  # the default kernel: the warp-specialised one where it runs
+        it.prefill_logits(q8, w8, kp, ks, keys, N, key_len, pcu, N, 1, 1, tiles)
 
     def select():
         it._select(keys, key_len, TOPK, top_s, top_i, tiles)
@@ -382,7 +382,7 @@ def _planar_tiles(text: str) -> list[tuple]:
     return tiles
 
 
-PLANAR_VARIANTS = ("gluon",)  # --planar-variants: the variant kernels planar_logits times
+PLANAR_VARIANTS = ("gluon", "ws")  # --planar-variants: the variant kernels planar_logits times
 PLANAR_DEFAULT_TILES = None  # --planar-tiles: the tiles planar_logits times (None: its own list)
 
 
@@ -424,6 +424,38 @@ def planar_logits(args, ceil, flops, sweep_tiles=False):
             print(f"  planar {name}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
     if "gluon" in PLANAR_VARIANTS:
         ok &= gluon_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops)
+    if "ws" in PLANAR_VARIANTS:
+        ok &= ws_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops)
+    return ok
+
+
+# (queries a CTA, math warpgroups, ring stages) of the warp-specialised logits
+WS_TILES = ((4, 2, 4), (4, 2, 3), (4, 2, 6), (2, 2, 4), (2, 4, 4), (2, 4, 6), (4, 4, 4))
+
+
+def ws_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops):
+    """The warp-specialised Gluon logits (runtime/kernels/gluon/indexer_logits.py) at each of
+    WS_TILES, checked equal to the Triton kernel's keys; a Triton without Gluon, or a variant
+    that does not build or run, prints one line."""
+    try:
+        from cpplan.runtime.kernels.gluon import indexer_logits as ws
+    except ImportError as e:
+        print(f"  ws logits: not available ({e})", flush=True)
+        return True
+    ok = True
+    for bq, nm, ns in WS_TILES:
+        def fn(bq=bq, nm=nm, ns=ns):
+            ws.launch(q8, w8, kp, ks, got, key_len, pcu, N, 1, 1, block_q=bq,
+                      math_warpgroups=nm, stages=ns)
+        name = f"  ws fp8 logits bq {bq}, {nm} math warpgroups, {ns} stages"
+        try:
+            got.fill_(0)
+            fn()
+            eq = torch.equal(torch.where(valid, got, 0), torch.where(valid, want, 0))
+            ok &= eq
+            row(name, bench(fn), flops, ceil, f"== Triton kernel: {eq}")
+        except FAILS + (ValueError,) as e:
+            print(f"{name}: failed ({_first_line(e)[:100]})", flush=True)
     return ok
 
 
@@ -658,9 +690,10 @@ def main():
     ap.add_argument("--planar-sweep", action="store_true", help="planar fp8 logits tiles")
     ap.add_argument("--planar-tiles", type=_planar_tiles, metavar="BQ:BK:W:S[:REGS],...",
                     help="the planar logits tiles timed (default: the default and one other)")
-    ap.add_argument("--planar-variants", default="gluon", metavar="NAME[,NAME]",
-                    help="variant logits kernels timed beside the planar tiles: gluon; '' for "
-                         "none")
+    ap.add_argument("--planar-variants", default="gluon,ws", metavar="NAME[,NAME]",
+                    help="variant logits kernels timed beside the planar tiles: gluon (the "
+                         "bench/variants kernel), ws (the warp-specialised one's WS_TILES); '' "
+                         "for none")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--prefill-cases", type=_prefill_cases, metavar="TxN[,TxN...]",
                     help="these prefill cases only, e.g. 2048x65536,8192x8192")

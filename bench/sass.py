@@ -1,13 +1,16 @@
-"""The prefill logits kernel compiled for sm_90 offline (no GPU needed) and its key loop read.
+"""The prefill logits kernels compiled for sm_90 offline (no GPU needed) and their key loop read.
 
     python bench/sass.py [--bk 64] [--warps 4] [--stages 3] [--maxnreg 128] [--copies] [--bq 2]
                          [--sass FILE]
+    python bench/sass.py --ws [--bq 4] [--math-warpgroups 2] [--stages 4] [--ptx FILE]
 
 ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` with the installed Triton (install the
 device's Triton version to read what the H200 runs), then the cuobjdump / nvdisasm that Triton's
 NVIDIA backend ships: registers, stack and spills of the kernel, and the instruction mix of the
 loop that holds the tensor-core products (one key tile a trip). ``--copies``: per-thread key
-copies instead of TMA tiles. bench/RESULTS.md ("Where the prefill indexer's time goes") reads
+copies instead of TMA tiles. ``--ws``: the warp-specialised Gluon kernel
+(``runtime/kernels/gluon/indexer_logits_jit.py``) instead, its math warpgroups' loop (Gluon's AST
+source; run it without ``TRITON_INTERPRET``). bench/RESULTS.md ("Where the prefill indexer's time goes") reads
 these counts next to the H200's timings.
 """
 
@@ -49,6 +52,28 @@ def compile_logits(bq: int, bk: int, warps: int, stages: int, maxnreg: int, tma:
                           options=opts)
 
 
+def compile_ws(bq: int, math_warpgroups: int, stages: int):
+    """The compiled kernel (sm_90) of the warp-specialised Gluon logits, at the launcher's
+    register budget."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from cpplan.runtime.kernels.gluon import indexer_logits as ws
+
+    fn = ws.ljit.ws_logits_kernel
+    layout = gl.NVMMASharedLayout.get_default_for([ws.BOX, 128], gl.float8e4nv)
+    cap, regs = ws._REGISTERS[math_warpgroups]
+    const = {"W": 1, "I": 1, "BQ": bq, "HP": 64, "NM": math_warpgroups, "NS": stages,
+             "MATH_REGS": regs}
+    ptrs = {**POINTERS, "q_ptr": "*fp8e4nv"}
+    sig = {n: "constexpr" if n in const else f"tensordesc<fp8e4nv[{ws.BOX}, 128],{layout!r}>"
+           if n == "kdesc" else ptrs.get(n, "i32") for n in fn.arg_names}
+    aligned = [i for i, n in enumerate(fn.arg_names) if sig[n].startswith("*") or n == "stride_ot"]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    return triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, "maxnreg": cap})
+
+
 def _tool(name: str) -> str:
     path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
     if not os.access(path, os.X_OK):
@@ -83,8 +108,17 @@ def main(argv=None) -> int:
     ap.add_argument("--maxnreg", type=int, default=128, help="0: no register cap")
     ap.add_argument("--copies", action="store_true", help="per-thread key copies, not TMA tiles")
     ap.add_argument("--sass", help="write the disassembly here")
+    ap.add_argument("--ws", action="store_true", help="the warp-specialised Gluon kernel")
+    ap.add_argument("--math-warpgroups", type=int, default=2, help="--ws: 2 or 4")
+    ap.add_argument("--ptx", help="write the PTX here")
     a = ap.parse_args(argv)
-    k = compile_logits(a.bq, a.bk, a.warps, a.stages, a.maxnreg, not a.copies)
+    if a.ws:  # its own defaults: the launcher's
+        given = argv if argv is not None else sys.argv
+        a.stages = a.stages if "--stages" in given else 4
+        a.bq = a.bq if "--bq" in given else 4
+        k = compile_ws(a.bq, a.math_warpgroups, a.stages)
+    else:
+        k = compile_logits(a.bq, a.bk, a.warps, a.stages, a.maxnreg, not a.copies)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
         with open(cubin, "wb") as f:
@@ -96,8 +130,22 @@ def main(argv=None) -> int:
     if a.sass:
         with open(a.sass, "w") as f:
             f.write(sass)
+    if a.ptx:
+        with open(a.ptx, "w") as f:
+            f.write(k.asm["ptx"])
     usage = re.search(r"REG:(\d+) STACK:(\d+)", res)
     n, ops = loop_mix(sass)
+    if a.ws:
+        gmma = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", k.asm["ptx"])))
+        nreg = sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", k.asm["ptx"])))
+        print(f"ws_logits_kernel, Triton {triton.__version__}, sm_90: BQ {a.bq}, "
+              f"{a.math_warpgroups} math warpgroups, {a.stages} stages; products "
+              f"{', '.join(gmma)}; setmaxnreg {', '.join(f'{d} {r}' for d, r in nreg)}")
+        print(f"registers {usage.group(1)}, stack {usage.group(2)} B, spill instructions "
+              f"{len(re.findall(r'STL|LDL', sass))}, shared memory {k.metadata.shared} B")
+        print(f"math loop: {n} instructions a thread a tile: "
+              + ", ".join(f"{c} {op}" for op, c in ops.most_common()))
+        return 0
     print(f"logits_planar_kernel, Triton {triton.__version__}, sm_90: BQ {a.bq} BK {a.bk}, "
           f"{a.warps} warps, {a.stages} stages, cap {a.maxnreg or 'none'}, "
           f"{'per-thread copies' if a.copies else 'TMA tiles'}")

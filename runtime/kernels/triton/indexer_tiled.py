@@ -47,6 +47,7 @@ Every path writes every output slot (pads -inf / NO_KEY), so outputs need no fil
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -70,8 +71,12 @@ class IndexerTiles:
     sample sizes and row-shape thresholds (results do not depend on them; bench/indexer.py
     --sweep varies them; the defaults' figures: bench/RESULTS.md)."""
 
-    # prefill logits
-    block_q: int = 2  # queries per program (N = block_q * padded heads)
+    # prefill logits: the warp-specialised Gluon kernel on Hopper (``ws_*``), else Triton's
+    logits_ws: bool = False  # the Gluon kernel where it applies (``prefill_logits``)
+    ws_block_q: int = 4  # queries a CTA (N = block_q * padded heads <= 256)
+    ws_math_warpgroups: int = 2  # tiles of 64 keys a math warpgroup (2 or 4)
+    ws_stages: int = 4  # key tiles in the ring
+    block_q: int = 2  # Triton's: queries per program (N = block_q * padded heads)
     block_k: int = 64  # keys per product (M)
     logits_warps: int = 4
     logits_stages: int = 3
@@ -229,6 +234,42 @@ def _logits_planar(q, weights, kp, ks, out, L, lens, pcu, PT, W, I, *, bq, bk, w
         PRECISION="ieee" if dot == tl.float32 else "tf32", TMA=tma, num_warps=warps,
         num_stages=stages,
         **({"maxnreg": maxnreg} if maxnreg and q.is_cuda and bq * hp <= 128 else {}))
+
+
+@functools.cache
+def _ws_device(index: int) -> bool:
+    """Whether CUDA device ``index`` is a Hopper (sm_90) and this Triton has the Gluon API of
+    the warp-specialised logits."""
+    if torch.cuda.get_device_capability(index)[0] != 9:
+        return False
+    try:
+        from ..gluon import indexer_logits  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def ws_logits(q, W: int, I: int, tiles: IndexerTiles):
+    """The warp-specialised logits' launcher module where it runs these prefill logits (a CUDA
+    Hopper device, ``tiles.logits_ws``, a gather layout of 64-key runs), else None."""
+    if not (tiles.logits_ws and q.is_cuda and _ws_device(q.device.index or 0)):
+        return None
+    from ..gluon import indexer_logits
+
+    return indexer_logits if indexer_logits.supported(W, I, q.shape[1], tiles.ws_block_q) else None
+
+
+def prefill_logits(q8, w8, kp, ks, out, L, lens, pcu, PT, W, I, tiles: IndexerTiles):
+    """Prefill int32 keys ``out [T, L]`` (``_logits_planar``'s contract) by the warp-specialised
+    Gluon kernel where ``ws_logits`` allows, else by the Triton kernel."""
+    ws = ws_logits(q8, W, I, tiles)
+    if ws is not None:
+        ws.launch(q8, w8, kp, ks, out, lens, pcu, PT, W, I, block_q=tiles.ws_block_q,
+                  math_warpgroups=tiles.ws_math_warpgroups, stages=tiles.ws_stages)
+        return
+    _logits_planar(q8, w8, kp, ks, out, L, lens, pcu, PT, W, I, bq=tiles.block_q,
+                   bk=tiles.block_k, warps=tiles.logits_warps, stages=tiles.logits_stages,
+                   maxnreg=tiles.logits_maxnreg)
 
 
 def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1, rank=0):
@@ -516,10 +557,8 @@ def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_loc
     # longest launches are queued first and the host runs ahead of the device sooner
     for t0 in reversed(range(0, T, step)):
         t1 = min(T, t0 + step)
-        _logits_planar(q8[t0:t1], w8[t0:t1], kp, ks, keys[: t1 - t0], L, key_len[t0:t1],
-                       region_pcu[t0:t1], padded_local_total, dcp_size, interleave,
-                       bq=tiles.block_q, bk=tiles.block_k, warps=tiles.logits_warps,
-                       stages=tiles.logits_stages, maxnreg=tiles.logits_maxnreg)
+        prefill_logits(q8[t0:t1], w8[t0:t1], kp, ks, keys[: t1 - t0], L, key_len[t0:t1],
+                       region_pcu[t0:t1], padded_local_total, dcp_size, interleave, tiles)
         _select(keys[: t1 - t0], key_len[t0:t1], topk, top_s[t0:t1], top_i[t0:t1], tiles)
     return top_s, top_i
 

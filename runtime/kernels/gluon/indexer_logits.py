@@ -1,0 +1,58 @@
+"""Launcher of the warp-specialised prefill indexer logits (body in ``indexer_logits_jit.py``;
+sm_90, a Triton with Gluon: importing this module fails with ImportError on one without).
+
+``indexer_tiled._logits_planar`` calls it on a Hopper GPU where ``supported`` holds, and the
+Triton kernel elsewhere (the interpreter, other GPUs, gather layouts whose 64-key boxes are not
+runs of rows). Figures: bench/RESULTS.md (``python3 bench/indexer.py --only planar``).
+"""
+
+from __future__ import annotations
+
+import triton
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from . import indexer_logits_jit as ljit
+
+BOX = 64  # key rows a TMA box: the M of one math warpgroup's product
+MAX_COLUMNS = 256  # block_q x padded heads: the N of one wgmma
+# (kernel register cap, registers of a math warpgroup) by math warpgroups: the CTA's warpgroups
+# (the loader's and the math ones) share the 64K registers; the loader keeps what is left
+_REGISTERS = {2: (168, 240), 4: (96, 112)}
+
+
+def padded_heads(num_heads: int) -> int:
+    """Heads padded to a power of two >= 16 (the product's columns of one query)."""
+    return max(16, triton.next_power_of_2(num_heads))
+
+
+def supported(W: int, I: int, num_heads: int, block_q: int) -> bool:
+    """Whether the kernel takes this layout: every 64-key box one run of plane rows (one rank,
+    or an interleave that 64 divides) and at most 256 product columns."""
+    return (W == 1 or I % BOX == 0) and block_q * padded_heads(num_heads) <= MAX_COLUMNS
+
+
+def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, block_q: int = 4,
+           math_warpgroups: int = 2, stages: int = 4) -> None:
+    """Prefill int32 keys ``out [T, >= max lens]`` (``indexer_tiled._logits_planar``'s
+    contract): q8 ``[T, HI, 128]`` float8_e4m3fn, weights ``[T, HI]`` float32 (the query's
+    scales folded in), the key planes ``kp [R, 128]`` float8_e4m3fn (contiguous) and ``ks [R]``
+    float32, key_len ``lens [T]``, region starts ``pcu [T]`` int64; all on one CUDA device.
+    Only the first lens[t] columns of row t are written. block_q queries a CTA, tiles of
+    ``math_warpgroups`` x 64 keys, ``stages`` tiles in the ring."""
+    T, HI, _ = q8.shape
+    if not supported(W, I, HI, block_q) or math_warpgroups not in _REGISTERS or stages < 2:
+        raise ValueError(f"warp-specialised logits: got W {W}, interleave {I}, {HI} heads, "
+                         f"block_q {block_q}, {math_warpgroups} math warpgroups, {stages} "
+                         f"stages; expected one rank or an interleave that {BOX} divides, "
+                         f"block_q x padded heads <= {MAX_COLUMNS}, 2 or 4 math warpgroups, "
+                         f">= 2 stages")
+    if T == 0:
+        return
+    layout = gl.NVMMASharedLayout.get_default_for([BOX, 128], gl.float8e4nv)
+    kdesc = TensorDescriptor.from_tensor(kp, [BOX, 128], layout)
+    cap, regs = _REGISTERS[math_warpgroups]
+    ljit.ws_logits_kernel[(triton.cdiv(T, block_q),)](
+        q8, weights, kdesc, ks, out, lens, pcu, q8.stride(0), q8.stride(1), weights.stride(0),
+        out.stride(0), T, HI, PT, W=W, I=I, BQ=block_q, HP=padded_heads(HI),
+        NM=math_warpgroups, NS=stages, MATH_REGS=regs, num_warps=4, maxnreg=cap)

@@ -1,0 +1,194 @@
+"""Jitted body of the warp-specialised prefill indexer logits (Gluon, sm_90).
+
+Same contract and int32 keys as ``triton/indexer_logits_jit.logits_planar_kernel`` (fp8 key
+planes, the fp8-quantised query, ReLU, head weights, the sum over each query's heads, the
+per-key power-of-two scale; docs/design.md §4.3). Why a second kernel: in the Triton one each
+4-warp program waits on its product and then runs its epilogue, the two never overlapping
+within a program, and every program reads its own key tiles and a B operand of two queries
+(N 128); shared memory, which the tensor cores read both operands from, runs out first at the
+card's fp8 rate (bench/RESULTS.md, "Where the prefill indexer's time goes"). Here, one CTA a
+SM at a time:
+
+- a loader warp copies key tiles of ``NM x 64`` keys by TMA (one box of 64 rows per math
+  warpgroup) into a ring of ``NS`` stages, each stage an mbarrier "ready" (the copies' bytes)
+  and an mbarrier "free" (one arrive per math warpgroup once its product has read it);
+- ``NM`` math warpgroups (the default partition and ``NM - 1`` workers) each take their 64 keys
+  of every tile: one product ``K [64, 128] @ Q^T [128, BQ x HP]`` of all ``BQ`` queries of the
+  block (N up to 256: the B operand, the block's queries, stays in shared memory for the whole
+  loop, so a wider N reads fewer bytes of shared memory a product), then the epilogue in
+  registers (ReLU, weights, the sum over heads within a thread and a quad, the scale) and
+  stores straight from the accumulator's layout. The warpgroups run out of phase: one's
+  epilogue on the CUDA cores while another's product is on the tensor cores;
+- register budget: the math warpgroups take ``MATH_REGS`` registers a thread, the loader 24
+  (``gl.warp_specialize``'s ``setmaxnreg``; the launcher caps the kernel so that they add up).
+
+A block across a request boundary (rare) takes one pass per query, as in the Triton kernel;
+tiles past a query's keys are multiplied (TMA reads rows past the plane as 0) and never
+stored. Tiles must be runs of consecutive plane rows: one rank, or an interleave that 64
+divides (the launcher checks). Launched by ``indexer_logits.py``.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+# a TMA copy into shared memory: ``async_load`` in Triton 3.9, ``async_copy_global_to_shared``
+# before (3.6, the GPU image's)
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+SUB = gl.constexpr(64)  # keys a math warpgroup multiplies a tile: the M of one wgmma
+
+
+@gluon.jit
+def _prefill_rows(c, pcu, PT, W: gl.constexpr, I: gl.constexpr):
+    """Plane row of key position c of a request whose region starts at pcu (the gather
+    chunk's remap, as ``triton/indexer_logits_jit._prefill_rows``)."""
+    g = c // I
+    return (g % W) * PT + pcu + (g // W) * I + c % I
+
+
+@gluon.jit
+def _pass_start(qi, pcu_ptr, j0, T, p_lo, shared):
+    """Region start of pass qi: the block's request (shared), else query qi's own."""
+    own = gl.load(pcu_ptr + j0 + qi, mask=j0 + qi < T, other=0).to(gl.int64)
+    return gl.where(shared, p_lo, own)
+
+
+@gluon.jit
+def _loader(kdesc, ring, ready, free, pcu_ptr, j0, T, PT, hi, p_lo, shared,
+            W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr, NM: gl.constexpr,
+            NS: gl.constexpr):
+    """The CTA's first warpgroup (one thread issues the copies; scalars only: Triton 3.6
+    builds this default partition outside any warp-count context, where tensors of a layout
+    fail to verify): every tile's NM boxes of 64 key rows into ring stage ``it % NS`` once the
+    math warpgroups have freed it (the first NS stages are free from the start)."""
+    tiles = gl.cdiv(hi, NM * SUB)
+    it = 0
+    for qi in range(gl.where(shared, 1, BQ)):
+        pq = _pass_start(qi, pcu_ptr, j0, T, p_lo, shared)
+        for t in range(tiles):
+            s = it % NS
+            mbarrier.wait(free.index(s), ((it // NS) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), NM * kdesc.block_type.nbytes)
+            for m in gl.static_range(NM):
+                r = _prefill_rows(t * (NM * SUB) + m * SUB, pq, PT, W, I)
+                _tma_load(kdesc, [r.to(gl.int32), 0], ready.index(s),
+                                                ring.index(s * NM + m))
+            it += 1
+
+
+# The math warpgroup's loop (stage wait, product, scale loads under it, epilogue, stores) is
+# one schedule: over 50 lines on purpose.
+@gluon.jit
+def _math(q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T, HI, PT,
+          stride_wt, stride_ot, hi, p_lo, shared, W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr,
+          HP: gl.constexpr, NM: gl.constexpr, NS: gl.constexpr, WG: gl.constexpr):
+    """Math warpgroup WG: keys WG x 64 .. WG x 64 + 63 of every tile, all BQ queries."""
+    N: gl.constexpr = BQ * HP
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, N, 32])
+    zero = gl.zeros([SUB, N], gl.float32, layout=MMA)
+    # the layout of a tile's [64, BQ] scores (the products summed over heads)
+    S_L: gl.constexpr = gl.sum(gl.reshape(zero, [SUB, BQ, HP]), 2).type.layout
+    KEY: gl.constexpr = gl.SliceLayout(1, S_L)
+    LQ: gl.constexpr = gl.SliceLayout(0, S_L)
+    rw = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
+    jw = j0 + rw // HP
+    hw = rw % HP
+    w = gl.load(w_ptr + jw.to(gl.int64) * stride_wt + hw, mask=(hw < HI) & (jw < T), other=0.0)
+    jb = gl.arange(0, BQ, layout=LQ)
+    n = gl.load(len_ptr + j0 + jb, mask=j0 + jb < T, other=0).to(gl.int32)
+    optr = out_ptr + (j0 + gl.arange(0, BQ, layout=LQ)).to(gl.int64)[None, :] * stride_ot
+    tiles = gl.cdiv(hi, NM * SUB)
+    it = 0
+    for qi in range(gl.where(shared, 1, BQ)):
+        pq = _pass_start(qi, pcu_ptr, j0, T, p_lo, shared)
+        mine = (jb == qi) | shared  # the pass's queries: all if shared
+        for t in range(tiles):
+            s = it % NS
+            mbarrier.wait(ready.index(s), (it // NS) & 1)
+            acc = warpgroup_mma(ring.index(s * NM + WG), q_smem.permute((1, 0)), zero,
+                                use_acc=False, is_async=True)
+            c = t * (NM * SUB) + WG * SUB + gl.arange(0, SUB, layout=KEY)
+            live = c < hi
+            scale = gl.load(ks_ptr + gl.where(live, _prefill_rows(c, pq, PT, W, I), 0),
+                            mask=live, other=0.0)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(free.index(s), count=1)
+            x = gl.sum(gl.reshape(gl.maximum(acc, 0.0) * w[None, :], [SUB, BQ, HP]), 2)
+            bits = (x * scale[:, None]).to(gl.int32, bitcast=True)
+            keys = gl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+            valid = (c[:, None] < n[None, :]) & mine[None, :]
+            gl.store(optr + c[:, None], keys, mask=valid)
+            it += 1
+
+
+@gluon.jit(do_not_specialize=["len_ptr", "pcu_ptr", "T", "PT"])
+def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
+                     stride_qt, stride_qh, stride_wt, stride_ot, T, HI, PT,
+                     W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr, HP: gl.constexpr,
+                     NM: gl.constexpr, NS: gl.constexpr, MATH_REGS: gl.constexpr):
+    """One CTA a block of BQ queries (the last blocks first: a prefill's later queries have
+    the most keys, longest processing time first). kdesc: a TMA descriptor over the value
+    plane ``[R, 128]`` fp8 with boxes of ``[64, 128]``."""
+    N: gl.constexpr = BQ * HP
+    j0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * BQ
+    # the block's queries, query-major (padded heads and queries past T: 0), as the B operand
+    QL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # 4 warps
+    r = gl.arange(0, N, layout=gl.SliceLayout(1, QL))
+    d = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
+    jr = j0 + r // HP
+    hr = r % HP
+    q = gl.load(q_ptr + jr.to(gl.int64)[:, None] * stride_qt + hr[:, None] * stride_qh
+                + d[None, :], mask=((hr < HI) & (jr < T))[:, None], other=0.0)
+    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [N, 128],
+                                       gl.NVMMASharedLayout.get_default_for([N, 128],
+                                                                            gl.float8e4nv), q)
+    ring = gl.allocate_shared_memory(gl.float8e4nv, [NS * NM, SUB, 128], kdesc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NS):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(free.index(s), count=NM)
+    fence_async_shared()
+    jq = j0 + gl.arange(0, BQ, layout=gl.SliceLayout(1, QL))
+    n = gl.load(len_ptr + jq, mask=jq < T, other=0).to(gl.int32)
+    pcu = gl.load(pcu_ptr + jq, mask=jq < T, other=0).to(gl.int64)
+    hi = gl.max(n, 0)  # the block's keys: its longest query's
+    p_lo = gl.min(gl.where(n > 0, pcu, 9223372036854775807), 0)
+    shared = gl.max(gl.where(n > 0, pcu, -1), 0) <= p_lo  # one request's keys serve every query
+    # the loader is the default partition (its warps are the CTA's first warpgroup); the math
+    # warpgroups are workers: a worker is built inside the partition op that gives its warp
+    # count, which the layouts of the head sums need (Triton 3.6 builds the default partition
+    # detached). Each partition's arguments written out: a tuple built by concatenation would
+    # turn the constexprs into tensors.
+    if NM == 2:
+        gl.warp_specialize([
+            (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, hi, p_lo, shared, W, I, BQ, NM,
+                        NS)),
+            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T, HI,
+                     PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, 0)),
+            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T, HI,
+                     PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, 1)),
+        ], [4, 4], [MATH_REGS, MATH_REGS])
+    else:
+        gl.static_assert(NM == 4, "NM: 2 or 4 math warpgroups")
+        gl.warp_specialize([
+            (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, hi, p_lo, shared, W, I, BQ, NM,
+                        NS)),
+            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T, HI,
+                     PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, 0)),
+            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T, HI,
+                     PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, 1)),
+            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T, HI,
+                     PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, 2)),
+            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T, HI,
+                     PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, 3)),
+        ], [4, 4, 4, 4], [MATH_REGS, MATH_REGS, MATH_REGS, MATH_REGS])

@@ -1,0 +1,143 @@
+"""The warp-specialised Gluon prefill logits (``runtime/kernels/gluon/indexer_logits.py``).
+
+On a Hopper GPU: its int32 keys against the Triton planar kernel's and against the float64
+reference scores (integer-valued inputs: every score exact, so equal bit for bit), over request
+boundaries inside a block, padded heads, a query count that is not a multiple of the block,
+DCP gathers with interleaves of 64 and 128, every knob value. On the CPU: which layouts it
+takes, its one-line error, and (where this Triton can) an offline sm_90 compile of its main
+configurations: no spills, the products m64n{N}k32 on fp8, setmaxnreg to the math budget.
+"""
+
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+
+from cpplan.runtime.kernels import reference as ref
+
+CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
+
+
+def _gluon():
+    try:
+        from cpplan.runtime.kernels.gluon import indexer_logits
+    except ImportError as e:  # a Triton without Gluon
+        pytest.skip(f"no Gluon in this Triton: {e}")
+    return indexer_logits
+
+
+def _case(T, HI, PT, W, nreq, seed):
+    """Integer-valued q / weights / keys (exact scores), causal bounds with some rows empty or
+    short, nreq requests in the chunk (region starts pcu), W ranks' regions of PT rows."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-2, 3, (T, HI, 128), generator=g).to(torch.bfloat16).cuda()
+    w = torch.randint(-2, 3, (T, HI), generator=g).float().cuda()
+    k = ref.quantize_indexer_k(torch.randint(-3, 4, (W * PT, 128), generator=g).float()).cuda()
+    key_len = torch.randint(1, PT // nreq, (T,), generator=g)
+    key_len[0] = 0
+    pcu = torch.sort(torch.randint(0, nreq, (T,), generator=g)).values * (PT // nreq)
+    return q, w, k, key_len.cuda(), pcu.cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("T,HI,PT,W,I,nreq", [
+    (257, 64, 4096, 1, 1, 1),     # one request: every block shared; T odd
+    (130, 64, 2048, 1, 1, 5),     # request boundaries inside blocks: one pass a query
+    (67, 4, 1024, 1, 1, 2),       # 4 heads padded to 16
+    (96, 64, 2048, 2, 64, 3),     # DCP: interleaves of one box
+    (64, 32, 2048, 4, 128, 1),    # 32 heads, four ranks
+])
+@pytest.mark.parametrize("bq,nm,ns", [(4, 2, 4), (2, 2, 2), (2, 4, 3), (4, 4, 5)])
+def test_ws_logits_equal_the_triton_kernel_and_the_reference(T, HI, PT, W, I, nreq, bq, nm, ns):
+    from cpplan.runtime.kernels.triton import indexer_tiled as it
+    from cpplan.runtime.kernels.triton import pack
+
+    ws = _gluon()
+    if not ws.supported(W, I, HI, bq):
+        pytest.skip("layout outside the kernel")
+    q, w, k, key_len, pcu = _case(T, HI, PT, W, nreq, seed=T + HI + W)
+    q8, w8 = pack.quantize_indexer_q(q, w)
+    kp, ks = it.split_planes(k)
+    got = torch.full((T, PT), 0x5A5A5A5A, dtype=torch.int32, device="cuda")  # poison
+    want = torch.full_like(got, 0x5A5A5A5A)
+    ws.launch(q8, w8, kp, ks, got, key_len, pcu, PT, W, I, block_q=bq, math_warpgroups=nm,
+              stages=ns)
+    it._logits_planar(q8, w8, kp, ks, want, PT, key_len, pcu, PT, W, I, bq=2, bk=64, warps=4,
+                      stages=3, tma=False)
+    valid = torch.arange(PT, device="cuda")[None, :] < key_len[:, None]
+    assert torch.equal(got[valid], want[valid])
+    assert (got[~valid] == 0x5A5A5A5A).all()  # nothing past a row's keys written
+    # against the reference's float64 scores of the same keys (its own remap of the gather),
+    # compared as floats (a sum of -0.0 terms is -0.0 in both, whose keys differ by one)
+    rows, _ = ref.prefill_key_rows(key_len.cpu(), pcu.cpu(), PT, W, I, PT)
+    s = ref.indexer_scores(q.cpu().double(), w.cpu(), k.cpu(), rows)
+    scores = torch.where(got < 0, got ^ 0x7FFFFFFF, got).view(torch.float32).cpu()
+    assert torch.equal(scores[valid.cpu()].double(), s[valid.cpu()])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+def test_prefill_indexer_takes_the_ws_logits_and_equals_the_reference():
+    """The whole prefill indexer with the Gluon logits and with the Triton logits: both equal
+    the reference bit for bit."""
+    from cpplan.runtime.kernels.triton import indexer_tiled as it
+
+    T, HI, N, topk = 512, 64, 8192, 2048
+    q, w, k, _, _ = _case(T, HI, N, 1, 1, seed=5)
+    key_len = torch.arange(N - T + 1, N + 1, device="cuda")
+    pcu = torch.zeros(T, dtype=torch.int64, device="cuda")
+    assert it.ws_logits(q, 1, 1, it.IndexerTiles(logits_ws=True)) is not None
+    want = ref.indexer_topk_prefill(q.float(), w, k, key_len, pcu, N, 1, 1, topk, max_keys=N)
+    for tiles in (it.IndexerTiles(logits_ws=True), it.IndexerTiles(logits_ws=False)):
+        s, ids = it.indexer_topk_prefill(q, w, k, key_len, pcu, N, 1, 1, topk, max_keys=N,
+                                         tiles=tiles)
+        assert torch.equal(ids.cpu(), want[1].cpu()) and torch.equal(s.cpu(), want[0].cpu())
+
+
+def test_ws_logits_layouts_and_refusals():
+    ws = _gluon()
+    assert ws.supported(1, 1, 64, 4) and ws.supported(2, 64, 64, 4) and ws.supported(4, 128, 64, 2)
+    assert not ws.supported(2, 1, 64, 4)       # interleave 1: a box spans four ranks' rows
+    assert not ws.supported(2, 32, 64, 4)      # half a box a rank
+    assert not ws.supported(1, 1, 128, 4)      # 512 columns
+    assert ws.supported(1, 1, 128, 2)          # 256
+    q8 = torch.zeros(4, 64, 128)
+    with pytest.raises(ValueError, match=r"got W 2, interleave 1.*expected one rank"):
+        ws.launch(q8, None, None, None, None, None, None, 16, 2, 1)
+    with pytest.raises(ValueError, match="3 math warpgroups"):
+        ws.launch(q8, None, None, None, None, None, None, 16, 1, 1, math_warpgroups=3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bq,nm,no_spill", [(4, 2, True), (2, 4, False)])
+def test_ws_logits_compile_for_sm90_without_spills(bq, nm, no_spill):
+    """``bench/sass.py --ws`` (an offline sm_90 compile with this Triton; a process without
+    the interpreter): the products m64n{64 bq}k32 on fp8, the math warpgroups raised to their
+    register budget and, for the default configuration, no spill in the math loop (at 4 math
+    warpgroups of 112 registers Triton 3.9 leaves one reload in it, 3.6 none)."""
+    import sys
+    from pathlib import Path
+
+    ws = _gluon()
+    try:
+        from triton.experimental.gluon._runtime import GluonASTSource  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"no Gluon AST source in this Triton: {e}")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9 warns while it is unset
+    out = subprocess.run([sys.executable, str(root / "bench" / "sass.py"), "--ws", "--bq", str(bq),
+                          "--math-warpgroups", str(nm)], capture_output=True, text=True, env=env,
+                         cwd=root, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout
+    assert f"products m64n{64 * bq}k32;" in text, text
+    assert f"inc {ws._REGISTERS[nm][1]}" in text, text
+    loop = re.search(r"math loop: (\d+) instructions a thread a tile: (.*)", text)
+    assert loop and int(loop.group(1)) > 0, text
+    if no_spill:
+        assert " LDL" not in loop.group(2) and " STL" not in loop.group(2), text
