@@ -39,6 +39,7 @@ INDEXER_CASES = {
     "indexer_prefill": "indexer_topk_prefill (quantise, planes, logits, select)",
     "indexer_logits": "the prefill logits alone, default tiles (TMA key tiles)",
     "indexer_logits_copies": "the prefill logits alone, default tiles, per-thread key copies",
+    "indexer_logits_ws": "the prefill logits alone, the warp-specialised Gluon kernel (defaults)",
 }
 
 
@@ -57,6 +58,12 @@ def build_indexer(case: str):
     kp, ks = it.split_planes(k)
     out = torch.empty(q.shape[0], N, dtype=torch.int32, device="cuda")
     t = it.IndexerTiles()
+    if case == "indexer_logits_ws":
+        from cpplan.runtime.kernels.gluon import indexer_logits as ws
+
+        return lambda: ws.launch(q8, w8, kp, ks, out, key_len, pcu, N, 1, 1,
+                                 block_q=t.ws_block_q, math_warpgroups=t.ws_math_warpgroups,
+                                 stages=t.ws_stages)
     return lambda: it._logits_planar(q8, w8, kp, ks, out, N, key_len, pcu, N, 1, 1, bq=t.block_q,
                                      bk=t.block_k, warps=t.logits_warps, stages=t.logits_stages,
                                      maxnreg=t.logits_maxnreg,

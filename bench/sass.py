@@ -64,7 +64,7 @@ def compile_ws(bq: int, math_warpgroups: int, stages: int):
     layout = gl.NVMMASharedLayout.get_default_for([ws.BOX, 128], gl.float8e4nv)
     cap, regs = ws._REGISTERS[math_warpgroups]
     const = {"W": 1, "I": 1, "BQ": bq, "HP": 64, "NM": math_warpgroups, "NS": stages,
-             "MATH_REGS": regs}
+             "MATH_REGS": regs, "EPI": True}
     ptrs = {**POINTERS, "q_ptr": "*fp8e4nv"}
     sig = {n: "constexpr" if n in const else f"tensordesc<fp8e4nv[{ws.BOX}, 128],{layout!r}>"
            if n == "kdesc" else ptrs.get(n, "i32") for n in fn.arg_names}

@@ -51,13 +51,13 @@ def _case(T, HI, PT, W, nreq, seed):
     (96, 64, 2048, 2, 64, 3),     # DCP: interleaves of one box
     (64, 32, 2048, 4, 128, 1),    # 32 heads, four ranks
 ])
-@pytest.mark.parametrize("bq,nm,ns", [(4, 2, 4), (2, 2, 2), (2, 4, 3), (4, 4, 5)])
+@pytest.mark.parametrize("bq,nm,ns", [(4, 2, 4), (2, 2, 2), (2, 4, 5), (1, 4, 3)])
 def test_ws_logits_equal_the_triton_kernel_and_the_reference(T, HI, PT, W, I, nreq, bq, nm, ns):
     from cpplan.runtime.kernels.triton import indexer_tiled as it
     from cpplan.runtime.kernels.triton import pack
 
     ws = _gluon()
-    if not ws.supported(W, I, HI, bq):
+    if not ws.supported(W, I, HI, bq) or not ws._columns_fit(bq * ws.padded_heads(HI), nm):
         pytest.skip("layout outside the kernel")
     q, w, k, key_len, pcu = _case(T, HI, PT, W, nreq, seed=T + HI + W)
     q8, w8 = pack.quantize_indexer_q(q, w)
@@ -110,6 +110,10 @@ def test_ws_logits_layouts_and_refusals():
         ws.launch(q8, None, None, None, None, None, None, 16, 2, 1)
     with pytest.raises(ValueError, match="3 math warpgroups"):
         ws.launch(q8, None, None, None, None, None, None, 16, 1, 1, math_warpgroups=3)
+    with pytest.raises(ValueError, match="128 at 4 math warpgroups"):  # 256 columns at 112 regs
+        ws.launch(q8, None, None, None, None, None, None, 16, 1, 1, math_warpgroups=4)
+    with pytest.raises(ValueError, match=">= 2 stages"):
+        ws.launch(q8, None, None, None, None, None, None, 16, 1, 1, stages=1)
 
 
 @pytest.mark.slow

@@ -32,21 +32,30 @@ def supported(W: int, I: int, num_heads: int, block_q: int) -> bool:
     return (W == 1 or I % BOX == 0) and block_q * padded_heads(num_heads) <= MAX_COLUMNS
 
 
+def _columns_fit(columns: int, math_warpgroups: int) -> bool:
+    """Whether a math warpgroup's registers hold its accumulator: 256 columns (128 float32 a
+    thread) at 2 math warpgroups (240 registers a thread), 128 at 4 (112)."""
+    return columns <= MAX_COLUMNS // (2 if math_warpgroups == 4 else 1)
+
+
 def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, block_q: int = 4,
-           math_warpgroups: int = 2, stages: int = 4) -> None:
+           math_warpgroups: int = 2, stages: int = 4, _probe: bool = False) -> None:
     """Prefill int32 keys ``out [T, >= max lens]`` (``indexer_tiled._logits_planar``'s
     contract): q8 ``[T, HI, 128]`` float8_e4m3fn, weights ``[T, HI]`` float32 (the query's
     scales folded in), the key planes ``kp [R, 128]`` float8_e4m3fn (contiguous) and ``ks [R]``
     float32, key_len ``lens [T]``, region starts ``pcu [T]`` int64; all on one CUDA device.
     Only the first lens[t] columns of row t are written. block_q queries a CTA, tiles of
-    ``math_warpgroups`` x 64 keys, ``stages`` tiles in the ring."""
+    ``math_warpgroups`` x 64 keys, ``stages`` tiles in the ring. ``_probe`` (bench only): the
+    epilogue left out, so the time is the products' and the pipeline's (keys not written)."""
     T, HI, _ = q8.shape
-    if not supported(W, I, HI, block_q) or math_warpgroups not in _REGISTERS or stages < 2:
+    columns = block_q * padded_heads(HI)
+    if not supported(W, I, HI, block_q) or math_warpgroups not in _REGISTERS \
+            or not _columns_fit(columns, math_warpgroups) or stages < 2:
         raise ValueError(f"warp-specialised logits: got W {W}, interleave {I}, {HI} heads, "
                          f"block_q {block_q}, {math_warpgroups} math warpgroups, {stages} "
-                         f"stages; expected one rank or an interleave that {BOX} divides, "
-                         f"block_q x padded heads <= {MAX_COLUMNS}, 2 or 4 math warpgroups, "
-                         f">= 2 stages")
+                         f"stages; expected one rank or an interleave that {BOX} divides, 2 or "
+                         f"4 math warpgroups, block_q x padded heads <= {MAX_COLUMNS} (128 at 4 "
+                         f"math warpgroups), >= 2 stages")
     if T == 0:
         return
     layout = gl.NVMMASharedLayout.get_default_for([BOX, 128], gl.float8e4nv)
@@ -55,4 +64,4 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
     ljit.ws_logits_kernel[(triton.cdiv(T, block_q),)](
         q8, weights, kdesc, ks, out, lens, pcu, q8.stride(0), q8.stride(1), weights.stride(0),
         out.stride(0), T, HI, PT, W=W, I=I, BQ=block_q, HP=padded_heads(HI),
-        NM=math_warpgroups, NS=stages, MATH_REGS=regs, num_warps=4, maxnreg=cap)
+        NM=math_warpgroups, NS=stages, MATH_REGS=regs, EPI=not _probe, num_warps=4, maxnreg=cap)

@@ -84,13 +84,52 @@ def _loader(kdesc, ring, ready, free, pcu_ptr, j0, T, PT, hi, p_lo, shared,
             it += 1
 
 
-# The math warpgroup's loop (stage wait, product, scale loads under it, epilogue, stores) is
-# one schedule: over 50 lines on purpose.
+@gluon.jit
+def _product(ring, ready, q_smem, zero, it, NM: gl.constexpr, NS: gl.constexpr,
+             WG: gl.constexpr):
+    """Issue (asynchronously) the product of ring tile ``it``'s 64 keys of warpgroup WG with
+    the block's queries, once the tile has landed."""
+    s = it % NS
+    mbarrier.wait(ready.index(s), (it // NS) & 1)
+    return warpgroup_mma(ring.index(s * NM + WG), q_smem.permute((1, 0)), zero, use_acc=False,
+                         is_async=True)
+
+
+@gluon.jit
+def _scales(ks_ptr, c, hi, pq, PT, W: gl.constexpr, I: gl.constexpr):
+    """The float32 scales of key positions c (0 past hi)."""
+    live = c < hi
+    return gl.load(ks_ptr + gl.where(live, _prefill_rows(c, pq, PT, W, I), 0), mask=live,
+                   other=0.0)
+
+
+@gluon.jit
+def _finish(acc, w, scale, c, n, mine, optr, BQ: gl.constexpr, HP: gl.constexpr,
+            EPI: gl.constexpr):
+    """A finished product's int32 keys stored: ReLU, head weights, the sum over each query's
+    heads (within a thread, then a quad), the key's scale (a positive power of two: exact after
+    the sum), the order-preserving bits. EPI 0 (a probe of the products' bound, wrong keys):
+    a per-column maximum computed, stored nowhere.)"""
+    if EPI:
+        x = gl.sum(gl.reshape(gl.maximum(acc, 0.0) * w[None, :], [acc.shape[0], BQ, HP]), 2)
+        bits = (x * scale[:, None]).to(gl.int32, bitcast=True)
+        keys = gl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        gl.store(optr + c[:, None], keys, mask=(c[:, None] < n[None, :]) & mine[None, :])
+    else:  # stored where a maximum equals a value no product takes: never, not provably
+        x = gl.max(gl.reshape(acc, [acc.shape[0], BQ, HP]), 2)
+        gl.store(optr + c[:, None], x.to(gl.int32, bitcast=True), mask=x == 0.123456789)
+
+
+# The math warpgroup's loop (stage waits, products, scale loads under them, epilogues) is one
+# schedule: over 50 lines on purpose.
 @gluon.jit
 def _math(q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T, HI, PT,
-          stride_wt, stride_ot, hi, p_lo, shared, W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr,
-          HP: gl.constexpr, NM: gl.constexpr, NS: gl.constexpr, WG: gl.constexpr):
-    """Math warpgroup WG: keys WG x 64 .. WG x 64 + 63 of every tile, all BQ queries."""
+          stride_wt, stride_ot, hi, p_lo, shared, W: gl.constexpr, I: gl.constexpr,
+          BQ: gl.constexpr, HP: gl.constexpr, NM: gl.constexpr, NS: gl.constexpr,
+          EPI: gl.constexpr, WG: gl.constexpr):
+    """Math warpgroup WG: keys WG x 64 .. WG x 64 + 63 of every tile, all BQ queries. Each
+    product is waited on before its epilogue: with the next tile's product issued first (two
+    accumulators live), ptxas serialises every wgmma (bench/RESULTS.md)."""
     N: gl.constexpr = BQ * HP
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, N, 32])
@@ -107,26 +146,21 @@ def _math(q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j
     n = gl.load(len_ptr + j0 + jb, mask=j0 + jb < T, other=0).to(gl.int32)
     optr = out_ptr + (j0 + gl.arange(0, BQ, layout=LQ)).to(gl.int64)[None, :] * stride_ot
     tiles = gl.cdiv(hi, NM * SUB)
+    k0 = WG * SUB + gl.arange(0, SUB, layout=KEY)
     it = 0
     for qi in range(gl.where(shared, 1, BQ)):
         pq = _pass_start(qi, pcu_ptr, j0, T, p_lo, shared)
         mine = (jb == qi) | shared  # the pass's queries: all if shared
+        # the next tile's scales are loaded under this tile's product and epilogue
+        scale = _scales(ks_ptr, k0, hi, pq, PT, W, I)
         for t in range(tiles):
-            s = it % NS
-            mbarrier.wait(ready.index(s), (it // NS) & 1)
-            acc = warpgroup_mma(ring.index(s * NM + WG), q_smem.permute((1, 0)), zero,
-                                use_acc=False, is_async=True)
-            c = t * (NM * SUB) + WG * SUB + gl.arange(0, SUB, layout=KEY)
-            live = c < hi
-            scale = gl.load(ks_ptr + gl.where(live, _prefill_rows(c, pq, PT, W, I), 0),
-                            mask=live, other=0.0)
+            acc = _product(ring, ready, q_smem, zero, it, NM, NS, WG)
+            c = t * (NM * SUB) + k0
+            scale_nxt = _scales(ks_ptr, c + NM * SUB, hi, pq, PT, W, I)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(free.index(s), count=1)
-            x = gl.sum(gl.reshape(gl.maximum(acc, 0.0) * w[None, :], [SUB, BQ, HP]), 2)
-            bits = (x * scale[:, None]).to(gl.int32, bitcast=True)
-            keys = gl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-            valid = (c[:, None] < n[None, :]) & mine[None, :]
-            gl.store(optr + c[:, None], keys, mask=valid)
+            mbarrier.arrive(free.index(it % NS), count=1)
+            _finish(acc, w, scale, c, n, mine, optr, BQ, HP, EPI)
+            scale = scale_nxt
             it += 1
 
 
@@ -134,7 +168,8 @@ def _math(q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j
 def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
                      stride_qt, stride_qh, stride_wt, stride_ot, T, HI, PT,
                      W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr, HP: gl.constexpr,
-                     NM: gl.constexpr, NS: gl.constexpr, MATH_REGS: gl.constexpr):
+                     NM: gl.constexpr, NS: gl.constexpr, MATH_REGS: gl.constexpr,
+                     EPI: gl.constexpr = True):
     """One CTA a block of BQ queries (the last blocks first: a prefill's later queries have
     the most keys, longest processing time first). kdesc: a TMA descriptor over the value
     plane ``[R, 128]`` fp8 with boxes of ``[64, 128]``."""
@@ -171,24 +206,30 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
     # turn the constexprs into tensors.
     if NM == 2:
         gl.warp_specialize([
-            (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, hi, p_lo, shared, W, I, BQ, NM,
-                        NS)),
-            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T, HI,
-                     PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, 0)),
-            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T, HI,
-                     PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, 1)),
+            (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, hi, p_lo, shared, W, I, BQ,
+                       NM, NS)),
+            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
+                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
+                     0)),
+            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
+                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
+                     1)),
         ], [4, 4], [MATH_REGS, MATH_REGS])
     else:
         gl.static_assert(NM == 4, "NM: 2 or 4 math warpgroups")
         gl.warp_specialize([
-            (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, hi, p_lo, shared, W, I, BQ, NM,
-                        NS)),
-            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T, HI,
-                     PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, 0)),
-            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T, HI,
-                     PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, 1)),
-            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T, HI,
-                     PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, 2)),
-            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T, HI,
-                     PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, 3)),
+            (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, hi, p_lo, shared, W, I, BQ,
+                       NM, NS)),
+            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
+                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
+                     0)),
+            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
+                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
+                     1)),
+            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
+                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
+                     2)),
+            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
+                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
+                     3)),
         ], [4, 4, 4, 4], [MATH_REGS, MATH_REGS, MATH_REGS, MATH_REGS])

@@ -72,7 +72,7 @@ class IndexerTiles:
     --sweep varies them; the defaults' figures: bench/RESULTS.md)."""
 
     # prefill logits: the warp-specialised Gluon kernel on Hopper (``ws_*``), else Triton's
-    logits_ws: bool = False  # the Gluon kernel where it applies (``prefill_logits``)
+    logits_ws: bool = True  # the Gluon kernel where it applies (``prefill_logits``)
     ws_block_q: int = 4  # queries a CTA (N = block_q * padded heads <= 256)
     ws_math_warpgroups: int = 2  # tiles of 64 keys a math warpgroup (2 or 4)
     ws_stages: int = 4  # key tiles in the ring
