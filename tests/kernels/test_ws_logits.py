@@ -90,9 +90,11 @@ def test_prefill_indexer_takes_the_ws_logits_and_equals_the_reference():
     q, w, k, _, _ = _case(T, HI, N, 1, 1, seed=5)
     key_len = torch.arange(N - T + 1, N + 1, device="cuda")
     pcu = torch.zeros(T, dtype=torch.int64, device="cuda")
-    assert it.ws_logits(q, 1, 1, it.IndexerTiles(logits_ws=True)) is not None
+    on = it.IndexerTiles(ws_min_keys=N)
+    assert it.ws_logits(q, 1, 1, N, on) is not None
+    assert it.ws_logits(q, 1, 1, N - 1, on) is None and it.ws_logits(q, 2, 1, N, on) is None
     want = ref.indexer_topk_prefill(q.float(), w, k, key_len, pcu, N, 1, 1, topk, max_keys=N)
-    for tiles in (it.IndexerTiles(logits_ws=True), it.IndexerTiles(logits_ws=False)):
+    for tiles in (on, it.IndexerTiles(logits_ws=False)):
         s, ids = it.indexer_topk_prefill(q, w, k, key_len, pcu, N, 1, 1, topk, max_keys=N,
                                          tiles=tiles)
         assert torch.equal(ids.cpu(), want[1].cpu()) and torch.equal(s.cpu(), want[0].cpu())

@@ -76,6 +76,8 @@ class IndexerTiles:
     ws_block_q: int = 4  # queries a CTA (N = block_q * padded heads <= 256)
     ws_math_warpgroups: int = 2  # tiles of 64 keys a math warpgroup (2 or 4)
     ws_stages: int = 4  # key tiles in the ring
+    ws_min_keys: int = 16384  # narrower chunks take Triton's (per-CTA start-up: at T 8192 x
+    # N 8192 the Gluon kernel was 7% slower, at N 32768 / 65536 3-5% faster)
     block_q: int = 2  # Triton's: queries per program (N = block_q * padded heads)
     block_k: int = 64  # keys per product (M)
     logits_warps: int = 4
@@ -249,10 +251,12 @@ def _ws_device(index: int) -> bool:
     return True
 
 
-def ws_logits(q, W: int, I: int, tiles: IndexerTiles):
+def ws_logits(q, W: int, I: int, L: int, tiles: IndexerTiles):
     """The warp-specialised logits' launcher module where it runs these prefill logits (a CUDA
-    Hopper device, ``tiles.logits_ws``, a gather layout of 64-key runs), else None."""
-    if not (tiles.logits_ws and q.is_cuda and _ws_device(q.device.index or 0)):
+    Hopper device, ``tiles.logits_ws``, a chunk at least ``ws_min_keys`` wide, a gather layout
+    of 64-key runs), else None."""
+    if not (tiles.logits_ws and L >= tiles.ws_min_keys and q.is_cuda
+            and _ws_device(q.device.index or 0)):
         return None
     from ..gluon import indexer_logits
 
@@ -262,7 +266,7 @@ def ws_logits(q, W: int, I: int, tiles: IndexerTiles):
 def prefill_logits(q8, w8, kp, ks, out, L, lens, pcu, PT, W, I, tiles: IndexerTiles):
     """Prefill int32 keys ``out [T, L]`` (``_logits_planar``'s contract) by the warp-specialised
     Gluon kernel where ``ws_logits`` allows, else by the Triton kernel."""
-    ws = ws_logits(q8, W, I, tiles)
+    ws = ws_logits(q8, W, I, L, tiles)
     if ws is not None:
         ws.launch(q8, w8, kp, ks, out, lens, pcu, PT, W, I, block_q=tiles.ws_block_q,
                   math_warpgroups=tiles.ws_math_warpgroups, stages=tiles.ws_stages)
