@@ -1,9 +1,10 @@
 """Launcher of the warp-specialised prefill indexer logits (body in ``indexer_logits_jit.py``;
 sm_90, a Triton with Gluon: importing this module fails with ImportError on one without).
 
-``indexer_tiled._logits_planar`` calls it on a Hopper GPU where ``supported`` holds, and the
-Triton kernel elsewhere (the interpreter, other GPUs, gather layouts whose 64-key boxes are not
-runs of rows). Figures: bench/RESULTS.md (``python3 bench/indexer.py --only planar``).
+``indexer_tiled.prefill_logits`` calls it on a Hopper GPU where ``supported`` holds and the
+chunk is at least ``IndexerTiles.ws_min_keys`` wide, and the Triton kernel elsewhere (the
+interpreter, other GPUs, narrow chunks, gather layouts whose 64-key boxes are not runs of rows).
+Figures: bench/RESULTS.md (``python3 bench/indexer.py --only planar --planar-variants ws``).
 """
 
 from __future__ import annotations

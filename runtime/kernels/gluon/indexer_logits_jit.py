@@ -2,25 +2,29 @@
 
 Same contract and int32 keys as ``triton/indexer_logits_jit.logits_planar_kernel`` (fp8 key
 planes, the fp8-quantised query, ReLU, head weights, the sum over each query's heads, the
-per-key power-of-two scale; docs/design.md §4.3). Why a second kernel: in the Triton one each
-4-warp program waits on its product and then runs its epilogue, the two never overlapping
-within a program, and every program reads its own key tiles and a B operand of two queries
-(N 128); shared memory, which the tensor cores read both operands from, runs out first at the
-card's fp8 rate (bench/RESULTS.md, "Where the prefill indexer's time goes"). Here, one CTA a
-SM at a time:
+per-key power-of-two scale; docs/design.md §4.3). In the Triton kernel each 4-warp program
+reads its own key tiles and multiplies them by a B operand of two queries (N 128). Here, one
+CTA a SM at a time:
 
-- a loader warp copies key tiles of ``NM x 64`` keys by TMA (one box of 64 rows per math
-  warpgroup) into a ring of ``NS`` stages, each stage an mbarrier "ready" (the copies' bytes)
-  and an mbarrier "free" (one arrive per math warpgroup once its product has read it);
-- ``NM`` math warpgroups (the default partition and ``NM - 1`` workers) each take their 64 keys
-  of every tile: one product ``K [64, 128] @ Q^T [128, BQ x HP]`` of all ``BQ`` queries of the
-  block (N up to 256: the B operand, the block's queries, stays in shared memory for the whole
-  loop, so a wider N reads fewer bytes of shared memory a product), then the epilogue in
-  registers (ReLU, weights, the sum over heads within a thread and a quad, the scale) and
-  stores straight from the accumulator's layout. The warpgroups run out of phase: one's
-  epilogue on the CUDA cores while another's product is on the tensor cores;
-- register budget: the math warpgroups take ``MATH_REGS`` registers a thread, the loader 24
-  (``gl.warp_specialize``'s ``setmaxnreg``; the launcher caps the kernel so that they add up).
+- a loader warpgroup (one thread issues) copies key tiles of ``NM x 64`` keys by TMA (one box
+  of 64 rows per math warpgroup) into a ring of ``NS`` stages, each stage an mbarrier "ready"
+  (the copies' bytes) and an mbarrier "free" (one arrive per math warpgroup once its product
+  has read it);
+- ``NM`` math warpgroups each take their 64 keys of every tile: one product
+  ``K [64, 128] @ Q^T [128, BQ x HP]`` of all ``BQ`` queries of the block (N up to 256; the B
+  operand, the block's queries, stays in shared memory for the whole loop), waited on, then
+  the epilogue in registers (ReLU, weights, the sum over heads within a thread and a quad,
+  the scale loaded a tile ahead) stored straight from the accumulator's layout; the
+  warpgroups run out of phase, one's epilogue under another's product;
+- register budget: the math warpgroups take ``MATH_REGS`` registers a thread, the loader what
+  is left (``gl.warp_specialize``'s ``setmaxnreg``; the launcher caps the kernel so that they
+  add up).
+
+Measured on the H200 (bench/RESULTS.md, "nineteenth session"): 2-5% faster than the Triton
+kernel on chunks of 32k-64k keys, 7% slower at 8k (the per-CTA start-up of short causal rows);
+with the epilogue replaced by a column maximum the schedule runs at 1306 TFLOP/s-eq, so the
+tensor cores idle a third of the time even then. Issuing the next tile's product before this
+tile's epilogue (two accumulators live) made ptxas serialise every wgmma, and was removed.
 
 A block across a request boundary (rare) takes one pass per query, as in the Triton kernel;
 tiles past a query's keys are multiplied (TMA reads rows past the plane as 0) and never

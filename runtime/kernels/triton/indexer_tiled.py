@@ -7,7 +7,10 @@ bench/RESULTS.md (``bench/indexer.py``, ``bench/decode_logits.py``, ``bench/step
 The query is quantised first (``pack.quantize_indexer_q``: fp8 with one power-of-two scale per
 head, folded into the weights), as in every backend.
 
-Logits. Prefill (``logits_planar_kernel``): the gathered keys split into two planes (fp8 values
+Logits. Prefill (``prefill_logits``): on a Hopper GPU, for chunks at least ``ws_min_keys``
+wide whose gather layout makes every 64 keys one run of rows, the warp-specialised Gluon kernel
+(``..gluon.indexer_logits``: a TMA loader warpgroup, two math warpgroups, 4 queries a product);
+elsewhere ``logits_planar_kernel``: the gathered keys split into two planes (fp8 values
 ``[R, 128]`` in 128-byte rows, float32 scales ``[R]``: ``split_planes``); a program owns
 ``block_q`` consecutive queries and per ``block_k`` keys computes ``K @ Q^T`` on fp8 tensor
 cores, each key tile read once for its queries (one TMA copy where the tile is one run of
@@ -68,8 +71,10 @@ _DOT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: t
 @dataclasses.dataclass(frozen=True)
 class IndexerTiles:
     """Launch shapes of the indexer: tiles, warps, stages, register caps, programs per SM,
-    sample sizes and row-shape thresholds (results do not depend on them; bench/indexer.py
-    --sweep varies them; the defaults' figures: bench/RESULTS.md)."""
+    sample sizes and row-shape thresholds (results do not depend on them, but for the logits
+    kernel's choice, ``logits_ws`` / ``ws_min_keys``: its sum over heads runs in another order,
+    the last bit of a continuous score can differ; bench/indexer.py --sweep varies them; the
+    defaults' figures: bench/RESULTS.md)."""
 
     # prefill logits: the warp-specialised Gluon kernel on Hopper (``ws_*``), else Triton's
     logits_ws: bool = True  # the Gluon kernel where it applies (``prefill_logits``)
