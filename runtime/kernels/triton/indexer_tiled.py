@@ -82,7 +82,7 @@ class IndexerTiles:
     ws_math_warpgroups: int = 2  # tiles of 64 keys a math warpgroup (2 or 4)
     ws_stages: int = 4  # key tiles in the ring
     ws_min_keys: int = 16384  # narrower chunks take Triton's (per-CTA start-up: at T 8192 x
-    # N 8192 the Gluon kernel was 7% slower, at N 32768 / 65536 3-5% faster)
+    # N 8192 the Gluon kernel was 7% slower; at N 16384 2%, at 32768 / 65536 3-5% faster)
     block_q: int = 2  # Triton's: queries per program (N = block_q * padded heads)
     block_k: int = 64  # keys per product (M)
     logits_warps: int = 4
