@@ -601,10 +601,38 @@ def run_prefill(cases, ceil, kernels, planar_sweep=False, dg=None):
         ok &= case(label, kernels.indexer_topk_prefill, it.indexer_topk_prefill, args, N, flops,
                    ceil)
         prefill_parts(args, it.IndexerTiles(), ceil, flops, "parts")
+        ok &= prefill_emit(args, N, flops, ceil)
         if dg is not None:  # --deepgemm: beside the parts it compares with; reported, not in ok
             deepgemm_anchor(dg, args, ceil, flops, label)
         ok &= planar_logits(args, ceil, flops, planar_sweep)
         del args
+    return ok
+
+
+# whole prefill indexers beside the default: candidates emitted by the (Triton) logits kernel,
+# against the same logits kernel writing keys for the filter path
+PREFILL_WHOLE = {
+    "Triton logits, filter path": {"logits_ws": False},
+    "Triton logits emitting the candidates": {"logits_ws": False, "logits_emit": True},
+}
+
+
+def prefill_emit(args, N, flops, ceil):
+    """The whole prefill indexer at each of PREFILL_WHOLE's tiles (``--variants`` filters by
+    name), checked equal to the defaults' results."""
+    want = it.indexer_topk_prefill(*args, max_keys=N)
+    ok = True
+    for name, kw in PREFILL_WHOLE.items():
+        if VARIANTS is not None and not any(v in name for v in VARIANTS):
+            continue
+        tiles = it.IndexerTiles(**kw)
+        fn = lambda tiles=tiles: it.indexer_topk_prefill(*args, max_keys=N, tiles=tiles)
+        try:
+            eq = same(fn(), want)
+            ok &= eq
+            row(f"  whole, {name}", bench(fn), flops, ceil, f"== defaults: {eq}")
+        except FAILS as e:
+            print(f"  whole, {name}: failed ({_first_line(e)[:100]})", flush=True)
     return ok
 
 

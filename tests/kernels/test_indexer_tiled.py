@@ -464,3 +464,55 @@ def test_bench_indexer_case_arguments(monkeypatch):
                              (mod._decode_cases, "8by4096", "expected BxCTX")):
         with pytest.raises(argparse.ArgumentTypeError, match=said):
             parse(bad)
+
+
+EMIT = {"split_rows": 0, "logits_emit": True, "filter_cap": 64, "filter_sample": 64,
+        "filter_margin": 3.0, "trim_rows": 0}
+EMIT_VARIANTS = {
+    "emit": (EMIT, "none"),
+    "emit-untrimmed": ({**EMIT, "trim_rows": 1 << 20}, "none"),
+    "emit-missed": ({**EMIT, "filter_margin": -9.0}, "some"),  # thresholds too high: too few
+    "emit-overflow": ({**EMIT, "filter_cap": 32, "filter_margin": 9.0}, "some"),  # too many
+}
+
+
+@pytest.mark.parametrize("env", ENVS)
+@pytest.mark.parametrize("W,I", [(1, 1), (2, 1), (2, 64)])
+@pytest.mark.parametrize("variant", list(EMIT_VARIANTS))
+def test_prefill_emitted_candidates(env, W, I, variant, monkeypatch):
+    """``logits_emit``: the logits kernel writes the filter path's candidates (the thresholds
+    from its sample's logits) instead of keys; rows whose threshold missed (too few candidates,
+    or more than the slots) get their keys and the segment path. Equal to the reference, ties
+    included, whether no row missed or some did (the ok flags handed to the segment path are
+    checked to say so)."""
+    it = _it()
+    kw, missed = EMIT_VARIANTS[variant]
+    T, Hi, PT, topk = (9, 4, 240, 24) if env == "interp" else (256, 64, 8192, 2048)
+    if env == "cuda":
+        kw = {**kw, "filter_cap": 0, "filter_sample": 1024}
+        if variant == "emit-overflow":
+            kw["filter_cap"] = 2048
+    q, w, k = _inputs(env, T, Hi, W * PT, 7)
+    key_len, pcu = _prefill_case(env, T, PT, topk, W, 3, 2 if env == "interp" else 1)
+    flags = []
+    select = it._select
+
+    def spy(*args, filtered=None, **kwargs):
+        if filtered is not None:
+            flags.append(filtered.clone())
+        return select(*args, filtered=filtered, **kwargs)
+
+    monkeypatch.setattr(it, "_select", spy)
+    tiles = _tiles(env, **kw)
+    got = it.indexer_topk_prefill(q, w, k, key_len, pcu, PT, W, I, topk, max_keys=PT,
+                                  tiles=tiles)
+    _check(got, ref.indexer_topk_prefill(q.cpu().double(), w.cpu(), k.cpu(), key_len.cpu(),
+                                         pcu.cpu(), PT, W, I, topk, max_keys=PT))
+    assert len(flags) == 1, "the emit path did not run"
+    ok = flags[0].cpu()
+    # rows of at most min(slots, 2K) keys take every key: never missed
+    long_rows = key_len.cpu() > min(it.filter_slots(PT, topk, tiles), 2 * topk)
+    if missed == "none":
+        assert ok.all()
+    else:
+        assert not ok[long_rows].all() and ok[~long_rows].all()

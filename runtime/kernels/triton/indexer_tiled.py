@@ -37,6 +37,12 @@ Top-k (``_select``), by row shape:
   ``filter_scatter_kernel`` gathers them in position order into the row's slots
   (``filter_slots``) when the count holds the top K, ``filter_trim_kernel`` keeps a row's exact
   top K in place (more than ``trim_rows`` rows), then the split path's run sorts and ranks;
+- emitted candidates (``logits_emit``, opt-in, prefill only: ``_emit_topk``): the logits of
+  the filter path's sample rank each row's threshold, then the logits kernel writes the
+  composites at or above it instead of keys (the filter path's candidates, no count or
+  gathering pass), ordered as the filter path's; rows that missed get their keys and the
+  segment path. Untimed on a GPU; offline, its Triton epilogue (an in-tile prefix sum) takes
+  355 instructions a tile against 239 (bench/RESULTS.md, "nineteenth session");
 - segment path (rows whose threshold missed, and shapes the filter path does not take):
   persistent ``select_kernel`` programs over (row, segment) items; per item a sampled threshold
   and one gathering pass (retried at a corrected rank, ``select_attempts``; then an in-kernel
@@ -81,6 +87,8 @@ class IndexerTiles:
     ws_block_q: int = 4  # queries a CTA (N = block_q * padded heads <= 256)
     ws_math_warpgroups: int = 2  # tiles of 64 keys a math warpgroup (2 or 4)
     ws_stages: int = 4  # key tiles in the ring
+    logits_emit: bool = False  # the prefill logits emit the filter path's candidates
+    # (``_emit_topk``; untimed on a GPU: opt-in)
     ws_min_keys: int = 16384  # narrower chunks take Triton's (per-CTA start-up: at T 8192 x
     # N 8192 the Gluon kernel was 7% slower; at N 16384 2%, at 32768 / 65536 3-5% faster)
     block_q: int = 2  # Triton's: queries per program (N = block_q * padded heads)
@@ -219,11 +227,15 @@ def tma_tiles(W: int, I: int, bk: int) -> bool:
 
 
 def _logits_planar(q, weights, kp, ks, out, L, lens, pcu, PT, W, I, *, bq, bk, warps, stages,
-                   dot=None, maxnreg=0, tma=None):
+                   dot=None, maxnreg=0, tma=None, emit=None, skip=None):
     """Prefill int32 keys ``out [T, L]`` from the planes; q float8_e4m3fn (fp8 products) or,
     with ``dot`` fp16 / fp32 (the interpreter), any float q holding fp8 values. maxnreg: a
     register cap per thread (0: the compiler's choice). tma: key tiles by TMA copies (None:
-    where ``tma_tiles`` allows; False: per-thread copies, as bench/indexer.py compares)."""
+    where ``tma_tiles`` allows; False: per-thread copies, as bench/indexer.py compares).
+    emit ``(thr [T] int32, counts [T] int32)``: instead of keys, each row's composites of the
+    keys at or above thr[row] into ``out [T, CAP]`` int64 (position order, at most CAP) and
+    their count into counts (``emit_candidates``). skip ``[T]`` int32: keys only for the blocks
+    of BQ rows that hold a row whose flag is 0."""
     T, HI, _ = q.shape
     dot = dot or (tl.float8e4nv if q.dtype == torch.float8_e4m3fn else _DOT[q.dtype])
     if q.numel() == 0:
@@ -234,12 +246,14 @@ def _logits_planar(q, weights, kp, ks, out, L, lens, pcu, PT, W, I, *, bq, bk, w
                          f"expected one rank or an interleave that the tile divides")
     grid = (1, triton.cdiv(T, bq))
     hp = max(16, triton.next_power_of_2(HI))  # the cap fits tiles of <= 128 query-head columns
+    thr, counts = emit if emit is not None else (lens, lens)
     ljit.logits_planar_kernel[grid](
         q, weights, TensorDescriptor.from_tensor(kp, [bk, 128]) if tma else kp, ks, out, lens,
         pcu, q.stride(0), q.stride(1), weights.stride(0), out.stride(0), T, HI, L, PT,
-        triton.cdiv(L, bk) * bk, W=W, I=I, BQ=bq, HP=hp, BK=bk, DOT_DTYPE=dot,
-        PRECISION="ieee" if dot == tl.float32 else "tf32", TMA=tma, num_warps=warps,
-        num_stages=stages,
+        triton.cdiv(L, bk) * bk, thr, counts, skip if skip is not None else lens, W=W, I=I,
+        BQ=bq, HP=hp, BK=bk, DOT_DTYPE=dot, PRECISION="ieee" if dot == tl.float32 else "tf32",
+        TMA=tma, MODE=1 if emit is not None else 2 if skip is not None else 0,
+        CAP=out.shape[1] if emit is not None else 1, num_warps=warps, num_stages=stages,
         **({"maxnreg": maxnreg} if maxnreg and q.is_cuda and bq * hp <= 128 else {}))
 
 
@@ -281,11 +295,14 @@ def prefill_logits(q8, w8, kp, ks, out, L, lens, pcu, PT, W, I, tiles: IndexerTi
                    maxnreg=tiles.logits_maxnreg)
 
 
-def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1, rank=0):
+def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1, rank=0,
+            filtered=None):
     """Exact top-k of each row of int32 keys ``[R, L]`` (row r: its first lens[r] columns)
     into ``top_s`` / ``top_i``, every slot written (pads -inf / NO_KEY): the outputs need no
     fill. The split and filter paths write the pads in their run sorts; the others, whose
-    ranks write only the live slots, have the outputs filled first."""
+    ranks write only the live slots, have the outputs filled first. filtered ``[R]`` int32:
+    the filter path already ran (``_emit_topk``) and these are its ok flags; only the rows
+    it missed are selected (their keys need be the only ones written)."""
     R, L = keys.shape
     kp = triton.next_power_of_2(topk)
     ids = {"RANK": rank, "W": W, "I": I, "DECODE_IDS": decode_ids}
@@ -300,9 +317,7 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
         _rank_launch(sorted_runs, top_s, top_i, topk, run, runs, tiles, ids, lens=lens, n=L)
         return
     sms = _num_sms(keys.device)
-    segs = max(1, min(triton.cdiv(tiles.programs_per_sm * sms, R), L // (4 * kp)))
-    seg_len = triton.cdiv(triton.cdiv(L, segs), tiles.select_block) * tiles.select_block
-    segs = triton.cdiv(L, seg_len)
+    seg_len, segs = _segments(R, L, kp, tiles, sms)
     common = {**ids, "KP": kp,
               "CAP": triton.next_power_of_2(max(tiles.select_cap, kp)),
               "S": triton.next_power_of_2(max(tiles.select_sample, 16)),
@@ -321,7 +336,8 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
     if runs <= tiles.rank_runs:
         # the filter path selects the rows it can (and writes every row's pads); the segment
         # path below only the others
-        skip = _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids)
+        skip = filtered if filtered is not None else _filter_launch(keys, lens, topk, top_s,
+                                                                     top_i, tiles, ids)
     if skip is None:
         top_s.fill_(float("-inf"))
         top_i.fill_(NO_KEY)
@@ -341,6 +357,13 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
         return
     n = segs * kp
     _select_launch(cand, lens, cand, top_s, top_i, n, n, 1, topk, tiles, sms, False, True, common)
+
+
+def _segments(R: int, L: int, kp: int, tiles: IndexerTiles, sms: int) -> tuple[int, int]:
+    """(segment length, segments a row) of the segment path for R rows of L keys."""
+    segs = max(1, min(triton.cdiv(tiles.programs_per_sm * sms, R), L // (4 * kp)))
+    seg_len = triton.cdiv(triton.cdiv(L, segs), tiles.select_block) * tiles.select_block
+    return seg_len, triton.cdiv(L, seg_len)
 
 
 def _split_shape(R: int, L: int, tiles: IndexerTiles) -> tuple[int, int] | None:
@@ -396,22 +419,30 @@ def filter_slots(L: int, topk: int, tiles: IndexerTiles) -> int:
     return triton.next_power_of_2(max(topk, int(1.5 * want)))
 
 
+def _filter_runs(L: int, topk: int, tiles: IndexerTiles) -> tuple[int, int] | None:
+    """(slots, run) of the filter path for rows of L keys: ``filter_slots`` and the run its
+    sorts take; None where the slots would make more runs than ``rank_runs``."""
+    cap = filter_slots(L, topk, tiles)
+    run = min(triton.next_power_of_2(tiles.split_run), cap)
+    return None if cap // run > tiles.rank_runs else (cap, run)
+
+
 def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
     """The filter path: every row's keys at or above a sampled threshold (one program a row),
     counted by ``filter_chunk``-key chunks, then gathered in position order into the row's
-    candidate slots (``filter_slots``; ``filter_scatter_kernel``), then sorted in place as runs
-    and placed by ranks as the split path does; all output pads written. Rows go in batches
-    whose slots fit ``filter_budget_bytes``. A row whose threshold missed (fewer than min(K,
-    live keys) or more than the slots above it) gets no candidates. Returns the rows' ok flags
-    ``[R]`` int32, the skip flags of the segment path that then selects the other rows; None
-    (nothing launched) where the slots would make more runs than ``rank_runs``."""
+    candidate slots (``filter_slots``; ``filter_scatter_kernel``), then ordered
+    (``_filter_order``); all output pads written. Rows go in batches whose slots fit
+    ``filter_budget_bytes``. A row whose threshold missed (fewer than min(K, live keys) or more
+    than the slots above it) gets no candidates. Returns the rows' ok flags ``[R]`` int32, the
+    skip flags of the segment path that then selects the other rows; None (nothing launched)
+    where the slots would make more runs than ``rank_runs``."""
     R, L = keys.shape
     ch = triton.next_power_of_2(tiles.filter_chunk)
     C = triton.cdiv(L, ch)
-    cap = filter_slots(L, topk, tiles)
-    run = min(triton.next_power_of_2(tiles.split_run), cap)
-    if cap // run > tiles.rank_runs:
+    shape = _filter_runs(L, topk, tiles)
+    if shape is None:
         return None
+    cap, _ = shape
     dev = keys.device
     # rows in batches whose candidate slots fit filter_budget_bytes (a chunk of many short
     # prefill rows would otherwise take twice its logits' bytes)
@@ -421,10 +452,6 @@ def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
     cnt_buf = torch.empty(2 * batch * C, dtype=torch.int32, device=dev)
     cand = torch.empty(batch, cap, dtype=torch.int64, device=dev)
     cand_len = torch.empty(batch, dtype=torch.int32, device=dev)
-    trim = R > tiles.trim_rows
-    # a trimmed row holds at most topk candidates: the run sorts and ranks launch only the
-    # runs that can hold them, not the slots' (8192 slots at L 32k: 4 runs of 512, not 16)
-    runs = min(cap // run, triton.cdiv(topk, run)) if trim else cap // run
     sms = _num_sms(dev)
     for r0 in range(0, R, batch):
         n = min(R, r0 + batch) - r0
@@ -435,11 +462,11 @@ def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
         if g < 1 or n * C < g * tiles.filter_group_programs * sms:
             g = 1
         cg = triton.cdiv(C, g)
-        k, ln, s, i = keys[r0:r0 + n], lens[r0:r0 + n], top_s[r0:r0 + n], top_i[r0:r0 + n]
+        k, ln = keys[r0:r0 + n], lens[r0:r0 + n]
         cnt = cnt_buf[:2 * n * C].view(2, n, C)
         sjit.filter_threshold_kernel[(n,)](k, ln, thr, k.stride(0), L, topk,
                                            float(tiles.filter_margin), CAP=cap,
-                                           S=triton.next_power_of_2(max(tiles.filter_sample, 16)),
+                                           S=_filter_sample(tiles),
                                            num_warps=tiles.filter_warps)
         sjit.filter_count_kernel[(n, cg)](k, ln, thr, cnt, k.stride(0), L, C, CH=ch, G=g,
                                           num_warps=tiles.split_warps)
@@ -447,19 +474,99 @@ def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
                                             k.stride(0), cand.stride(0), L, topk, C, CAP=cap,
                                             CH=ch, CB=triton.next_power_of_2(C), G=g,
                                             num_warps=tiles.filter_scatter_warps)
-        if trim:
-            sjit.filter_trim_kernel[(n,)](cand, cand_len, cand.stride(0), topk, CAP=cap,
-                                          BLK=min(cap, 1024),
-                                          THREE_Q=cap >= 64,  # slots of CAP / 4 + CAP / 8
-                                          num_warps=tiles.trim_warps)
-        # in place: each run's program reads its run before it writes it back sorted
-        sjit.sort_runs_kernel[(n, runs)](cand, cand_len, cand, s, i, cand.stride(0),
-                                         cand.stride(0), s.stride(0), cap, topk,
-                                         HAS_LEN=True, SEG=run, COMPOSITE_IN=True,
-                                         num_warps=tiles.filter_sort_warps)
-        _rank_launch(cand[:n], s, i, topk, run, runs, tiles, ids, lens=cand_len, n=cap,
-                     chunk=tiles.filter_rank_chunk)
+        _filter_order(cand[:n], cand_len[:n], topk, top_s[r0:r0 + n], top_i[r0:r0 + n],
+                      tiles, ids, R)
     return ok
+
+
+def _filter_sample(tiles: IndexerTiles) -> int:
+    """Keys sampled a row for the filter path's threshold (a power of two >= 16)."""
+    return triton.next_power_of_2(max(tiles.filter_sample, 16))
+
+
+def _filter_order(cand, cand_len, topk, top_s, top_i, tiles, ids, rows: int) -> None:
+    """The filter path's candidates ``cand [n, CAP]`` int64 composites (``cand_len [n]`` of
+    them a row, in any order) to each row's top-k in the reference order: the exact top K kept
+    in place (``filter_trim_kernel``; for more than ``trim_rows`` rows in the launch, ``rows``),
+    then runs sorted in place and placed by ranks; every output slot written."""
+    n, cap = cand.shape
+    run = min(triton.next_power_of_2(tiles.split_run), cap)
+    trim = rows > tiles.trim_rows
+    if trim:
+        sjit.filter_trim_kernel[(n,)](cand, cand_len, cand.stride(0), topk, CAP=cap,
+                                      BLK=min(cap, 1024),
+                                      THREE_Q=cap >= 64,  # slots of CAP / 4 + CAP / 8
+                                      num_warps=tiles.trim_warps)
+    # a trimmed row holds at most topk candidates: the run sorts and ranks launch only the
+    # runs that can hold them, not the slots' (8192 slots at L 32k: 4 runs of 512, not 16)
+    runs = min(cap // run, triton.cdiv(topk, run)) if trim else cap // run
+    # in place: each run's program reads its run before it writes it back sorted
+    sjit.sort_runs_kernel[(n, runs)](cand, cand_len, cand, top_s, top_i, cand.stride(0),
+                                     cand.stride(0), top_s.stride(0), cap, topk,
+                                     HAS_LEN=True, SEG=run, COMPOSITE_IN=True,
+                                     num_warps=tiles.filter_sort_warps)
+    _rank_launch(cand, top_s, top_i, topk, run, runs, tiles, ids, lens=cand_len, n=cap,
+                 chunk=tiles.filter_rank_chunk)
+
+
+def _emit_shape(R: int, L: int, topk: int, tiles: IndexerTiles, device) -> tuple | None:
+    """(slots, run) where ``_emit_topk`` runs R prefill rows of L keys: ``logits_emit``, rows
+    that ``_select`` would give the filter path (not the split path's shape, the segment
+    path's runs and the slots' runs within ``rank_runs``) and slots of every row within
+    ``filter_budget_bytes``; else None."""
+    if not tiles.logits_emit or _split_shape(R, L, tiles) is not None:
+        return None
+    _, segs = _segments(R, L, triton.next_power_of_2(topk), tiles, _num_sms(device))
+    shape = _filter_runs(L, topk, tiles)
+    if triton.next_power_of_2(segs) > tiles.rank_runs or shape is None \
+            or 8 * R * shape[0] > tiles.filter_budget_bytes:
+        return None
+    return shape
+
+
+def _emit_topk(q8, w8, kp, ks, keys, L, lens, pcu, PT, W, I, topk, top_s, top_i,
+               tiles) -> bool:
+    """The prefill top-k with candidates emitted by the logits kernel (``logits_emit``): each
+    row's threshold from the logits of the filter path's sample (``logits_sample_kernel``,
+    ranked by ``filter_threshold_kernel``), then one logits pass writing only the composites
+    at or above it (``logits_planar_kernel`` MODE 1: no int32 keys, no counting or gathering
+    pass), ordered as the filter path orders its candidates; rows whose threshold missed get
+    their keys (a logits pass over their blocks only) and the segment path. Same results as
+    the filter path. Returns False (nothing launched) where ``_emit_shape`` is None."""
+    R = q8.shape[0]
+    shape = _emit_shape(R, L, topk, tiles, q8.device)
+    if shape is None:
+        return False
+    cap, _ = shape
+    dev = q8.device
+    S = _filter_sample(tiles)
+    BS = min(64, S)
+    hp = max(16, triton.next_power_of_2(q8.shape[1]))
+    dot = tl.float8e4nv if q8.dtype == torch.float8_e4m3fn else _DOT[q8.dtype]
+    smp = torch.empty(R, S, dtype=torch.int32, device=dev)
+    ljit.logits_sample_kernel[(R, S // BS)](
+        q8, w8, kp, ks, smp, lens, pcu, q8.stride(0), q8.stride(1), w8.stride(0), smp.stride(0),
+        R, q8.shape[1], L, PT, min(cap, 2 * topk), W=W, I=I, HP=hp, S=S, BS=BS, DOT_DTYPE=dot,
+        PRECISION="ieee" if dot == tl.float32 else "tf32", num_warps=tiles.logits_warps)
+    thr = torch.empty(R, dtype=torch.int32, device=dev)
+    sjit.filter_threshold_kernel[(R,)](smp, lens, thr, smp.stride(0), L, topk,
+                                       float(tiles.filter_margin), CAP=cap, S=S, SAMPLED=True,
+                                       num_warps=tiles.filter_warps)
+    cand = torch.empty(R, cap, dtype=torch.int64, device=dev)
+    count = torch.empty(R, dtype=torch.int32, device=dev)
+    planar = {"bq": tiles.block_q, "bk": tiles.block_k, "warps": tiles.logits_warps,
+              "stages": tiles.logits_stages, "maxnreg": tiles.logits_maxnreg, "dot": dot}
+    _logits_planar(q8, w8, kp, ks, cand, L, lens, pcu, PT, W, I, emit=(thr, count), **planar)
+    ok = torch.empty(R, dtype=torch.int32, device=dev)
+    cand_len = torch.empty(R, dtype=torch.int32, device=dev)
+    sjit.emit_ok_kernel[(triton.cdiv(R, 1024),)](count, lens, ok, cand_len, R, L, topk,
+                                                 CAP=cap, BLOCK=1024)
+    _filter_order(cand, cand_len, topk, top_s, top_i, tiles,
+                  {"RANK": 0, "W": W, "I": I, "DECODE_IDS": False}, R)
+    # the rows that missed: their blocks' keys, then the segment path over those rows only
+    _logits_planar(q8, w8, kp, ks, keys, L, lens, pcu, PT, W, I, skip=ok, **planar)
+    _select(keys, lens, topk, top_s, top_i, tiles, filtered=ok)
+    return True
 
 
 def score_keys(scores: torch.Tensor) -> torch.Tensor:
@@ -566,8 +673,11 @@ def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_loc
     # longest launches are queued first and the host runs ahead of the device sooner
     for t0 in reversed(range(0, T, step)):
         t1 = min(T, t0 + step)
-        prefill_logits(q8[t0:t1], w8[t0:t1], kp, ks, keys[: t1 - t0], L, key_len[t0:t1],
-                       region_pcu[t0:t1], padded_local_total, dcp_size, interleave, tiles)
+        args = (q8[t0:t1], w8[t0:t1], kp, ks, keys[: t1 - t0], L, key_len[t0:t1],
+                region_pcu[t0:t1], padded_local_total, dcp_size, interleave)
+        if _emit_topk(*args, topk, top_s[t0:t1], top_i[t0:t1], tiles):
+            continue
+        prefill_logits(*args, tiles)
         _select(keys[: t1 - t0], key_len[t0:t1], topk, top_s[t0:t1], top_i[t0:t1], tiles)
     return top_s, top_i
 
