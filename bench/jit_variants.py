@@ -36,6 +36,7 @@ from cpplan.runtime.executor import LayerCache, StepExecutor  # noqa: E402
 from cpplan.runtime.kernels import attention_plan  # noqa: E402
 from cpplan.runtime.kernels.triton import (  # noqa: E402
     TRITON,  # noqa: E402
+    indexer_select,
     indexer_tiled,
 )
 from cpplan.runtime.kernels.triton import plan as tplan
@@ -96,16 +97,16 @@ class Recorder:
             recorder.keys[name].setdefault(recorder.key(fn, args, kwargs), recorder.step)
 
         saved = (InterpretedFunction.run, tplan.device_spec, tplan.gluon_available,
-                 indexer_tiled._num_sms)
+                 indexer_tiled._num_sms, indexer_select._num_sms)
         InterpretedFunction.run = run
         tplan.device_spec = lambda device: H200
         tplan.gluon_available = lambda: False
-        indexer_tiled._num_sms = lambda device: H200.sm_count
+        indexer_tiled._num_sms = indexer_select._num_sms = lambda device: H200.sm_count
         try:
             yield self
         finally:
             (InterpretedFunction.run, tplan.device_spec, tplan.gluon_available,
-             indexer_tiled._num_sms) = saved
+             indexer_tiled._num_sms, indexer_select._num_sms) = saved
 
     def first_steps(self) -> dict:
         """kernel -> sorted first steps of its specialisations."""

@@ -497,7 +497,9 @@ def test_decode_filter_path_in_a_replayed_step_matches_the_oracle(pwi):
                                        rank_runs=8, programs_per_sm=8,
                                        filter_chunk=128, filter_cap=256, filter_sample=64,
                                        filter_margin=2.0, split_run=32)
-    spy = indexer_tiled._filter_launch
+    from cpplan.runtime.kernels.triton import indexer_select
+
+    spy = indexer_select._filter_launch
 
     def filter_launch(*args, **kwargs):
         ran.append(1)
@@ -509,11 +511,11 @@ def test_decode_filter_path_in_a_replayed_step_matches_the_oracle(pwi):
                                                                                      **kwargs)
 
     kernels = dataclasses.replace(REFERENCE, indexer_topk_decode=decode)
-    indexer_tiled._filter_launch = filter_launch
+    indexer_select._filter_launch = filter_launch
     try:
         result = replay_plan(compile_plan(cfg, step), seed=4, kernels=kernels)
     finally:
-        indexer_tiled._filter_launch = spy
+        indexer_select._filter_launch = spy
     assert ran and result.max_abs_err <= TOLERANCE
 
 

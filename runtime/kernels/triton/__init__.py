@@ -2,7 +2,8 @@
 
 Modules: ``plan`` (the attention plan: family, splits, launch numbers), ``attention`` (runs a
 plan; jitted bodies in ``attention_jit``; the Gluon decode in ``..gluon``), ``indexer_tiled``
-(the indexer: query x key tiles, then an exact top-k from a sampled threshold), ``pack``,
+(the indexer: query x key tiles, the Gluon prefill logits in ``..gluon`` on Hopper, then an
+exact top-k from a sampled threshold, ``indexer_select``), ``pack``,
 ``index``, ``merge`` (each with its jitted bodies in a ``*_jit`` module). Inside this package
 ``import triton`` is the Triton compiler (absolute imports), never this package. Every op of
 the set has a Triton kernel; the test-only ops' Triton versions (``merge.lse_merge``,

@@ -1,4 +1,4 @@
-"""Jitted select of the tiled indexer (launcher, reasoning: ``indexer_tiled.py``).
+"""Jitted select of the tiled indexer (launchers, reasoning: ``indexer_select.py``).
 
 ``select_kernel``: exact top-k of (row, segment) items, persistent programs: a sorted strided
 sample gives a threshold, one pass gathers the composites ``key << 32 | (2**32 - 1 - c)`` of the
@@ -7,7 +7,7 @@ miss), the radix select (histogram passes of BITS bits) is the in-kernel fallbac
 the CAP candidates (or sorted segments and ranks) orders them (score descending, position
 ascending). ``sort_runs_kernel`` / ``rank_runs_kernel``: the split path's sorted runs and their
 one-round merge by ranks. ``filter_*_kernel``: the filter path's threshold, counts, gathering
-and trim (the order of the launches: ``indexer_tiled._filter_launch``).
+and trim (the order of the launches: ``indexer_select._filter_launch``).
 
 Keys are the logits kernels' order-preserving int32 keys; INT32_MIN (the key of no float we
 produce) marks "no key".
