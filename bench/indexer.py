@@ -609,11 +609,9 @@ def run_prefill(cases, ceil, kernels, planar_sweep=False, dg=None):
     return ok
 
 
-# whole prefill indexers beside the default: candidates emitted by the (Triton) logits kernel,
-# against the same logits kernel writing keys for the filter path
+# whole prefill indexers beside the default (its logits by the Gluon kernel on Hopper)
 PREFILL_WHOLE = {
     "Triton logits, filter path": {"logits_ws": False},
-    "Triton logits emitting the candidates": {"logits_ws": False, "logits_emit": True},
 }
 
 

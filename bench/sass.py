@@ -33,15 +33,14 @@ from cpplan.runtime.kernels.triton import indexer_logits_jit as ljit
 
 # argument types of logits_planar_kernel's pointers (the key plane's by ``tma``); ints are i32
 POINTERS = {"q_ptr": "*fp8e4nv", "w_ptr": "*fp32", "ks_ptr": "*fp32", "out_ptr": "*i32",
-            "len_ptr": "*i32", "pcu_ptr": "*i64", "thr_ptr": "*i32", "cnt_ptr": "*i32",
-            "skip_ptr": "*i32"}
+            "len_ptr": "*i32", "pcu_ptr": "*i64"}
 
 
 def compile_logits(bq: int, bk: int, warps: int, stages: int, maxnreg: int, tma: bool):
     """The compiled kernel (``triton.compile`` for sm_90) of ``logits_planar_kernel``."""
     fn = ljit.logits_planar_kernel
     const = {"W": 1, "I": 1, "BQ": bq, "HP": 64, "BK": bk, "DOT_DTYPE": tl.float8e4nv,
-             "PRECISION": "tf32", "TMA": tma, "MODE": 0, "CAP": 1}
+             "PRECISION": "tf32", "TMA": tma}
     kp = f"tensordesc<fp8e4nv[{bk}, 128]>" if tma else "*fp8e4nv"
     sig = {n: "constexpr" if n in const else kp if n == "kp_ptr" else POINTERS.get(n, "i32")
            for n in fn.arg_names}

@@ -173,20 +173,13 @@ def _tile_scores(k, scale, qT, w, BQ: tl.constexpr, HP: tl.constexpr, DOT_DTYPE:
 
 # Over 50 lines on purpose: one program's loop over key tiles (shared or per-query tiles, causal
 # stop, fused epilogue) is the kernel. Step-varying ints and index pointers are not specialised.
-@triton.jit(do_not_specialize=["len_ptr", "pcu_ptr", "T", "L", "PT", "KEYS_PER_SPLIT", "thr_ptr",
-                               "cnt_ptr", "skip_ptr"])
+@triton.jit(do_not_specialize=["len_ptr", "pcu_ptr", "T", "L", "PT", "KEYS_PER_SPLIT"])
 def logits_planar_kernel(q_ptr, w_ptr, kp_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
                          stride_qt, stride_qh, stride_wt, stride_ot, T, HI, L, PT, KEYS_PER_SPLIT,
-                         thr_ptr, cnt_ptr, skip_ptr,
                          W: tl.constexpr, I: tl.constexpr, BQ: tl.constexpr, HP: tl.constexpr,
                          BK: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-                         TMA: tl.constexpr, MODE: tl.constexpr = 0, CAP: tl.constexpr = 1):
-    """kp_ptr: the value plane, or (TMA) a tensor descriptor over it with boxes of [BK, 128].
-    MODE 0: int32 keys to out (row stride stride_ot). MODE 1 (emit): no keys; each query's
-    int64 composites of the keys at or above its threshold (``thr_ptr [T]``) to its row of out
-    (``[T, CAP]``) in position order, at most CAP of them, and their count (all of them) to
-    ``cnt_ptr [T]``. MODE 2: as MODE 0, for the blocks holding a query whose skip
-    flag (``skip_ptr [T]``) is 0; the other programs end at once."""
+                         TMA: tl.constexpr):
+    """kp_ptr: the value plane, or (TMA) a tensor descriptor over it with boxes of [BK, 128]."""
     split = tl.program_id(0)
     # the last query blocks first: a prefill's later queries have the most keys, and the
     # longest programs starting first leave no long tail (longest processing time first)
@@ -206,11 +199,6 @@ def logits_planar_kernel(q_ptr, w_ptr, kp_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr
     # would allocate its own pipeline buffers, and the doubled shared memory kept the kernel
     # at one program per SM (no overlap of one program's products with another's epilogue)
     passes = tl.where(shared, 1, BQ)
-    if MODE == 2:  # only blocks with a missed row
-        passes = tl.where(tl.min(tl.load(skip_ptr + jq, mask=qmask, other=1), 0) == 0, passes, 0)
-    if MODE == 1:
-        thr = tl.load(thr_ptr + jq, mask=qmask, other=0)
-        count = tl.zeros([BQ], tl.int32)
     for qi in range(passes):
         pq = tl.where(shared, p_lo, tl.sum(tl.where(tl.arange(0, BQ) == qi, pcu, 0)))
         jb = tl.arange(0, BQ)
@@ -228,49 +216,7 @@ def logits_planar_kernel(q_ptr, w_ptr, kp_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr
                 s = _planar_scores(kp_ptr, ks_ptr, rows, kvalid, qT, w, BQ, HP, DOT_DTYPE,
                                    PRECISION, False)
             valid = (c[:, None] < n[None, :]) & mine[None, :]
-            if MODE == 1:
-                count = _emit(optr, s, c, valid, thr, count, CAP)
-            else:
-                _store(optr + c[:, None], s, valid, valid, True)
-    if MODE == 1:
-        tl.store(cnt_ptr + jq, count, mask=qmask)
-
-
-@triton.jit
-def _emit(cptr, s, c, valid, thr, count, CAP: tl.constexpr):
-    """The composites ``key << 32 | (2**32 - 1 - c)`` of a [BK, BQ] tile's valid keys at or
-    above their query's threshold, appended to each query's slots ``cptr`` after its
-    ``count`` earlier ones (position order; slots past CAP dropped); returns the new counts."""
-    bits = s.to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    take = valid & (key >= thr[None, :])
-    ti = take.to(tl.int32)
-    slot = count[None, :] + tl.cumsum(ti, 0) - ti
-    comp = (key.to(tl.int64) << 32) | (4294967295 - c.to(tl.int64))[:, None]
-    tl.store(cptr + slot, comp, mask=take & (slot < CAP))
-    return count + tl.sum(ti, 0)
-
-
-@triton.jit(do_not_specialize=["len_ptr", "pcu_ptr", "T", "L", "PT", "LIMIT"])
-def logits_sample_kernel(q_ptr, w_ptr, kp_ptr, ks_ptr, smp_ptr, len_ptr, pcu_ptr, stride_qt,
-                         stride_qh, stride_wt, stride_sr, T, HI, L, PT, LIMIT,
-                         W: tl.constexpr, I: tl.constexpr, HP: tl.constexpr, S: tl.constexpr,
-                         BS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """Program (query j, block b): the int32 keys of query j's sample i = b BS .. b BS + BS - 1
-    of S, the key at position ``i * n // S`` of its n = min(len, L) keys (the positions the
-    filter path samples), into ``smp [T, S]`` (row stride stride_sr); queries of at most LIMIT
-    keys take every key and need no sample: their programs end at once."""
-    j = tl.program_id(0)
-    n = tl.minimum(tl.load(len_ptr + j).to(tl.int32), L)
-    if n > LIMIT:
-        qT, w = _query_tile(q_ptr, w_ptr, j, T, HI, stride_qt, stride_qh, stride_wt, 1, HP)
-        i = tl.program_id(1) * BS + tl.arange(0, BS)
-        pos = ((i.to(tl.int64) * n) // S).to(tl.int32)
-        rows = _prefill_rows(pos, tl.load(pcu_ptr + j).to(tl.int64), PT, W, I)
-        s = _planar_scores(kp_ptr, ks_ptr, rows, i < S, qT, w, 1, HP, DOT_DTYPE, PRECISION,
-                           False)
-        _store(smp_ptr + j.to(tl.int64) * stride_sr + i[:, None], s, (i < S)[:, None],
-               (i < S)[:, None], True)
+            _store(optr + c[:, None], s, valid, valid, True)
 
 
 @triton.jit(do_not_specialize=["T"])

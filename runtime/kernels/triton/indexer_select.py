@@ -15,13 +15,6 @@ Top-k (``_select``), by row shape:
   ``filter_scatter_kernel`` gathers them in position order into the row's slots
   (``filter_slots``) when the count holds the top K, ``filter_trim_kernel`` keeps a row's exact
   top K in place (more than ``trim_rows`` rows), then the split path's run sorts and ranks;
-- emitted candidates (``logits_emit``, opt-in, prefill only: ``indexer_tiled._emit_topk``,
-  which hands ``_select`` the rows it missed as ``filtered``): the logits of
-  the filter path's sample rank each row's threshold, then the logits kernel writes the
-  composites at or above it instead of keys (the filter path's candidates, no count or
-  gathering pass), ordered as the filter path's; rows that missed get their keys and the
-  segment path. Untimed on a GPU; offline, its Triton epilogue (an in-tile prefix sum) takes
-  355 instructions a tile against 239 (bench/RESULTS.md, "nineteenth session");
 - segment path (rows whose threshold missed, and shapes the filter path does not take):
   persistent ``select_kernel`` programs over (row, segment) items; per item a sampled threshold
   and one gathering pass (retried at a corrected rank, ``select_attempts``; then an in-kernel
@@ -66,14 +59,11 @@ def score_keys(scores: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
-def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1, rank=0,
-            filtered=None):
+def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1, rank=0):
     """Exact top-k of each row of int32 keys ``[R, L]`` (row r: its first lens[r] columns)
     into ``top_s`` / ``top_i``, every slot written (pads -inf / NO_KEY): the outputs need no
     fill. The split and filter paths write the pads in their run sorts; the others, whose
-    ranks write only the live slots, have the outputs filled first. filtered ``[R]`` int32:
-    the filter path already ran (``_emit_topk``) and these are its ok flags; only the rows
-    it missed are selected (their keys need be the only ones written)."""
+    ranks write only the live slots, have the outputs filled first."""
     R, L = keys.shape
     kp = triton.next_power_of_2(topk)
     ids = {"RANK": rank, "W": W, "I": I, "DECODE_IDS": decode_ids}
@@ -107,8 +97,7 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
     if runs <= tiles.rank_runs:
         # the filter path selects the rows it can (and writes every row's pads); the segment
         # path below only the others
-        skip = filtered if filtered is not None else _filter_launch(keys, lens, topk, top_s,
-                                                                     top_i, tiles, ids)
+        skip = _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids)
     if skip is None:
         top_s.fill_(float("-inf"))
         top_i.fill_(NO_KEY)

@@ -148,20 +148,13 @@ def _sample_threshold(src, lo, hi, K, MARGIN, COMPOSITE_IN: tl.constexpr, S: tl.
 
 @triton.jit
 def _sample_rank(src, lo, hi, K, MARGIN, COMPOSITE_IN: tl.constexpr, S: tl.constexpr):
-    """A strided sample of S keys of [lo, hi) (unsorted: the keys at positions
-    lo + i * n // S) and the 0-based threshold rank in it (``_sample_index``)."""
+    """A strided sample of S keys of [lo, hi) (unsorted) and the 0-based threshold rank in it,
+    ``m + MARGIN * sqrt(m)`` (m = K * S / n: where the K-th key is expected)."""
     n = hi - lo
     pos = lo + ((tl.arange(0, S).to(tl.int64) * n) // S).to(tl.int32)
     key, _ = _load_keys(src, pos, hi, COMPOSITE_IN)
-    return key, _sample_index(n, K, MARGIN, S)
-
-
-@triton.jit
-def _sample_index(n, K, MARGIN, S: tl.constexpr):
-    """The 0-based threshold rank in a sample of S of n keys, ``m + MARGIN * sqrt(m)``
-    (m = K * S / n: where the K-th key is expected)."""
     m = (K * 1.0) * S / (n * 1.0)
-    return tl.minimum(tl.maximum(m + MARGIN * tl.sqrt(m), -1.0).to(tl.int32) + 1, S - 1)
+    return key, tl.minimum(tl.maximum(m + MARGIN * tl.sqrt(m), -1.0).to(tl.int32) + 1, S - 1)
 
 
 @triton.jit
@@ -446,40 +439,19 @@ def rank_runs_kernel(runs_ptr, len_ptr, skip_ptr, s_ptr, i_ptr, stride_rr, strid
 
 @triton.jit(do_not_specialize=["len_ptr", "N", "K"])
 def filter_threshold_kernel(keys_ptr, len_ptr, thr_ptr, stride_kr, N, K, MARGIN,
-                            CAP: tl.constexpr, S: tl.constexpr, SAMPLED: tl.constexpr = False):
+                            CAP: tl.constexpr, S: tl.constexpr):
     """Program row of the filter path: the row's sampled threshold to thr[row], the key of a
     strided sample of S keys at the rank ``m + MARGIN * sqrt(m)`` (``_sample_rank``), found by
     bisection rather than by sorting the sample (the same key); rows of at most min(CAP, 2K)
     keys get a threshold below every key (all taken). One program a row, so the sample is
-    ranked once, not by every chunk's program. SAMPLED: keys_ptr holds the sample itself, S
-    keys a row (``logits_sample_kernel``'s), not the row's keys."""
+    ranked once, not by every chunk's program."""
     row = tl.program_id(0).to(tl.int64)
     n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
     thr = tl.zeros((), tl.int32) - 2147483647
     if n > tl.minimum(CAP, 2 * K):  # the sorted sample's key at rank idx: its (idx + 1)-th largest
-        if SAMPLED:
-            key = tl.load(keys_ptr + row * stride_kr + tl.arange(0, S))
-            idx = _sample_index(n, K, MARGIN, S)
-        else:
-            key, idx = _sample_rank(keys_ptr + row * stride_kr, 0, n, K, MARGIN, False, S)
+        key, idx = _sample_rank(keys_ptr + row * stride_kr, 0, n, K, MARGIN, False, S)
         thr = tl.maximum(_kth_largest(key, tl.min(key, 0), idx + 1), -2147483647)
     tl.store(thr_ptr + row, thr)
-
-
-@triton.jit(do_not_specialize=["cnt_ptr", "len_ptr", "R", "N", "K"])
-def emit_ok_kernel(cnt_ptr, len_ptr, ok_ptr, cand_len_ptr, R, N, K, CAP: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    """After the logits kernel emitted candidates (``logits_planar_kernel`` MODE 1): row r
-    holds its top K in them when its count is at least min(K, its keys) and at most CAP
-    (every prefill key is live); ok[r] and cand_len[r] (its count if ok, else 0), as
-    ``filter_scatter_kernel`` sets them."""
-    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = r < R
-    cnt = tl.load(cnt_ptr + r, mask=m, other=0)
-    n = tl.minimum(tl.load(len_ptr + r, mask=m, other=0).to(tl.int32), N)
-    ok = (cnt >= tl.minimum(n, K)) & (cnt <= CAP)
-    tl.store(ok_ptr + r, ok.to(tl.int32), mask=m)
-    tl.store(cand_len_ptr + r, tl.where(ok, cnt, 0), mask=m)
 
 
 @triton.jit

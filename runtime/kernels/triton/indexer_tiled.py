@@ -25,8 +25,7 @@ tiles laid end to end and split evenly over one wave, whatever the rows' lengths
 epilogues (ReLU, head weights, the sum over heads, the per-key power-of-two scale) reduce
 inside the MMA layout. Scores are written as order-preserving int32 keys.
 
-Top-k: ``indexer_select`` (the split, filter and segment paths); ``_emit_topk`` here runs the
-filter path on candidates the logits kernel emits (opt-in). Every path writes every output slot (pads -inf / NO_KEY), so outputs need no fill.
+Top-k: ``indexer_select`` (the split, filter and segment paths). Every path writes every output slot (pads -inf / NO_KEY), so outputs need no fill.
 """
 
 from __future__ import annotations
@@ -42,16 +41,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..reference.formats import INDEXER_K_BYTES, NO_KEY
 from ..reference.indexer import topk_out
 from . import indexer_logits_jit as ljit
-from . import indexer_select_jit as sjit
 from . import pack
 from .indexer_select import (  # noqa: F401 (re-exported: tests and benches use them here)
     _filter_launch,
-    _filter_order,
-    _filter_runs,
-    _filter_sample,
     _num_sms,
     _outputs,
-    _segments,
     _select,
     _split_shape,
     filter_slots,
@@ -75,8 +69,6 @@ class IndexerTiles:
     ws_block_q: int = 4  # queries a CTA (N = block_q * padded heads <= 256)
     ws_math_warpgroups: int = 2  # tiles of 64 keys a math warpgroup (2 or 4)
     ws_stages: int = 4  # key tiles in the ring
-    logits_emit: bool = False  # the prefill logits emit the filter path's candidates
-    # (``_emit_topk``; untimed on a GPU: opt-in)
     ws_min_keys: int = 16384  # narrower chunks take Triton's (per-CTA start-up: at T 8192 x
     # N 8192 the Gluon kernel was 7% slower; at N 16384 2%, at 32768 / 65536 3-5% faster)
     block_q: int = 2  # Triton's: queries per program (N = block_q * padded heads)
@@ -209,15 +201,11 @@ def tma_tiles(W: int, I: int, bk: int) -> bool:
 
 
 def _logits_planar(q, weights, kp, ks, out, L, lens, pcu, PT, W, I, *, bq, bk, warps, stages,
-                   dot=None, maxnreg=0, tma=None, emit=None, skip=None):
+                   dot=None, maxnreg=0, tma=None):
     """Prefill int32 keys ``out [T, L]`` from the planes; q float8_e4m3fn (fp8 products) or,
     with ``dot`` fp16 / fp32 (the interpreter), any float q holding fp8 values. maxnreg: a
     register cap per thread (0: the compiler's choice). tma: key tiles by TMA copies (None:
-    where ``tma_tiles`` allows; False: per-thread copies, as bench/indexer.py compares).
-    emit ``(thr [T] int32, counts [T] int32)``: instead of keys, each row's composites of the
-    keys at or above thr[row] into ``out [T, CAP]`` int64 (position order, at most CAP) and
-    their count into counts (``emit_candidates``). skip ``[T]`` int32: keys only for the blocks
-    of BQ rows that hold a row whose flag is 0."""
+    where ``tma_tiles`` allows; False: per-thread copies, as bench/indexer.py compares)."""
     T, HI, _ = q.shape
     dot = dot or (tl.float8e4nv if q.dtype == torch.float8_e4m3fn else _DOT[q.dtype])
     if q.numel() == 0:
@@ -228,14 +216,12 @@ def _logits_planar(q, weights, kp, ks, out, L, lens, pcu, PT, W, I, *, bq, bk, w
                          f"expected one rank or an interleave that the tile divides")
     grid = (1, triton.cdiv(T, bq))
     hp = max(16, triton.next_power_of_2(HI))  # the cap fits tiles of <= 128 query-head columns
-    thr, counts = emit if emit is not None else (lens, lens)
     ljit.logits_planar_kernel[grid](
         q, weights, TensorDescriptor.from_tensor(kp, [bk, 128]) if tma else kp, ks, out, lens,
         pcu, q.stride(0), q.stride(1), weights.stride(0), out.stride(0), T, HI, L, PT,
-        triton.cdiv(L, bk) * bk, thr, counts, skip if skip is not None else lens, W=W, I=I,
-        BQ=bq, HP=hp, BK=bk, DOT_DTYPE=dot, PRECISION="ieee" if dot == tl.float32 else "tf32",
-        TMA=tma, MODE=1 if emit is not None else 2 if skip is not None else 0,
-        CAP=out.shape[1] if emit is not None else 1, num_warps=warps, num_stages=stages,
+        triton.cdiv(L, bk) * bk, W=W, I=I, BQ=bq, HP=hp, BK=bk, DOT_DTYPE=dot,
+        PRECISION="ieee" if dot == tl.float32 else "tf32", TMA=tma, num_warps=warps,
+        num_stages=stages,
         **({"maxnreg": maxnreg} if maxnreg and q.is_cuda and bq * hp <= 128 else {}))
 
 
@@ -275,66 +261,6 @@ def prefill_logits(q8, w8, kp, ks, out, L, lens, pcu, PT, W, I, tiles: IndexerTi
     _logits_planar(q8, w8, kp, ks, out, L, lens, pcu, PT, W, I, bq=tiles.block_q,
                    bk=tiles.block_k, warps=tiles.logits_warps, stages=tiles.logits_stages,
                    maxnreg=tiles.logits_maxnreg)
-
-
-def _emit_shape(R: int, L: int, topk: int, tiles: IndexerTiles, device) -> tuple | None:
-    """(slots, run) where ``_emit_topk`` runs R prefill rows of L keys: ``logits_emit``, rows
-    that ``_select`` would give the filter path (not the split path's shape, the segment
-    path's runs and the slots' runs within ``rank_runs``) and slots of every row within
-    ``filter_budget_bytes``; else None."""
-    if not tiles.logits_emit or _split_shape(R, L, tiles) is not None:
-        return None
-    _, segs = _segments(R, L, triton.next_power_of_2(topk), tiles, _num_sms(device))
-    shape = _filter_runs(L, topk, tiles)
-    if triton.next_power_of_2(segs) > tiles.rank_runs or shape is None \
-            or 8 * R * shape[0] > tiles.filter_budget_bytes:
-        return None
-    return shape
-
-
-def _emit_topk(q8, w8, kp, ks, keys, L, lens, pcu, PT, W, I, topk, top_s, top_i,
-               tiles) -> bool:
-    """The prefill top-k with candidates emitted by the logits kernel (``logits_emit``): each
-    row's threshold from the logits of the filter path's sample (``logits_sample_kernel``,
-    ranked by ``filter_threshold_kernel``), then one logits pass writing only the composites
-    at or above it (``logits_planar_kernel`` MODE 1: no int32 keys, no counting or gathering
-    pass), ordered as the filter path orders its candidates; rows whose threshold missed get
-    their keys (a logits pass over their blocks only) and the segment path. Same results as
-    the filter path. Returns False (nothing launched) where ``_emit_shape`` is None."""
-    R = q8.shape[0]
-    shape = _emit_shape(R, L, topk, tiles, q8.device)
-    if shape is None:
-        return False
-    cap, _ = shape
-    dev = q8.device
-    S = _filter_sample(tiles)
-    BS = min(64, S)
-    hp = max(16, triton.next_power_of_2(q8.shape[1]))
-    dot = tl.float8e4nv if q8.dtype == torch.float8_e4m3fn else _DOT[q8.dtype]
-    smp = torch.empty(R, S, dtype=torch.int32, device=dev)
-    ljit.logits_sample_kernel[(R, S // BS)](
-        q8, w8, kp, ks, smp, lens, pcu, q8.stride(0), q8.stride(1), w8.stride(0), smp.stride(0),
-        R, q8.shape[1], L, PT, min(cap, 2 * topk), W=W, I=I, HP=hp, S=S, BS=BS, DOT_DTYPE=dot,
-        PRECISION="ieee" if dot == tl.float32 else "tf32", num_warps=tiles.logits_warps)
-    thr = torch.empty(R, dtype=torch.int32, device=dev)
-    sjit.filter_threshold_kernel[(R,)](smp, lens, thr, smp.stride(0), L, topk,
-                                       float(tiles.filter_margin), CAP=cap, S=S, SAMPLED=True,
-                                       num_warps=tiles.filter_warps)
-    cand = torch.empty(R, cap, dtype=torch.int64, device=dev)
-    count = torch.empty(R, dtype=torch.int32, device=dev)
-    planar = {"bq": tiles.block_q, "bk": tiles.block_k, "warps": tiles.logits_warps,
-              "stages": tiles.logits_stages, "maxnreg": tiles.logits_maxnreg, "dot": dot}
-    _logits_planar(q8, w8, kp, ks, cand, L, lens, pcu, PT, W, I, emit=(thr, count), **planar)
-    ok = torch.empty(R, dtype=torch.int32, device=dev)
-    cand_len = torch.empty(R, dtype=torch.int32, device=dev)
-    sjit.emit_ok_kernel[(triton.cdiv(R, 1024),)](count, lens, ok, cand_len, R, L, topk,
-                                                 CAP=cap, BLOCK=1024)
-    _filter_order(cand, cand_len, topk, top_s, top_i, tiles,
-                  {"RANK": 0, "W": W, "I": I, "DECODE_IDS": False}, R)
-    # the rows that missed: their blocks' keys, then the segment path over those rows only
-    _logits_planar(q8, w8, kp, ks, keys, L, lens, pcu, PT, W, I, skip=ok, **planar)
-    _select(keys, lens, topk, top_s, top_i, tiles, filtered=ok)
-    return True
 
 
 def select_topk(scores, lens, topk: int, *, tiles: IndexerTiles | None = None):
@@ -424,11 +350,8 @@ def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_loc
     # longest launches are queued first and the host runs ahead of the device sooner
     for t0 in reversed(range(0, T, step)):
         t1 = min(T, t0 + step)
-        args = (q8[t0:t1], w8[t0:t1], kp, ks, keys[: t1 - t0], L, key_len[t0:t1],
-                region_pcu[t0:t1], padded_local_total, dcp_size, interleave)
-        if _emit_topk(*args, topk, top_s[t0:t1], top_i[t0:t1], tiles):
-            continue
-        prefill_logits(*args, tiles)
+        prefill_logits(q8[t0:t1], w8[t0:t1], kp, ks, keys[: t1 - t0], L, key_len[t0:t1],
+                       region_pcu[t0:t1], padded_local_total, dcp_size, interleave, tiles)
         _select(keys[: t1 - t0], key_len[t0:t1], topk, top_s[t0:t1], top_i[t0:t1], tiles)
     return top_s, top_i
 
