@@ -246,9 +246,10 @@ def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
 
 def _filter_order(cand, cand_len, topk, top_s, top_i, tiles, ids, rows: int) -> None:
     """The filter path's candidates ``cand [n, CAP]`` int64 composites (``cand_len [n]`` of
-    them a row, in any order) to each row's top-k in the reference order: the exact top K kept
-    in place (``filter_trim_kernel``; for more than ``trim_rows`` rows in the launch, ``rows``),
-    then runs sorted in place and placed by ranks; every output slot written."""
+    them a row, in position order: the trim keeps the first of the K-th key's ties) to each
+    row's top-k in the reference order: the exact top K kept in place (``filter_trim_kernel``;
+    for more than ``trim_rows`` rows in the launch, ``rows``), then runs sorted in place and
+    placed by ranks; every output slot written."""
     n, cap = cand.shape
     run = min(triton.next_power_of_2(tiles.split_run), cap)
     trim = rows > tiles.trim_rows
