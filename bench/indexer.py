@@ -601,7 +601,7 @@ def run_prefill(cases, ceil, kernels, planar_sweep=False, dg=None):
         ok &= case(label, kernels.indexer_topk_prefill, it.indexer_topk_prefill, args, N, flops,
                    ceil)
         prefill_parts(args, it.IndexerTiles(), ceil, flops, "parts")
-        ok &= prefill_emit(args, N, flops, ceil)
+        ok &= prefill_whole(args, N, flops, ceil)
         if dg is not None:  # --deepgemm: beside the parts it compares with; reported, not in ok
             deepgemm_anchor(dg, args, ceil, flops, label)
         ok &= planar_logits(args, ceil, flops, planar_sweep)
@@ -615,7 +615,7 @@ PREFILL_WHOLE = {
 }
 
 
-def prefill_emit(args, N, flops, ceil):
+def prefill_whole(args, N, flops, ceil):
     """The whole prefill indexer at each of PREFILL_WHOLE's tiles (``--variants`` filters by
     name), checked equal to the defaults' results."""
     want = it.indexer_topk_prefill(*args, max_keys=N)

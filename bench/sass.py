@@ -141,20 +141,16 @@ def main(argv=None) -> int:
         print(f"ws_logits_kernel, Triton {triton.__version__}, sm_90: BQ {a.bq}, "
               f"{a.math_warpgroups} math warpgroups, {a.stages} stages; products "
               f"{', '.join(gmma)}; setmaxnreg {', '.join(f'{d} {r}' for d, r in nreg)}")
-        print(f"registers {usage.group(1)}, stack {usage.group(2)} B, spill instructions "
-              f"{len(re.findall(r'STL|LDL', sass))}, shared memory {k.metadata.shared} B")
-        print(f"math loop: {n} instructions a thread a tile: "
-              + ", ".join(f"{c} {op}" for op, c in ops.most_common()))
-        return 0
-    print(f"logits_planar_kernel, Triton {triton.__version__}, sm_90: BQ {a.bq} BK {a.bk}, "
-          f"{a.warps} warps, {a.stages} stages, cap {a.maxnreg or 'none'}, "
-          f"{'per-thread copies' if a.copies else 'TMA tiles'}")
+        loop = "math loop: {} instructions a thread a tile"
+    else:
+        print(f"logits_planar_kernel, Triton {triton.__version__}, sm_90: BQ {a.bq} BK {a.bk}, "
+              f"{a.warps} warps, {a.stages} stages, cap {a.maxnreg or 'none'}, "
+              f"{'per-thread copies' if a.copies else 'TMA tiles'}")
+        loop = "key loop: {} instructions a thread a trip"
     print(f"registers {usage.group(1)}, stack {usage.group(2)} B, spill instructions "
           f"{len(re.findall(r'STL|LDL', sass))}, shared memory {k.metadata.shared} B")
-    print(f"key loop: {n} instructions a thread a trip: "
-          + ", ".join(f"{c} {op}" for op, c in ops.most_common()))
+    print(loop.format(n) + ": " + ", ".join(f"{c} {op}" for op, c in ops.most_common()))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

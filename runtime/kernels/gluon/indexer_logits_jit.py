@@ -20,8 +20,9 @@ CTA a SM at a time:
   is left (``gl.warp_specialize``'s ``setmaxnreg``; the launcher caps the kernel so that they
   add up).
 
-Measured on the H200 (bench/RESULTS.md, "nineteenth session"): 2-5% faster than the Triton
-kernel on chunks of 32k-64k keys, 7% slower at 8k (the per-CTA start-up of short causal rows);
+Measured on the H200 (bench/RESULTS.md, "the warp-specialised Gluon prefill logits"): 2-5%
+faster than the Triton kernel on chunks of 32k-64k keys, 7% slower at 8k (the per-CTA
+start-up of short causal rows);
 with the epilogue replaced by a column maximum the schedule runs at 1306 TFLOP/s-eq, so the
 tensor cores idle a third of the time even then. Issuing the next tile's product before this
 tile's epilogue (two accumulators live) made ptxas serialise every wgmma, and was removed.
@@ -69,10 +70,9 @@ def _pass_start(qi, pcu_ptr, j0, T, p_lo, shared):
 def _loader(kdesc, ring, ready, free, pcu_ptr, j0, T, PT, hi, p_lo, shared,
             W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr, NM: gl.constexpr,
             NS: gl.constexpr):
-    """The CTA's first warpgroup (one thread issues the copies; scalars only: Triton 3.6
-    builds this default partition outside any warp-count context, where tensors of a layout
-    fail to verify): every tile's NM boxes of 64 key rows into ring stage ``it % NS`` once the
-    math warpgroups have freed it (the first NS stages are free from the start)."""
+    """The CTA's first warpgroup (one thread issues the copies): every tile's NM boxes of 64
+    key rows into ring stage ``it % NS`` once the math warpgroups have freed it (the first NS
+    stages are free from the start)."""
     tiles = gl.cdiv(hi, NM * SUB)
     it = 0
     for qi in range(gl.where(shared, 1, BQ)):
@@ -83,8 +83,7 @@ def _loader(kdesc, ring, ready, free, pcu_ptr, j0, T, PT, hi, p_lo, shared,
             mbarrier.expect(ready.index(s), NM * kdesc.block_type.nbytes)
             for m in gl.static_range(NM):
                 r = _prefill_rows(t * (NM * SUB) + m * SUB, pq, PT, W, I)
-                _tma_load(kdesc, [r.to(gl.int32), 0], ready.index(s),
-                                                ring.index(s * NM + m))
+                _tma_load(kdesc, [r.to(gl.int32), 0], ready.index(s), ring.index(s * NM + m))
             it += 1
 
 
@@ -113,7 +112,7 @@ def _finish(acc, w, scale, c, n, mine, optr, BQ: gl.constexpr, HP: gl.constexpr,
     """A finished product's int32 keys stored: ReLU, head weights, the sum over each query's
     heads (within a thread, then a quad), the key's scale (a positive power of two: exact after
     the sum), the order-preserving bits. EPI 0 (a probe of the products' bound, wrong keys):
-    a per-column maximum computed, stored nowhere.)"""
+    a per-column maximum computed, stored nowhere."""
     if EPI:
         x = gl.sum(gl.reshape(gl.maximum(acc, 0.0) * w[None, :], [acc.shape[0], BQ, HP]), 2)
         bits = (x * scale[:, None]).to(gl.int32, bitcast=True)
@@ -203,11 +202,9 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
     hi = gl.max(n, 0)  # the block's keys: its longest query's
     p_lo = gl.min(gl.where(n > 0, pcu, 9223372036854775807), 0)
     shared = gl.max(gl.where(n > 0, pcu, -1), 0) <= p_lo  # one request's keys serve every query
-    # the loader is the default partition (its warps are the CTA's first warpgroup); the math
-    # warpgroups are workers: a worker is built inside the partition op that gives its warp
-    # count, which the layouts of the head sums need (Triton 3.6 builds the default partition
-    # detached). Each partition's arguments written out: a tuple built by concatenation would
-    # turn the constexprs into tensors.
+    # the loader is the default partition (its warps are the CTA's first warpgroup), the math
+    # warpgroups are workers. Each partition's arguments are written out: in Triton 3.6 a
+    # tuple held in a variable, or built by concatenation, turns its constexprs into tensors.
     if NM == 2:
         gl.warp_specialize([
             (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, hi, p_lo, shared, W, I, BQ,

@@ -78,7 +78,9 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
         _rank_launch(sorted_runs, top_s, top_i, topk, run, runs, tiles, ids, lens=lens, n=L)
         return
     sms = _num_sms(keys.device)
-    seg_len, segs = _segments(R, L, kp, tiles, sms)
+    segs = max(1, min(triton.cdiv(tiles.programs_per_sm * sms, R), L // (4 * kp)))
+    seg_len = triton.cdiv(triton.cdiv(L, segs), tiles.select_block) * tiles.select_block
+    segs = triton.cdiv(L, seg_len)
     common = {**ids, "KP": kp,
               "CAP": triton.next_power_of_2(max(tiles.select_cap, kp)),
               "S": triton.next_power_of_2(max(tiles.select_sample, 16)),
@@ -117,13 +119,6 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
         return
     n = segs * kp
     _select_launch(cand, lens, cand, top_s, top_i, n, n, 1, topk, tiles, sms, False, True, common)
-
-
-def _segments(R: int, L: int, kp: int, tiles, sms: int) -> tuple[int, int]:
-    """(segment length, segments a row) of the segment path for R rows of L keys."""
-    segs = max(1, min(triton.cdiv(tiles.programs_per_sm * sms, R), L // (4 * kp)))
-    seg_len = triton.cdiv(triton.cdiv(L, segs), tiles.select_block) * tiles.select_block
-    return seg_len, triton.cdiv(L, seg_len)
 
 
 def _split_shape(R: int, L: int, tiles) -> tuple[int, int] | None:
@@ -179,35 +174,22 @@ def filter_slots(L: int, topk: int, tiles) -> int:
     return triton.next_power_of_2(max(topk, int(1.5 * want)))
 
 
-def _filter_runs(L: int, topk: int, tiles) -> tuple[int, int] | None:
-    """(slots, run) of the filter path for rows of L keys: ``filter_slots`` and the run its
-    sorts take; None where the slots would make more runs than ``rank_runs``."""
-    cap = filter_slots(L, topk, tiles)
-    run = min(triton.next_power_of_2(tiles.split_run), cap)
-    return None if cap // run > tiles.rank_runs else (cap, run)
-
-
-def _filter_sample(tiles) -> int:
-    """Keys sampled a row for the filter path's threshold (a power of two >= 16)."""
-    return triton.next_power_of_2(max(tiles.filter_sample, 16))
-
-
 def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
     """The filter path: every row's keys at or above a sampled threshold (one program a row),
     counted by ``filter_chunk``-key chunks, then gathered in position order into the row's
-    candidate slots (``filter_slots``; ``filter_scatter_kernel``), then ordered
-    (``_filter_order``); all output pads written. Rows go in batches whose slots fit
-    ``filter_budget_bytes``. A row whose threshold missed (fewer than min(K, live keys) or more
-    than the slots above it) gets no candidates. Returns the rows' ok flags ``[R]`` int32, the
-    skip flags of the segment path that then selects the other rows; None (nothing launched)
-    where the slots would make more runs than ``rank_runs``."""
+    candidate slots (``filter_slots``; ``filter_scatter_kernel``), then sorted in place as runs
+    and placed by ranks as the split path does; all output pads written. Rows go in batches
+    whose slots fit ``filter_budget_bytes``. A row whose threshold missed (fewer than min(K,
+    live keys) or more than the slots above it) gets no candidates. Returns the rows' ok flags
+    ``[R]`` int32, the skip flags of the segment path that then selects the other rows; None
+    (nothing launched) where the slots would make more runs than ``rank_runs``."""
     R, L = keys.shape
     ch = triton.next_power_of_2(tiles.filter_chunk)
     C = triton.cdiv(L, ch)
-    shape = _filter_runs(L, topk, tiles)
-    if shape is None:
+    cap = filter_slots(L, topk, tiles)
+    run = min(triton.next_power_of_2(tiles.split_run), cap)
+    if cap // run > tiles.rank_runs:
         return None
-    cap, _ = shape
     dev = keys.device
     # rows in batches whose candidate slots fit filter_budget_bytes (a chunk of many short
     # prefill rows would otherwise take twice its logits' bytes)
@@ -217,6 +199,10 @@ def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
     cnt_buf = torch.empty(2 * batch * C, dtype=torch.int32, device=dev)
     cand = torch.empty(batch, cap, dtype=torch.int64, device=dev)
     cand_len = torch.empty(batch, dtype=torch.int32, device=dev)
+    trim = R > tiles.trim_rows
+    # a trimmed row holds at most topk candidates: the run sorts and ranks launch only the
+    # runs that can hold them, not the slots' (8192 slots at L 32k: 4 runs of 512, not 16)
+    runs = min(cap // run, triton.cdiv(topk, run)) if trim else cap // run
     sms = _num_sms(dev)
     for r0 in range(0, R, batch):
         n = min(R, r0 + batch) - r0
@@ -227,11 +213,11 @@ def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
         if g < 1 or n * C < g * tiles.filter_group_programs * sms:
             g = 1
         cg = triton.cdiv(C, g)
-        k, ln = keys[r0:r0 + n], lens[r0:r0 + n]
+        k, ln, s, i = keys[r0:r0 + n], lens[r0:r0 + n], top_s[r0:r0 + n], top_i[r0:r0 + n]
         cnt = cnt_buf[:2 * n * C].view(2, n, C)
         sjit.filter_threshold_kernel[(n,)](k, ln, thr, k.stride(0), L, topk,
                                            float(tiles.filter_margin), CAP=cap,
-                                           S=_filter_sample(tiles),
+                                           S=triton.next_power_of_2(max(tiles.filter_sample, 16)),
                                            num_warps=tiles.filter_warps)
         sjit.filter_count_kernel[(n, cg)](k, ln, thr, cnt, k.stride(0), L, C, CH=ch, G=g,
                                           num_warps=tiles.split_warps)
@@ -239,32 +225,16 @@ def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
                                             k.stride(0), cand.stride(0), L, topk, C, CAP=cap,
                                             CH=ch, CB=triton.next_power_of_2(C), G=g,
                                             num_warps=tiles.filter_scatter_warps)
-        _filter_order(cand[:n], cand_len[:n], topk, top_s[r0:r0 + n], top_i[r0:r0 + n],
-                      tiles, ids, R)
+        if trim:
+            sjit.filter_trim_kernel[(n,)](cand, cand_len, cand.stride(0), topk, CAP=cap,
+                                          BLK=min(cap, 1024),
+                                          THREE_Q=cap >= 64,  # slots of CAP / 4 + CAP / 8
+                                          num_warps=tiles.trim_warps)
+        # in place: each run's program reads its run before it writes it back sorted
+        sjit.sort_runs_kernel[(n, runs)](cand, cand_len, cand, s, i, cand.stride(0),
+                                         cand.stride(0), s.stride(0), cap, topk,
+                                         HAS_LEN=True, SEG=run, COMPOSITE_IN=True,
+                                         num_warps=tiles.filter_sort_warps)
+        _rank_launch(cand[:n], s, i, topk, run, runs, tiles, ids, lens=cand_len, n=cap,
+                     chunk=tiles.filter_rank_chunk)
     return ok
-
-
-def _filter_order(cand, cand_len, topk, top_s, top_i, tiles, ids, rows: int) -> None:
-    """The filter path's candidates ``cand [n, CAP]`` int64 composites (``cand_len [n]`` of
-    them a row, in position order: the trim keeps the first of the K-th key's ties) to each
-    row's top-k in the reference order: the exact top K kept in place (``filter_trim_kernel``;
-    for more than ``trim_rows`` rows in the launch, ``rows``), then runs sorted in place and
-    placed by ranks; every output slot written."""
-    n, cap = cand.shape
-    run = min(triton.next_power_of_2(tiles.split_run), cap)
-    trim = rows > tiles.trim_rows
-    if trim:
-        sjit.filter_trim_kernel[(n,)](cand, cand_len, cand.stride(0), topk, CAP=cap,
-                                      BLK=min(cap, 1024),
-                                      THREE_Q=cap >= 64,  # slots of CAP / 4 + CAP / 8
-                                      num_warps=tiles.trim_warps)
-    # a trimmed row holds at most topk candidates: the run sorts and ranks launch only the
-    # runs that can hold them, not the slots' (8192 slots at L 32k: 4 runs of 512, not 16)
-    runs = min(cap // run, triton.cdiv(topk, run)) if trim else cap // run
-    # in place: each run's program reads its run before it writes it back sorted
-    sjit.sort_runs_kernel[(n, runs)](cand, cand_len, cand, top_s, top_i, cand.stride(0),
-                                     cand.stride(0), top_s.stride(0), cap, topk,
-                                     HAS_LEN=True, SEG=run, COMPOSITE_IN=True,
-                                     num_warps=tiles.filter_sort_warps)
-    _rank_launch(cand, top_s, top_i, topk, run, runs, tiles, ids, lens=cand_len, n=cap,
-                 chunk=tiles.filter_rank_chunk)

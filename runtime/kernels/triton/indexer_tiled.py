@@ -25,7 +25,8 @@ tiles laid end to end and split evenly over one wave, whatever the rows' lengths
 epilogues (ReLU, head weights, the sum over heads, the per-key power-of-two scale) reduce
 inside the MMA layout. Scores are written as order-preserving int32 keys.
 
-Top-k: ``indexer_select`` (the split, filter and segment paths). Every path writes every output slot (pads -inf / NO_KEY), so outputs need no fill.
+Top-k: ``indexer_select`` (the split, filter and segment paths). Every path writes every output
+slot (pads -inf / NO_KEY), so outputs need no fill.
 """
 
 from __future__ import annotations
@@ -42,12 +43,10 @@ from ..reference.formats import INDEXER_K_BYTES, NO_KEY
 from ..reference.indexer import topk_out
 from . import indexer_logits_jit as ljit
 from . import pack
-from .indexer_select import (  # noqa: F401 (re-exported: tests and benches use them here)
-    _filter_launch,
+from .indexer_select import (  # noqa: F401 (filter_slots re-exported: tests use it here)
     _num_sms,
     _outputs,
     _select,
-    _split_shape,
     filter_slots,
     score_keys,
 )
