@@ -435,12 +435,11 @@ def planar_logits(args, ceil, flops, sweep_tiles=False):
     return ok
 
 
-# (queries a CTA, math warpgroups, ring stages, products in turn, probe) of the
-# warp-specialised logits; a probe replaces the epilogue by a per-column maximum stored nowhere
-# (the products' and the pipeline's time, no keys written)
-WS_TILES = ((4, 2, 4, True, False), (4, 2, 4, False, False), (4, 2, 3, True, False),
-            (4, 2, 6, True, False), (2, 4, 4, True, False), (2, 4, 6, True, False),
-            (4, 2, 4, True, True), (4, 2, 4, False, True), (2, 4, 4, True, True))
+# (queries a CTA, math warpgroups, ring stages, probe) of the warp-specialised logits; a probe
+# replaces the epilogue by a per-column maximum stored nowhere (the products' and the
+# pipeline's time, no keys written)
+WS_TILES = ((4, 2, 4, False), (4, 2, 3, False), (2, 4, 4, False), (2, 4, 6, False),
+            (4, 2, 4, True), (2, 4, 4, True))
 
 
 def ws_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops):
@@ -453,12 +452,12 @@ def ws_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops):
         print(f"  ws logits: not available ({e})", flush=True)
         return True
     ok = True
-    for bq, nm, ns, pp, probe in WS_TILES:
-        def fn(bq=bq, nm=nm, ns=ns, pp=pp, probe=probe):
+    for bq, nm, ns, probe in WS_TILES:
+        def fn(bq=bq, nm=nm, ns=ns, probe=probe):
             ws.launch(q8, w8, kp, ks, got, key_len, pcu, N, 1, 1, block_q=bq,
-                      math_warpgroups=nm, stages=ns, pingpong=pp, _probe=probe)
-        name = (f"  ws fp8 logits bq {bq}, {nm} math warpgroups, {ns} stages, "
-                f"{'in turn' if pp else 'together'}{', PROBE: no epilogue' * probe}")
+                      math_warpgroups=nm, stages=ns, _probe=probe)
+        name = (f"  ws fp8 logits bq {bq}, {nm} math warpgroups, {ns} stages"
+                f"{', PROBE: no epilogue' * probe}")
         try:
             got.fill_(0)
             fn()

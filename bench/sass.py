@@ -52,7 +52,7 @@ def compile_logits(bq: int, bk: int, warps: int, stages: int, maxnreg: int, tma:
                           options=opts)
 
 
-def compile_ws(bq: int, math_warpgroups: int, stages: int, pingpong: bool = True):
+def compile_ws(bq: int, math_warpgroups: int, stages: int):
     """The compiled kernel (sm_90) of the warp-specialised Gluon logits, at the launcher's
     register budget."""
     from triton.experimental.gluon import language as gl
@@ -64,7 +64,7 @@ def compile_ws(bq: int, math_warpgroups: int, stages: int, pingpong: bool = True
     layout = gl.NVMMASharedLayout.get_default_for([ws.BOX, 128], gl.float8e4nv)
     cap, regs = ws._REGISTERS[math_warpgroups]
     const = {"W": 1, "I": 1, "BQ": bq, "HP": 64, "NM": math_warpgroups, "NS": stages,
-             "MATH_REGS": regs, "EPI": True, "PP": pingpong}
+             "MATH_REGS": regs, "EPI": True}
     ptrs = {**POINTERS, "q_ptr": "*fp8e4nv"}
     sig = {n: "constexpr" if n in const else f"tensordesc<fp8e4nv[{ws.BOX}, 128],{layout!r}>"
            if n == "kdesc" else ptrs.get(n, "i32") for n in fn.arg_names}
@@ -110,15 +110,13 @@ def main(argv=None) -> int:
     ap.add_argument("--sass", help="write the disassembly here")
     ap.add_argument("--ws", action="store_true", help="the warp-specialised Gluon kernel")
     ap.add_argument("--math-warpgroups", type=int, default=2, help="--ws: 2 or 4")
-    ap.add_argument("--together", action="store_true",
-                    help="--ws: the math warpgroups' products not issued in turn")
     ap.add_argument("--ptx", help="write the PTX here")
     a = ap.parse_args(argv)
     if a.ws:  # its own defaults: the launcher's
         given = argv if argv is not None else sys.argv
         a.stages = a.stages if "--stages" in given else 4
         a.bq = a.bq if "--bq" in given else 4
-        k = compile_ws(a.bq, a.math_warpgroups, a.stages, not a.together)
+        k = compile_ws(a.bq, a.math_warpgroups, a.stages)
     else:
         k = compile_logits(a.bq, a.bk, a.warps, a.stages, a.maxnreg, not a.copies)
     with tempfile.TemporaryDirectory() as tmp:
@@ -141,8 +139,7 @@ def main(argv=None) -> int:
         gmma = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", k.asm["ptx"])))
         nreg = sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", k.asm["ptx"])))
         print(f"ws_logits_kernel, Triton {triton.__version__}, sm_90: BQ {a.bq}, "
-              f"{a.math_warpgroups} math warpgroups, {a.stages} stages, products "
-              f"{'together' if a.together else 'in turn'}: "
+              f"{a.math_warpgroups} math warpgroups, {a.stages} stages; products "
               f"{', '.join(gmma)}; setmaxnreg {', '.join(f'{d} {r}' for d, r in nreg)}")
         loop = "math loop: {} instructions a thread a tile"
     else:

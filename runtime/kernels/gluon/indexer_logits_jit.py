@@ -88,24 +88,14 @@ def _loader(kdesc, ring, ready, free, pcu_ptr, j0, T, PT, hi, p_lo, shared,
 
 
 @gluon.jit
-def _product(ring, ready, turn, q_smem, zero, it, NM: gl.constexpr, NS: gl.constexpr,
-             WG: gl.constexpr, PP: gl.constexpr):
+def _product(ring, ready, q_smem, zero, it, NM: gl.constexpr, NS: gl.constexpr,
+             WG: gl.constexpr):
     """Issue (asynchronously) the product of ring tile ``it``'s 64 keys of warpgroup WG with
-    the block's queries, once the tile has landed. PP: in turn, warpgroup WG's product of tile
-    ``it`` after warpgroup WG - 1's (WG 0's after the last warpgroup's of the tile before), so
-    the tensor cores finish one warpgroup's product before the next's and that warpgroup's
-    epilogue runs under the others' products (without it the warpgroups, released by the same
-    tile, multiply together and then all take their epilogues while the tensor cores idle)."""
+    the block's queries, once the tile has landed."""
     s = it % NS
     mbarrier.wait(ready.index(s), (it // NS) & 1)
-    if PP:  # warpgroup 0's first wait passes on the fresh barrier (the phase before it)
-        FIRST: gl.constexpr = 1 if WG == 0 else 0
-        mbarrier.wait(turn.index(WG), (it & 1) ^ FIRST)
-    acc = warpgroup_mma(ring.index(s * NM + WG), q_smem.permute((1, 0)), zero, use_acc=False,
-                        is_async=True)
-    if PP:
-        mbarrier.arrive(turn.index((WG + 1) % NM), count=1)
-    return acc
+    return warpgroup_mma(ring.index(s * NM + WG), q_smem.permute((1, 0)), zero, use_acc=False,
+                         is_async=True)
 
 
 @gluon.jit
@@ -136,10 +126,10 @@ def _finish(acc, w, scale, c, n, mine, optr, BQ: gl.constexpr, HP: gl.constexpr,
 # The math warpgroup's loop (stage waits, products, scale loads under them, epilogues) is one
 # schedule: over 50 lines on purpose.
 @gluon.jit
-def _math(q_smem, ring, ready, free, turn, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T, HI,
-          PT, stride_wt, stride_ot, hi, p_lo, shared, W: gl.constexpr, I: gl.constexpr,
+def _math(q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T, HI, PT,
+          stride_wt, stride_ot, hi, p_lo, shared, W: gl.constexpr, I: gl.constexpr,
           BQ: gl.constexpr, HP: gl.constexpr, NM: gl.constexpr, NS: gl.constexpr,
-          EPI: gl.constexpr, PP: gl.constexpr, WG: gl.constexpr):
+          EPI: gl.constexpr, WG: gl.constexpr):
     """Math warpgroup WG: keys WG x 64 .. WG x 64 + 63 of every tile, all BQ queries. Each
     product is waited on before its epilogue: with the next tile's product issued first (two
     accumulators live), ptxas serialises every wgmma (bench/RESULTS.md)."""
@@ -167,7 +157,7 @@ def _math(q_smem, ring, ready, free, turn, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_
         # the next tile's scales are loaded under this tile's product and epilogue
         scale = _scales(ks_ptr, k0, hi, pq, PT, W, I)
         for t in range(tiles):
-            acc = _product(ring, ready, turn, q_smem, zero, it, NM, NS, WG, PP)
+            acc = _product(ring, ready, q_smem, zero, it, NM, NS, WG)
             c = t * (NM * SUB) + k0
             scale_nxt = _scales(ks_ptr, c + NM * SUB, hi, pq, PT, W, I)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -182,7 +172,7 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
                      stride_qt, stride_qh, stride_wt, stride_ot, T, HI, PT,
                      W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr, HP: gl.constexpr,
                      NM: gl.constexpr, NS: gl.constexpr, MATH_REGS: gl.constexpr,
-                     EPI: gl.constexpr = True, PP: gl.constexpr = True):
+                     EPI: gl.constexpr = True):
     """One CTA a block of BQ queries (the last blocks first: a prefill's later queries have
     the most keys, longest processing time first). kdesc: a TMA descriptor over the value
     plane ``[R, 128]`` fp8 with boxes of ``[64, 128]``."""
@@ -202,12 +192,9 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
     ring = gl.allocate_shared_memory(gl.float8e4nv, [NS * NM, SUB, 128], kdesc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [NM, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NS):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(free.index(s), count=NM)
-    for m in gl.static_range(NM):
-        mbarrier.init(turn.index(m), count=1)
     fence_async_shared()
     jq = j0 + gl.arange(0, BQ, layout=gl.SliceLayout(1, QL))
     n = gl.load(len_ptr + jq, mask=jq < T, other=0).to(gl.int32)
@@ -222,28 +209,28 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
         gl.warp_specialize([
             (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, hi, p_lo, shared, W, I, BQ,
                        NM, NS)),
-            (_math, (q_smem, ring, ready, free, turn, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
-                     j0, T, HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS,
-                     EPI, PP, 0)),
-            (_math, (q_smem, ring, ready, free, turn, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
-                     j0, T, HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS,
-                     EPI, PP, 1)),
+            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
+                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
+                     0)),
+            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
+                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
+                     1)),
         ], [4, 4], [MATH_REGS, MATH_REGS])
     else:
         gl.static_assert(NM == 4, "NM: 2 or 4 math warpgroups")
         gl.warp_specialize([
             (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, hi, p_lo, shared, W, I, BQ,
                        NM, NS)),
-            (_math, (q_smem, ring, ready, free, turn, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
-                     j0, T, HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS,
-                     EPI, PP, 0)),
-            (_math, (q_smem, ring, ready, free, turn, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
-                     j0, T, HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS,
-                     EPI, PP, 1)),
-            (_math, (q_smem, ring, ready, free, turn, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
-                     j0, T, HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS,
-                     EPI, PP, 2)),
-            (_math, (q_smem, ring, ready, free, turn, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
-                     j0, T, HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS,
-                     EPI, PP, 3)),
+            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
+                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
+                     0)),
+            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
+                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
+                     1)),
+            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
+                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
+                     2)),
+            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
+                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
+                     3)),
         ], [4, 4, 4, 4], [MATH_REGS, MATH_REGS, MATH_REGS, MATH_REGS])
