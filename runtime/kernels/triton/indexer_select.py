@@ -136,14 +136,15 @@ def _rank_launch(sorted_runs, top_s, top_i, topk, run, runs, tiles, ids, *, lens
     ``lens``, runs past a row's first min(lens[r], n) keys are pads, not searched; rows whose
     ``skip`` flag is set are left alone. ``chunk``: composites a program (0: rank_chunk)."""
     chunk = min(run, triton.next_power_of_2(chunk or tiles.rank_chunk))
-    grid = (sorted_runs.shape[0], runs, run // chunk)
-    sjit.rank_runs_kernel[grid](sorted_runs, lens if lens is not None else sorted_runs,
-                                skip if skip is not None else sorted_runs, top_s, top_i,
-                                sorted_runs.stride(0), top_s.stride(0), n, runs,
-                                run if run_keys is None else run_keys, topk,
-                                HAS_LEN=lens is not None, SEG=run, LOG_SEG=run.bit_length() - 1,
-                                RUNS=triton.next_power_of_2(tiles.rank_runs), CHUNK=chunk,
-                                HAS_SKIP=skip is not None, num_warps=tiles.rank_warps, **ids)
+    R = sorted_runs.shape[0]
+    # one program a (row, run, chunk), in one dimension (rows may pass the grid's 65535)
+    sjit.rank_runs_kernel[(R * runs * (run // chunk),)](
+        sorted_runs, lens if lens is not None else sorted_runs,
+        skip if skip is not None else sorted_runs, top_s, top_i, sorted_runs.stride(0),
+        top_s.stride(0), R, runs, n, runs, run if run_keys is None else run_keys, topk,
+        HAS_LEN=lens is not None, SEG=run, LOG_SEG=run.bit_length() - 1,
+        RUNS=triton.next_power_of_2(tiles.rank_runs), CHUNK=chunk, HAS_SKIP=skip is not None,
+        ROW_MAJOR=tiles.rank_row_major, num_warps=tiles.rank_warps, **ids)
 
 
 def _select_launch(src, lens, dst, top_s, top_i, n, seg_len, segs, topk, tiles, sms, has_len,

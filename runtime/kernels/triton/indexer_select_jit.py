@@ -393,12 +393,16 @@ def sort_runs_kernel(keys_ptr, len_ptr, runs_ptr, s_ptr, i_ptr, stride_kr, strid
         tl.store(runs_ptr + row * stride_rr + c, v)
 
 
-@triton.jit(do_not_specialize=["len_ptr", "skip_ptr", "N", "NRUNS", "RUN_KEYS", "K", "RANK"])
-def rank_runs_kernel(runs_ptr, len_ptr, skip_ptr, s_ptr, i_ptr, stride_rr, stride_or, N, NRUNS,
-                     RUN_KEYS, K, RANK, W: tl.constexpr, I: tl.constexpr, DECODE_IDS: tl.constexpr,
-                     HAS_LEN: tl.constexpr, SEG: tl.constexpr, LOG_SEG: tl.constexpr,
-                     RUNS: tl.constexpr, CHUNK: tl.constexpr, HAS_SKIP: tl.constexpr):
-    """Program (row, g, chunk): the place of each composite of run g (CHUNK of them) among the
+@triton.jit(do_not_specialize=["len_ptr", "skip_ptr", "R", "GRID_RUNS", "N", "NRUNS",
+                             "RUN_KEYS", "K", "RANK"])
+def rank_runs_kernel(runs_ptr, len_ptr, skip_ptr, s_ptr, i_ptr, stride_rr, stride_or, R,
+                     GRID_RUNS, N, NRUNS, RUN_KEYS, K, RANK, W: tl.constexpr, I: tl.constexpr,
+                     DECODE_IDS: tl.constexpr, HAS_LEN: tl.constexpr, SEG: tl.constexpr,
+                     LOG_SEG: tl.constexpr, RUNS: tl.constexpr, CHUNK: tl.constexpr,
+                     HAS_SKIP: tl.constexpr, ROW_MAJOR: tl.constexpr):
+    """Program (row, g, chunk) of a grid of R x GRID_RUNS x SEG / CHUNK programs, a row's
+    programs in a row with ROW_MAJOR (else the rows' programs of one run and chunk in a row):
+    the place of each composite of run g (CHUNK of them) among the
     row's NRUNS <= RUNS sorted runs of SEG is the count of composites ahead of it in every run (binary
     searches; runs before g win ties, so the NO_COMPOSITE pads would get distinct places): a
     one-round merge of all runs, whose searches run in parallel. In its own run a live
@@ -408,8 +412,16 @@ def rank_runs_kernel(runs_ptr, len_ptr, skip_ptr, s_ptr, i_ptr, stride_rr, strid
     (sort_runs_kernel: RUN_KEYS = SEG; a long row's segments: the segment length), so runs
     past n are pads and are not searched. HAS_SKIP: rows whose skip flag is set are left
     alone."""
-    row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
+    pid = tl.program_id(0)
+    NCH: tl.constexpr = SEG // CHUNK
+    if ROW_MAJOR:
+        row = (pid // (GRID_RUNS * NCH)).to(tl.int64)
+        g = (pid // NCH) % GRID_RUNS
+        ch = pid % NCH
+    else:
+        row = (pid % R).to(tl.int64)
+        g = (pid // R) % GRID_RUNS
+        ch = pid // (R * GRID_RUNS)
     live_runs = NRUNS
     if HAS_LEN:
         live_runs = tl.minimum((tl.minimum(tl.load(len_ptr + row).to(tl.int32), N) + RUN_KEYS
@@ -419,10 +431,10 @@ def rank_runs_kernel(runs_ptr, len_ptr, skip_ptr, s_ptr, i_ptr, stride_rr, strid
     if HAS_SKIP:
         go = go & (tl.load(skip_ptr + row) == 0)
     if go:
-        v = tl.load(base + g * SEG + tl.program_id(2) * CHUNK + tl.arange(0, CHUNK))
+        v = tl.load(base + g * SEG + ch * CHUNK + tl.arange(0, CHUNK))
         live = v != -9223372036854775808
         if tl.max(live.to(tl.int32), 0) > 0:  # a chunk of pads only: nothing to place
-            place = tl.program_id(2) * CHUNK + tl.arange(0, CHUNK)  # its index in run g
+            place = ch * CHUNK + tl.arange(0, CHUNK)  # its index in run g
             for t in tl.static_range(RUNS):  # unrolled: the searches are independent; RUNS is
                 if (t < live_runs) & (t != g):  # a bound, so one compile serves every count
                     run = base + t * SEG

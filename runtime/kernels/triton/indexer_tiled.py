@@ -108,6 +108,8 @@ class IndexerTiles:
     rank_runs: int = 16  # most runs merged by ranks
     rank_chunk: int = 256  # composites placed a rank program
     rank_warps: int = 4
+    rank_row_major: bool = True  # a row's rank programs launched together (its outputs
+    # written while in L2), not every row's programs of one run together
     split_warps: int = 4  # run-sort programs
     # filter path
     filter_chunk: int = 1024  # keys a counting / gathering chunk
