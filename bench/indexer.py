@@ -241,7 +241,6 @@ PREFILL_FILTERS = {
     "filter path, runs of 256": {"split_run": 256},
     "filter path, runs of 2048": {"split_run": 2048, "filter_sort_warps": 8},
     "filter path, ranks launched run-major (before)": {"rank_row_major": False},
-    "filter path, counting and gathering in one pass (look-back)": {"filter_one_pass": True},
     "filter path, candidate slots 32 MB a launch (512 rows at N 32k)": {"filter_budget_bytes": 1 << 25},
     "filter path, candidate slots 64 MB a launch": {"filter_budget_bytes": 1 << 26},
     "filter path, candidate slots 128 MB a launch": {"filter_budget_bytes": 1 << 27},
@@ -263,7 +262,6 @@ DECODE_SELECTS = {
                                                               "filter_rank_chunk": 256},
     "split: at most 8 runs, of up to 1024 (before)": {"split_runs": 8, "split_run_max": 1024},
     "ranks launched run-major (before)": {"rank_row_major": False},
-    "long rows: filter counting and gathering in one pass": {"filter_one_pass": True},
 }
 
 

@@ -253,8 +253,6 @@ SELECT_VARIANTS = {
     "filter": FILTER,
     "filter-batches": {**FILTER, "filter_budget_bytes": 2 * 128 * 8},
     "filter-ranks-run-major": {**FILTER, "rank_row_major": False, "filter_rank_chunk": 16},
-    "filter-one-pass": {**FILTER, "filter_one_pass": True, "filter_group": 3,
-                        "filter_group_programs": 0},
     "split-ranks-run-major": {"split_rows": 1 << 20, "split_run": 8, "rank_runs": 8,
                               "rank_row_major": False, "rank_chunk": 4},
     "filter-untrimmed": {**FILTER, "trim_rows": 1 << 20},

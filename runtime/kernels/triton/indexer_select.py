@@ -197,10 +197,7 @@ def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
     batch = min(R, max(1, tiles.filter_budget_bytes // (8 * cap)))
     ok = torch.empty(R, dtype=torch.int32, device=dev)
     thr = torch.empty(batch, dtype=torch.int32, device=dev)
-    if tiles.filter_one_pass:  # look-back flags of (row, group), then the ticket
-        flag_buf = torch.empty(batch * C + 1, dtype=torch.int64, device=dev)
-    else:
-        cnt_buf = torch.empty(2 * batch * C, dtype=torch.int32, device=dev)
+    cnt_buf = torch.empty(2 * batch * C, dtype=torch.int32, device=dev)
     cand = torch.empty(batch, cap, dtype=torch.int64, device=dev)
     cand_len = torch.empty(batch, dtype=torch.int32, device=dev)
     trim = R > tiles.trim_rows
@@ -218,25 +215,17 @@ def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
             g = 1
         cg = triton.cdiv(C, g)
         k, ln, s, i = keys[r0:r0 + n], lens[r0:r0 + n], top_s[r0:r0 + n], top_i[r0:r0 + n]
+        cnt = cnt_buf[:2 * n * C].view(2, n, C)
         sjit.filter_threshold_kernel[(n,)](k, ln, thr, k.stride(0), L, topk,
                                            float(tiles.filter_margin), CAP=cap,
                                            S=triton.next_power_of_2(max(tiles.filter_sample, 16)),
                                            num_warps=tiles.filter_warps)
-        if tiles.filter_one_pass:
-            flags = flag_buf[:n * cg + 1]
-            flags.zero_()
-            sjit.filter_gather_kernel[(n * cg,)](k, ln, thr, flags, cand, cand_len,
-                                                 ok[r0:r0 + n], k.stride(0), cand.stride(0), L,
-                                                 topk, cg, CAP=cap, CH=ch, G=g,
-                                                 num_warps=tiles.filter_scatter_warps)
-        else:
-            cnt = cnt_buf[:2 * n * C].view(2, n, C)
-            sjit.filter_count_kernel[(n, cg)](k, ln, thr, cnt, k.stride(0), L, C, CH=ch, G=g,
-                                              num_warps=tiles.split_warps)
-            sjit.filter_scatter_kernel[(n, cg)](k, ln, thr, cnt, cand, cand_len, ok[r0:r0 + n],
-                                                k.stride(0), cand.stride(0), L, topk, C,
-                                                CAP=cap, CH=ch, CB=triton.next_power_of_2(C),
-                                                G=g, num_warps=tiles.filter_scatter_warps)
+        sjit.filter_count_kernel[(n, cg)](k, ln, thr, cnt, k.stride(0), L, C, CH=ch, G=g,
+                                          num_warps=tiles.split_warps)
+        sjit.filter_scatter_kernel[(n, cg)](k, ln, thr, cnt, cand, cand_len, ok[r0:r0 + n],
+                                            k.stride(0), cand.stride(0), L, topk, C, CAP=cap,
+                                            CH=ch, CB=triton.next_power_of_2(C), G=g,
+                                            num_warps=tiles.filter_scatter_warps)
         if trim:
             sjit.filter_trim_kernel[(n,)](cand, cand_len, cand.stride(0), topk, CAP=cap,
                                           BLK=min(cap, 1024),

@@ -528,83 +528,15 @@ def filter_scatter_kernel(keys_ptr, len_ptr, thr_ptr, cnt_ptr, cand_ptr, cand_le
 
 
 @triton.jit
-def _gather_chunk(src, dst, before, n, thr, chunk, CH: tl.constexpr, CAP: tl.constexpr = 0):
+def _gather_chunk(src, dst, before, n, thr, chunk, CH: tl.constexpr):
     """The composites of chunk ``chunk``'s keys >= thr (of a row of n keys at src) to
-    dst[before:], in position order (CAP > 0: only slots below CAP written); returns
-    ``before`` plus their count."""
+    dst[before:], in position order; returns ``before`` plus their count."""
     c = chunk * CH + tl.arange(0, CH)
     key, v = _load_keys(src, c, n, False)
     take = key >= thr
     ti = take.to(tl.int32)
-    slot = before + tl.cumsum(ti, 0) - ti
-    if CAP > 0:
-        take = take & (slot < CAP)
-    tl.store(dst + slot, v, mask=take)
+    tl.store(dst + before + tl.cumsum(ti, 0) - ti, v, mask=take)
     return before + tl.sum(ti, 0)
-
-
-# look-back flags of the one-pass gathering: bits 0-29 keys >= the threshold, 30-59 live keys,
-# 60-61 the state (0 not yet, 1 the group's own counts, 2 the counts of the row up to it)
-_COUNTS = tl.constexpr(1152921504606846975)  # 2**60 - 1
-_FIELD = tl.constexpr(1073741823)  # 2**30 - 1
-
-
-@triton.jit(do_not_specialize=["len_ptr", "N", "K", "CG"])
-def filter_gather_kernel(keys_ptr, len_ptr, thr_ptr, flag_ptr, cand_ptr, cand_len_ptr, ok_ptr,
-                         stride_kr, stride_cr, N, K, CG, CAP: tl.constexpr, CH: tl.constexpr,
-                         G: tl.constexpr):
-    """The filter path's counting and gathering in one pass over the keys (a decoupled
-    look-back): programs take (row, group) items in the order they start (a ticket, the last
-    of ``flag_ptr``'s R x CG + 1 zeroed int64), a group being chunks p*G .. p*G + G - 1 of CH
-    keys. A group counts its keys >= the row's threshold and its live keys, publishes the
-    counts, sums its predecessors' (waiting only on groups that started earlier, so the wait
-    ends) down to the first that published the row's counts up to it, publishes those with its
-    own, then reads its keys again (from the cache) and gathers the composites of the keys at or
-    above the threshold at their place in the row, position order kept, slots past CAP dropped.
-    The row's last group stores ok[row] (min(K, live keys) <= count <= CAP) and cand_len[row]
-    (the count if ok, else 0), as ``filter_count_kernel`` + ``filter_scatter_kernel`` do."""
-    R = tl.num_programs(0) // CG
-    t = tl.atomic_add(flag_ptr + R * CG, 1)  # the ticket: groups taken in start order
-    row = (t // CG).to(tl.int64)
-    p = t % CG
-    n = tl.minimum(tl.load(len_ptr + row).to(tl.int32), N)
-    last = ((n + CH - 1) // CH - 1) // G  # the row's last group with keys
-    if (n == 0) & (p == 0):
-        tl.store(ok_ptr + row, 1)
-        tl.store(cand_len_ptr + row, 0)
-    if p * G * CH < n:
-        src = keys_ptr + row * stride_kr
-        thr = tl.load(thr_ptr + row)
-        ge = tl.zeros((), tl.int64)
-        live = tl.zeros((), tl.int64)
-        hi = tl.minimum(p * G + G, (n + CH - 1) // CH)
-        for chunk in range(p * G, hi):
-            key, _ = _load_keys(src, chunk * CH + tl.arange(0, CH), n, False)
-            ge += tl.sum((key >= thr).to(tl.int32), 0).to(tl.int64)
-            live += tl.sum((key != -2147483648).to(tl.int32), 0).to(tl.int64)
-        own = ge | (live << 30)
-        flags = flag_ptr + row * CG
-        before = tl.zeros((), tl.int64)
-        if p == 0:
-            tl.atomic_xchg(flags, own | (2 << 60), sem="release")
-        else:
-            tl.atomic_xchg(flags + p, own | (1 << 60), sem="release")
-            q = p - 1
-            while q >= 0:  # back over the predecessors until one holds the row's prefix
-                f = tl.atomic_add(flags + q, 0, sem="acquire")
-                state = f >> 60
-                before += tl.where(state != 0, f & _COUNTS, 0)
-                q = tl.where(state == 2, -1, tl.where(state == 1, q - 1, q))
-            tl.atomic_xchg(flags + p, (before + own) | (2 << 60), sem="release")
-        at = (before & _FIELD).to(tl.int32)
-        for chunk in range(p * G, hi):
-            at = _gather_chunk(src, cand_ptr + row * stride_cr, at, n, thr, chunk, CH, CAP)
-        if p == last:
-            total = ((before + own) & _FIELD).to(tl.int32)
-            keys_live = (((before + own) >> 30) & _FIELD).to(tl.int32)
-            ok = (total >= tl.minimum(keys_live, K)) & (total <= CAP)
-            tl.store(ok_ptr + row, ok.to(tl.int32))
-            tl.store(cand_len_ptr + row, tl.where(ok, total, 0))
 
 
 @triton.jit(do_not_specialize=["cand_len_ptr", "K"])

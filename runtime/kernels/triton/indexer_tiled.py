@@ -120,8 +120,6 @@ class IndexerTiles:
     filter_cap: int = 0  # candidate slots a row (a power of two >= topk); 0: ``filter_slots``
     filter_warps: int = 8  # the threshold program of a row
     filter_scatter_warps: int = 1  # gathering programs
-    filter_one_pass: bool = False  # counting and gathering in one pass over the keys (a
-    # look-back: ``filter_gather_kernel``), else a counting pass, then a gathering pass
     filter_sort_warps: int = 4  # run sorts
     trim_rows: int = 16  # rows' exact top K kept before the run sorts for more rows than this
     trim_warps: int = 8
