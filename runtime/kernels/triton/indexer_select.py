@@ -8,7 +8,8 @@ Top-k (``_select``), by row shape:
 - split path (at most ``split_rows`` rows of at most ``split_run_max`` x ``rank_runs`` keys:
   short decode rows): ``sort_runs_kernel`` sorts runs of composites ``key << 32 | (2**32 - 1 -
   position)`` over many programs, ``rank_runs_kernel`` places each by binary searches in the
-  row's other runs (a one-round merge) and writes those placed before K;
+  row's other runs (a one-round merge) and writes those placed before K (a row's programs
+  launched together, ``rank_row_major``: its outputs are written while they sit in L2);
 - filter path (the other rows, where the candidate slots make at most ``rank_runs`` runs):
   ``filter_threshold_kernel`` takes a row's threshold at a rank of a strided sample (found by
   bisection), ``filter_count_kernel`` counts each chunk's keys at or above it,
