@@ -253,6 +253,7 @@ SELECT_VARIANTS = {
     "filter": FILTER,
     "filter-batches": {**FILTER, "filter_budget_bytes": 2 * 128 * 8},
     "filter-ranks-run-major": {**FILTER, "rank_row_major": False, "filter_rank_chunk": 16},
+    "filter-trim-radix": {**FILTER, "trim_radix_bits": 4},
     "split-ranks-run-major": {"split_rows": 1 << 20, "split_run": 8, "rank_runs": 8,
                               "rank_row_major": False, "rank_chunk": 4},
     "filter-untrimmed": {**FILTER, "trim_rows": 1 << 20},
@@ -337,14 +338,15 @@ def test_zero_queries(env):
 
 @pytest.mark.parametrize("env", ENVS)
 @pytest.mark.parametrize("distinct", [False, True])
-@pytest.mark.parametrize("three_q", [False, True])
-def test_filter_trim_keeps_the_exact_top_k(env, distinct, three_q):
+@pytest.mark.parametrize("three_q,radix", [(False, 0), (True, 0), (False, 4), (True, 8)])
+def test_filter_trim_keeps_the_exact_top_k(env, distinct, three_q, radix):
     """filter_trim_kernel alone against a sort: rows of candidates (int64 composites whose
     high 32 bits are the key, in position order) of at most K (left alone), of at most 3 CAP /
     8 (three_q: bisected over CAP / 4 + CAP / 8 slots, two tensors), of at most CAP / 2
     (bisected over half the slots) and of more, with ties at the K-th key; a trimmed row keeps
     its K largest keys, the lowest positions first among those equal to the K-th, in position
-    order, and its count becomes K; over tied or distinct keys."""
+    order, and its count becomes K; over tied or distinct keys; the K-th key by bisection or
+    (radix) by histogram passes of 4 / 8 bits."""
     import numpy as np
 
     from cpplan.runtime.kernels.triton import indexer_select_jit as sjit
@@ -362,7 +364,7 @@ def test_filter_trim_keeps_the_exact_top_k(env, distinct, three_q):
     got = torch.from_numpy(cand.copy()).to(dev)
     lens = torch.tensor(counts, dtype=torch.int32, device=dev)
     sjit.filter_trim_kernel[(len(counts),)](got, lens, got.stride(0), K, CAP=CAP, BLK=32,
-                                            THREE_Q=three_q)
+                                            THREE_Q=three_q, RADIX=radix)
     got, lens = got.cpu().numpy(), lens.cpu().tolist()
     for r, n in enumerate(counts):
         row = cand[r, :n]

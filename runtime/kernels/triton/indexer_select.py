@@ -231,6 +231,7 @@ def _filter_launch(keys, lens, topk, top_s, top_i, tiles, ids) -> torch.Tensor:
             sjit.filter_trim_kernel[(n,)](cand, cand_len, cand.stride(0), topk, CAP=cap,
                                           BLK=min(cap, 1024),
                                           THREE_Q=cap >= 64,  # slots of CAP / 4 + CAP / 8
+                                          RADIX=tiles.trim_radix_bits,
                                           num_warps=tiles.trim_warps)
         # in place: each run's program reads its run before it writes it back sorted
         sjit.sort_runs_kernel[(n, runs)](cand, cand_len, cand, s, i, cand.stride(0),

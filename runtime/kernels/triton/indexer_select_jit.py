@@ -541,7 +541,7 @@ def _gather_chunk(src, dst, before, n, thr, chunk, CH: tl.constexpr):
 
 @triton.jit(do_not_specialize=["cand_len_ptr", "K"])
 def filter_trim_kernel(cand_ptr, cand_len_ptr, stride_cr, K, CAP: tl.constexpr,
-                       BLK: tl.constexpr, THREE_Q: tl.constexpr):
+                       BLK: tl.constexpr, THREE_Q: tl.constexpr, RADIX: tl.constexpr = 0):
     """Program row of the filter path, between the gathering and the run sorts: a row with
     more than K candidates (in position order) keeps its exact top K in place, the keys above
     the K-th largest key t, then the first of those equal to t, and its count becomes K; the
@@ -550,18 +550,23 @@ def filter_trim_kernel(cand_ptr, cand_len_ptr, stride_cr, K, CAP: tl.constexpr,
     held as int32 and compacted BLK at a time, so a program is small enough for several a SM
     (``_keep_top`` bisects int64 composites). The bisection covers only the slots a row fills:
     CAP / 2 for a row of at most CAP / 2 candidates (the usual: slots are 1.5x the expected
-    count) and, with THREE_Q (CAP >= 64), CAP / 4 + CAP / 8 for one of at most 3 CAP / 8."""
+    count) and, with THREE_Q (CAP >= 64), CAP / 4 + CAP / 8 for one of at most 3 CAP / 8.
+    RADIX > 0 (a variant, not timed yet): t by ``_radix_threshold``'s histogram passes of RADIX
+    bits over the candidates, read BLK at a time, instead of the bisection."""
     row = tl.program_id(0).to(tl.int64)
     n = tl.load(cand_len_ptr + row)
     if n > K:
         dst = cand_ptr + row * stride_cr
-        if THREE_Q and n <= 3 * CAP // 8:
-            t, above = _trim_bisect(dst, n, K, CAP // 4, CAP // 8)
-        elif n <= CAP // 2:
-            t, above = _trim_bisect(dst, n, K, CAP // 2)
+        if RADIX > 0:
+            t, k_eq = _radix_threshold(dst, 0, n, K, True, BLK, RADIX)
         else:
-            t, above = _trim_bisect(dst, n, K, CAP)
-        k_eq = K - above  # keys equal to t taken, lowest positions
+            if THREE_Q and n <= 3 * CAP // 8:
+                t, above = _trim_bisect(dst, n, K, CAP // 4, CAP // 8)
+            elif n <= CAP // 2:
+                t, above = _trim_bisect(dst, n, K, CAP // 2)
+            else:
+                t, above = _trim_bisect(dst, n, K, CAP)
+            k_eq = K - above  # keys equal to t taken, lowest positions
         taken = tl.zeros((), tl.int32)
         eqs = tl.zeros((), tl.int32)
         for b0 in range(0, n, BLK):  # compaction to the left: a block is read whole before

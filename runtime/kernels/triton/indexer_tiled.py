@@ -123,6 +123,8 @@ class IndexerTiles:
     filter_sort_warps: int = 4  # run sorts
     trim_rows: int = 16  # rows' exact top K kept before the run sorts for more rows than this
     trim_warps: int = 8
+    trim_radix_bits: int = 0  # the trim's K-th key: 0 bisection; b > 0 histogram passes of b
+    # bits (a variant not yet timed on a GPU: bench/indexer.py "trim by radix")
     filter_budget_bytes: int = 1 << 28  # candidate slots of one launch (rows in batches)
     filter_sample: int = 1024  # keys sampled a row for its threshold, taken at the sample
     filter_margin: float = 4.0  # rank m + margin * sqrt(m), m = topk x samples / keys
