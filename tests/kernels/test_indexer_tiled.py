@@ -469,3 +469,31 @@ def test_bench_indexer_case_arguments(monkeypatch):
                              (mod._decode_cases, "8by4096", "expected BxCTX")):
         with pytest.raises(argparse.ArgumentTypeError, match=said):
             parse(bad)
+
+
+@pytest.mark.slow
+def test_select_kernels_compile_for_sm90(tmp_path):
+    """bench/sm90_compile.py: every launch of the select's kernels that its paths make under
+    the interpreter (split, segments, filter with either trim and either rank order, long
+    rows) compiles for sm_90 offline (no GPU): the interpreter runs a kernel's Python only, so
+    a GPU-only compile error (a module-level int used without ``tl.constexpr``) would pass
+    every other CPU test."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.compiler")
+    root = Path(__file__).resolve().parents[2]
+    script = str(root / "bench" / "sm90_compile.py")
+    launches = str(tmp_path / "launches.json")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
+    rec = subprocess.run([sys.executable, script, "record", launches], capture_output=True,
+                         text=True, env=env, cwd=root, timeout=300)
+    assert rec.returncode == 0, rec.stderr[-2000:]
+    assert "launches of 7 kernels recorded" in rec.stdout, rec.stdout
+    env.pop("TRITON_INTERPRET")
+    out = subprocess.run([sys.executable, script, "compile", launches], capture_output=True,
+                         text=True, env=env, cwd=root, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "FAILED" not in out.stdout and " launches compiled for sm_90" in out.stdout, out.stdout
+
