@@ -497,3 +497,29 @@ def test_select_kernels_compile_for_sm90(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "FAILED" not in out.stdout and " launches compiled for sm_90" in out.stdout, out.stdout
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("copies", [False, True])
+def test_planar_logits_compile_for_sm90(copies):
+    """``bench/sass.py`` (an offline sm_90 compile, no interpreter) of the Triton prefill
+    logits kernel at its default tiles, with TMA key tiles or per-thread copies: the
+    interpreter tests multiply fp8 values in fp16, so only this compiles the fp8 tensor-core
+    path on the CPU; its key loop holds fp8 wgmma products (QGMMA) within the register cap."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.compiler")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    out = subprocess.run([sys.executable, str(root / "bench" / "sass.py"),
+                          *(["--copies"] if copies else [])], capture_output=True, text=True,
+                         env=env, cwd=root, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    regs = re.search(r"registers (\d+)", out.stdout)
+    loop = re.search(r"key loop: (\d+) instructions a thread a trip: (.*)", out.stdout)
+    assert regs and int(regs.group(1)) <= 128, out.stdout
+    assert loop and " QGMMA" in loop.group(2), out.stdout
