@@ -255,7 +255,7 @@ SELECT_VARIANTS = {
     "filter-ranks-run-major": {**FILTER, "rank_row_major": False, "filter_rank_chunk": 16},
     "filter-trim-radix": {**FILTER, "trim_radix_bits": 4},
     "split-ranks-run-major": {"split_rows": 1 << 20, "split_run": 8, "rank_runs": 8,
-                              "rank_row_major": False, "rank_chunk": 4},
+                              "rank_row_major": False, "rank_chunk": 32},
     "filter-untrimmed": {**FILTER, "trim_rows": 1 << 20},
     "filter-auto-cap": {**FILTER, "filter_cap": 0, "trim_rows": 16},
     "filter-group": {**FILTER, "filter_group": 3, "filter_group_programs": 0},
