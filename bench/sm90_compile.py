@@ -9,7 +9,8 @@ This closes that gap for the select:
     python bench/sm90_compile.py compile FILE                     # compile each one for sm_90
 
 ``record`` runs the tiled indexer's top-k (``indexer_select._select``) under the interpreter on
-small rows through each of its paths (split, filter with either trim, segments, long rows) and
+small rows through each of its paths (split, filter with either trim, segments, long rows; a
+DCP rank's global ids for decode) and
 writes every distinct launch of an ``indexer_select_jit`` kernel: argument types (tensors'
 dtypes, ints, floats), constexpr values and launch options. ``compile`` (no interpreter: the
 kernels must be ``triton.jit`` functions) compiles each with ``triton.compile`` for
@@ -88,20 +89,24 @@ def record(path: str) -> int:
              "rank_chunk": 32, "filter_rank_chunk": 32, "rank_runs": 4}
     filt = {"programs_per_sm": 8, "filter_chunk": 64, "filter_cap": 128, "filter_sample": 256,
             "trim_rows": 0, "split_rows": 0}
-    cases = [  # (rows, keys, topk, tiles)
-        (3, 200, 16, {}),  # the split path, default tiles
-        (5, 700, 40, {**small, "split_rows": 0}),  # segments
-        (5, 700, 40, {**small, **filt}),  # the filter path, bisection trim
-        (5, 700, 40, {**small, **filt, "trim_radix_bits": 4}),  # the radix trim
-        (5, 700, 40, {**small, **filt, "rank_row_major": False}),
-        (2, 3000, 40, {**small, "split_rows": 0, "rank_runs": 1}),  # long rows, second select
+    decode = {"decode_ids": True, "W": 2, "I": 64, "rank": 1}  # a DCP rank's global ids
+    cases = [  # (rows, keys, topk, tiles, ids)
+        (3, 200, 16, {}, {}),  # the split path, default tiles
+        (3, 200, 16, {}, decode),
+        (5, 700, 40, {**small, "split_rows": 0}, {}),  # segments
+        (5, 700, 40, {**small, **filt}, {}),  # the filter path, bisection trim
+        (5, 700, 40, {**small, **filt}, decode),
+        (5, 700, 40, {**small, **filt, "trim_radix_bits": 4}, {}),  # the radix trim
+        (5, 700, 40, {**small, **filt, "rank_row_major": False}, {}),
+        (2, 3000, 40, {**small, "split_rows": 0, "rank_runs": 1}, {}),  # long rows
     ]
-    for R, L, topk, kw in cases:
+    for R, L, topk, kw, ids in cases:
         scores = torch.randint(-50, 50, (R, L), generator=g).float()
         keys = sel.score_keys(scores)
         lens = torch.randint(0, L + 1, (R,), generator=g).to(torch.int32)
         top_s, top_i = sel._outputs(R, topk, keys.device, fill=False)
-        sel._select(keys, lens, topk, top_s, top_i, dataclasses.replace(IndexerTiles(), **kw))
+        sel._select(keys, lens, topk, top_s, top_i, dataclasses.replace(IndexerTiles(), **kw),
+                    **ids)
     with open(path, "w") as f:
         json.dump(list(launches.values()), f)
     print(f"{len(launches)} distinct launches of {len({e['kernel'] for e in launches.values()})} "
