@@ -400,10 +400,10 @@ def rank_runs_kernel(runs_ptr, len_ptr, skip_ptr, s_ptr, i_ptr, stride_rr, strid
                      DECODE_IDS: tl.constexpr, HAS_LEN: tl.constexpr, SEG: tl.constexpr,
                      LOG_SEG: tl.constexpr, RUNS: tl.constexpr, CHUNK: tl.constexpr,
                      HAS_SKIP: tl.constexpr, ROW_MAJOR: tl.constexpr):
-    """Program (row, g, chunk) of a grid of R x GRID_RUNS x SEG / CHUNK programs, a row's
-    programs in a row with ROW_MAJOR (else the rows' programs of one run and chunk in a row):
-    the place of each composite of run g (CHUNK of them) among the
-    row's NRUNS <= RUNS sorted runs of SEG is the count of composites ahead of it in every run (binary
+    """Program (row, g, chunk) of a one-dimensional grid of R x GRID_RUNS x SEG / CHUNK
+    programs (with ROW_MAJOR a row's programs are adjacent, else the rows' programs of one run
+    and chunk): the place of each composite of run g (CHUNK of them) among the row's NRUNS <=
+    RUNS sorted runs of SEG is the count of composites ahead of it in every run (binary
     searches; runs before g win ties, so the NO_COMPOSITE pads would get distinct places): a
     one-round merge of all runs, whose searches run in parallel. In its own run a live
     composite's count is its index (composites are distinct): that run is not searched. Live
