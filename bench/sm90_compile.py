@@ -10,9 +10,9 @@ This closes that gap for the select:
 
 ``record`` runs the tiled indexer's top-k (``indexer_select._select``) under the interpreter on
 small rows through each of its paths (split, filter with either trim, segments, long rows; a
-DCP rank's global ids for decode) and
-writes every distinct launch of an ``indexer_select_jit`` kernel: argument types (tensors'
-dtypes, ints, floats), constexpr values and launch options. ``compile`` (no interpreter: the
+DCP rank's global ids for decode) and writes every distinct launch of an
+``indexer_select_jit`` kernel: argument types (tensors' dtypes, ints, floats), constexpr
+values and launch options. ``compile`` (no interpreter: the
 kernels must be ``triton.jit`` functions) compiles each with ``triton.compile`` for
 ``GPUTarget("cuda", 90, 32)``, prints one line a kernel and exits 1 if any fails.
 tests/kernels/test_indexer_tiled.py runs both (slow lane).
@@ -62,7 +62,6 @@ def record(path: str) -> int:
 
     def spy(name, kernel):
         run = kernel.run
-
         params = inspect.signature(kernel.fn).parameters
         constexprs = {n for n, p in params.items() if "constexpr" in str(p.annotation)}
 

@@ -498,7 +498,6 @@ def test_select_kernels_compile_for_sm90(tmp_path):
     assert "FAILED" not in out.stdout and " launches compiled for sm_90" in out.stdout, out.stdout
 
 
-
 @pytest.mark.slow
 @pytest.mark.parametrize("copies", [False, True])
 def test_planar_logits_compile_for_sm90(copies):

@@ -142,7 +142,7 @@ def _rank_launch(sorted_runs, top_s, top_i, topk, run, runs, tiles, ids, *, lens
     sjit.rank_runs_kernel[(R * runs * (run // chunk),)](
         sorted_runs, lens if lens is not None else sorted_runs,
         skip if skip is not None else sorted_runs, top_s, top_i, sorted_runs.stride(0),
-        top_s.stride(0), R, runs, n, runs, run if run_keys is None else run_keys, topk,
+        top_s.stride(0), n, runs, run if run_keys is None else run_keys, topk,
         HAS_LEN=lens is not None, SEG=run, LOG_SEG=run.bit_length() - 1,
         RUNS=triton.next_power_of_2(tiles.rank_runs), CHUNK=chunk, HAS_SKIP=skip is not None,
         ROW_MAJOR=tiles.rank_row_major, num_warps=tiles.rank_warps, **ids)

@@ -393,14 +393,13 @@ def sort_runs_kernel(keys_ptr, len_ptr, runs_ptr, s_ptr, i_ptr, stride_kr, strid
         tl.store(runs_ptr + row * stride_rr + c, v)
 
 
-@triton.jit(do_not_specialize=["len_ptr", "skip_ptr", "R", "GRID_RUNS", "N", "NRUNS",
-                             "RUN_KEYS", "K", "RANK"])
-def rank_runs_kernel(runs_ptr, len_ptr, skip_ptr, s_ptr, i_ptr, stride_rr, stride_or, R,
-                     GRID_RUNS, N, NRUNS, RUN_KEYS, K, RANK, W: tl.constexpr, I: tl.constexpr,
-                     DECODE_IDS: tl.constexpr, HAS_LEN: tl.constexpr, SEG: tl.constexpr,
-                     LOG_SEG: tl.constexpr, RUNS: tl.constexpr, CHUNK: tl.constexpr,
-                     HAS_SKIP: tl.constexpr, ROW_MAJOR: tl.constexpr):
-    """Program (row, g, chunk) of a one-dimensional grid of R x GRID_RUNS x SEG / CHUNK
+@triton.jit(do_not_specialize=["len_ptr", "skip_ptr", "N", "NRUNS", "RUN_KEYS", "K", "RANK"])
+def rank_runs_kernel(runs_ptr, len_ptr, skip_ptr, s_ptr, i_ptr, stride_rr, stride_or, N, NRUNS,
+                     RUN_KEYS, K, RANK, W: tl.constexpr, I: tl.constexpr, DECODE_IDS: tl.constexpr,
+                     HAS_LEN: tl.constexpr, SEG: tl.constexpr, LOG_SEG: tl.constexpr,
+                     RUNS: tl.constexpr, CHUNK: tl.constexpr, HAS_SKIP: tl.constexpr,
+                     ROW_MAJOR: tl.constexpr):
+    """Program (row, g, chunk) of a one-dimensional grid of rows x NRUNS x SEG / CHUNK
     programs (with ROW_MAJOR a row's programs are adjacent, else the rows' programs of one run
     and chunk): the place of each composite of run g (CHUNK of them) among the row's NRUNS <=
     RUNS sorted runs of SEG is the count of composites ahead of it in every run (binary
@@ -415,13 +414,14 @@ def rank_runs_kernel(runs_ptr, len_ptr, skip_ptr, s_ptr, i_ptr, stride_rr, strid
     pid = tl.program_id(0)
     NCH: tl.constexpr = SEG // CHUNK
     if ROW_MAJOR:
-        row = (pid // (GRID_RUNS * NCH)).to(tl.int64)
-        g = (pid // NCH) % GRID_RUNS
+        row = (pid // (NRUNS * NCH)).to(tl.int64)
+        g = (pid // NCH) % NRUNS
         ch = pid % NCH
     else:
+        R = tl.num_programs(0) // (NRUNS * NCH)
         row = (pid % R).to(tl.int64)
-        g = (pid // R) % GRID_RUNS
-        ch = pid // (R * GRID_RUNS)
+        g = (pid // R) % NRUNS
+        ch = pid // (R * NRUNS)
     live_runs = NRUNS
     if HAS_LEN:
         live_runs = tl.minimum((tl.minimum(tl.load(len_ptr + row).to(tl.int32), N) + RUN_KEYS
