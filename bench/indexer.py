@@ -55,13 +55,14 @@ from triton.testing import do_bench, do_bench_cudagraph
 from variants import old_indexer  # bench/variants: the first Triton indexer
 
 from cpplan.runtime.kernels import reference as ref
+from cpplan.runtime.kernels.cuda import row_topk
 from cpplan.runtime.kernels.triton import indexer_tiled as it
 from cpplan.runtime.kernels.triton import pack
 
 HI, TOPK, BLOCK = 64, 2048, 64
 # more candidate slots than rank_runs runs hold: the filter path does not apply, every row takes
 # the segment path (the fallback for rows whose sampled threshold missed)
-SEGMENT_PATH = {"filter_cap": 1 << 20}
+SEGMENT_PATH = {"filter_cap": 1 << 20, "cuda_select": False}
 PREFILL = [(4096, 32768), (2048, 65536), (8192, 8192)]
 DECODE = ([(b, ctx) for ctx in (4096, 131072) for b in (1, 8, 64)] + [(64, 6144, 2048)]
           # the long-context decode step's rows: one GPU (64k-128k), a P = W = 2 rank (half)
@@ -184,7 +185,7 @@ def prefill_parts(args, tiles, ceil, flops, label):
             keys, key_len, TOPK, top_s, top_i, t), None))
         parts.append(("select radix only", radix, None))
         for name, kw in PREFILL_FILTERS.items():  # every row through the filter path
-            t = dataclasses.replace(tiles, **kw)
+            t = dataclasses.replace(tiles, **{"cuda_select": False, **kw})
             parts.append((f"select {name}", lambda t=t: it._select(
                 keys, key_len, TOPK, top_s, top_i, t), None))
         for segs in (2, 8):  # the segment path's exact top K, ordered from other segments
@@ -603,6 +604,9 @@ def deepgemm_anchor(dg, args, ceil, flops, label):
 
 def run_prefill(cases, ceil, kernels, planar_sweep=False, dg=None):
     ok = True
+    why = row_topk.unavailable_reason(torch.device("cuda"))
+    print(f"CUDA row top-k (the default select of a prefill's rows): {why or 'builds and runs'}",
+          flush=True)
     for T, N in cases:
         args, flops = prefill_inputs(T, N)
         label = f"prefill T {T} N {N}"
@@ -619,7 +623,8 @@ def run_prefill(cases, ceil, kernels, planar_sweep=False, dg=None):
 
 # whole prefill indexers beside the default (its logits by the Gluon kernel on Hopper)
 PREFILL_WHOLE = {
-    "Triton logits, filter path": {"logits_ws": False},
+    "Gluon logits, Triton filter path (the default before)": {"cuda_select": False},
+    "Triton logits, filter path": {"logits_ws": False, "cuda_select": False},
 }
 
 

@@ -5,6 +5,9 @@ bench/RESULTS.md (``bench/indexer.py``). The launch shapes (``tiles`` below) are
 
 Top-k (``_select``), by row shape:
 
+- CUDA rows (at least ``cuda_select_rows`` rows, where ``..cuda.row_topk`` builds and runs:
+  a prefill chunk's rows): one CTA a row selects in shared memory (``row_topk.cu``); the
+  Triton paths below serve the rest, and every row where it cannot run;
 - split path (at most ``split_rows`` rows of at most ``split_run_max`` x ``rank_runs`` keys:
   short decode rows): ``sort_runs_kernel`` sorts runs of composites ``key << 32 | (2**32 - 1 -
   position)`` over many programs, ``rank_runs_kernel`` places each by binary searches in the
@@ -33,6 +36,7 @@ import math
 import torch
 import triton
 
+from ..cuda import row_topk
 from ..reference.formats import NO_KEY
 from . import indexer_select_jit as sjit
 
@@ -66,6 +70,10 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
     fill. The split and filter paths write the pads in their run sorts; the others, whose
     ranks write only the live slots, have the outputs filled first."""
     R, L = keys.shape
+    if cuda_rows(R, topk, keys.device, tiles):
+        row_topk.select(keys, lens, topk, top_s, top_i, decode_ids=decode_ids, W=W, I=I,
+                        rank=rank)
+        return
     kp = triton.next_power_of_2(topk)
     ids = {"RANK": rank, "W": W, "I": I, "DECODE_IDS": decode_ids}
     split = _split_shape(R, L, tiles)
@@ -120,6 +128,12 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
         return
     n = segs * kp
     _select_launch(cand, lens, cand, top_s, top_i, n, n, 1, topk, tiles, sms, False, True, common)
+
+
+def cuda_rows(R: int, topk: int, device, tiles) -> bool:
+    """Whether R rows of top-``topk`` take the CUDA row kernel (``..cuda.row_topk``)."""
+    return (tiles.cuda_select and R >= tiles.cuda_select_rows and topk <= row_topk.MAX_TOPK
+            and device.type == "cuda" and row_topk.unavailable_reason(device) is None)
 
 
 def _split_shape(R: int, L: int, tiles) -> tuple[int, int] | None:

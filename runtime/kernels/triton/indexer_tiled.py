@@ -88,6 +88,9 @@ class IndexerTiles:
     decode_balanced_stages: int = 5  # its pipeline stages (two key tiles in flight)
     decode_balanced_programs_per_sm: int = 3
     decode_balanced_maxnreg: int = 168  # three 4-warp programs a SM without spills (sm_90)
+    # the CUDA row kernel (``..cuda.row_topk``, built by nvcc on first use where one is found)
+    cuda_select: bool = True  # batches of at least cuda_select_rows rows (a prefill chunk's)
+    cuda_select_rows: int = 256
     # segment path (select_kernel)
     select_block: int = 8192  # keys a scan step (< 2**16)
     select_warps: int = 16

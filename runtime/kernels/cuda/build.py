@@ -1,0 +1,116 @@
+"""Compiles a ``.cu`` file of this package into a shared library with ``nvcc`` and loads it
+with ctypes, once per process and GPU architecture.
+
+The library is cached under ``$CPPLAN_CUDA_CACHE`` (default ``$XDG_CACHE_HOME/cpplan/cuda``,
+else ``~/.cache/cpplan/cuda``), named by a hash of the source, the nvcc version and the flags,
+written to a temporary file and renamed into place (ranks building at once each get a whole
+file). nvcc: ``$CPPLAN_NVCC``, else the one on PATH, else ``$CUDA_HOME/bin/nvcc``, else
+``/usr/local/cuda/bin/nvcc``; ``$CPPLAN_NVCC_CCBIN`` passes nvcc a host compiler. The CUDA
+runtime is linked statically: the library launches on the stream it is given (torch's), in
+the context current to the thread (torch's primary context).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+COMPILE_TIMEOUT_S = 600
+
+
+class CudaBuildError(RuntimeError):
+    """No nvcc, or nvcc failed: one line, the reason (the compiler's last lines on failure)."""
+
+
+def find_nvcc() -> str | None:
+    for cand in (os.environ.get("CPPLAN_NVCC"), shutil.which("nvcc"),
+                 os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc")
+                 if os.environ.get("CUDA_HOME") else None,
+                 "/usr/local/cuda/bin/nvcc"):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def cache_dir() -> Path:
+    if os.environ.get("CPPLAN_CUDA_CACHE"):
+        return Path(os.environ["CPPLAN_CUDA_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "cpplan" / "cuda"
+
+
+def flags(arch: str) -> list[str]:
+    """nvcc's flags for ``arch`` ("90": sm_90), output and source excluded."""
+    out = ["-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}",
+           "-Xcompiler", "-fPIC", "-shared", "-cudart", "static"]
+    if os.environ.get("CPPLAN_NVCC_CCBIN"):
+        out += ["-ccbin", os.environ["CPPLAN_NVCC_CCBIN"]]
+    return out
+
+
+def _version(nvcc: str) -> str:
+    try:
+        return subprocess.run([nvcc, "--version"], capture_output=True, text=True,
+                              timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise CudaBuildError(f"nvcc at {nvcc} did not run: {e}") from None
+
+
+def compile_library(source: str, arch: str, *, nvcc: str | None = None,
+                    out_dir: Path | None = None) -> Path:
+    """The shared library of ``source`` (a file name in this package) for ``arch``: the cached
+    one, or compiled now. Raises ``CudaBuildError`` (no nvcc; nvcc failed or timed out)."""
+    nvcc = nvcc or find_nvcc()
+    if nvcc is None:
+        raise CudaBuildError("no nvcc (set CPPLAN_NVCC or CUDA_HOME, or put nvcc on PATH)")
+    src = HERE / source
+    text = src.read_bytes()
+    fl = flags(arch)
+    digest = hashlib.sha256(text + _version(nvcc).encode() + " ".join(fl).encode()).hexdigest()
+    out_dir = out_dir or cache_dir()
+    lib = out_dir / f"{src.stem}-sm{arch}-{digest[:16]}.so"
+    if lib.is_file():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{lib.name}.", suffix=".tmp", dir=out_dir)
+    os.close(fd)
+    try:
+        try:
+            res = subprocess.run([nvcc, *fl, "-o", tmp, str(src)], capture_output=True,
+                                 text=True, timeout=COMPILE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise CudaBuildError(f"nvcc on {source} ran past {COMPILE_TIMEOUT_S} s") from None
+        except OSError as e:
+            raise CudaBuildError(f"nvcc on {source} did not run: {e}") from None
+        if res.returncode != 0:
+            tail = " | ".join((res.stderr or res.stdout).strip().splitlines()[-3:])
+            raise CudaBuildError(f"nvcc on {source} failed (exit {res.returncode}): {tail}")
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+_LOADED: dict[tuple[str, str], ctypes.CDLL] = {}
+_LOCK = threading.Lock()
+
+
+def load(source: str, arch: str) -> ctypes.CDLL:
+    """``source`` compiled for ``arch`` and loaded (once a process)."""
+    with _LOCK:
+        key = (source, arch)
+        if key not in _LOADED:
+            path = compile_library(source, arch)
+            try:
+                _LOADED[key] = ctypes.CDLL(str(path))
+            except OSError as e:
+                raise CudaBuildError(f"{path.name} did not load: {e}") from None
+        return _LOADED[key]

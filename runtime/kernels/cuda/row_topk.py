@@ -1,0 +1,121 @@
+"""The prefill indexer's exact top-k as one CUDA kernel: a CTA (1024 threads) a row, in shared
+memory (source and the algorithm: ``row_topk.cu``). Per row a 12-bit histogram pass over its
+int32 keys finds the bin of the K-th key, a second pass gathers the keys above the bin and
+those in it in column order, histograms of 10 more bits refine the bin in shared memory, and a
+bitonic network orders the K composites (score descending, column ascending, as the reference
+order). About two reads of the row's keys (the second mostly from L2) against the Triton filter
+path's threshold, counting, gathering, trim, run sorts and ranks (bench/RESULTS.md).
+
+``indexer_select._select`` calls ``select`` for at least ``IndexerTiles.cuda_select_rows``
+rows of ``topk <= MAX_TOPK`` where ``unavailable_reason`` is None.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import warnings
+
+import torch
+
+from . import build
+
+MAX_TOPK = 4096  # the result's sort buffer (a power of two >= topk) ...
+CAP = 8192  # ... and the K-th key's bin in shared memory (>= MAX_TOPK): 112 KB at MAX_TOPK
+SOURCE = "row_topk.cu"
+
+
+@functools.cache
+def _library(arch: str):
+    """(ctypes library, None) or (None, the reason it cannot be had)."""
+    try:
+        lib = build.load(SOURCE, arch)
+    except build.CudaBuildError as e:
+        return None, str(e)
+    lib.cpplan_row_topk.restype = ctypes.c_int
+    lib.cpplan_row_topk.argtypes = [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        ctypes.c_void_p]
+    lib.cpplan_row_topk_smem.restype = ctypes.c_size_t
+    lib.cpplan_row_topk_smem.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.cpplan_row_topk_init.restype = ctypes.c_int
+    lib.cpplan_row_topk_init.argtypes = [ctypes.c_size_t]
+    lib.cpplan_row_topk_error.restype = ctypes.c_char_p
+    lib.cpplan_row_topk_error.argtypes = [ctypes.c_int]
+    return lib, None
+
+
+@functools.cache
+def _ready(index: int):
+    """The library for GPU ``index``, its kernels allowed their shared memory there (once a
+    device), or (None, reason)."""
+    major, minor = torch.cuda.get_device_capability(index)
+    if major < 8:
+        return None, f"needs compute capability 8.0 or newer, got {major}.{minor}"
+    lib, why = _library(f"{major}{minor}")
+    if lib is None:
+        return None, why
+    smem = lib.cpplan_row_topk_smem(MAX_TOPK, CAP)
+    have = torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+    if smem > have:
+        return None, f"needs {smem} bytes of shared memory a block, the GPU allows {have}"
+    with torch.cuda.device(index):
+        rc = lib.cpplan_row_topk_init(smem)
+    if rc:
+        return None, f"cudaFuncSetAttribute failed: {lib.cpplan_row_topk_error(rc).decode()}"
+    return lib, None
+
+
+def unavailable_reason(device) -> str | None:
+    """None where ``select`` runs on ``device``; else one line saying why not (no GPU, no
+    nvcc, the build failed: then also a RuntimeWarning once, as the Triton select runs
+    instead)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"needs a CUDA device, got {device.type}"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    lib, why = _ready(index)
+    if lib is None and "no nvcc" not in why:
+        _warn_once(why)
+    return why
+
+
+@functools.cache
+def _warn_once(why: str) -> None:
+    warnings.warn(f"the CUDA row top-k is off, the Triton select runs instead: {why}",
+                  RuntimeWarning, stacklevel=3)
+
+
+def select(keys, lens, topk: int, top_s, top_i, *, decode_ids=False, W=1, I=1, rank=0) -> None:
+    """Exact top-k of each row of int32 keys ``[R, L]`` (row r: its first lens[r] columns)
+    into ``top_s`` float32 / ``top_i`` int32 ``[R, topk]``, every slot written (pads -inf /
+    NO_KEY); ids are columns, or with ``decode_ids`` a DCP rank's global token ids
+    ``(c // I) * W * I + rank * I + c % I``. Call ``unavailable_reason`` first."""
+    R, L = keys.shape
+    if not 0 < topk <= MAX_TOPK:
+        raise ValueError(f"row_topk: topk must be in 1..{MAX_TOPK}, got {topk}")
+    if keys.dtype != torch.int32 or keys.stride(1) != 1 or lens.dtype != torch.int32 \
+            or not lens.is_contiguous() or lens.shape != (R,):
+        raise ValueError(f"row_topk: keys int32 [R, L] with unit column stride and lens int32 "
+                         f"[R] contiguous expected, got keys {keys.dtype} stride "
+                         f"{tuple(keys.stride())}, lens {lens.dtype} {tuple(lens.shape)}")
+    if top_s.shape != (R, topk) or top_i.shape != (R, topk) or top_s.stride() != top_i.stride() \
+            or top_s.stride(1) != 1:
+        raise ValueError(f"row_topk: outputs [{R}, {topk}] with one row stride expected, got "
+                         f"{tuple(top_s.shape)} / {tuple(top_i.shape)} strides "
+                         f"{tuple(top_s.stride())} / {tuple(top_i.stride())}")
+    lib, why = _ready(keys.device.index if keys.device.index is not None
+                      else torch.cuda.current_device())
+    if lib is None:
+        raise RuntimeError(f"row_topk: {why}")
+    ks = 1 << (topk - 1).bit_length()
+    vec4 = keys.stride(0) % 4 == 0 and keys.data_ptr() % 16 == 0
+    with torch.cuda.device(keys.device):
+        rc = lib.cpplan_row_topk(keys.data_ptr(), keys.stride(0), lens.data_ptr(), R, L, topk,
+                                 ks, CAP, top_s.data_ptr(), top_i.data_ptr(), top_s.stride(0),
+                                 int(decode_ids), W, I, rank, int(vec4),
+                                 torch.cuda.current_stream(keys.device).cuda_stream)
+    if rc:
+        raise RuntimeError(f"row_topk: the launch failed: {lib.cpplan_row_topk_error(rc).decode()}")

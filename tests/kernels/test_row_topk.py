@@ -1,0 +1,189 @@
+"""The CUDA row top-k (runtime/kernels/cuda/row_topk.cu) against the reference order
+(``reference.topk_reference_order``: a stable sort of float64 scores), and its build.
+
+GPU cases: ties (few distinct values), one value, signed zeros and infinities, values spread
+over 60 decades, keys packed under one 12-bit prefix (the bin of the K-th key larger than the
+shared-memory candidates: refined over the row), rows of no key, fewer live keys than K, odd
+row strides (scalar loads), K not a power of two, K = 1 and K = MAX_TOPK, a DCP rank's decode
+ids, a CUDA graph replay. CPU: the build's cache and its one-line errors (nvcc where installed).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import pytest
+import torch
+
+from cpplan.runtime.kernels import reference as ref
+from cpplan.runtime.kernels.cuda import build, row_topk
+from cpplan.runtime.kernels.triton.indexer_select import score_keys
+
+CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+def _scores(kind, R, L, g):
+    if kind == "ties":
+        return torch.randint(-3, 4, (R, L), generator=g).float()
+    if kind == "equal":
+        return torch.full((R, L), 2.5)
+    if kind == "signs":
+        s = torch.randn(R, L, generator=g) * 1e-3
+        s[:, ::7] = -0.0
+        s[:, 3::11] = 0.0
+        s[:, 5::13] = float("inf")
+        s[:, 6::17] = float("-inf")
+        return s
+    if kind == "narrow":  # one 12-bit prefix (1.0 .. 1.0 + 2**-4): more than CAP keys in its bin
+        return 1.0 + torch.randint(0, 1 << 19, (R, L), generator=g).float() * 2.0 ** -23
+    return torch.randn(R, L, generator=g) * torch.logspace(-30, 30, L)[None, :]
+
+
+def _case(kind, R, L, topk, seed, *, stride=None, W=1, I=1, rank=0, decode_ids=False):
+    g = torch.Generator().manual_seed(seed)
+    scores = _scores(kind, R, L, g)
+    lens = torch.randint(0, L + 1, (R,), generator=g)
+    lens[0], lens[1 % R], lens[-1] = 0, max(0, topk - 1), L
+    pos = torch.arange(L)[None, :].expand(R, L)
+    ids = torch.where(pos < lens[:, None], pos, ref.NO_KEY)
+    if decode_ids:
+        ids = torch.where(ids >= 0, (ids // I) * W * I + rank * I + ids % I, ref.NO_KEY)
+    want = ref.topk_reference_order(scores.double(), ids, topk)
+    buf = torch.empty(R, stride or L, dtype=torch.int32, device="cuda")
+    keys = buf[:, :L]
+    keys.copy_(score_keys(scores.cuda()))
+    return keys, lens.int().cuda(), want
+
+
+def _run(keys, lens, topk, **kw):
+    R = keys.shape[0]
+    top_s = torch.empty(R, topk, device="cuda")
+    top_i = torch.empty(R, topk, dtype=torch.int32, device="cuda")
+    row_topk.select(keys, lens, topk, top_s, top_i, **kw)
+    return top_s, top_i
+
+
+def _check(got, want):
+    s, ids = got
+    ws, wids = want
+    assert torch.equal(ids.cpu(), wids.cpu().int())
+    assert torch.equal(s.cpu().double(), ws.cpu().double())
+
+
+@pytest.mark.parametrize("kind", ["ties", "equal", "signs", "spread", "narrow"])
+@pytest.mark.parametrize("R,L,topk,stride", [
+    (64, 40000, 2048, None), (48, 9001, 100, 9001), (16, 70000, 2048, 70001), (8, 5000, 1, None),
+    (8, 20000, 4096, None), (32, 2048, 2048, None)],
+    ids=["prefill", "odd-stride-k100", "wide-unaligned", "k1", "k4096", "len-eq-k"])
+@pytest.mark.gpu
+@needs_cuda
+def test_row_topk_equals_reference(kind, R, L, topk, stride):
+    assert row_topk.unavailable_reason(torch.device("cuda")) is None
+    keys, lens, want = _case(kind, R, L, topk, 7, stride=stride)
+    _check(_run(keys, lens, topk), want)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_row_topk_decode_ids_and_graph():
+    keys, lens, want = _case("ties", 40, 12000, 2048, 3, W=2, I=64, rank=1, decode_ids=True)
+    kw = {"decode_ids": True, "W": 2, "I": 64, "rank": 1}
+    _check(_run(keys, lens, 2048, **kw), want)
+    top_s = torch.empty(40, 2048, device="cuda")
+    top_i = torch.empty(40, 2048, dtype=torch.int32, device="cuda")
+    row_topk.select(keys, lens, 2048, top_s, top_i, **kw)  # warm, outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        row_topk.select(keys, lens, 2048, top_s, top_i, **kw)
+    top_s.zero_()
+    top_i.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    _check((top_s, top_i), want)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_prefill_select_takes_the_cuda_rows():
+    """``select_topk`` (the tiled indexer's select) routes enough rows to the CUDA kernel and
+    gives the reference's answer either way."""
+    from cpplan.runtime.kernels.triton import indexer_tiled as it
+
+    g = torch.Generator().manual_seed(5)
+    R, L, topk = 300, 8192, 2048
+    scores = torch.randint(-40, 41, (R, L), generator=g).float()
+    lens = torch.randint(1, L + 1, (R,), generator=g)
+    pos = torch.arange(L)[None, :].expand(R, L)
+    want = ref.topk_reference_order(scores.double(),
+                                    torch.where(pos < lens[:, None], pos, ref.NO_KEY), topk)
+    on = it.IndexerTiles(cuda_select_rows=256)
+    from cpplan.runtime.kernels.triton.indexer_select import cuda_rows
+
+    assert cuda_rows(R, topk, torch.device("cuda"), on)
+    assert not cuda_rows(R, topk, torch.device("cuda"), it.IndexerTiles(cuda_select=False))
+    for tiles in (on, it.IndexerTiles(cuda_select=False)):
+        _check(it.select_topk(scores.cuda(), lens.cuda(), topk, tiles=tiles), want)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_row_topk_bad_arguments():
+    keys = torch.zeros(4, 64, dtype=torch.int32, device="cuda")
+    lens = torch.full((4,), 64, dtype=torch.int32, device="cuda")
+    s, i = torch.empty(4, 8, device="cuda"), torch.empty(4, 8, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="topk must be in 1..4096, got 5000"):
+        row_topk.select(keys, lens, 5000, s, i)
+    with pytest.raises(ValueError, match="keys int32"):
+        row_topk.select(keys.float(), lens, 8, s, i)
+    with pytest.raises(ValueError, match=r"outputs \[4, 8\]"):
+        row_topk.select(keys, lens, 8, s[:, :4], i)
+
+
+def test_unavailable_on_cpu():
+    assert row_topk.unavailable_reason(torch.device("cpu")) == "needs a CUDA device, got cpu"
+
+
+def test_build_without_nvcc_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(build, "find_nvcc", lambda: None)
+    with pytest.raises(build.CudaBuildError, match="^no nvcc"):
+        build.compile_library(row_topk.SOURCE, "90", out_dir=tmp_path)
+    assert not tmp_path.exists() or not list(tmp_path.iterdir())
+
+
+def test_nvcc_named_by_the_environment_first(tmp_path, monkeypatch):
+    fake = tmp_path / "my-nvcc"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CPPLAN_NVCC", str(fake))
+    assert build.find_nvcc() == str(fake)
+    monkeypatch.setenv("CPPLAN_CUDA_CACHE", str(tmp_path / "cache"))
+    assert build.cache_dir() == tmp_path / "cache"
+
+
+def test_build_failure_is_one_line(tmp_path):
+    fake = tmp_path / "nvcc"
+    fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo fake 1.0; exit 0; fi\n"
+                    "echo 'row_topk.cu(3): error: something' >&2\nexit 2\n")
+    fake.chmod(0o755)
+    with pytest.raises(build.CudaBuildError) as e:
+        build.compile_library(row_topk.SOURCE, "90", nvcc=str(fake), out_dir=tmp_path / "c")
+    msg = str(e.value)
+    assert "\n" not in msg and "failed (exit 2)" in msg and "error: something" in msg
+    assert not list((tmp_path / "c").iterdir())  # no half-written library left
+
+
+@pytest.mark.skipif(build.find_nvcc() is None, reason="needs nvcc")
+def test_build_compiles_and_caches(tmp_path):
+    """nvcc builds the library for sm_90 (no GPU needed), exporting the launcher; a second
+    call finds the cached file instead of compiling again."""
+    lib = build.compile_library(row_topk.SOURCE, "90", out_dir=tmp_path)
+    mtime = lib.stat().st_mtime_ns
+    assert build.compile_library(row_topk.SOURCE, "90", out_dir=tmp_path) == lib
+    assert lib.stat().st_mtime_ns == mtime
+    assert [p.name for p in tmp_path.iterdir()] == [lib.name]
+    so = ctypes.CDLL(str(lib))
+    so.cpplan_row_topk_smem.restype = ctypes.c_size_t
+    so.cpplan_row_topk_smem.argtypes = [ctypes.c_int, ctypes.c_int]
+    assert so.cpplan_row_topk_smem(4096, 8192) == (4096 + 8192) * 8 + 4096 * 4
