@@ -5,7 +5,10 @@ GPU cases: ties (few distinct values), one value, signed zeros and infinities, v
 over 60 decades, keys packed under one 12-bit prefix (the bin of the K-th key larger than the
 shared-memory candidates: refined over the row), rows of no key, fewer live keys than K, odd
 row strides (scalar loads), K not a power of two, K = 1 and K = MAX_TOPK, a DCP rank's decode
-ids, a CUDA graph replay. CPU: the build's cache and its one-line errors (nvcc where installed).
+ids, a CUDA graph replay. On the CPU the same kernel source built for the host
+(``row_topk.host_select``: a CTA's threads as std::threads, small CTAs and candidate caps so
+that every refinement runs on small rows, and one case in the GPU's shape), and the build's
+cache and one-line errors (nvcc's where installed).
 """
 
 from __future__ import annotations
@@ -41,27 +44,34 @@ def _scores(kind, R, L, g):
     return torch.randn(R, L, generator=g) * torch.logspace(-30, 30, L)[None, :]
 
 
-def _case(kind, R, L, topk, seed, *, stride=None, W=1, I=1, rank=0, decode_ids=False):
+def _case(kind, R, L, topk, seed, *, dev="cuda", stride=None, W=1, I=1, rank=0,
+          decode_ids=False):
     g = torch.Generator().manual_seed(seed)
     scores = _scores(kind, R, L, g)
     lens = torch.randint(0, L + 1, (R,), generator=g)
-    lens[0], lens[1 % R], lens[-1] = 0, max(0, topk - 1), L
+    # a full row, then fewer keys than K (shared memory holds the full row's results), then
+    # none, random, full
+    lens[0], lens[1 % R], lens[2 % R], lens[-1] = L, max(0, topk - 1), 0, L
     pos = torch.arange(L)[None, :].expand(R, L)
     ids = torch.where(pos < lens[:, None], pos, ref.NO_KEY)
     if decode_ids:
         ids = torch.where(ids >= 0, (ids // I) * W * I + rank * I + ids % I, ref.NO_KEY)
     want = ref.topk_reference_order(scores.double(), ids, topk)
-    buf = torch.empty(R, stride or L, dtype=torch.int32, device="cuda")
+    buf = torch.empty(R, stride or L, dtype=torch.int32, device=dev)
     keys = buf[:, :L]
-    keys.copy_(score_keys(scores.cuda()))
-    return keys, lens.int().cuda(), want
+    keys.copy_(score_keys(scores.to(dev)))
+    return keys, lens.int().to(dev), want
 
 
-def _run(keys, lens, topk, **kw):
+def _run(keys, lens, topk, *, host=None, **kw):
+    """The kernel on the GPU, or with ``host`` = (CTA threads, candidate cap) on the host."""
     R = keys.shape[0]
-    top_s = torch.empty(R, topk, device="cuda")
-    top_i = torch.empty(R, topk, dtype=torch.int32, device="cuda")
-    row_topk.select(keys, lens, topk, top_s, top_i, **kw)
+    top_s = torch.empty(R, topk, device=keys.device)
+    top_i = torch.empty(R, topk, dtype=torch.int32, device=keys.device)
+    if host:
+        row_topk.host_select(keys, lens, topk, top_s, top_i, block=host[0], cap=host[1], **kw)
+    else:
+        row_topk.select(keys, lens, topk, top_s, top_i, **kw)
     return top_s, top_i
 
 
@@ -72,7 +82,10 @@ def _check(got, want):
     assert torch.equal(s.cpu().double(), ws.cpu().double())
 
 
-@pytest.mark.parametrize("kind", ["ties", "equal", "signs", "spread", "narrow"])
+KINDS = ["ties", "equal", "signs", "spread", "narrow"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("R,L,topk,stride", [
     (64, 40000, 2048, None), (48, 9001, 100, 9001), (16, 70000, 2048, 70001), (8, 5000, 1, None),
     (8, 20000, 4096, None), (32, 2048, 2048, None)],
@@ -83,6 +96,36 @@ def test_row_topk_equals_reference(kind, R, L, topk, stride):
     assert row_topk.unavailable_reason(torch.device("cuda")) is None
     keys, lens, want = _case(kind, R, L, topk, 7, stride=stride)
     _check(_run(keys, lens, topk), want)
+
+
+# On the host: small CTAs and candidate caps, so every refinement runs on small rows (the cap
+# below a row's K-th bin: refined over the row; ties past the cap: one key value, its first
+# columns); one case in the GPU's shape (1024 threads, cap 8192, K 2048).
+HOST_SHAPES = {
+    "k100-cap512": (4, 3000, 100, None, (64, 512)),
+    "odd-stride-cap128": (3, 2001, 64, 2003, (64, 128)),
+    "k1-one-warp": (2, 5000, 1, None, (32, 64)),
+    "len-eq-k": (3, 512, 512, None, (64, 512)),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", list(HOST_SHAPES))
+def test_row_topk_on_the_host_equals_reference(kind, shape):
+    R, L, topk, stride, host = HOST_SHAPES[shape]
+    keys, lens, want = _case(kind, R, L, topk, 3, dev="cpu", stride=stride)
+    _check(_run(keys, lens, topk, host=host), want)
+
+
+def test_row_topk_on_the_host_in_the_gpu_shape():
+    keys, lens, want = _case("ties", 2, 40000, 2048, 4, dev="cpu")
+    _check(_run(keys, lens, 2048, host=(1024, row_topk.CAP)), want)
+
+
+def test_row_topk_on_the_host_decode_ids():
+    kw = {"decode_ids": True, "W": 4, "I": 64, "rank": 3}
+    keys, lens, want = _case("spread", 3, 3000, 200, 2, dev="cpu", **kw)
+    _check(_run(keys, lens, 200, host=(64, 512), **kw), want)
 
 
 @pytest.mark.gpu

@@ -55,12 +55,12 @@ def flags(arch: str) -> list[str]:
     return out
 
 
-def _version(nvcc: str) -> str:
+def _version(compiler: str) -> str:
     try:
-        return subprocess.run([nvcc, "--version"], capture_output=True, text=True,
+        return subprocess.run([compiler, "--version"], capture_output=True, text=True,
                               timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as e:
-        raise CudaBuildError(f"nvcc at {nvcc} did not run: {e}") from None
+        raise CudaBuildError(f"{compiler} did not run: {e}") from None
 
 
 def compile_library(source: str, arch: str, *, nvcc: str | None = None,
@@ -70,28 +70,47 @@ def compile_library(source: str, arch: str, *, nvcc: str | None = None,
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
         raise CudaBuildError("no nvcc (set CPPLAN_NVCC or CUDA_HOME, or put nvcc on PATH)")
+    return _compile(source, f"sm{arch}", [nvcc, *flags(arch)], out_dir)
+
+
+def compile_host(source: str, block: int, *, cxx: str | None = None,
+                 out_dir: Path | None = None) -> Path:
+    """``source`` built for the host with -DCPPLAN_HOST_EMULATION (``host_emulation.h``: a
+    CTA's ``block`` threads as std::threads) by a C++20 compiler (``cxx``, default ``$CXX`` or
+    g++), for the CPU tests. Raises ``CudaBuildError``."""
+    cxx = cxx or os.environ.get("CXX") or shutil.which("g++") or "c++"
+    return _compile(source, f"host{block}",
+                    [cxx, "-std=c++20", "-O2", "-x", "c++", "-DCPPLAN_HOST_EMULATION",
+                     f"-DCPPLAN_ROW_TOPK_BLOCK={block}", f"-I{HERE}", "-fPIC", "-shared",
+                     "-pthread"], out_dir)
+
+
+def _compile(source: str, tag: str, command: list[str], out_dir: Path | None) -> Path:
+    """``command + ["-o", library, source]``, the library named by a hash of the folder's
+    sources, the compiler's version and the command; cached."""
     src = HERE / source
-    text = src.read_bytes()
-    fl = flags(arch)
-    digest = hashlib.sha256(text + _version(nvcc).encode() + " ".join(fl).encode()).hexdigest()
+    text = b"".join(p.read_bytes() for p in sorted(HERE.glob("*.h"))) + src.read_bytes()
+    digest = hashlib.sha256(text + _version(command[0]).encode()
+                            + " ".join(command).encode()).hexdigest()
     out_dir = out_dir or cache_dir()
-    lib = out_dir / f"{src.stem}-sm{arch}-{digest[:16]}.so"
+    lib = out_dir / f"{src.stem}-{tag}-{digest[:16]}.so"
     if lib.is_file():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{lib.name}.", suffix=".tmp", dir=out_dir)
     os.close(fd)
+    name = os.path.basename(command[0])
     try:
         try:
-            res = subprocess.run([nvcc, *fl, "-o", tmp, str(src)], capture_output=True,
+            res = subprocess.run([*command, "-o", tmp, str(src)], capture_output=True,
                                  text=True, timeout=COMPILE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            raise CudaBuildError(f"nvcc on {source} ran past {COMPILE_TIMEOUT_S} s") from None
+            raise CudaBuildError(f"{name} on {source} ran past {COMPILE_TIMEOUT_S} s") from None
         except OSError as e:
-            raise CudaBuildError(f"nvcc on {source} did not run: {e}") from None
+            raise CudaBuildError(f"{name} on {source} did not run: {e}") from None
         if res.returncode != 0:
             tail = " | ".join((res.stderr or res.stdout).strip().splitlines()[-3:])
-            raise CudaBuildError(f"nvcc on {source} failed (exit {res.returncode}): {tail}")
+            raise CudaBuildError(f"{name} on {source} failed (exit {res.returncode}): {tail}")
         os.replace(tmp, lib)
     finally:
         if os.path.exists(tmp):

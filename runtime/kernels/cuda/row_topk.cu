@@ -18,16 +18,32 @@
 //      still needed, or one key value (its first columns are taken: `cand` is in column order);
 //   5. the K composites (u << 32 | ~column) sorted by a bitonic network, written out.
 
+//
+// Built with -DCPPLAN_HOST_EMULATION (a C++20 compiler, no CUDA) the same kernel runs on the
+// host, a CTA's threads as std::threads (host_emulation.h): the CPU tests check it against the
+// reference there, with CPPLAN_ROW_TOPK_BLOCK threads a CTA.
+
 #include <cstdint>
+
+#ifdef CPPLAN_HOST_EMULATION
+#include "host_emulation.h"
+#else
 #include <cuda_runtime.h>
+#endif
+
+#ifndef CPPLAN_ROW_TOPK_BLOCK
+#define CPPLAN_ROW_TOPK_BLOCK 1024
+#endif
 
 namespace {
 
-constexpr int kBlock = 1024;
+constexpr int kBlock = CPPLAN_ROW_TOPK_BLOCK;  // threads a CTA (a multiple of 32, <= 1024)
 constexpr int kWarps = kBlock / 32;
-constexpr int kFirstBits = 12;          // the first histogram's digit
-constexpr int kNextBits = 10;           // every later digit
-constexpr int kBins = 1 << kFirstBits;  // the histogram's size (later digits use the first 1024)
+constexpr int kFirstBits = 12;              // the first histogram's digit
+constexpr int kNextBits = 10;               // every later digit
+constexpr int kBins = 1 << kFirstBits;      // the histogram's size ...
+constexpr int kNextBins = 1 << kNextBits;   // ... of which later digits use the first 1024
+static_assert(kBlock % 32 == 0 && kBlock <= 1024 && kNextBins % kBlock == 0, "CTA size");
 
 struct Shared {
   int warp[kWarps];
@@ -117,7 +133,11 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
                 const int32_t* __restrict__ lens, int L, int K, int KS, int cap,
                 float* __restrict__ out_s, int32_t* __restrict__ out_i, int64_t stride_o,
                 int decode_ids, int W, int I, int rank) {
+#ifdef CPPLAN_HOST_EMULATION
+  unsigned char* smem_raw = emu::dynamic_smem;
+#else
   extern __shared__ __align__(16) unsigned char smem_raw[];
+#endif
   uint64_t* sel = reinterpret_cast<uint64_t*>(smem_raw);  // KS: the result's composites
   uint64_t* cand = sel + KS;                                // cap: the K-th key's bin
   uint32_t* hist = reinterpret_cast<uint32_t*>(cand + cap); // kBins
@@ -157,7 +177,7 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
   while (!all && in_bin > cap && bits < 32) {
     const int d = min(kNextBits, 32 - bits);
     __syncthreads();
-    for (int b = tid; b < kBlock; b += kBlock) hist[b] = 0;
+    for (int b = tid; b < kNextBins; b += kBlock) hist[b] = 0;
     __syncthreads();
     for (int c0 = 0; c0 < n; c0 += kTile) {
       int32_t a[VEC];
@@ -171,7 +191,7 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
     }
     __syncthreads();
     int unused;
-    find_bin(hist, kBlock, need, sh, unused);
+    find_bin(hist, kNextBins, need, sh, unused);
     prefix = (prefix << d) | static_cast<uint32_t>(sh.found_bin);
     bits += d;
     need -= sh.found_before;
@@ -221,13 +241,13 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
   while (!all && in_bin > need && bits < 32) {
     const int d = min(kNextBits, 32 - bits);
     const int shift = 64 - bits - d;  // the digit's place in a composite
-    for (int b = tid; b < kBlock; b += kBlock) hist[b] = 0;
+    for (int b = tid; b < kNextBins; b += kBlock) hist[b] = 0;
     __syncthreads();
     for (int i = tid; i < in_bin; i += kBlock)
       atomicAdd(&hist[(cand[i] >> shift) & ((1u << d) - 1)], 1u);
     __syncthreads();
     int unused;
-    find_bin(hist, kBlock, need, sh, unused);
+    find_bin(hist, kNextBins, need, sh, unused);
     const uint32_t b = sh.found_bin;
     int keep = 0;
     for (int i0 = 0; i0 < in_bin; i0 += kBlock) {  // in place, in order: reads before writes
@@ -292,6 +312,28 @@ size_t smem_bytes(int KS, int cap) {
   return static_cast<size_t>(KS + cap) * sizeof(uint64_t) + kBins * sizeof(uint32_t);
 }
 
+#ifdef CPPLAN_HOST_EMULATION
+}  // namespace
+
+// The kernel on the host: rows one after another, a CTA's threads as std::threads.
+extern "C" int cpplan_row_topk_host(const int32_t* keys, int64_t stride_k, const int32_t* lens,
+                                    int rows, int L, int K, int KS, int cap, float* out_s,
+                                    int32_t* out_i, int64_t stride_o, int decode_ids, int W,
+                                    int I, int rank, int vec4) {
+  std::vector<uint64_t> smem((smem_bytes(KS, cap) + 7) / 8);
+  emu::Cta cta(kBlock, reinterpret_cast<unsigned char*>(smem.data()));
+  cta.run(rows, [&] {
+    if (vec4)
+      row_topk_kernel<4>(keys, stride_k, lens, L, K, KS, cap, out_s, out_i, stride_o,
+                         decode_ids, W, I, rank);
+    else
+      row_topk_kernel<1>(keys, stride_k, lens, L, K, KS, cap, out_s, out_i, stride_o,
+                         decode_ids, W, I, rank);
+  });
+  return 0;
+}
+
+#else
 template <int VEC>
 int launch(const int32_t* keys, int64_t stride_k, const int32_t* lens, int rows, int L, int K,
            int KS, int cap, float* out_s, int32_t* out_i, int64_t stride_o, int decode_ids,
@@ -340,3 +382,4 @@ const char* cpplan_row_topk_error(int code) {
 }
 
 }  // extern "C"
+#endif  // CPPLAN_HOST_EMULATION

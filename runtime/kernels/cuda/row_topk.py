@@ -33,11 +33,7 @@ def _library(arch: str):
     except build.CudaBuildError as e:
         return None, str(e)
     lib.cpplan_row_topk.restype = ctypes.c_int
-    lib.cpplan_row_topk.argtypes = [
-        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-        ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-        ctypes.c_void_p]
+    lib.cpplan_row_topk.argtypes = [*_ARGTYPES, ctypes.c_void_p]  # and the stream
     lib.cpplan_row_topk_smem.restype = ctypes.c_size_t
     lib.cpplan_row_topk_smem.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.cpplan_row_topk_init.restype = ctypes.c_int
@@ -93,29 +89,67 @@ def select(keys, lens, topk: int, top_s, top_i, *, decode_ids=False, W=1, I=1, r
     into ``top_s`` float32 / ``top_i`` int32 ``[R, topk]``, every slot written (pads -inf /
     NO_KEY); ids are columns, or with ``decode_ids`` a DCP rank's global token ids
     ``(c // I) * W * I + rank * I + c % I``. Call ``unavailable_reason`` first."""
-    R, L = keys.shape
-    if not 0 < topk <= MAX_TOPK:
-        raise ValueError(f"row_topk: topk must be in 1..{MAX_TOPK}, got {topk}")
-    if keys.dtype != torch.int32 or keys.stride(1) != 1 or lens.dtype != torch.int32 \
-            or not lens.is_contiguous() or lens.shape != (R,):
-        raise ValueError(f"row_topk: keys int32 [R, L] with unit column stride and lens int32 "
-                         f"[R] contiguous expected, got keys {keys.dtype} stride "
-                         f"{tuple(keys.stride())}, lens {lens.dtype} {tuple(lens.shape)}")
-    if top_s.shape != (R, topk) or top_i.shape != (R, topk) or top_s.stride() != top_i.stride() \
-            or top_s.stride(1) != 1:
-        raise ValueError(f"row_topk: outputs [{R}, {topk}] with one row stride expected, got "
-                         f"{tuple(top_s.shape)} / {tuple(top_i.shape)} strides "
-                         f"{tuple(top_s.stride())} / {tuple(top_i.stride())}")
+    _check(keys, lens, topk, top_s, top_i, CAP)
     lib, why = _ready(keys.device.index if keys.device.index is not None
                       else torch.cuda.current_device())
     if lib is None:
         raise RuntimeError(f"row_topk: {why}")
-    ks = 1 << (topk - 1).bit_length()
-    vec4 = keys.stride(0) % 4 == 0 and keys.data_ptr() % 16 == 0
     with torch.cuda.device(keys.device):
-        rc = lib.cpplan_row_topk(keys.data_ptr(), keys.stride(0), lens.data_ptr(), R, L, topk,
-                                 ks, CAP, top_s.data_ptr(), top_i.data_ptr(), top_s.stride(0),
-                                 int(decode_ids), W, I, rank, int(vec4),
+        rc = lib.cpplan_row_topk(*_args(keys, lens, topk, top_s, top_i, CAP, decode_ids, W, I,
+                                        rank),
                                  torch.cuda.current_stream(keys.device).cuda_stream)
     if rc:
         raise RuntimeError(f"row_topk: the launch failed: {lib.cpplan_row_topk_error(rc).decode()}")
+
+
+def host_select(keys, lens, topk: int, top_s, top_i, *, cap: int = CAP, block: int = 64,
+                decode_ids=False, W=1, I=1, rank=0) -> None:
+    """``select`` with CPU tensors: the same kernel built for the host
+    (``build.compile_host``: a CTA's ``block`` threads as std::threads, rows in turn), with
+    ``cap`` candidates; for the CPU tests (slow: small rows)."""
+    _check(keys, lens, topk, top_s, top_i, cap)
+    lib = _host_library(block)
+    lib.cpplan_row_topk_host(*_args(keys, lens, topk, top_s, top_i, cap, decode_ids, W, I, rank))
+
+
+_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+             ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+             ctypes.c_int]  # the last: rows 16-byte aligned (four keys a load)
+
+
+@functools.cache
+def _host_library(block: int):
+    lib = ctypes.CDLL(str(build.compile_host(SOURCE, block)))
+    lib.cpplan_row_topk_host.restype = ctypes.c_int
+    lib.cpplan_row_topk_host.argtypes = _ARGTYPES
+    return lib
+
+
+def _args(keys, lens, topk, top_s, top_i, cap, decode_ids, W, I, rank) -> tuple:
+    R, L = keys.shape
+    ks = 1 << (topk - 1).bit_length()
+    vec4 = keys.stride(0) % 4 == 0 and keys.data_ptr() % 16 == 0
+    return (keys.data_ptr(), keys.stride(0), lens.data_ptr(), R, L, topk, ks, cap,
+            top_s.data_ptr(), top_i.data_ptr(), top_s.stride(0), int(decode_ids), W, I, rank,
+            int(vec4))
+
+
+def _check(keys, lens, topk, top_s, top_i, cap) -> None:
+    R = keys.shape[0]
+    if not 0 < topk <= min(MAX_TOPK, cap):
+        raise ValueError(f"row_topk: topk must be in 1..{min(MAX_TOPK, cap)}, got {topk}")
+    if keys.dim() != 2 or keys.dtype != torch.int32 or keys.stride(1) != 1 \
+            or lens.dtype != torch.int32 or not lens.is_contiguous() or lens.shape != (R,):
+        raise ValueError(f"row_topk: keys int32 [R, L] with unit column stride and lens int32 "
+                         f"[R] contiguous expected, got keys {keys.dtype} stride "
+                         f"{tuple(keys.stride())}, lens {lens.dtype} {tuple(lens.shape)}")
+    if top_s.shape != (R, topk) or top_i.shape != (R, topk) or top_s.stride() != top_i.stride() \
+            or top_s.stride(1) != 1 or top_s.dtype != torch.float32 or top_i.dtype != torch.int32:
+        raise ValueError(f"row_topk: outputs float32 / int32 [{R}, {topk}] with one row stride "
+                         f"expected, got {top_s.dtype} {tuple(top_s.shape)} / {top_i.dtype} "
+                         f"{tuple(top_i.shape)}, strides {tuple(top_s.stride())} / "
+                         f"{tuple(top_i.stride())}")
+    devices = {t.device for t in (keys, lens, top_s, top_i)}
+    if len(devices) != 1:
+        raise ValueError(f"row_topk: tensors on one device expected, got {sorted(map(str, devices))}")

@@ -1,0 +1,97 @@
+// The CUDA names a kernel of this folder uses, for running one CTA on the host (C++20, no
+// CUDA): each CUDA thread a std::thread, __syncthreads a std::barrier of the CTA, a warp's
+// shuffles through a buffer between two barriers of its 32 threads, shared variables static
+// (one CTA at a time), atomics the compiler's. Slow (a barrier wakes every thread), exact in
+// what it checks: the kernel's logic on small rows, in the CPU tests (build.compile_host).
+#pragma once
+
+#include <algorithm>
+#include <barrier>
+#include <climits>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __align__(n) alignas(n)
+#define __shared__ static
+
+struct int4 {
+  int x, y, z, w;
+};
+
+namespace emu {
+
+struct Index {
+  unsigned x = 0;
+};
+
+inline thread_local Index thread_index, block_index;
+inline unsigned char* dynamic_smem = nullptr;
+inline std::barrier<>* cta_barrier = nullptr;
+inline std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
+inline std::vector<int> shuffle;
+
+// One CTA of `threads` threads, run over `blocks` block indices one after another.
+struct Cta {
+  int threads;
+  Cta(int threads_, unsigned char* smem) : threads(threads_) {
+    dynamic_smem = smem;
+    shuffle.assign(threads, 0);
+    warp_barriers.clear();
+    for (int w = 0; w < threads / 32; ++w) warp_barriers.push_back(std::make_unique<std::barrier<>>(32));
+  }
+  void run(int blocks, const std::function<void()>& body) {
+    std::barrier<> cta(threads);
+    cta_barrier = &cta;
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back([&, t] {
+        thread_index.x = t;
+        for (int b = 0; b < blocks; ++b) {
+          block_index.x = b;
+          body();
+          cta.arrive_and_wait();  // the next block reuses the shared variables
+        }
+      });
+    }
+    for (auto& th : pool) th.join();
+    cta_barrier = nullptr;
+  }
+};
+
+}  // namespace emu
+
+#define threadIdx emu::thread_index
+#define blockIdx emu::block_index
+
+inline void __syncthreads() { emu::cta_barrier->arrive_and_wait(); }
+
+inline int __shfl_up_sync(unsigned, int x, int offset) {
+  const int t = threadIdx.x, lane = t & 31;
+  auto& warp = *emu::warp_barriers[t >> 5];
+  emu::shuffle[t] = x;
+  warp.arrive_and_wait();
+  const int y = lane >= offset ? emu::shuffle[t - offset] : x;
+  warp.arrive_and_wait();
+  return y;
+}
+
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+  return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+}
+
+inline float __int_as_float(int x) {
+  float f;
+  std::memcpy(&f, &x, sizeof f);
+  return f;
+}
+
+using std::max;
+using std::min;
