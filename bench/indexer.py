@@ -16,9 +16,11 @@ long-context step's rows on one GPU and on a P = W = 2 rank), block-planar paged
 shuffled block table). Inputs are integer-valued, so scores are exact and ties
 abound; each case checks new == old (ids and scores, order included). Logits FLOPs: 2 * 64 * 128
 per (query, key). Medians of ``triton.testing.do_bench``. Each prefill case also times its parts:
-the planar fp8 logits and the select (default: the filter path; the segment path alone, and
-radix-only; other ``exact_segments``; the filter path with ``PREFILL_FILTERS``' tunables; each
-checked equal to the default), the query quantisation and the plane split alone, and planar
+the planar fp8 logits and the select (default: the CUDA row top-k where nvcc builds it, the
+first line of the prefill output says whether; else the Triton filter path. Variants: the
+segment path alone, and radix-only; other ``exact_segments``; the Triton filter path with
+``PREFILL_FILTERS``' tunables; each checked equal to the default), the whole indexer with the
+Triton select (``PREFILL_WHOLE``), the query quantisation and the plane split alone, and planar
 tile choices
 (each checked equal to the default tiles' keys; the byte-row prefill kernel they replaced took
 6.2-8.9 ms for the first case, bench/RESULTS.md); each decode case times the whole decode
@@ -179,6 +181,12 @@ def prefill_parts(args, tiles, ceil, flops, label):
                    dataclasses.replace(tiles, select_attempts=0, **SEGMENT_PATH))
 
     parts = [("planar logits", logits, flops), ("select", select, None)]
+    lens32 = key_len.int()
+    for name, defines in row_topk.VARIANTS.items():  # the CUDA row top-k's variants
+        parts.append((f"select CUDA, {name}", lambda d=defines: row_topk.select(
+            keys, lens32, TOPK, top_s, top_i, defines=d), None))
+    parts.append(("select Triton filter path (the default before)", lambda: it._select(
+        keys, key_len, TOPK, top_s, top_i, dataclasses.replace(tiles, cuda_select=False)), None))
     if label == "parts":
         t = dataclasses.replace(tiles, **SEGMENT_PATH)
         parts.append(("select segment path", lambda t=t: it._select(

@@ -63,14 +63,16 @@ def _version(compiler: str) -> str:
         raise CudaBuildError(f"{compiler} did not run: {e}") from None
 
 
-def compile_library(source: str, arch: str, *, nvcc: str | None = None,
-                    out_dir: Path | None = None) -> Path:
-    """The shared library of ``source`` (a file name in this package) for ``arch``: the cached
-    one, or compiled now. Raises ``CudaBuildError`` (no nvcc; nvcc failed or timed out)."""
+def compile_library(source: str, arch: str, *, defines: tuple[str, ...] = (),
+                    nvcc: str | None = None, out_dir: Path | None = None) -> Path:
+    """The shared library of ``source`` (a file name in this package) for ``arch``, with
+    ``defines`` (``NAME`` or ``NAME=VALUE``: a kernel's variants): the cached one, or compiled
+    now. Raises ``CudaBuildError`` (no nvcc; nvcc failed or timed out)."""
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
         raise CudaBuildError("no nvcc (set CPPLAN_NVCC or CUDA_HOME, or put nvcc on PATH)")
-    return _compile(source, f"sm{arch}", [nvcc, *flags(arch)], out_dir)
+    return _compile(source, f"sm{arch}", [nvcc, *flags(arch), *(f"-D{d}" for d in defines)],
+                    out_dir)
 
 
 def compile_host(source: str, block: int, *, cxx: str | None = None,
@@ -118,16 +120,16 @@ def _compile(source: str, tag: str, command: list[str], out_dir: Path | None) ->
     return lib
 
 
-_LOADED: dict[tuple[str, str], ctypes.CDLL] = {}
+_LOADED: dict[tuple, ctypes.CDLL] = {}
 _LOCK = threading.Lock()
 
 
-def load(source: str, arch: str) -> ctypes.CDLL:
-    """``source`` compiled for ``arch`` and loaded (once a process)."""
+def load(source: str, arch: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """``source`` compiled for ``arch`` (with ``defines``) and loaded (once a process)."""
     with _LOCK:
-        key = (source, arch)
+        key = (source, arch, defines)
         if key not in _LOADED:
-            path = compile_library(source, arch)
+            path = compile_library(source, arch, defines=defines)
             try:
                 _LOADED[key] = ctypes.CDLL(str(path))
             except OSError as e:

@@ -36,7 +36,7 @@ inline thread_local Index thread_index, block_index;
 inline unsigned char* dynamic_smem = nullptr;
 inline std::barrier<>* cta_barrier = nullptr;
 inline std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
-inline std::vector<int> shuffle;
+inline std::vector<uint64_t> shuffle;
 
 // One CTA of `threads` threads, run over `blocks` block indices one after another.
 struct Cta {
@@ -73,14 +73,28 @@ struct Cta {
 
 inline void __syncthreads() { emu::cta_barrier->arrive_and_wait(); }
 
-inline int __shfl_up_sync(unsigned, int x, int offset) {
+// A warp's exchange: every lane publishes x, reads lane `from(lane)`'s (its own where that is
+// outside the warp), all 32 lanes between two barriers.
+template <typename T, typename From>
+inline T warp_exchange(T x, From from) {
   const int t = threadIdx.x, lane = t & 31;
   auto& warp = *emu::warp_barriers[t >> 5];
-  emu::shuffle[t] = x;
+  emu::shuffle[t] = static_cast<uint64_t>(x);
   warp.arrive_and_wait();
-  const int y = lane >= offset ? emu::shuffle[t - offset] : x;
+  const int src = from(lane);
+  const T y = src >= 0 && src < 32 ? static_cast<T>(emu::shuffle[t - lane + src]) : x;
   warp.arrive_and_wait();
   return y;
+}
+
+template <typename T>
+inline T __shfl_up_sync(unsigned, T x, int offset) {
+  return warp_exchange(x, [offset](int lane) { return lane - offset; });
+}
+
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T x, int mask) {
+  return warp_exchange(x, [mask](int lane) { return lane ^ mask; });
 }
 
 inline unsigned atomicAdd(unsigned* p, unsigned v) {

@@ -16,7 +16,8 @@
 //      the bin into `sel` and those in it into `cand` (shared memory);
 //   4. the bin is refined inside `cand` by 10-bit histograms until it holds exactly the keys
 //      still needed, or one key value (its first columns are taken: `cand` is in column order);
-//   5. the K composites (u << 32 | ~column) sorted by a bitonic network, written out.
+//   5. the K composites (u << 32 | ~column) sorted by a bitonic network (at K 2048 most of
+//      its stages in registers and warp shuffles), written out.
 
 //
 // Built with -DCPPLAN_HOST_EMULATION (a C++20 compiler, no CUDA) the same kernel runs on the
@@ -97,6 +98,71 @@ __device__ void find_bin(const uint32_t* hist, int nbins, int need, Shared& sh, 
     sh.found_before = c;
     sh.found_count = hist[b];
   }
+  __syncthreads();
+}
+
+// One stage of a bitonic network over sel[0, KS) in shared memory: pairs (i, i + stride),
+// descending where i & size is 0; ends with a barrier.
+__device__ __forceinline__ void bitonic_stage(uint64_t* sel, int KS, int size, int stride) {
+  for (int t = threadIdx.x; t < KS / 2; t += kBlock) {
+    const int i = 2 * t - (t & (stride - 1));  // the pair (i, i + stride)
+    const int j = i + stride;
+    const bool down = (i & size) == 0;  // descending runs first
+    const uint64_t x = sel[i], y = sel[j];
+    if ((x < y) == down) {
+      sel[i] = y;
+      sel[j] = x;
+    }
+  }
+  __syncthreads();
+}
+
+// Sorts sel[0, KS) descending (KS a power of two) by a bitonic network. With KS = 2 kBlock
+// (K 2048) a warp holds 64 consecutive values in registers, two a lane (lane l: 64 w + l and
+// 64 w + 32 + l): the stages of stride 32 and below (51 of 66) run on registers and shuffles,
+// the others in shared memory with a barrier each.
+__device__ void bitonic_sort(uint64_t* sel, int KS) {
+#ifdef CPPLAN_ROW_TOPK_SMEM_SORT
+  constexpr bool kShared = true;  // a variant: every stage in shared memory
+#else
+  constexpr bool kShared = false;
+#endif
+  if (kShared || KS != 2 * kBlock) {
+    for (int size = 2; size <= KS; size <<= 1)
+      for (int stride = size >> 1; stride > 0; stride >>= 1) bitonic_stage(sel, KS, size, stride);
+    return;
+  }
+  const int lane = threadIdx.x & 31;
+  const int ia = (threadIdx.x >> 5) * 64 + lane, ib = ia + 32;
+  uint64_t a = sel[ia], b = sel[ib];
+  for (int size = 2; size <= KS; size <<= 1) {
+    int stride = size >> 1;
+    if (stride >= 64) {  // a thread reads and writes only its own two places around these
+      sel[ia] = a;
+      sel[ib] = b;
+      __syncthreads();
+      for (; stride >= 64; stride >>= 1) bitonic_stage(sel, KS, size, stride);
+      a = sel[ia];
+      b = sel[ib];
+    }
+    if (stride == 32) {  // a thread's own pair
+      if ((a < b) == ((ia & size) == 0)) {
+        const uint64_t t = a;
+        a = b;
+        b = t;
+      }
+      stride = 16;
+    }
+    for (; stride > 0; stride >>= 1) {  // pairs across lanes: the lower place keeps the
+      const uint64_t pa = __shfl_xor_sync(0xffffffffu, a, stride);  // larger in a descending
+      const uint64_t pb = __shfl_xor_sync(0xffffffffu, b, stride);  // run
+      const bool lower = (lane & stride) == 0;
+      a = (lower == ((ia & size) == 0)) ? (a > pa ? a : pa) : (a < pa ? a : pa);
+      b = (lower == ((ib & size) == 0)) ? (b > pb ? b : pb) : (b < pb ? b : pb);
+    }
+  }
+  sel[ia] = a;
+  sel[ib] = b;
   __syncthreads();
 }
 
@@ -275,21 +341,7 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
     for (int i = tid; i < need; i += kBlock) sel[n_sel + i] = cand[i];
   for (int i = m + tid; i < KS; i += kBlock) sel[i] = 0;
   __syncthreads();
-  for (int size = 2; size <= KS; size <<= 1) {
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      for (int t = tid; t < KS / 2; t += kBlock) {
-        const int i = 2 * t - (t & (stride - 1));  // the pair (i, i + stride)
-        const int j = i + stride;
-        const bool down = (i & size) == 0;  // descending runs first
-        const uint64_t x = sel[i], y = sel[j];
-        if ((x < y) == down) {
-          sel[i] = y;
-          sel[j] = x;
-        }
-      }
-      __syncthreads();
-    }
-  }
+  bitonic_sort(sel, KS);
   float* os = out_s + row * stride_o;
   int32_t* oi = out_i + row * stride_o;
   for (int i = tid; i < K; i += kBlock) {

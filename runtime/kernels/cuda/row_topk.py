@@ -23,13 +23,18 @@ from . import build
 MAX_TOPK = 4096  # the result's sort buffer (a power of two >= topk) ...
 CAP = 8192  # ... and the K-th key's bin in shared memory (>= MAX_TOPK): 112 KB at MAX_TOPK
 SOURCE = "row_topk.cu"
+# variants of the kernel (compile-time), timed beside the default by bench/indexer.py
+VARIANTS = {
+    "sort in shared memory only": ("CPPLAN_ROW_TOPK_SMEM_SORT",),
+    "512 threads a CTA": ("CPPLAN_ROW_TOPK_BLOCK=512",),
+}
 
 
 @functools.cache
-def _library(arch: str):
+def _library(arch: str, defines: tuple[str, ...]):
     """(ctypes library, None) or (None, the reason it cannot be had)."""
     try:
-        lib = build.load(SOURCE, arch)
+        lib = build.load(SOURCE, arch, defines)
     except build.CudaBuildError as e:
         return None, str(e)
     lib.cpplan_row_topk.restype = ctypes.c_int
@@ -44,13 +49,13 @@ def _library(arch: str):
 
 
 @functools.cache
-def _ready(index: int):
-    """The library for GPU ``index``, its kernels allowed their shared memory there (once a
-    device), or (None, reason)."""
+def _ready(index: int, defines: tuple[str, ...] = ()):
+    """The library for GPU ``index`` (built with ``defines``), its kernels allowed their shared
+    memory there (once a device), or (None, reason)."""
     major, minor = torch.cuda.get_device_capability(index)
     if major < 8:
         return None, f"needs compute capability 8.0 or newer, got {major}.{minor}"
-    lib, why = _library(f"{major}{minor}")
+    lib, why = _library(f"{major}{minor}", defines)
     if lib is None:
         return None, why
     smem = lib.cpplan_row_topk_smem(MAX_TOPK, CAP)
@@ -84,14 +89,16 @@ def _warn_once(why: str) -> None:
                   RuntimeWarning, stacklevel=3)
 
 
-def select(keys, lens, topk: int, top_s, top_i, *, decode_ids=False, W=1, I=1, rank=0) -> None:
+def select(keys, lens, topk: int, top_s, top_i, *, decode_ids=False, W=1, I=1, rank=0,
+           defines: tuple[str, ...] = ()) -> None:
     """Exact top-k of each row of int32 keys ``[R, L]`` (row r: its first lens[r] columns)
     into ``top_s`` float32 / ``top_i`` int32 ``[R, topk]``, every slot written (pads -inf /
     NO_KEY); ids are columns, or with ``decode_ids`` a DCP rank's global token ids
-    ``(c // I) * W * I + rank * I + c % I``. Call ``unavailable_reason`` first."""
+    ``(c // I) * W * I + rank * I + c % I``. Call ``unavailable_reason`` first. ``defines``:
+    a variant of the kernel (``VARIANTS``; the bench times them)."""
     _check(keys, lens, topk, top_s, top_i, CAP)
     lib, why = _ready(keys.device.index if keys.device.index is not None
-                      else torch.cuda.current_device())
+                      else torch.cuda.current_device(), tuple(defines))
     if lib is None:
         raise RuntimeError(f"row_topk: {why}")
     with torch.cuda.device(keys.device):

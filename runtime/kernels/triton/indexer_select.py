@@ -71,8 +71,8 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
     ranks write only the live slots, have the outputs filled first."""
     R, L = keys.shape
     if cuda_rows(R, topk, keys.device, tiles):
-        row_topk.select(keys, lens, topk, top_s, top_i, decode_ids=decode_ids, W=W, I=I,
-                        rank=rank)
+        row_topk.select(keys, lens if lens.dtype == torch.int32 else lens.int(), topk, top_s,
+                        top_i, decode_ids=decode_ids, W=W, I=I, rank=rank)
         return
     kp = triton.next_power_of_2(topk)
     ids = {"RANK": rank, "W": W, "I": I, "DECODE_IDS": decode_ids}
