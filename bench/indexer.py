@@ -46,6 +46,7 @@ import dataclasses
 import itertools
 import json
 import time
+from pathlib import Path
 
 import torch
 import triton
@@ -70,6 +71,7 @@ DECODE = ([(b, ctx) for ctx in (4096, 131072) for b in (1, 8, 64)] + [(64, 6144,
           # the long-context decode step's rows: one GPU (64k-128k), a P = W = 2 rank (half)
           + [(64, 131072, 65536), (64, 65536, 32768)])
 ROWS: list[dict] = []
+HERE = Path(__file__).resolve().parent
 FAILS = (CompilationError, OutOfResources, RuntimeError)  # a variant that does not build or run
 try:  # ptxas refusing a variant (e.g. too few registers for its accumulators)
     from triton.runtime.errors import PTXASError
@@ -185,6 +187,9 @@ def prefill_parts(args, tiles, ceil, flops, label):
     for name, defines in row_topk.VARIANTS.items():  # the CUDA row top-k's variants
         parts.append((f"select CUDA, {name}", lambda d=defines: row_topk.select(
             keys, lens32, TOPK, top_s, top_i, defines=d), None))
+    for name, file in CUDA_SELECTS.items():  # earlier forms of the CUDA row top-k
+        parts.append((f"select CUDA, {name}", lambda f=str(HERE / "variants" / file):
+                      row_topk.select(keys, lens32, TOPK, top_s, top_i, source=f), None))
     parts.append(("select Triton filter path (the default before)", lambda: it._select(
         keys, key_len, TOPK, top_s, top_i, dataclasses.replace(tiles, cuda_select=False)), None))
     if label == "parts":
@@ -629,6 +634,10 @@ def run_prefill(cases, ceil, kernels, planar_sweep=False, dg=None):
     return ok
 
 
+# earlier forms of the CUDA row top-k (bench/variants/), timed beside the default
+CUDA_SELECTS = {
+    "block scans in column order (the first form)": "row_topk_v1.cu",
+}
 # whole prefill indexers beside the default (its logits by the Gluon kernel on Hopper)
 PREFILL_WHOLE = {
     "Gluon logits, Triton filter path (the default before)": {"cuda_select": False},

@@ -48,7 +48,7 @@ def cache_dir() -> Path:
 
 def flags(arch: str) -> list[str]:
     """nvcc's flags for ``arch`` ("90": sm_90), output and source excluded."""
-    out = ["-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}",
+    out = ["-O3", "-lineinfo", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}",
            "-Xcompiler", "-fPIC", "-shared", "-cudart", "static"]
     if os.environ.get("CPPLAN_NVCC_CCBIN"):
         out += ["-ccbin", os.environ["CPPLAN_NVCC_CCBIN"]]
@@ -90,7 +90,7 @@ def compile_host(source: str, block: int, *, cxx: str | None = None,
 def _compile(source: str, tag: str, command: list[str], out_dir: Path | None) -> Path:
     """``command + ["-o", library, source]``, the library named by a hash of the folder's
     sources, the compiler's version and the command; cached."""
-    src = HERE / source
+    src = HERE / source  # a name in this package (or an absolute path: a bench's variant)
     text = b"".join(p.read_bytes() for p in sorted(HERE.glob("*.h"))) + src.read_bytes()
     digest = hashlib.sha256(text + _version(command[0]).encode()
                             + " ".join(command).encode()).hexdigest()

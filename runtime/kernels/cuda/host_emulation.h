@@ -97,7 +97,28 @@ inline T __shfl_xor_sync(unsigned, T x, int mask) {
   return warp_exchange(x, [mask](int lane) { return lane ^ mask; });
 }
 
-inline unsigned atomicAdd(unsigned* p, unsigned v) {
+template <typename T>
+inline T __shfl_sync(unsigned, T x, int src) {
+  return warp_exchange(x, [src](int) { return src; });
+}
+
+// Bit i: lane i's predicate (every lane publishes its own; lanes read all 32)
+inline unsigned __ballot_sync(unsigned, bool pred) {
+  const int t = threadIdx.x, lane = t & 31;
+  auto& warp = *emu::warp_barriers[t >> 5];
+  emu::shuffle[t] = pred ? 1u : 0u;
+  warp.arrive_and_wait();
+  unsigned m = 0;
+  for (int l = 0; l < 32; ++l) m |= static_cast<unsigned>(emu::shuffle[t - lane + l]) << l;
+  warp.arrive_and_wait();
+  return m;
+}
+
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __ffs(unsigned x) { return __builtin_ffs(static_cast<int>(x)); }
+
+template <typename T>
+inline T atomicAdd(T* p, T v) {
   return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
 }
 

@@ -8,17 +8,19 @@
 // float32 scores and int32 ids (the column, or its global token id for a DCP rank's decode
 // rows), pads (-inf, -1) past the row's live keys.
 //
-// Per row:
-//   1. a histogram of the top 12 bits of u over the row (global memory, read once);
-//   2. the bin holding the K-th key; while it holds more than CAP keys (ties, narrow rows),
+// Per row, over composites (u << 32 | ~column: distinct, and their descending order is the
+// reference order), found by their bits from the top:
+//   1. a histogram of the top 12 bits over the row (global memory, read once);
+//   2. the bin holding the K-th composite; while it holds more than CAP (ties, narrow rows),
 //      another pass over the row refines it by the next 10 bits (rare);
-//   3. one more pass over the row (mostly from L2) gathers, in column order, the keys above
-//      the bin into `sel` and those in it into `cand` (shared memory);
-//   4. the bin is refined inside `cand` by 10-bit histograms until it holds exactly the keys
-//      still needed, or one key value (its first columns are taken: `cand` is in column order);
-//   5. the K composites (u << 32 | ~column) sorted by a bitonic network (at K 2048 most of
-//      its stages in registers and warp shuffles), written out.
-
+//   3. one more pass over the row (mostly from L2) appends the composites above the bin to
+//      `sel` and those in it to `cand` (shared memory; a warp reserves its places with one
+//      atomic, so no barrier inside the pass and no order kept);
+//   4. 10-bit histograms over `cand` refine the bin until it holds exactly the composites still
+//      needed (composites are distinct, so this ends by the 64th bit), moving those above it
+//      to `sel` at each level, then the bin's own;
+//   5. the K composites sorted by a bitonic network (at K 2048 most of its stages in registers
+//      and warp shuffles), written out.
 //
 // Built with -DCPPLAN_HOST_EMULATION (a C++20 compiler, no CUDA) the same kernel runs on the
 // host, a CTA's threads as std::threads (host_emulation.h): the CPU tests check it against the
@@ -48,10 +50,8 @@ static_assert(kBlock % 32 == 0 && kBlock <= 1024 && kNextBins % kBlock == 0, "CT
 
 struct Shared {
   int warp[kWarps];
-  // the current bin: prefix (its top `bits` bits of u), keys still needed, keys in it
-  uint32_t prefix;
-  int bits, need, in_bin, live;
-  int found_bin, found_before, found_count;
+  int found_bin, found_before, found_count;  // find_bin's result
+  int n_sel, n_cand;                         // places taken in sel / cand
 };
 
 // Exclusive prefix of `v` over the block's threads; `total` the sum. Three barriers; `sh.warp`
@@ -193,6 +193,18 @@ __device__ __forceinline__ uint64_t composite(uint32_t u, int c) {
   return (static_cast<uint64_t>(u) << 32) | (0xffffffffu - static_cast<uint32_t>(c));
 }
 
+// Appends v (where `take`) to buf at places reserved from *count, one atomic a warp; every
+// lane of the warp calls it.
+__device__ __forceinline__ void warp_append(uint64_t* buf, int* count, bool take, uint64_t v) {
+  const unsigned m = __ballot_sync(0xffffffffu, take);
+  if (m == 0u) return;
+  const int lane = threadIdx.x & 31, first = __ffs(m) - 1;
+  int base = 0;
+  if (lane == first) base = atomicAdd(count, __popc(m));
+  base = __shfl_sync(0xffffffffu, base, first);
+  if (take) buf[base + __popc(m & ((1u << lane) - 1u))] = v;
+}
+
 template <int VEC>
 __global__ void __launch_bounds__(kBlock, 2)
 row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
@@ -205,7 +217,7 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
   extern __shared__ __align__(16) unsigned char smem_raw[];
 #endif
   uint64_t* sel = reinterpret_cast<uint64_t*>(smem_raw);  // KS: the result's composites
-  uint64_t* cand = sel + KS;                                // cap: the K-th key's bin
+  uint64_t* cand = sel + KS;                                // cap: the K-th composite's bin
   uint32_t* hist = reinterpret_cast<uint32_t*>(cand + cap); // kBins
   __shared__ Shared sh;
 
@@ -217,6 +229,7 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
 
   // 1. histogram of the top kFirstBits bits of the live keys
   for (int b = tid; b < kBins; b += kBlock) hist[b] = 0;
+  if (tid == 0) sh.n_sel = sh.n_cand = 0;
   __syncthreads();
   for (int c0 = 0; c0 < n; c0 += 2 * kTile) {  // two loads in flight a thread
     int32_t a[VEC], b[VEC];
@@ -233,112 +246,91 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
   int live;
   find_bin(hist, kBins, K, sh, live);
   const bool all = live <= K;  // every live key is in the result
-  uint32_t prefix = all ? 0u : static_cast<uint32_t>(sh.found_bin);
+  // the bin: composites whose top `bits` bits are `prefix`; `need` of them still wanted
+  uint64_t prefix = all ? 0u : static_cast<uint64_t>(sh.found_bin);
   int bits = kFirstBits;
   int need = all ? live : K - sh.found_before;
   int in_bin = all ? 0 : sh.found_count;
-  int n_sel = all ? 0 : sh.found_before;  // keys above the bin: all in the result
 
   // 2. a bin too large for `cand`: refined over the row (ties, or keys packed in a narrow range)
-  while (!all && in_bin > cap && bits < 32) {
-    const int d = min(kNextBits, 32 - bits);
-    __syncthreads();
+  while (!all && in_bin > cap) {
+    const int d = min(kNextBits, 64 - bits);
     for (int b = tid; b < kNextBins; b += kBlock) hist[b] = 0;
     __syncthreads();
-    for (int c0 = 0; c0 < n; c0 += kTile) {
-      int32_t a[VEC];
-      Loads<VEC>::at(p, c0 + tid * VEC, n, a);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const uint32_t u = ukey(a[j]);
-        if (u && (u >> (32 - bits)) == prefix)
-          atomicAdd(&hist[(u >> (32 - bits - d)) & ((1u << d) - 1)], 1u);
-      }
-    }
-    __syncthreads();
-    int unused;
-    find_bin(hist, kNextBins, need, sh, unused);
-    prefix = (prefix << d) | static_cast<uint32_t>(sh.found_bin);
-    bits += d;
-    need -= sh.found_before;
-    n_sel += sh.found_before;
-    in_bin = sh.found_count;
-  }
-
-  // 3. gather in column order: keys above the bin to sel (all of them: fewer than K), keys in
-  //    it to cand (the first `cap`: with more, the bin is one key value and its first columns
-  //    are the ones taken)
-  {
-    int sel_base = 0, cand_base = 0;
     for (int c0 = 0; c0 < n; c0 += kTile) {
       int32_t a[VEC];
       const int c = c0 + tid * VEC;
       Loads<VEC>::at(p, c, n, a);
-      int up = 0, eq = 0;
-      uint32_t u[VEC];
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        u[j] = ukey(a[j]);
-        const uint32_t hi = all ? 0u : u[j] >> (32 - bits);
-        up += (u[j] != 0u) & (all | (hi > prefix));
-        eq += (u[j] != 0u) & !all & (hi == prefix);
+        const uint64_t v = composite(ukey(a[j]), c + j);
+        if ((v >> 32) && (v >> (64 - bits)) == prefix)
+          atomicAdd(&hist[(v >> (64 - bits - d)) & ((1u << d) - 1)], 1u);
       }
-      int total;
-      const int before = block_scan(up | (eq << 16), sh, total);  // a tile < 65536 keys
-      int s = sel_base + (before & 0xffff), q = cand_base + (before >> 16);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        if (u[j] == 0u) continue;
-        const uint32_t hi = all ? 0u : u[j] >> (32 - bits);
-        if (all || hi > prefix) {
-          sel[s++] = composite(u[j], c + j);
-        } else if (hi == prefix) {
-          if (q < cap) cand[q] = composite(u[j], c + j);
-          ++q;
-        }
-      }
-      sel_base += total & 0xffff;
-      cand_base += total >> 16;
     }
-  }
-  __syncthreads();
-
-  // 4. refine the bin inside cand until it holds exactly the keys needed, or one key value
-  while (!all && in_bin > need && bits < 32) {
-    const int d = min(kNextBits, 32 - bits);
-    const int shift = 64 - bits - d;  // the digit's place in a composite
-    for (int b = tid; b < kNextBins; b += kBlock) hist[b] = 0;
-    __syncthreads();
-    for (int i = tid; i < in_bin; i += kBlock)
-      atomicAdd(&hist[(cand[i] >> shift) & ((1u << d) - 1)], 1u);
     __syncthreads();
     int unused;
     find_bin(hist, kNextBins, need, sh, unused);
-    const uint32_t b = sh.found_bin;
-    int keep = 0;
-    for (int i0 = 0; i0 < in_bin; i0 += kBlock) {  // in place, in order: reads before writes
-      const int i = i0 + tid;
-      const uint64_t v = i < in_bin ? cand[i] : 0;
-      const uint32_t dig = static_cast<uint32_t>(v >> shift) & ((1u << d) - 1);
-      const int up = (i < in_bin) & (dig > b), eq = (i < in_bin) & (dig == b);
-      int total;
-      const int before = block_scan(up | (eq << 16), sh, total);
-      if (up) sel[n_sel + (before & 0xffff)] = v;
-      if (eq) cand[keep + (before >> 16)] = v;
-      n_sel += total & 0xffff;
-      keep += total >> 16;
-      __syncthreads();
-    }
-    prefix = (prefix << d) | b;
+    prefix = (prefix << d) | static_cast<uint64_t>(sh.found_bin);
     bits += d;
     need -= sh.found_before;
     in_bin = sh.found_count;
   }
 
-  // 5. the result: sel and the first `need` of cand, sorted (pads: composite 0)
-  const int m = all ? need : n_sel + need;
-  if (!all)
-    for (int i = tid; i < need; i += kBlock) sel[n_sel + i] = cand[i];
+  // 3. the composites above the bin to sel (fewer than K), those in it to cand (at most cap)
+  for (int c0 = 0; c0 < n; c0 += kTile) {
+    int32_t a[VEC];
+    const int c = c0 + tid * VEC;
+    Loads<VEC>::at(p, c, n, a);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const uint64_t v = composite(ukey(a[j]), c + j);
+      const uint64_t hi = v >> (64 - bits);
+      const bool live_key = (v >> 32) != 0u;
+      warp_append(sel, &sh.n_sel, live_key && (all || hi > prefix), v);
+      warp_append(cand, &sh.n_cand, live_key && !all && hi == prefix, v);
+    }
+  }
+  __syncthreads();
+
+  // 4. refine the bin inside cand until it holds exactly the composites still needed
+  if (!all) {
+    const int held = in_bin;  // cand[0, held): the bin of step 3, scanned again at each level
+    while (in_bin > need) {
+      const int d = min(kNextBits, 64 - bits);
+      const int shift = 64 - bits - d;  // the digit's place
+      for (int b = tid; b < kNextBins; b += kBlock) hist[b] = 0;
+      __syncthreads();
+      for (int i = tid; i < held; i += kBlock) {
+        const uint64_t v = cand[i];
+        if ((v >> (64 - bits)) == prefix) atomicAdd(&hist[(v >> shift) & ((1u << d) - 1)], 1u);
+      }
+      __syncthreads();
+      int unused;
+      find_bin(hist, kNextBins, need, sh, unused);
+      const uint64_t b = sh.found_bin;
+      for (int i0 = 0; i0 < held; i0 += kBlock) {  // the bin's composites above the new bin
+        const int i = i0 + tid;
+        const uint64_t v = i < held ? cand[i] : 0u;
+        const bool up = i < held && (v >> (64 - bits)) == prefix && ((v >> shift) & ((1u << d) - 1)) > b;
+        warp_append(sel, &sh.n_sel, up, v);
+      }
+      prefix = (prefix << d) | b;
+      bits += d;
+      need -= sh.found_before;
+      in_bin = sh.found_count;
+      __syncthreads();
+    }
+    for (int i0 = 0; i0 < held; i0 += kBlock) {  // the bin's own: all needed
+      const int i = i0 + tid;
+      const uint64_t v = i < held ? cand[i] : 0u;
+      warp_append(sel, &sh.n_sel, i < held && (v >> (64 - bits)) == prefix, v);
+    }
+    __syncthreads();
+  }
+
+  // 5. the result, sorted (pads: composite 0)
+  const int m = sh.n_sel;
   for (int i = m + tid; i < KS; i += kBlock) sel[i] = 0;
   __syncthreads();
   bitonic_sort(sel, KS);

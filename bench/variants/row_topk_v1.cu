@@ -1,0 +1,437 @@
+// Exact top-k of rows of int32 keys, one CTA a row, in shared memory (cpplan's prefill select;
+// the launcher and the reasoning: row_topk.py beside this file, docs/design.md §4.3).
+//
+// Keys are the logits kernels' order-preserving int32 keys; INT32_MIN marks "no key". As an
+// unsigned u = key ^ 0x80000000 the order is the keys' and "no key" is u = 0. A row r holds its
+// first n = min(lens[r], L) columns; the result is the K largest live keys, ordered by key
+// descending then column ascending (ties at the K-th key keep the lowest columns), written as
+// float32 scores and int32 ids (the column, or its global token id for a DCP rank's decode
+// rows), pads (-inf, -1) past the row's live keys.
+//
+// Per row:
+//   1. a histogram of the top 12 bits of u over the row (global memory, read once);
+//   2. the bin holding the K-th key; while it holds more than CAP keys (ties, narrow rows),
+//      another pass over the row refines it by the next 10 bits (rare);
+//   3. one more pass over the row (mostly from L2) gathers, in column order, the keys above
+//      the bin into `sel` and those in it into `cand` (shared memory);
+//   4. the bin is refined inside `cand` by 10-bit histograms until it holds exactly the keys
+//      still needed, or one key value (its first columns are taken: `cand` is in column order);
+//   5. the K composites (u << 32 | ~column) sorted by a bitonic network (at K 2048 most of
+//      its stages in registers and warp shuffles), written out.
+
+//
+// Built with -DCPPLAN_HOST_EMULATION (a C++20 compiler, no CUDA) the same kernel runs on the
+// host, a CTA's threads as std::threads (host_emulation.h): the CPU tests check it against the
+// reference there, with CPPLAN_ROW_TOPK_BLOCK threads a CTA.
+
+#include <cstdint>
+
+#ifdef CPPLAN_HOST_EMULATION
+#include "host_emulation.h"
+#else
+#include <cuda_runtime.h>
+#endif
+
+#ifndef CPPLAN_ROW_TOPK_BLOCK
+#define CPPLAN_ROW_TOPK_BLOCK 1024
+#endif
+
+namespace {
+
+constexpr int kBlock = CPPLAN_ROW_TOPK_BLOCK;  // threads a CTA (a multiple of 32, <= 1024)
+constexpr int kWarps = kBlock / 32;
+constexpr int kFirstBits = 12;              // the first histogram's digit
+constexpr int kNextBits = 10;               // every later digit
+constexpr int kBins = 1 << kFirstBits;      // the histogram's size ...
+constexpr int kNextBins = 1 << kNextBits;   // ... of which later digits use the first 1024
+static_assert(kBlock % 32 == 0 && kBlock <= 1024 && kNextBins % kBlock == 0, "CTA size");
+
+struct Shared {
+  int warp[kWarps];
+  // the current bin: prefix (its top `bits` bits of u), keys still needed, keys in it
+  uint32_t prefix;
+  int bits, need, in_bin, live;
+  int found_bin, found_before, found_count;
+};
+
+// Exclusive prefix of `v` over the block's threads; `total` the sum. Three barriers; `sh.warp`
+// is free again on return.
+__device__ __forceinline__ int block_scan(int v, Shared& sh, int& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) sh.warp[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int w = lane < kWarps ? sh.warp[lane] : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += y;
+    }
+    if (lane < kWarps) sh.warp[lane] = w;
+  }
+  __syncthreads();
+  const int before = (warp ? sh.warp[warp - 1] : 0) + x - v;
+  total = sh.warp[kWarps - 1];
+  __syncthreads();
+  return before;
+}
+
+// The bin of `hist` (nbins, a multiple of kBlock) holding the need-th largest key counting from
+// the top bin: found_bin, found_before (keys in higher bins), found_count (keys in it); `live`
+// the keys in all bins. Every thread reads the results from `sh` after the call.
+__device__ void find_bin(const uint32_t* hist, int nbins, int need, Shared& sh, int& live) {
+  const int per = nbins / kBlock;
+  const int top = nbins - 1 - threadIdx.x * per;  // this thread's bins: top, top - 1, ...
+  int s = 0;
+  for (int j = 0; j < per; ++j) s += hist[top - j];
+  const int before = block_scan(s, sh, live);
+  if (before < need && need <= before + s) {
+    int b = top, c = before;
+    while (c + static_cast<int>(hist[b]) < need) c += hist[b--];
+    sh.found_bin = b;
+    sh.found_before = c;
+    sh.found_count = hist[b];
+  }
+  __syncthreads();
+}
+
+// One stage of a bitonic network over sel[0, KS) in shared memory: pairs (i, i + stride),
+// descending where i & size is 0; ends with a barrier.
+__device__ __forceinline__ void bitonic_stage(uint64_t* sel, int KS, int size, int stride) {
+  for (int t = threadIdx.x; t < KS / 2; t += kBlock) {
+    const int i = 2 * t - (t & (stride - 1));  // the pair (i, i + stride)
+    const int j = i + stride;
+    const bool down = (i & size) == 0;  // descending runs first
+    const uint64_t x = sel[i], y = sel[j];
+    if ((x < y) == down) {
+      sel[i] = y;
+      sel[j] = x;
+    }
+  }
+  __syncthreads();
+}
+
+// Sorts sel[0, KS) descending (KS a power of two) by a bitonic network. With KS = 2 kBlock
+// (K 2048) a warp holds 64 consecutive values in registers, two a lane (lane l: 64 w + l and
+// 64 w + 32 + l): the stages of stride 32 and below (51 of 66) run on registers and shuffles,
+// the others in shared memory with a barrier each.
+__device__ void bitonic_sort(uint64_t* sel, int KS) {
+#ifdef CPPLAN_ROW_TOPK_SMEM_SORT
+  constexpr bool kShared = true;  // a variant: every stage in shared memory
+#else
+  constexpr bool kShared = false;
+#endif
+  if (kShared || KS != 2 * kBlock) {
+    for (int size = 2; size <= KS; size <<= 1)
+      for (int stride = size >> 1; stride > 0; stride >>= 1) bitonic_stage(sel, KS, size, stride);
+    return;
+  }
+  const int lane = threadIdx.x & 31;
+  const int ia = (threadIdx.x >> 5) * 64 + lane, ib = ia + 32;
+  uint64_t a = sel[ia], b = sel[ib];
+  for (int size = 2; size <= KS; size <<= 1) {
+    int stride = size >> 1;
+    if (stride >= 64) {  // a thread reads and writes only its own two places around these
+      sel[ia] = a;
+      sel[ib] = b;
+      __syncthreads();
+      for (; stride >= 64; stride >>= 1) bitonic_stage(sel, KS, size, stride);
+      a = sel[ia];
+      b = sel[ib];
+    }
+    if (stride == 32) {  // a thread's own pair
+      if ((a < b) == ((ia & size) == 0)) {
+        const uint64_t t = a;
+        a = b;
+        b = t;
+      }
+      stride = 16;
+    }
+    for (; stride > 0; stride >>= 1) {  // pairs across lanes: the lower place keeps the
+      const uint64_t pa = __shfl_xor_sync(0xffffffffu, a, stride);  // larger in a descending
+      const uint64_t pb = __shfl_xor_sync(0xffffffffu, b, stride);  // run
+      const bool lower = (lane & stride) == 0;
+      a = (lower == ((ia & size) == 0)) ? (a > pa ? a : pa) : (a < pa ? a : pa);
+      b = (lower == ((ib & size) == 0)) ? (b > pb ? b : pb) : (b < pb ? b : pb);
+    }
+  }
+  sel[ia] = a;
+  sel[ib] = b;
+  __syncthreads();
+}
+
+template <int VEC>
+struct Loads;
+template <>
+struct Loads<4> {
+  __device__ __forceinline__ static void at(const int32_t* p, int c, int n, int32_t (&k)[4]) {
+    if (c + 4 <= n) {
+      const int4 v = *reinterpret_cast<const int4*>(p + c);
+      k[0] = v.x; k[1] = v.y; k[2] = v.z; k[3] = v.w;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) k[j] = c + j < n ? p[c + j] : INT32_MIN;
+    }
+  }
+};
+template <>
+struct Loads<1> {
+  __device__ __forceinline__ static void at(const int32_t* p, int c, int n, int32_t (&k)[1]) {
+    k[0] = c < n ? p[c] : INT32_MIN;
+  }
+};
+
+__device__ __forceinline__ uint32_t ukey(int32_t k) { return static_cast<uint32_t>(k) ^ 0x80000000u; }
+
+__device__ __forceinline__ uint64_t composite(uint32_t u, int c) {
+  return (static_cast<uint64_t>(u) << 32) | (0xffffffffu - static_cast<uint32_t>(c));
+}
+
+template <int VEC>
+__global__ void __launch_bounds__(kBlock, 2)
+row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
+                const int32_t* __restrict__ lens, int L, int K, int KS, int cap,
+                float* __restrict__ out_s, int32_t* __restrict__ out_i, int64_t stride_o,
+                int decode_ids, int W, int I, int rank) {
+#ifdef CPPLAN_HOST_EMULATION
+  unsigned char* smem_raw = emu::dynamic_smem;
+#else
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+#endif
+  uint64_t* sel = reinterpret_cast<uint64_t*>(smem_raw);  // KS: the result's composites
+  uint64_t* cand = sel + KS;                                // cap: the K-th key's bin
+  uint32_t* hist = reinterpret_cast<uint32_t*>(cand + cap); // kBins
+  __shared__ Shared sh;
+
+  const int tid = threadIdx.x;
+  const int64_t row = blockIdx.x;
+  const int n = max(0, min(lens[row], L));
+  const int32_t* p = keys + row * stride_k;
+  constexpr int kTile = kBlock * VEC;
+
+  // 1. histogram of the top kFirstBits bits of the live keys
+  for (int b = tid; b < kBins; b += kBlock) hist[b] = 0;
+  __syncthreads();
+  for (int c0 = 0; c0 < n; c0 += 2 * kTile) {  // two loads in flight a thread
+    int32_t a[VEC], b[VEC];
+    Loads<VEC>::at(p, c0 + tid * VEC, n, a);
+    Loads<VEC>::at(p, c0 + kTile + tid * VEC, n, b);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const uint32_t ua = ukey(a[j]), ub = ukey(b[j]);
+      if (ua) atomicAdd(&hist[ua >> (32 - kFirstBits)], 1u);
+      if (ub) atomicAdd(&hist[ub >> (32 - kFirstBits)], 1u);
+    }
+  }
+  __syncthreads();
+  int live;
+  find_bin(hist, kBins, K, sh, live);
+  const bool all = live <= K;  // every live key is in the result
+  uint32_t prefix = all ? 0u : static_cast<uint32_t>(sh.found_bin);
+  int bits = kFirstBits;
+  int need = all ? live : K - sh.found_before;
+  int in_bin = all ? 0 : sh.found_count;
+  int n_sel = all ? 0 : sh.found_before;  // keys above the bin: all in the result
+
+  // 2. a bin too large for `cand`: refined over the row (ties, or keys packed in a narrow range)
+  while (!all && in_bin > cap && bits < 32) {
+    const int d = min(kNextBits, 32 - bits);
+    __syncthreads();
+    for (int b = tid; b < kNextBins; b += kBlock) hist[b] = 0;
+    __syncthreads();
+    for (int c0 = 0; c0 < n; c0 += kTile) {
+      int32_t a[VEC];
+      Loads<VEC>::at(p, c0 + tid * VEC, n, a);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const uint32_t u = ukey(a[j]);
+        if (u && (u >> (32 - bits)) == prefix)
+          atomicAdd(&hist[(u >> (32 - bits - d)) & ((1u << d) - 1)], 1u);
+      }
+    }
+    __syncthreads();
+    int unused;
+    find_bin(hist, kNextBins, need, sh, unused);
+    prefix = (prefix << d) | static_cast<uint32_t>(sh.found_bin);
+    bits += d;
+    need -= sh.found_before;
+    n_sel += sh.found_before;
+    in_bin = sh.found_count;
+  }
+
+  // 3. gather in column order: keys above the bin to sel (all of them: fewer than K), keys in
+  //    it to cand (the first `cap`: with more, the bin is one key value and its first columns
+  //    are the ones taken)
+  {
+    int sel_base = 0, cand_base = 0;
+    for (int c0 = 0; c0 < n; c0 += kTile) {
+      int32_t a[VEC];
+      const int c = c0 + tid * VEC;
+      Loads<VEC>::at(p, c, n, a);
+      int up = 0, eq = 0;
+      uint32_t u[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        u[j] = ukey(a[j]);
+        const uint32_t hi = all ? 0u : u[j] >> (32 - bits);
+        up += (u[j] != 0u) & (all | (hi > prefix));
+        eq += (u[j] != 0u) & !all & (hi == prefix);
+      }
+      int total;
+      const int before = block_scan(up | (eq << 16), sh, total);  // a tile < 65536 keys
+      int s = sel_base + (before & 0xffff), q = cand_base + (before >> 16);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        if (u[j] == 0u) continue;
+        const uint32_t hi = all ? 0u : u[j] >> (32 - bits);
+        if (all || hi > prefix) {
+          sel[s++] = composite(u[j], c + j);
+        } else if (hi == prefix) {
+          if (q < cap) cand[q] = composite(u[j], c + j);
+          ++q;
+        }
+      }
+      sel_base += total & 0xffff;
+      cand_base += total >> 16;
+    }
+  }
+  __syncthreads();
+
+  // 4. refine the bin inside cand until it holds exactly the keys needed, or one key value
+  while (!all && in_bin > need && bits < 32) {
+    const int d = min(kNextBits, 32 - bits);
+    const int shift = 64 - bits - d;  // the digit's place in a composite
+    for (int b = tid; b < kNextBins; b += kBlock) hist[b] = 0;
+    __syncthreads();
+    for (int i = tid; i < in_bin; i += kBlock)
+      atomicAdd(&hist[(cand[i] >> shift) & ((1u << d) - 1)], 1u);
+    __syncthreads();
+    int unused;
+    find_bin(hist, kNextBins, need, sh, unused);
+    const uint32_t b = sh.found_bin;
+    int keep = 0;
+    for (int i0 = 0; i0 < in_bin; i0 += kBlock) {  // in place, in order: reads before writes
+      const int i = i0 + tid;
+      const uint64_t v = i < in_bin ? cand[i] : 0;
+      const uint32_t dig = static_cast<uint32_t>(v >> shift) & ((1u << d) - 1);
+      const int up = (i < in_bin) & (dig > b), eq = (i < in_bin) & (dig == b);
+      int total;
+      const int before = block_scan(up | (eq << 16), sh, total);
+      if (up) sel[n_sel + (before & 0xffff)] = v;
+      if (eq) cand[keep + (before >> 16)] = v;
+      n_sel += total & 0xffff;
+      keep += total >> 16;
+      __syncthreads();
+    }
+    prefix = (prefix << d) | b;
+    bits += d;
+    need -= sh.found_before;
+    in_bin = sh.found_count;
+  }
+
+  // 5. the result: sel and the first `need` of cand, sorted (pads: composite 0)
+  const int m = all ? need : n_sel + need;
+  if (!all)
+    for (int i = tid; i < need; i += kBlock) sel[n_sel + i] = cand[i];
+  for (int i = m + tid; i < KS; i += kBlock) sel[i] = 0;
+  __syncthreads();
+  bitonic_sort(sel, KS);
+  float* os = out_s + row * stride_o;
+  int32_t* oi = out_i + row * stride_o;
+  for (int i = tid; i < K; i += kBlock) {
+    if (i < m) {
+      const uint64_t v = sel[i];
+      const int32_t key = static_cast<int32_t>(static_cast<uint32_t>(v >> 32) ^ 0x80000000u);
+      const int32_t bits_f = key < 0 ? key ^ 0x7fffffff : key;
+      int32_t c = static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(v));
+      if (decode_ids) c = (c / I) * (W * I) + rank * I + c % I;
+      os[i] = __int_as_float(bits_f);
+      oi[i] = c;
+    } else {
+      os[i] = __int_as_float(0xff800000);  // -inf
+      oi[i] = -1;
+    }
+  }
+}
+
+size_t smem_bytes(int KS, int cap) {
+  return static_cast<size_t>(KS + cap) * sizeof(uint64_t) + kBins * sizeof(uint32_t);
+}
+
+#ifdef CPPLAN_HOST_EMULATION
+}  // namespace
+
+// The kernel on the host: rows one after another, a CTA's threads as std::threads.
+extern "C" int cpplan_row_topk_host(const int32_t* keys, int64_t stride_k, const int32_t* lens,
+                                    int rows, int L, int K, int KS, int cap, float* out_s,
+                                    int32_t* out_i, int64_t stride_o, int decode_ids, int W,
+                                    int I, int rank, int vec4) {
+  std::vector<uint64_t> smem((smem_bytes(KS, cap) + 7) / 8);
+  emu::Cta cta(kBlock, reinterpret_cast<unsigned char*>(smem.data()));
+  cta.run(rows, [&] {
+    if (vec4)
+      row_topk_kernel<4>(keys, stride_k, lens, L, K, KS, cap, out_s, out_i, stride_o,
+                         decode_ids, W, I, rank);
+    else
+      row_topk_kernel<1>(keys, stride_k, lens, L, K, KS, cap, out_s, out_i, stride_o,
+                         decode_ids, W, I, rank);
+  });
+  return 0;
+}
+
+#else
+template <int VEC>
+int launch(const int32_t* keys, int64_t stride_k, const int32_t* lens, int rows, int L, int K,
+           int KS, int cap, float* out_s, int32_t* out_i, int64_t stride_o, int decode_ids,
+           int W, int I, int rank, cudaStream_t stream) {
+  row_topk_kernel<VEC><<<rows, kBlock, smem_bytes(KS, cap), stream>>>(keys, stride_k, lens, L, K, KS, cap,
+                                                        out_s, out_i, stride_o, decode_ids, W, I,
+                                                        rank);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace
+
+extern "C" {
+
+// Shared memory a CTA takes for a result of KS (a power of two >= K) and `cap` candidates.
+size_t cpplan_row_topk_smem(int KS, int cap) { return smem_bytes(KS, cap); }
+
+// Lets the kernels take up to `smem` bytes of dynamic shared memory on the current device
+// (once a device, before the first launch: not a stream operation, so not inside a graph's
+// capture); returns a cudaError_t.
+int cpplan_row_topk_init(size_t smem) {
+  cudaError_t err = cudaFuncSetAttribute(row_topk_kernel<4>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
+  if (err == cudaSuccess)
+    err = cudaFuncSetAttribute(row_topk_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(smem));
+  return static_cast<int>(err);
+}
+
+// Launches the select on `stream`; returns a cudaError_t (0: launched). The launcher checks
+// the arguments (row_topk.py); `vec4`: rows 16-byte aligned (stride and base).
+int cpplan_row_topk(const int32_t* keys, int64_t stride_k, const int32_t* lens, int rows, int L,
+                    int K, int KS, int cap, float* out_s, int32_t* out_i, int64_t stride_o,
+                    int decode_ids, int W, int I, int rank, int vec4, void* stream) {
+  if (rows == 0) return 0;
+  auto s = static_cast<cudaStream_t>(stream);
+  return vec4 ? launch<4>(keys, stride_k, lens, rows, L, K, KS, cap, out_s, out_i, stride_o,
+                          decode_ids, W, I, rank, s)
+              : launch<1>(keys, stride_k, lens, rows, L, K, KS, cap, out_s, out_i, stride_o,
+                          decode_ids, W, I, rank, s);
+}
+
+const char* cpplan_row_topk_error(int code) {
+  return cudaGetErrorString(static_cast<cudaError_t>(code));
+}
+
+}  // extern "C"
+#endif  // CPPLAN_HOST_EMULATION
