@@ -17,8 +17,9 @@
 //      `sel` and those in it to `cand` (shared memory; a warp reserves its places with one
 //      atomic, so no barrier inside the pass and no order kept);
 //   4. 10-bit histograms over `cand` refine the bin until it holds exactly the composites still
-//      needed (composites are distinct, so this ends by the 64th bit), moving those above it
-//      to `sel` at each level, then the bin's own;
+//      needed (composites are distinct, so this ends by the 64th bit; past the key's 32 bits
+//      the column's constant top bits are skipped), moving those above it to `sel` at each
+//      level, then the bin's own;
 //   5. the K composites sorted by a bitonic network (at K 2048 most of its stages in registers
 //      and warp shuffles), written out.
 //
@@ -193,6 +194,16 @@ __device__ __forceinline__ uint64_t composite(uint32_t u, int c) {
   return (static_cast<uint64_t>(u) << 32) | (0xffffffffu - static_cast<uint32_t>(c));
 }
 
+// Past the key's 32 bits a bin's composites differ only in their column's: ~column of a
+// column below 2^k (L <= 2^k) has its top 32 - k bits set, so the refinement skips them.
+__device__ __forceinline__ void skip_column_ones(uint64_t& prefix, int& bits, int L) {
+  if (bits != 32) return;
+  int k = 0;
+  while (k < 32 && (1ll << k) < L) ++k;
+  prefix = (prefix << (32 - k)) | ((1ull << (32 - k)) - 1ull);
+  bits = 64 - k;
+}
+
 // Appends v (where `take`) to buf at places reserved from *count, one atomic a warp; every
 // lane of the warp calls it.
 __device__ __forceinline__ void warp_append(uint64_t* buf, int* count, bool take, uint64_t v) {
@@ -275,6 +286,7 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
     bits += d;
     need -= sh.found_before;
     in_bin = sh.found_count;
+    skip_column_ones(prefix, bits, L);
   }
 
   // 3. the composites above the bin to sel (fewer than K), those in it to cand (at most cap)
@@ -319,6 +331,7 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
       bits += d;
       need -= sh.found_before;
       in_bin = sh.found_count;
+      skip_column_ones(prefix, bits, L);
       __syncthreads();
     }
     for (int i0 = 0; i0 < held; i0 += kBlock) {  // the bin's own: all needed
