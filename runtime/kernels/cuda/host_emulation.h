@@ -114,6 +114,8 @@ inline unsigned __ballot_sync(unsigned, bool pred) {
   return m;
 }
 
+inline void __syncwarp() { emu::warp_barriers[threadIdx.x >> 5]->arrive_and_wait(); }
+
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __ffs(unsigned x) { return __builtin_ffs(static_cast<int>(x)); }
 

@@ -19,7 +19,8 @@
 //   4. 10-bit histograms over `cand` refine the bin until it holds exactly the composites still
 //      needed (composites are distinct, so this ends by the 64th bit; past the key's 32 bits
 //      the column's constant top bits are skipped), moving those above it to `sel` at each
-//      level, then the bin's own;
+//      level, then the bin's own; a bin of at most 32 is finished by one warp, each composite
+//      ranked against the others;
 //   5. the K composites sorted by a bitonic network (at K 2048 most of its stages in registers
 //      and warp shuffles), written out.
 //
@@ -53,6 +54,7 @@ struct Shared {
   int warp[kWarps];
   int found_bin, found_before, found_count;  // find_bin's result
   int n_sel, n_cand;                         // places taken in sel / cand
+  uint64_t small_bin[32];                    // a bin of at most 32 composites (warp_finish)
 };
 
 // Exclusive prefix of `v` over the block's threads; `total` the sum. Three barriers; `sh.warp`
@@ -216,6 +218,57 @@ __device__ __forceinline__ void warp_append(uint64_t* buf, int* count, bool take
   if (take) buf[base + __popc(m & ((1u << lane) - 1u))] = v;
 }
 
+// warp_append of a lane's VEC values at once: one ballot a value, one atomic a warp.
+template <int VEC>
+__device__ __forceinline__ void warp_append_vec(uint64_t* buf, int* count, const bool (&take)[VEC],
+                                                const uint64_t (&v)[VEC]) {
+  const int lane = threadIdx.x & 31;
+  const unsigned below = (1u << lane) - 1u;
+  int off[VEC], total = 0;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    const unsigned m = __ballot_sync(0xffffffffu, take[j]);
+    off[j] = total + __popc(m & below);
+    total += __popc(m);
+  }
+  if (total == 0) return;
+  int base = 0;
+  if (lane == 0) base = atomicAdd(count, total);
+  base = __shfl_sync(0xffffffffu, base, 0);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j)
+    if (take[j]) buf[base + off[j]] = v[j];
+}
+
+// A bin of at most 32 composites (those of cand[0, held) under `prefix`): warp 0 gathers them
+// into lanes, ranks each against the others (composites are distinct) and appends the `need`
+// largest to sel. The whole CTA calls it (one barrier).
+__device__ void warp_finish(const uint64_t* cand, int held, uint64_t prefix, int bits, int in_bin,
+                            int need, uint64_t* sel, Shared& sh) {
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    const unsigned below = (1u << lane) - 1u;
+    int got = 0;
+    for (int i0 = 0; i0 < held && got < in_bin; i0 += 32) {
+      const int i = i0 + lane;
+      const uint64_t v = i < held ? cand[i] : 0u;
+      const bool match = i < held && (v >> (64 - bits)) == prefix;
+      const unsigned m = __ballot_sync(0xffffffffu, match);
+      if (match) sh.small_bin[got + __popc(m & below)] = v;
+      got += __popc(m);
+    }
+    __syncwarp();
+    const uint64_t x = lane < in_bin ? sh.small_bin[lane] : 0u;
+    int rank = 0;
+    for (int o = 0; o < 32; ++o) {
+      const uint64_t y = __shfl_sync(0xffffffffu, x, o);
+      rank += (o < in_bin) & (y > x);
+    }
+    warp_append(sel, &sh.n_sel, lane < in_bin && rank < need, x);
+  }
+  __syncthreads();
+}
+
 template <int VEC>
 __global__ void __launch_bounds__(kBlock, 2)
 row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
@@ -289,26 +342,47 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
     skip_column_ones(prefix, bits, L);
   }
 
-  // 3. the composites above the bin to sel (fewer than K), those in it to cand (at most cap)
+  // 3. the composites above the bin to sel (fewer than K), those in it to cand (at most cap);
+  //    32-bit comparisons while the bin is a prefix of the key (bits <= 32)
   for (int c0 = 0; c0 < n; c0 += kTile) {
     int32_t a[VEC];
     const int c = c0 + tid * VEC;
     Loads<VEC>::at(p, c, n, a);
+    bool up[VEC], eq[VEC];
+    uint64_t v[VEC];
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      const uint64_t v = composite(ukey(a[j]), c + j);
-      const uint64_t hi = v >> (64 - bits);
-      const bool live_key = (v >> 32) != 0u;
-      warp_append(sel, &sh.n_sel, live_key && (all || hi > prefix), v);
-      warp_append(cand, &sh.n_cand, live_key && !all && hi == prefix, v);
+      const uint32_t u = ukey(a[j]);
+      v[j] = composite(u, c + j);
+      if (all) {
+        up[j] = u != 0u;
+        eq[j] = false;
+      } else if (bits <= 32) {
+        const uint32_t hi = u >> (32 - bits);
+        up[j] = u != 0u && hi > static_cast<uint32_t>(prefix);
+        eq[j] = u != 0u && hi == static_cast<uint32_t>(prefix);
+      } else {
+        const uint64_t hi = v[j] >> (64 - bits);
+        up[j] = u != 0u && hi > prefix;
+        eq[j] = u != 0u && hi == prefix;
+      }
     }
+    warp_append_vec(sel, &sh.n_sel, up, v);
+    warp_append_vec(cand, &sh.n_cand, eq, v);
   }
   __syncthreads();
 
-  // 4. refine the bin inside cand until it holds exactly the composites still needed
+  // 4. refine the bin inside cand until it holds exactly the composites still needed; a bin
+  //    of at most 32 is finished by one warp
   if (!all) {
     const int held = in_bin;  // cand[0, held): the bin of step 3, scanned again at each level
+    bool finished = false;
     while (in_bin > need) {
+      if (in_bin <= 32) {
+        warp_finish(cand, held, prefix, bits, in_bin, need, sel, sh);
+        finished = true;
+        break;
+      }
       const int d = min(kNextBits, 64 - bits);
       const int shift = 64 - bits - d;  // the digit's place
       for (int b = tid; b < kNextBins; b += kBlock) hist[b] = 0;
@@ -334,19 +408,23 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
       skip_column_ones(prefix, bits, L);
       __syncthreads();
     }
-    for (int i0 = 0; i0 < held; i0 += kBlock) {  // the bin's own: all needed
-      const int i = i0 + tid;
-      const uint64_t v = i < held ? cand[i] : 0u;
-      warp_append(sel, &sh.n_sel, i < held && (v >> (64 - bits)) == prefix, v);
+    if (!finished) {
+      for (int i0 = 0; i0 < held; i0 += kBlock) {  // the bin's own: all needed
+        const int i = i0 + tid;
+        const uint64_t v = i < held ? cand[i] : 0u;
+        warp_append(sel, &sh.n_sel, i < held && (v >> (64 - bits)) == prefix, v);
+      }
+      __syncthreads();
     }
-    __syncthreads();
   }
 
   // 5. the result, sorted (pads: composite 0)
   const int m = sh.n_sel;
   for (int i = m + tid; i < KS; i += kBlock) sel[i] = 0;
   __syncthreads();
+#ifndef CPPLAN_ROW_TOPK_PROBE_NO_SORT  // a probe (bench only): the result left unordered
   bitonic_sort(sel, KS);
+#endif
   float* os = out_s + row * stride_o;
   int32_t* oi = out_i + row * stride_o;
   for (int i = tid; i < K; i += kBlock) {
