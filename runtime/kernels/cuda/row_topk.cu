@@ -169,6 +169,61 @@ __device__ void bitonic_sort(uint64_t* sel, int KS) {
   __syncthreads();
 }
 
+template <int S>
+__device__ __forceinline__ void in_thread_stage(uint64_t (&e)[4], int base, int size) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    if (r & S) continue;
+    const uint64_t x = e[r], y = e[r + S];
+    if ((x < y) == (((base + r) & size) == 0)) {
+      e[r] = y;
+      e[r + S] = x;
+    }
+  }
+}
+
+// The same sort with four values a lane (KS / 4 threads, KS / 4 a multiple of 32): lane l of
+// warp w holds 128 w + 4 l + r, r < 4, so stages of stride 1 and 2 run inside a thread, 4 to
+// 64 on shuffles, 128 and up in shared memory.
+__device__ void bitonic_sort4(uint64_t* sel, int KS) {
+  const int t = threadIdx.x, lane = t & 31;
+  const bool mine = t < KS / 4;
+  const int base = (t >> 5) * 128 + lane * 4;
+  uint64_t e[4];
+  if (mine)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) e[r] = sel[base + r];
+  for (int size = 2; size <= KS; size <<= 1) {
+    int stride = size >> 1;
+    if (stride >= 128) {
+      if (mine)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) sel[base + r] = e[r];
+      __syncthreads();
+      for (; stride >= 128; stride >>= 1) bitonic_stage(sel, KS, size, stride);
+      if (mine)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) e[r] = sel[base + r];
+    }
+    if (!mine) continue;
+    for (; stride >= 4; stride >>= 1) {  // across lanes
+      const bool lower = (lane & (stride >> 2)) == 0;
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const uint64_t y = __shfl_xor_sync(0xffffffffu, e[r], stride >> 2);
+        const bool keep_max = lower == (((base + r) & size) == 0);
+        e[r] = keep_max ? (e[r] > y ? e[r] : y) : (e[r] < y ? e[r] : y);
+      }
+    }
+    if (stride == 2) in_thread_stage<2>(e, base, size);  // inside a thread
+    in_thread_stage<1>(e, base, size);
+  }
+  if (mine)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) sel[base + r] = e[r];
+  __syncthreads();
+}
+
 template <int VEC>
 struct Loads;
 template <>
@@ -422,7 +477,13 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
   const int m = sh.n_sel;
   for (int i = m + tid; i < KS; i += kBlock) sel[i] = 0;
   __syncthreads();
-#ifndef CPPLAN_ROW_TOPK_PROBE_NO_SORT  // a probe (bench only): the result left unordered
+#if defined(CPPLAN_ROW_TOPK_PROBE_NO_SORT)  // a probe (bench only): the result unordered
+#elif defined(CPPLAN_ROW_TOPK_SORT4)  // a variant: four values a lane where the shape allows
+  if (KS % 128 == 0 && KS / 4 <= kBlock)
+    bitonic_sort4(sel, KS);
+  else
+    bitonic_sort(sel, KS);
+#else
   bitonic_sort(sel, KS);
 #endif
   float* os = out_s + row * stride_o;

@@ -27,6 +27,7 @@ SOURCE = "row_topk.cu"
 VARIANTS = {
     "sort in shared memory only": ("CPPLAN_ROW_TOPK_SMEM_SORT",),
     "512 threads a CTA": ("CPPLAN_ROW_TOPK_BLOCK=512",),
+    "sort with four values a lane": ("CPPLAN_ROW_TOPK_SORT4",),
     "probe: no sort (the result unordered, not equal)": ("CPPLAN_ROW_TOPK_PROBE_NO_SORT",),
 }
 
