@@ -18,7 +18,8 @@ abound; each case checks new == old (ids and scores, order included). Logits FLO
 per (query, key). Medians of ``triton.testing.do_bench``. Each prefill case also times its parts:
 the planar fp8 logits and the select (default: the CUDA row top-k where nvcc builds it, the
 first line of the prefill output says whether; else the Triton filter path. Variants: the
-segment path alone, and radix-only; other ``exact_segments``; the Triton filter path with
+CUDA kernel's compile-time variants (``row_topk.VARIANTS``) and earlier forms
+(``CUDA_SELECTS``, bench/variants/row_topk_v1.cu), the segment path alone, and radix-only; other ``exact_segments``; the Triton filter path with
 ``PREFILL_FILTERS``' tunables; each checked equal to the default), the whole indexer with the
 Triton select (``PREFILL_WHOLE``), the query quantisation and the plane split alone, and planar
 tile choices
