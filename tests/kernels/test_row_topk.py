@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 
 import pytest
 import torch
@@ -25,6 +26,9 @@ from cpplan.runtime.kernels.triton.indexer_select import score_keys
 
 CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+# the host build of the kernel needs a C++20 compiler ($CXX, g++ or c++)
+needs_cxx = pytest.mark.skipif(not (os.environ.get("CXX") or shutil.which("g++")
+                                    or shutil.which("c++")), reason="needs a C++ compiler")
 
 
 def _scores(kind, R, L, g):
@@ -109,6 +113,7 @@ HOST_SHAPES = {
 }
 
 
+@needs_cxx
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("shape", list(HOST_SHAPES))
 def test_row_topk_on_the_host_equals_reference(kind, shape):
@@ -117,11 +122,13 @@ def test_row_topk_on_the_host_equals_reference(kind, shape):
     _check(_run(keys, lens, topk, host=host), want)
 
 
+@needs_cxx
 def test_row_topk_on_the_host_in_the_gpu_shape():
     keys, lens, want = _case("ties", 2, 40000, 2048, 4, dev="cpu")
     _check(_run(keys, lens, 2048, host=(1024, row_topk.CAP)), want)
 
 
+@needs_cxx
 def test_row_topk_on_the_host_decode_ids():
     kw = {"decode_ids": True, "W": 4, "I": 64, "rank": 3}
     keys, lens, want = _case("spread", 3, 3000, 200, 2, dev="cpu", **kw)
