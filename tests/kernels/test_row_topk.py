@@ -67,13 +67,14 @@ def _case(kind, R, L, topk, seed, *, dev="cuda", stride=None, W=1, I=1, rank=0,
     return keys, lens.int().to(dev), want
 
 
-def _run(keys, lens, topk, *, host=None, **kw):
+def _run(keys, lens, topk, *, host=None, defines=(), **kw):
     """The kernel on the GPU, or with ``host`` = (CTA threads, candidate cap) on the host."""
     R = keys.shape[0]
     top_s = torch.empty(R, topk, device=keys.device)
     top_i = torch.empty(R, topk, dtype=torch.int32, device=keys.device)
     if host:
-        row_topk.host_select(keys, lens, topk, top_s, top_i, block=host[0], cap=host[1], **kw)
+        row_topk.host_select(keys, lens, topk, top_s, top_i, block=host[0], cap=host[1],
+                             defines=defines, **kw)
     else:
         row_topk.select(keys, lens, topk, top_s, top_i, **kw)
     return top_s, top_i
@@ -123,9 +124,19 @@ def test_row_topk_on_the_host_equals_reference(kind, shape):
 
 
 @needs_cxx
-def test_row_topk_on_the_host_in_the_gpu_shape():
+@pytest.mark.parametrize("variant", ["default", *row_topk.VARIANTS])
+def test_row_topk_on_the_host_in_the_gpu_shape(variant):
+    """1024 threads, cap 8192, K 2048 (the merge sort's shape), and each bench variant (the
+    no-sort probe: the same set of results, unordered)."""
+    defines = row_topk.VARIANTS.get(variant, ())
     keys, lens, want = _case("ties", 2, 40000, 2048, 4, dev="cpu")
-    _check(_run(keys, lens, 2048, host=(1024, row_topk.CAP)), want)
+    s, i = _run(keys, lens, 2048, host=(1024, row_topk.CAP), defines=defines)
+    if "PROBE" in " ".join(defines):  # the same (id, score) pairs, in any order
+        for r in range(i.shape[0]):
+            assert sorted(zip(i[r].tolist(), s[r].tolist())) == \
+                sorted(zip(want[1][r].tolist(), want[0][r].tolist()))
+    else:
+        _check((s, i), want)
 
 
 @needs_cxx

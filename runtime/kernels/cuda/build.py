@@ -75,16 +75,16 @@ def compile_library(source: str, arch: str, *, defines: tuple[str, ...] = (),
                     out_dir)
 
 
-def compile_host(source: str, block: int, *, cxx: str | None = None,
-                 out_dir: Path | None = None) -> Path:
+def compile_host(source: str, block: int, *, defines: tuple[str, ...] = (),
+                 cxx: str | None = None, out_dir: Path | None = None) -> Path:
     """``source`` built for the host with -DCPPLAN_HOST_EMULATION (``host_emulation.h``: a
     CTA's ``block`` threads as std::threads) by a C++20 compiler (``cxx``, default ``$CXX`` or
     g++), for the CPU tests. Raises ``CudaBuildError``."""
     cxx = cxx or os.environ.get("CXX") or shutil.which("g++") or "c++"
     return _compile(source, f"host{block}",
                     [cxx, "-std=c++20", "-O2", "-x", "c++", "-DCPPLAN_HOST_EMULATION",
-                     f"-DCPPLAN_ROW_TOPK_BLOCK={block}", f"-I{HERE}", "-fPIC", "-shared",
-                     "-pthread"], out_dir)
+                     f"-DCPPLAN_ROW_TOPK_BLOCK={block}", *(f"-D{d}" for d in defines),
+                     f"-I{HERE}", "-fPIC", "-shared", "-pthread"], out_dir)
 
 
 def _compile(source: str, tag: str, command: list[str], out_dir: Path | None) -> Path:

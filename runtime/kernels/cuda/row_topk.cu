@@ -21,8 +21,8 @@
 //      the column's constant top bits are skipped), moving those above it to `sel` at each
 //      level, then the bin's own; a bin of at most 32 is finished by one warp, each composite
 //      ranked against the others;
-//   5. the K composites sorted by a bitonic network (at K 2048 most of its stages in registers
-//      and warp shuffles), written out.
+//   5. the K composites sorted (at K 2048: each warp's 64 by a bitonic network in registers,
+//      then runs merged in pairs by binary-search ranks; else a bitonic network), written out.
 //
 // Built with -DCPPLAN_HOST_EMULATION (a C++20 compiler, no CUDA) the same kernel runs on the
 // host, a CTA's threads as std::threads (host_emulation.h): the CPU tests check it against the
@@ -167,6 +167,58 @@ __device__ void bitonic_sort(uint64_t* sel, int KS) {
   sel[ia] = a;
   sel[ib] = b;
   __syncthreads();
+}
+
+// Sorts sel[0, KS) descending, KS = 2 kBlock: each warp's 64 values by a bitonic network in
+// registers (as bitonic_sort's, the last stage descending in every warp), then runs merged in
+// pairs, 64 to KS, each value written at its index in its run plus the count of the other
+// run's values above it (a binary search: composites are distinct), between sel and tmp
+// (KS values). Returns the array holding the result.
+__device__ const uint64_t* merge_sort(uint64_t* sel, uint64_t* tmp, int KS) {
+  const int lane = threadIdx.x & 31;
+  const int ia = (threadIdx.x >> 5) * 64 + lane, ib = ia + 32;
+  uint64_t a = sel[ia], b = sel[ib];
+  for (int size = 2; size <= 64; size <<= 1) {
+    int stride = size >> 1;
+    if (stride == 32) {  // size 64: a thread's own pair, descending in every warp
+      if (a < b) {
+        const uint64_t t = a;
+        a = b;
+        b = t;
+      }
+      stride = 16;
+    }
+    for (; stride > 0; stride >>= 1) {
+      const uint64_t pa = __shfl_xor_sync(0xffffffffu, a, stride);
+      const uint64_t pb = __shfl_xor_sync(0xffffffffu, b, stride);
+      const bool lower = (lane & stride) == 0;
+      const bool da = size == 64 || (ia & size) == 0, db = size == 64 || (ib & size) == 0;
+      a = (lower == da) ? (a > pa ? a : pa) : (a < pa ? a : pa);
+      b = (lower == db) ? (b > pb ? b : pb) : (b < pb ? b : pb);
+    }
+  }
+  sel[ia] = a;
+  sel[ib] = b;
+  __syncthreads();
+  uint64_t* src = sel;
+  uint64_t* dst = tmp;
+  for (int run = 64; run < KS; run <<= 1) {
+    for (int i = threadIdx.x; i < KS; i += kBlock) {
+      const uint64_t x = src[i];
+      const int pair = i & ~(2 * run - 1);
+      const bool first = i - pair < run;
+      const uint64_t* other = src + (first ? pair + run : pair);
+      int above = 0;  // the other run's values above x: a prefix of it
+      for (int step = run; step > 0; step >>= 1)
+        if (above + step <= run && other[above + step - 1] > x) above += step;
+      dst[i - (first ? 0 : run) + above] = x;
+    }
+    __syncthreads();
+    uint64_t* t = src;
+    src = dst;
+    dst = t;
+  }
+  return src;
 }
 
 template <int S>
@@ -477,20 +529,26 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
   const int m = sh.n_sel;
   for (int i = m + tid; i < KS; i += kBlock) sel[i] = 0;
   __syncthreads();
+  const uint64_t* sorted = sel;
 #if defined(CPPLAN_ROW_TOPK_PROBE_NO_SORT)  // a probe (bench only): the result unordered
+#elif defined(CPPLAN_ROW_TOPK_BITONIC)  // a variant: the bitonic network throughout (before)
+  bitonic_sort(sel, KS);
 #elif defined(CPPLAN_ROW_TOPK_SORT4)  // a variant: four values a lane where the shape allows
   if (KS % 128 == 0 && KS / 4 <= kBlock)
     bitonic_sort4(sel, KS);
   else
     bitonic_sort(sel, KS);
 #else
-  bitonic_sort(sel, KS);
+  if (KS == 2 * kBlock && cap >= KS)  // K 2048 on the GPU
+    sorted = merge_sort(sel, cand, KS);
+  else
+    bitonic_sort(sel, KS);
 #endif
   float* os = out_s + row * stride_o;
   int32_t* oi = out_i + row * stride_o;
   for (int i = tid; i < K; i += kBlock) {
     if (i < m) {
-      const uint64_t v = sel[i];
+      const uint64_t v = sorted[i];
       const int32_t key = static_cast<int32_t>(static_cast<uint32_t>(v >> 32) ^ 0x80000000u);
       const int32_t bits_f = key < 0 ? key ^ 0x7fffffff : key;
       int32_t c = static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(v));

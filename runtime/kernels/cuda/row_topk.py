@@ -1,10 +1,12 @@
 """The prefill indexer's exact top-k as one CUDA kernel: a CTA (1024 threads) a row, in shared
 memory (source and the algorithm: ``row_topk.cu``). Per row a 12-bit histogram pass over its
 int32 keys finds the bin of the K-th key, a second pass gathers the keys above the bin and
-those in it in column order, histograms of 10 more bits refine the bin in shared memory, and a
-bitonic network orders the K composites (score descending, column ascending, as the reference
-order). About two reads of the row's keys (the second mostly from L2) against the Triton filter
-path's threshold, counting, gathering, trim, run sorts and ranks (bench/RESULTS.md).
+those in it into shared memory (a warp's places taken with one atomic), histograms of 10 more
+bits refine the bin (ties by the columns' bits; a bin of at most 32 ranked by one warp), and
+the K composites are sorted (score descending, column ascending, as the reference order):
+each warp's 64 by a bitonic network in registers, then runs merged in pairs by ranks. About two
+reads of the row's keys (the second mostly from L2) against the Triton filter path's threshold,
+counting, gathering, trim, run sorts and ranks (bench/RESULTS.md).
 
 ``indexer_select._select`` calls ``select`` for at least ``IndexerTiles.cuda_select_rows``
 rows of ``topk <= MAX_TOPK`` where ``unavailable_reason`` is None.
@@ -25,9 +27,10 @@ CAP = 8192  # ... and the K-th key's bin in shared memory (>= MAX_TOPK): 112 KB 
 SOURCE = "row_topk.cu"
 # variants of the kernel (compile-time), timed beside the default by bench/indexer.py
 VARIANTS = {
-    "sort in shared memory only": ("CPPLAN_ROW_TOPK_SMEM_SORT",),
+    "bitonic sort in shared memory only": ("CPPLAN_ROW_TOPK_BITONIC", "CPPLAN_ROW_TOPK_SMEM_SORT"),
     "512 threads a CTA": ("CPPLAN_ROW_TOPK_BLOCK=512",),
-    "sort with four values a lane": ("CPPLAN_ROW_TOPK_SORT4",),
+    "bitonic sort with four values a lane": ("CPPLAN_ROW_TOPK_SORT4",),
+    "bitonic sort throughout (the sort before)": ("CPPLAN_ROW_TOPK_BITONIC",),
     "probe: no sort (the result unordered, not equal)": ("CPPLAN_ROW_TOPK_PROBE_NO_SORT",),
 }
 
@@ -112,12 +115,12 @@ def select(keys, lens, topk: int, top_s, top_i, *, decode_ids=False, W=1, I=1, r
 
 
 def host_select(keys, lens, topk: int, top_s, top_i, *, cap: int = CAP, block: int = 64,
-                decode_ids=False, W=1, I=1, rank=0) -> None:
+                decode_ids=False, W=1, I=1, rank=0, defines: tuple[str, ...] = ()) -> None:
     """``select`` with CPU tensors: the same kernel built for the host
-    (``build.compile_host``: a CTA's ``block`` threads as std::threads, rows in turn), with
-    ``cap`` candidates; for the CPU tests (slow: small rows)."""
+    (``build.compile_host``: a CTA's ``block`` threads as std::threads, rows in turn; a variant
+    with ``defines``), with ``cap`` candidates; for the CPU tests (slow: small rows)."""
     _check(keys, lens, topk, top_s, top_i, cap)
-    lib = _host_library(block)
+    lib = _host_library(block, tuple(defines))
     lib.cpplan_row_topk_host(*_args(keys, lens, topk, top_s, top_i, cap, decode_ids, W, I, rank))
 
 
@@ -128,8 +131,8 @@ _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, cty
 
 
 @functools.cache
-def _host_library(block: int):
-    lib = ctypes.CDLL(str(build.compile_host(SOURCE, block)))
+def _host_library(block: int, defines: tuple[str, ...]):
+    lib = ctypes.CDLL(str(build.compile_host(SOURCE, block, defines=defines)))
     lib.cpplan_row_topk_host.restype = ctypes.c_int
     lib.cpplan_row_topk_host.argtypes = _ARGTYPES
     return lib
