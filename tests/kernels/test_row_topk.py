@@ -49,13 +49,16 @@ def _scores(kind, R, L, g):
 
 
 def _case(kind, R, L, topk, seed, *, dev="cuda", stride=None, W=1, I=1, rank=0,
-          decode_ids=False):
+          decode_ids=False, lens=None):
     g = torch.Generator().manual_seed(seed)
     scores = _scores(kind, R, L, g)
-    lens = torch.randint(0, L + 1, (R,), generator=g)
-    # a full row, then fewer keys than K (shared memory holds the full row's results), then
-    # none, random, full
-    lens[0], lens[1 % R], lens[2 % R], lens[-1] = L, max(0, topk - 1), 0, L
+    if lens is None:
+        lens = torch.randint(0, L + 1, (R,), generator=g)
+        # a full row, then fewer keys than K (shared memory holds the full row's results),
+        # then none, random, full
+        lens[0], lens[1 % R], lens[2 % R], lens[-1] = L, max(0, topk - 1), 0, L
+    else:
+        lens = torch.tensor(lens)
     pos = torch.arange(L)[None, :].expand(R, L)
     ids = torch.where(pos < lens[:, None], pos, ref.NO_KEY)
     if decode_ids:
@@ -129,7 +132,10 @@ def test_row_topk_on_the_host_in_the_gpu_shape(variant):
     """1024 threads, cap 8192, K 2048 (the merge sort's shape), and each bench variant (the
     no-sort probe: the same set of results, unordered)."""
     defines = row_topk.VARIANTS.get(variant, ())
-    keys, lens, want = _case("ties", 2, 40000, 2048, 4, dev="cpu")
+    # full rows before rows of fewer live keys than K (pads in the sort, stale candidates of
+    # the row before in shared memory), then a row of one key
+    keys, lens, want = _case("ties", 5, 12000, 2048, 4, dev="cpu",
+                             lens=[12000, 1000, 12000, 1500, 1])
     s, i = _run(keys, lens, 2048, host=(1024, row_topk.CAP), defines=defines)
     if "PROBE" in " ".join(defines):  # the same (id, score) pairs, in any order
         for r in range(i.shape[0]):

@@ -21,8 +21,8 @@
 //      the column's constant top bits are skipped), moving those above it to `sel` at each
 //      level, then the bin's own; a bin of at most 32 is finished by one warp, each composite
 //      ranked against the others;
-//   5. the K composites sorted (at K 2048: each warp's 64 by a bitonic network in registers,
-//      then runs merged in pairs by binary-search ranks; else a bitonic network), written out.
+//   5. the K composites sorted by a bitonic network (at K 2048 most of its stages in registers
+//      and warp shuffles), written out.
 //
 // Built with -DCPPLAN_HOST_EMULATION (a C++20 compiler, no CUDA) the same kernel runs on the
 // host, a CTA's threads as std::threads (host_emulation.h): the CPU tests check it against the
@@ -525,24 +525,26 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
     }
   }
 
-  // 5. the result, sorted (pads: composite 0)
+  // 5. the result, sorted
   const int m = sh.n_sel;
-  for (int i = m + tid; i < KS; i += kBlock) sel[i] = 0;
+  // pads below every live composite (whose key bits are not 0) and distinct, as merge_sort's
+  // ranks need
+  for (int i = m + tid; i < KS; i += kBlock) sel[i] = static_cast<uint64_t>(KS - i);
   __syncthreads();
   const uint64_t* sorted = sel;
 #if defined(CPPLAN_ROW_TOPK_PROBE_NO_SORT)  // a probe (bench only): the result unordered
-#elif defined(CPPLAN_ROW_TOPK_BITONIC)  // a variant: the bitonic network throughout (before)
-  bitonic_sort(sel, KS);
+#elif defined(CPPLAN_ROW_TOPK_MERGE_SORT)  // a variant: warp runs of 64 merged by ranks
+  if (KS == 2 * kBlock && cap >= KS)
+    sorted = merge_sort(sel, cand, KS);
+  else
+    bitonic_sort(sel, KS);
 #elif defined(CPPLAN_ROW_TOPK_SORT4)  // a variant: four values a lane where the shape allows
   if (KS % 128 == 0 && KS / 4 <= kBlock)
     bitonic_sort4(sel, KS);
   else
     bitonic_sort(sel, KS);
 #else
-  if (KS == 2 * kBlock && cap >= KS)  // K 2048 on the GPU
-    sorted = merge_sort(sel, cand, KS);
-  else
-    bitonic_sort(sel, KS);
+  bitonic_sort(sel, KS);
 #endif
   float* os = out_s + row * stride_o;
   int32_t* oi = out_i + row * stride_o;

@@ -3,8 +3,8 @@ memory (source and the algorithm: ``row_topk.cu``). Per row a 12-bit histogram p
 int32 keys finds the bin of the K-th key, a second pass gathers the keys above the bin and
 those in it into shared memory (a warp's places taken with one atomic), histograms of 10 more
 bits refine the bin (ties by the columns' bits; a bin of at most 32 ranked by one warp), and
-the K composites are sorted (score descending, column ascending, as the reference order):
-each warp's 64 by a bitonic network in registers, then runs merged in pairs by ranks. About two
+a bitonic network sorts the K composites (score descending, column ascending, as the
+reference order; at K 2048 its stages of stride <= 32 in registers and shuffles). About two
 reads of the row's keys (the second mostly from L2) against the Triton filter path's threshold,
 counting, gathering, trim, run sorts and ranks (bench/RESULTS.md).
 
@@ -27,10 +27,10 @@ CAP = 8192  # ... and the K-th key's bin in shared memory (>= MAX_TOPK): 112 KB 
 SOURCE = "row_topk.cu"
 # variants of the kernel (compile-time), timed beside the default by bench/indexer.py
 VARIANTS = {
-    "bitonic sort in shared memory only": ("CPPLAN_ROW_TOPK_BITONIC", "CPPLAN_ROW_TOPK_SMEM_SORT"),
+    "sort in shared memory only": ("CPPLAN_ROW_TOPK_SMEM_SORT",),
     "512 threads a CTA": ("CPPLAN_ROW_TOPK_BLOCK=512",),
-    "bitonic sort with four values a lane": ("CPPLAN_ROW_TOPK_SORT4",),
-    "bitonic sort throughout (the sort before)": ("CPPLAN_ROW_TOPK_BITONIC",),
+    "sort with four values a lane": ("CPPLAN_ROW_TOPK_SORT4",),
+    "sort by warp runs of 64 merged by ranks": ("CPPLAN_ROW_TOPK_MERGE_SORT",),
     "probe: no sort (the result unordered, not equal)": ("CPPLAN_ROW_TOPK_PROBE_NO_SORT",),
 }
 
