@@ -23,6 +23,7 @@ import torch
 from cpplan.runtime.kernels import reference as ref
 from cpplan.runtime.kernels.cuda import build, row_topk
 from cpplan.runtime.kernels.triton.indexer_select import score_keys
+from tests.kernels.test_indexer_tiled import _select_scores
 
 CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -32,20 +33,11 @@ needs_cxx = pytest.mark.skipif(not (os.environ.get("CXX") or shutil.which("g++")
 
 
 def _scores(kind, R, L, g):
-    if kind == "ties":
-        return torch.randint(-3, 4, (R, L), generator=g).float()
-    if kind == "equal":
-        return torch.full((R, L), 2.5)
-    if kind == "signs":
-        s = torch.randn(R, L, generator=g) * 1e-3
-        s[:, ::7] = -0.0
-        s[:, 3::11] = 0.0
-        s[:, 5::13] = float("inf")
-        s[:, 6::17] = float("-inf")
-        return s
-    if kind == "narrow":  # one 12-bit prefix (1.0 .. 1.0 + 2**-4): more than CAP keys in its bin
+    """The select tests' kinds (ties, equal, signs, spread), and keys under one 12-bit prefix
+    (1.0 .. 1.0 + 2**-4): more than CAP keys in the K-th key's first bin."""
+    if kind == "narrow":
         return 1.0 + torch.randint(0, 1 << 19, (R, L), generator=g).float() * 2.0 ** -23
-    return torch.randn(R, L, generator=g) * torch.logspace(-30, 30, L)[None, :]
+    return _select_scores(kind, R, L, g)
 
 
 def _case(kind, R, L, topk, seed, *, dev="cuda", stride=None, W=1, I=1, rank=0,
