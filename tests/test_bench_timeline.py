@@ -1,13 +1,19 @@
 """bench/common.py's device_idle against a brute-force count over a microsecond grid."""
 
+import importlib.util
 import pathlib
-import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
-from common import device_idle  # noqa: E402
+# bench/common.py loaded by its path, under its own name: bench/ is not put on sys.path, where
+# its modules (bench/kernels.py) would shadow installed packages of the same name (the
+# `kernels` package transformers imports) for every later test of the worker
+_spec = importlib.util.spec_from_file_location(
+    "cpplan_bench_common", pathlib.Path(__file__).resolve().parents[1] / "bench" / "common.py")
+_common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_common)
+device_idle = _common.device_idle
 
 
 def _brute(acts, long_us):
