@@ -26,7 +26,9 @@
 //
 // Built with -DCPPLAN_HOST_EMULATION (a C++20 compiler, no CUDA) the same kernel runs on the
 // host, a CTA's threads as std::threads (host_emulation.h): the CPU tests check it against the
-// reference there, with CPPLAN_ROW_TOPK_BLOCK threads a CTA.
+// reference there, with CPPLAN_ROW_TOPK_BLOCK threads a CTA. Other defines are the bench's
+// variants (row_topk.VARIANTS): CPPLAN_ROW_TOPK_SMEM_SORT, _SORT4 and _MERGE_SORT (other
+// sorts), _PROBE_NO_SORT (the result left unordered: a timing probe).
 
 #include <cstdint>
 
