@@ -18,8 +18,8 @@ abound; each case checks new == old (ids and scores, order included). Logits FLO
 per (query, key). Medians of ``triton.testing.do_bench``. Each prefill case also times its parts:
 the planar fp8 logits and the select (default: the CUDA row top-k where nvcc builds it, the
 first line of the prefill output says whether; else the Triton filter path. Variants: the
-CUDA kernel's compile-time variants (``row_topk.VARIANTS``) and earlier forms
-(``CUDA_SELECTS``, bench/variants/row_topk_v1.cu), the segment path alone, and radix-only; other ``exact_segments``; the Triton filter path with
+CUDA kernel's compile-time variants (``row_topk.VARIANTS``; its earlier forms: commits named
+in bench/RESULTS.md), the segment path alone, and radix-only; other ``exact_segments``; the Triton filter path with
 ``PREFILL_FILTERS``' tunables; each checked equal to the default), the whole indexer with the
 Triton select (``PREFILL_WHOLE``), the query quantisation and the plane split alone, and planar
 tile choices
@@ -47,7 +47,6 @@ import dataclasses
 import itertools
 import json
 import time
-from pathlib import Path
 
 import torch
 import triton
@@ -72,7 +71,6 @@ DECODE = ([(b, ctx) for ctx in (4096, 131072) for b in (1, 8, 64)] + [(64, 6144,
           # the long-context decode step's rows: one GPU (64k-128k), a P = W = 2 rank (half)
           + [(64, 131072, 65536), (64, 65536, 32768)])
 ROWS: list[dict] = []
-HERE = Path(__file__).resolve().parent
 FAILS = (CompilationError, OutOfResources, RuntimeError)  # a variant that does not build or run
 try:  # ptxas refusing a variant (e.g. too few registers for its accumulators)
     from triton.runtime.errors import PTXASError
@@ -188,9 +186,6 @@ def prefill_parts(args, tiles, ceil, flops, label):
     for name, defines in row_topk.VARIANTS.items():  # the CUDA row top-k's variants
         parts.append((f"select CUDA, {name}", lambda d=defines: row_topk.select(
             keys, lens32, TOPK, top_s, top_i, defines=d), None))
-    for name, file in CUDA_SELECTS.items():  # earlier forms of the CUDA row top-k
-        parts.append((f"select CUDA, {name}", lambda f=str(HERE / "variants" / file):
-                      row_topk.select(keys, lens32, TOPK, top_s, top_i, source=f), None))
     parts.append(("select Triton filter path (the default before)", lambda: it._select(
         keys, key_len, TOPK, top_s, top_i, dataclasses.replace(tiles, cuda_select=False)), None))
     if label == "parts":
@@ -635,10 +630,6 @@ def run_prefill(cases, ceil, kernels, planar_sweep=False, dg=None):
     return ok
 
 
-# earlier forms of the CUDA row top-k (bench/variants/), timed beside the default
-CUDA_SELECTS = {
-    "block scans in column order (the first form)": "row_topk_v1.cu",
-}
 # whole prefill indexers beside the default (its logits by the Gluon kernel on Hopper)
 PREFILL_WHOLE = {
     "Gluon logits, Triton filter path (the default before)": {"cuda_select": False},

@@ -41,7 +41,6 @@ INDEXER_CASES = {
     "indexer_logits_copies": "the prefill logits alone, default tiles, per-thread key copies",
     "indexer_logits_ws": "the prefill logits alone, the warp-specialised Gluon kernel (defaults)",
     "indexer_select_cuda": "the select alone on the logits' keys: the CUDA row top-k",
-    "indexer_select_cuda_v1": "the same, its first form (bench/variants/row_topk_v1.cu)",
 }
 
 
@@ -60,18 +59,14 @@ def build_indexer(case: str):
     kp, ks = it.split_planes(k)
     out = torch.empty(q.shape[0], N, dtype=torch.int32, device="cuda")
     t = it.IndexerTiles()
-    if case.startswith("indexer_select_cuda"):
-        from pathlib import Path
-
+    if case == "indexer_select_cuda":
         from cpplan.runtime.kernels.cuda import row_topk
 
         it.prefill_logits(q8, w8, kp, ks, out, N, key_len, pcu, N, 1, 1, t)
         lens = key_len.int()
         top_s = torch.empty(q.shape[0], 2048, device="cuda")
         top_i = torch.empty(q.shape[0], 2048, dtype=torch.int32, device="cuda")
-        src = (str(Path(__file__).resolve().parent / "variants" / "row_topk_v1.cu")
-               if case.endswith("v1") else row_topk.SOURCE)
-        return lambda: row_topk.select(out, lens, 2048, top_s, top_i, source=src)
+        return lambda: row_topk.select(out, lens, 2048, top_s, top_i)
     if case == "indexer_logits_ws":
         from cpplan.runtime.kernels.gluon import indexer_logits as ws
 

@@ -1,5 +1,6 @@
-"""Compiles a ``.cu`` file of this package into a shared library with ``nvcc`` and loads it
-with ctypes, once per process and GPU architecture.
+"""Compiles a ``.cu`` file of this package into a shared library with ``nvcc`` (or, for the
+CPU tests, with a C++ compiler for the host) and loads it with ctypes; the caller keeps the
+library (``row_topk``: once a process and architecture).
 
 The library is cached under ``$CPPLAN_CUDA_CACHE`` (default ``$XDG_CACHE_HOME/cpplan/cuda``,
 else ``~/.cache/cpplan/cuda``), named by a hash of the source, the nvcc version and the flags,
@@ -18,7 +19,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import threading
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -90,7 +90,7 @@ def compile_host(source: str, block: int, *, defines: tuple[str, ...] = (),
 def _compile(source: str, tag: str, command: list[str], out_dir: Path | None) -> Path:
     """``command + ["-o", library, source]``, the library named by a hash of the folder's
     sources, the compiler's version and the command; cached."""
-    src = HERE / source  # a name in this package (or an absolute path: a bench's variant)
+    src = HERE / source
     text = b"".join(p.read_bytes() for p in sorted(HERE.glob("*.h"))) + src.read_bytes()
     digest = hashlib.sha256(text + _version(command[0]).encode()
                             + " ".join(command).encode()).hexdigest()
@@ -120,18 +120,9 @@ def _compile(source: str, tag: str, command: list[str], out_dir: Path | None) ->
     return lib
 
 
-_LOADED: dict[tuple, ctypes.CDLL] = {}
-_LOCK = threading.Lock()
-
-
-def load(source: str, arch: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """``source`` compiled for ``arch`` (with ``defines``) and loaded (once a process)."""
-    with _LOCK:
-        key = (source, arch, defines)
-        if key not in _LOADED:
-            path = compile_library(source, arch, defines=defines)
-            try:
-                _LOADED[key] = ctypes.CDLL(str(path))
-            except OSError as e:
-                raise CudaBuildError(f"{path.name} did not load: {e}") from None
-        return _LOADED[key]
+def load(path: Path) -> ctypes.CDLL:
+    """A library ``compile_library`` / ``compile_host`` made, loaded (callers keep it)."""
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as e:
+        raise CudaBuildError(f"{path.name} did not load: {e}") from None

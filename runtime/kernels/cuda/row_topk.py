@@ -36,10 +36,10 @@ VARIANTS = {
 
 
 @functools.cache
-def _library(arch: str, defines: tuple[str, ...], source: str):
-    """(ctypes library, None) or (None, the reason it cannot be had)."""
+def _library(arch: str, defines: tuple[str, ...]):
+    """(ctypes library, None) or (None, the reason it cannot be had); once a process."""
     try:
-        lib = build.load(source, arch, defines)
+        lib = build.load(build.compile_library(SOURCE, arch, defines=defines))
     except build.CudaBuildError as e:
         return None, str(e)
     lib.cpplan_row_topk.restype = ctypes.c_int
@@ -54,13 +54,13 @@ def _library(arch: str, defines: tuple[str, ...], source: str):
 
 
 @functools.cache
-def _ready(index: int, defines: tuple[str, ...] = (), source: str = SOURCE):
-    """The library for GPU ``index`` (``source`` built with ``defines``), its kernels allowed
-    their shared memory there (once a device), or (None, reason)."""
+def _ready(index: int, defines: tuple[str, ...] = ()):
+    """The library for GPU ``index`` (built with ``defines``), its kernels allowed their shared
+    memory there (once a device), or (None, reason)."""
     major, minor = torch.cuda.get_device_capability(index)
     if major < 8:
         return None, f"needs compute capability 8.0 or newer, got {major}.{minor}"
-    lib, why = _library(f"{major}{minor}", defines, source)
+    lib, why = _library(f"{major}{minor}", defines)
     if lib is None:
         return None, why
     smem = lib.cpplan_row_topk_smem(MAX_TOPK, CAP)
@@ -95,15 +95,15 @@ def _warn_once(why: str) -> None:
 
 
 def select(keys, lens, topk: int, top_s, top_i, *, decode_ids=False, W=1, I=1, rank=0,
-           defines: tuple[str, ...] = (), source: str = SOURCE) -> None:
+           defines: tuple[str, ...] = ()) -> None:
     """Exact top-k of each row of int32 keys ``[R, L]`` (row r: its first lens[r] columns)
     into ``top_s`` float32 / ``top_i`` int32 ``[R, topk]``, every slot written (pads -inf /
     NO_KEY); ids are columns, or with ``decode_ids`` a DCP rank's global token ids
-    ``(c // I) * W * I + rank * I + c % I``. Call ``unavailable_reason`` first. ``defines``,
-    ``source``: a variant of the kernel (``VARIANTS``; the bench times them)."""
+    ``(c // I) * W * I + rank * I + c % I``. Call ``unavailable_reason`` first. ``defines``:
+    a variant of the kernel (``VARIANTS``; the bench times them)."""
     _check(keys, lens, topk, top_s, top_i, CAP)
     lib, why = _ready(keys.device.index if keys.device.index is not None
-                      else torch.cuda.current_device(), tuple(defines), source)
+                      else torch.cuda.current_device(), tuple(defines))
     if lib is None:
         raise RuntimeError(f"row_topk: {why}")
     with torch.cuda.device(keys.device):
@@ -132,7 +132,7 @@ _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, cty
 
 @functools.cache
 def _host_library(block: int, defines: tuple[str, ...]):
-    lib = ctypes.CDLL(str(build.compile_host(SOURCE, block, defines=defines)))
+    lib = build.load(build.compile_host(SOURCE, block, defines=defines))
     lib.cpplan_row_topk_host.restype = ctypes.c_int
     lib.cpplan_row_topk_host.argtypes = _ARGTYPES
     return lib
