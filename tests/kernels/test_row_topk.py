@@ -121,14 +121,16 @@ def test_row_topk_on_the_host_equals_reference(kind, shape):
 @needs_cxx
 @pytest.mark.parametrize("variant", ["default", *row_topk.VARIANTS])
 def test_row_topk_on_the_host_in_the_gpu_shape(variant):
-    """1024 threads, cap 8192, K 2048 (the merge sort's shape), and each bench variant (the
+    """1024 threads, cap 8192, K 2048 (the sort's register form), and each bench variant (the
     no-sort probe: the same set of results, unordered)."""
     defines = row_topk.VARIANTS.get(variant, ())
     # full rows before rows of fewer live keys than K (pads in the sort, stale candidates of
     # the row before in shared memory), then a row of one key
     keys, lens, want = _case("ties", 5, 6000, 2048, 4, dev="cpu",
                              lens=[6000, 1000, 6000, 1500, 1])
-    s, i = _run(keys, lens, 2048, host=(1024, row_topk.CAP), defines=defines)
+    cap = next((int(d.split("=")[1]) for d in defines if d.startswith("CPPLAN_ROW_TOPK_CAP=")),
+               row_topk.CAP)  # a variant's own cap, as row_topk.select passes it
+    s, i = _run(keys, lens, 2048, host=(1024, cap), defines=defines)
     if "PROBE" in " ".join(defines):  # the same (id, score) pairs, in any order
         for r in range(i.shape[0]):
             assert sorted(zip(i[r].tolist(), s[r].tolist())) == \
@@ -245,4 +247,9 @@ def test_build_compiles_and_caches(tmp_path):
     so = ctypes.CDLL(str(lib))
     so.cpplan_row_topk_smem.restype = ctypes.c_size_t
     so.cpplan_row_topk_smem.argtypes = [ctypes.c_int, ctypes.c_int]
-    assert so.cpplan_row_topk_smem(4096, 8192) == (4096 + 8192) * 8 + 4096 * 4
+    # the result's and the candidates' composites, the 10-bit histogram (step 1's 12-bit one
+    # lies over the candidates)
+    assert so.cpplan_row_topk_smem(4096, 8192) == (4096 + 8192) * 8 + 1024 * 4
+    assert so.cpplan_row_topk_smem(2048, 64) == (2048 + 2048) * 8 + 1024 * 4
+    so.cpplan_row_topk_cap.restype = ctypes.c_int
+    assert so.cpplan_row_topk_cap() == row_topk.CAP

@@ -21,13 +21,14 @@
 //      the column's constant top bits are skipped), moving those above it to `sel` at each
 //      level, then the bin's own; a bin of at most 32 is finished by one warp, each composite
 //      ranked against the others;
-//   5. the K composites sorted by a bitonic network (at K 2048 most of its stages in registers
-//      and warp shuffles), written out.
+//   5. the K composites sorted by a bitonic network, written out (at K 2048 from registers:
+//      its stages unrolled, those of stride <= 32 on registers and warp shuffles, the others
+//      in shared memory).
 //
 // Built with -DCPPLAN_HOST_EMULATION (a C++20 compiler, no CUDA) the same kernel runs on the
 // host, a CTA's threads as std::threads (host_emulation.h): the CPU tests check it against the
 // reference there, with CPPLAN_ROW_TOPK_BLOCK threads a CTA. Other defines are the bench's
-// variants (row_topk.VARIANTS): CPPLAN_ROW_TOPK_SMEM_SORT, _SORT4 and _MERGE_SORT (other
+// variants (row_topk.VARIANTS): CPPLAN_ROW_TOPK_SMEM_SORT, _SORT4 and _SMEM_PAIRS (other
 // sorts), _PROBE_NO_SORT (the result left unordered: a timing probe).
 
 #include <cstdint>
@@ -51,6 +52,11 @@ constexpr int kNextBits = 10;               // every later digit
 constexpr int kBins = 1 << kFirstBits;      // the histogram's size ...
 constexpr int kNextBins = 1 << kNextBits;   // ... of which later digits use the first 1024
 static_assert(kBlock % 32 == 0 && kBlock <= 1024 && kNextBins % kBlock == 0, "CTA size");
+constexpr int kMinBlocks = 2048 / kBlock < 16 ? 2048 / kBlock : 16;  // CTAs an SM: 32 registers
+#ifndef CPPLAN_ROW_TOPK_CAP
+#define CPPLAN_ROW_TOPK_CAP 8192
+#endif
+constexpr int kCap = CPPLAN_ROW_TOPK_CAP;  // the launcher's `cap` (cpplan_row_topk_cap)
 
 struct Shared {
   int warp[kWarps];
@@ -122,160 +128,127 @@ __device__ __forceinline__ void bitonic_stage(uint64_t* sel, int KS, int size, i
   __syncthreads();
 }
 
-// Sorts sel[0, KS) descending (KS a power of two) by a bitonic network. With KS = 2 kBlock
-// (K 2048) a warp holds 64 consecutive values in registers, two a lane (lane l: 64 w + l and
-// 64 w + 32 + l): the stages of stride 32 and below (51 of 66) run on registers and shuffles,
-// the others in shared memory with a barrier each.
-__device__ void bitonic_sort(uint64_t* sel, int KS) {
-#ifdef CPPLAN_ROW_TOPK_SMEM_SORT
-  constexpr bool kShared = true;  // a variant: every stage in shared memory
-#else
-  constexpr bool kShared = false;
-#endif
-  if (kShared || KS != 2 * kBlock) {
-    for (int size = 2; size <= KS; size <<= 1)
-      for (int stride = size >> 1; stride > 0; stride >>= 1) bitonic_stage(sel, KS, size, stride);
-    return;
+// x or its partner y in a stage of the network: the larger where `keep_max`. Composites (and
+// pads) are distinct, so one comparison decides.
+__device__ __forceinline__ uint64_t keep(uint64_t x, uint64_t y, bool keep_max) {
+  return (x < y) == keep_max ? y : x;
+}
+
+// The stages of stride `stride` down to kLow of a run of `size` over sel[0, KS), in shared
+// memory, a barrier after each (a variant: two stages a round while two remain, a thread of
+// the first KS / 4 holding four values, i0 + {0, h, 2h, 3h}, h = stride / 2; 12% slower).
+template <int KS, int kLow>
+__device__ __forceinline__ void shared_stages(uint64_t* sel, int size, int stride) {
+#ifdef CPPLAN_ROW_TOPK_SMEM_PAIRS  // a variant: two stages a round
+#pragma unroll
+  for (; stride >= 2 * kLow; stride >>= 2) {
+    const int h = stride >> 1;
+    for (int t = threadIdx.x; t < KS / 4; t += kBlock) {
+      const int i0 = (t & (h - 1)) | ((t & ~(h - 1)) << 2);  // two zero bits at h and 2h
+      const bool down = (i0 & size) == 0;
+      const uint64_t e0 = sel[i0], e1 = sel[i0 + h], e2 = sel[i0 + 2 * h], e3 = sel[i0 + 3 * h];
+      const uint64_t f0 = keep(e0, e2, down), f2 = keep(e2, e0, !down);  // stride 2h
+      const uint64_t f1 = keep(e1, e3, down), f3 = keep(e3, e1, !down);
+      sel[i0] = keep(f0, f1, down);  // stride h
+      sel[i0 + h] = keep(f1, f0, !down);
+      sel[i0 + 2 * h] = keep(f2, f3, down);
+      sel[i0 + 3 * h] = keep(f3, f2, !down);
+    }
+    __syncthreads();
   }
+#endif
+#pragma unroll
+  for (; stride >= kLow; stride >>= 1) bitonic_stage(sel, KS, size, stride);
+}
+
+// Sorts sel[0, KS) descending, KS = 2 kBlock, into registers: lane l of warp w ends holding
+// places a = 64 w + l and b = a + 32. Every loop unrolled (run sizes and strides known at
+// compile time): the stages of stride <= 32 on registers and shuffles (51 of 66 at KS 2048),
+// the others in shared memory (`shared_stages`).
+template <int KS>
+__device__ __forceinline__ void bitonic_sort_registers(uint64_t* sel, uint64_t& a, uint64_t& b) {
   const int lane = threadIdx.x & 31;
   const int ia = (threadIdx.x >> 5) * 64 + lane, ib = ia + 32;
-  uint64_t a = sel[ia], b = sel[ib];
+  a = sel[ia];
+  b = sel[ib];
+#pragma unroll
   for (int size = 2; size <= KS; size <<= 1) {
-    int stride = size >> 1;
-    if (stride >= 64) {  // a thread reads and writes only its own two places around these
+    if (size >= 128) {
       sel[ia] = a;
       sel[ib] = b;
       __syncthreads();
-      for (; stride >= 64; stride >>= 1) bitonic_stage(sel, KS, size, stride);
+      shared_stages<KS, 64>(sel, size, size >> 1);
       a = sel[ia];
       b = sel[ib];
     }
-    if (stride == 32) {  // a thread's own pair
-      if ((a < b) == ((ia & size) == 0)) {
-        const uint64_t t = a;
-        a = b;
-        b = t;
-      }
-      stride = 16;
+    const bool down_a = (ia & size) == 0, down_b = (ib & size) == 0;
+    if (size >= 64) {  // stride 32: the thread's own pair, a the lower place
+      const uint64_t x = keep(a, b, down_a);
+      b = keep(b, a, !down_a);
+      a = x;
     }
-    for (; stride > 0; stride >>= 1) {  // pairs across lanes: the lower place keeps the
-      const uint64_t pa = __shfl_xor_sync(0xffffffffu, a, stride);  // larger in a descending
-      const uint64_t pb = __shfl_xor_sync(0xffffffffu, b, stride);  // run
-      const bool lower = (lane & stride) == 0;
-      a = (lower == ((ia & size) == 0)) ? (a > pa ? a : pa) : (a < pa ? a : pa);
-      b = (lower == ((ib & size) == 0)) ? (b > pb ? b : pb) : (b < pb ? b : pb);
-    }
-  }
-  sel[ia] = a;
-  sel[ib] = b;
-  __syncthreads();
-}
-
-// Sorts sel[0, KS) descending, KS = 2 kBlock: each warp's 64 values by a bitonic network in
-// registers (as bitonic_sort's, the last stage descending in every warp), then runs merged in
-// pairs, 64 to KS, each value written at its index in its run plus the count of the other
-// run's values above it (a binary search: composites are distinct), between sel and tmp
-// (KS values). Returns the array holding the result.
-__device__ const uint64_t* merge_sort(uint64_t* sel, uint64_t* tmp, int KS) {
-  const int lane = threadIdx.x & 31;
-  const int ia = (threadIdx.x >> 5) * 64 + lane, ib = ia + 32;
-  uint64_t a = sel[ia], b = sel[ib];
-  for (int size = 2; size <= 64; size <<= 1) {
-    int stride = size >> 1;
-    if (stride == 32) {  // size 64: a thread's own pair, descending in every warp
-      if (a < b) {
-        const uint64_t t = a;
-        a = b;
-        b = t;
-      }
-      stride = 16;
-    }
-    for (; stride > 0; stride >>= 1) {
-      const uint64_t pa = __shfl_xor_sync(0xffffffffu, a, stride);
-      const uint64_t pb = __shfl_xor_sync(0xffffffffu, b, stride);
-      const bool lower = (lane & stride) == 0;
-      const bool da = size == 64 || (ia & size) == 0, db = size == 64 || (ib & size) == 0;
-      a = (lower == da) ? (a > pa ? a : pa) : (a < pa ? a : pa);
-      b = (lower == db) ? (b > pb ? b : pb) : (b < pb ? b : pb);
-    }
-  }
-  sel[ia] = a;
-  sel[ib] = b;
-  __syncthreads();
-  uint64_t* src = sel;
-  uint64_t* dst = tmp;
-  for (int run = 64; run < KS; run <<= 1) {
-    for (int i = threadIdx.x; i < KS; i += kBlock) {
-      const uint64_t x = src[i];
-      const int pair = i & ~(2 * run - 1);
-      const bool first = i - pair < run;
-      const uint64_t* other = src + (first ? pair + run : pair);
-      int above = 0;  // the other run's values above x: a prefix of it
-      for (int step = run; step > 0; step >>= 1)
-        if (above + step <= run && other[above + step - 1] > x) above += step;
-      dst[i - (first ? 0 : run) + above] = x;
-    }
-    __syncthreads();
-    uint64_t* t = src;
-    src = dst;
-    dst = t;
-  }
-  return src;
-}
-
-template <int S>
-__device__ __forceinline__ void in_thread_stage(uint64_t (&e)[4], int base, int size) {
 #pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    if (r & S) continue;
-    const uint64_t x = e[r], y = e[r + S];
-    if ((x < y) == (((base + r) & size) == 0)) {
-      e[r] = y;
-      e[r + S] = x;
+    for (int stride = size >= 64 ? 16 : size >> 1; stride > 0; stride >>= 1) {
+      const bool lower = (lane & stride) == 0;  // the lower place keeps the larger in a
+      const uint64_t pa = __shfl_xor_sync(0xffffffffu, a, stride);  // descending run
+      const uint64_t pb = __shfl_xor_sync(0xffffffffu, b, stride);
+      a = keep(a, pa, lower == down_a);
+      b = keep(b, pb, lower == down_b);
     }
   }
 }
 
-// The same sort with four values a lane (KS / 4 threads, KS / 4 a multiple of 32): lane l of
-// warp w holds 128 w + 4 l + r, r < 4, so stages of stride 1 and 2 run inside a thread, 4 to
-// 64 on shuffles, 128 and up in shared memory.
-__device__ void bitonic_sort4(uint64_t* sel, int KS) {
+// Sorts sel[0, KS) descending (KS a power of two) by a bitonic network in shared memory, a
+// barrier a stage (shapes other than KS = 2 kBlock, and a bench variant).
+__device__ void bitonic_sort_shared(uint64_t* sel, int KS) {
+  for (int size = 2; size <= KS; size <<= 1)
+    for (int stride = size >> 1; stride > 0; stride >>= 1) bitonic_stage(sel, KS, size, stride);
+}
+
+// The same sort with four values a lane (KS / 4 threads, the first of the CTA): used where
+// KS = 4 kBlock, and at KS = 2 kBlock as a variant;
+// lane l of warp w holds places 128 w + 4 l + r, r < 4, so stages of stride 1 and 2 run inside
+// a thread, 4 to 64 on shuffles, 128 and up in shared memory; every loop unrolled.
+template <int KS>
+__device__ __forceinline__ void bitonic_sort4_registers(uint64_t* sel, uint64_t (&e)[4]) {
   const int t = threadIdx.x, lane = t & 31;
   const bool mine = t < KS / 4;
   const int base = (t >> 5) * 128 + lane * 4;
-  uint64_t e[4];
-  if (mine)
 #pragma unroll
-    for (int r = 0; r < 4; ++r) e[r] = sel[base + r];
+  for (int r = 0; r < 4; ++r) e[r] = mine ? sel[base + r] : 0u;
+#pragma unroll
   for (int size = 2; size <= KS; size <<= 1) {
-    int stride = size >> 1;
-    if (stride >= 128) {
+    if (size >= 256) {
       if (mine)
 #pragma unroll
         for (int r = 0; r < 4; ++r) sel[base + r] = e[r];
       __syncthreads();
-      for (; stride >= 128; stride >>= 1) bitonic_stage(sel, KS, size, stride);
+      shared_stages<KS, 128>(sel, size, size >> 1);
       if (mine)
 #pragma unroll
         for (int r = 0; r < 4; ++r) e[r] = sel[base + r];
     }
-    if (!mine) continue;
-    for (; stride >= 4; stride >>= 1) {  // across lanes
+#pragma unroll
+    for (int stride = size >= 256 ? 64 : size >> 1; stride >= 4; stride >>= 1) {  // lanes
       const bool lower = (lane & (stride >> 2)) == 0;
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const uint64_t y = __shfl_xor_sync(0xffffffffu, e[r], stride >> 2);
-        const bool keep_max = lower == (((base + r) & size) == 0);
-        e[r] = keep_max ? (e[r] > y ? e[r] : y) : (e[r] < y ? e[r] : y);
+        e[r] = keep(e[r], y, lower == (((base + r) & size) == 0));
       }
     }
-    if (stride == 2) in_thread_stage<2>(e, base, size);  // inside a thread
-    in_thread_stage<1>(e, base, size);
-  }
-  if (mine)
 #pragma unroll
-    for (int r = 0; r < 4; ++r) sel[base + r] = e[r];
-  __syncthreads();
+    for (int stride = size >= 4 ? 2 : 1; stride > 0; stride >>= 1) {  // inside the thread
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        if (r & stride) continue;
+        const bool down = ((base + r) & size) == 0;
+        const uint64_t x = keep(e[r], e[r + stride], down);
+        e[r + stride] = keep(e[r + stride], e[r], !down);
+        e[r] = x;
+      }
+    }
+  }
 }
 
 template <int VEC>
@@ -378,8 +351,30 @@ __device__ void warp_finish(const uint64_t* cand, int held, uint64_t prefix, int
   __syncthreads();
 }
 
+// A row's result: place p < K gets composite v's score and id (p < m), or a pad.
+struct Result {
+  float* s;
+  int32_t* i;
+  int K, m, decode_ids, W, I, rank;
+
+  __device__ __forceinline__ void put(int p, uint64_t v) const {
+    if (p >= K) return;
+    if (p < m) {
+      const int32_t key = static_cast<int32_t>(static_cast<uint32_t>(v >> 32) ^ 0x80000000u);
+      const int32_t bits_f = key < 0 ? key ^ 0x7fffffff : key;
+      int32_t c = static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(v));
+      if (decode_ids) c = (c / I) * (W * I) + rank * I + c % I;
+      s[p] = __int_as_float(bits_f);
+      i[p] = c;
+    } else {
+      s[p] = __int_as_float(0xff800000);  // -inf
+      i[p] = -1;
+    }
+  }
+};
+
 template <int VEC>
-__global__ void __launch_bounds__(kBlock, 2)
+__global__ void __launch_bounds__(kBlock, kMinBlocks)
 row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
                 const int32_t* __restrict__ lens, int L, int K, int KS, int cap,
                 float* __restrict__ out_s, int32_t* __restrict__ out_i, int64_t stride_o,
@@ -390,8 +385,9 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
   extern __shared__ __align__(16) unsigned char smem_raw[];
 #endif
   uint64_t* sel = reinterpret_cast<uint64_t*>(smem_raw);  // KS: the result's composites
-  uint64_t* cand = sel + KS;                                // cap: the K-th composite's bin
-  uint32_t* hist = reinterpret_cast<uint32_t*>(cand + cap); // kBins
+  uint64_t* cand = sel + KS;  // cap: the K-th composite's bin (from step 3)
+  uint32_t* first = reinterpret_cast<uint32_t*>(cand);  // kBins: step 1's histogram (over cand)
+  uint32_t* hist = reinterpret_cast<uint32_t*>(cand + max(cap, kBins / 2));  // kNextBins
   __shared__ Shared sh;
 
   const int tid = threadIdx.x;
@@ -401,7 +397,7 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
   constexpr int kTile = kBlock * VEC;
 
   // 1. histogram of the top kFirstBits bits of the live keys
-  for (int b = tid; b < kBins; b += kBlock) hist[b] = 0;
+  for (int b = tid; b < kBins; b += kBlock) first[b] = 0;
   if (tid == 0) sh.n_sel = sh.n_cand = 0;
   __syncthreads();
   for (int c0 = 0; c0 < n; c0 += 2 * kTile) {  // two loads in flight a thread
@@ -411,13 +407,13 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       const uint32_t ua = ukey(a[j]), ub = ukey(b[j]);
-      if (ua) atomicAdd(&hist[ua >> (32 - kFirstBits)], 1u);
-      if (ub) atomicAdd(&hist[ub >> (32 - kFirstBits)], 1u);
+      if (ua) atomicAdd(&first[ua >> (32 - kFirstBits)], 1u);
+      if (ub) atomicAdd(&first[ub >> (32 - kFirstBits)], 1u);
     }
   }
   __syncthreads();
   int live;
-  find_bin(hist, kBins, K, sh, live);
+  find_bin(first, kBins, K, sh, live);
   const bool all = live <= K;  // every live key is in the result
   // the bin: composites whose top `bits` bits are `prefix`; `need` of them still wanted
   uint64_t prefix = all ? 0u : static_cast<uint64_t>(sh.found_bin);
@@ -527,47 +523,57 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
     }
   }
 
-  // 5. the result, sorted
-  const int m = sh.n_sel;
-  // pads below every live composite (whose key bits are not 0) and distinct, as merge_sort's
-  // ranks need
-  for (int i = m + tid; i < KS; i += kBlock) sel[i] = static_cast<uint64_t>(KS - i);
+  // 5. the result, sorted; pads below every live composite (whose key bits are not 0), and
+  //    distinct. The result's pointers are made after the sort (registers).
+  for (int i = sh.n_sel + tid; i < KS; i += kBlock) sel[i] = static_cast<uint64_t>(KS - i);
   __syncthreads();
-  const uint64_t* sorted = sel;
+#define CPPLAN_RESULT \
+  const Result out{out_s + row * stride_o, out_i + row * stride_o, K, sh.n_sel, decode_ids, W, I, rank}
 #if defined(CPPLAN_ROW_TOPK_PROBE_NO_SORT)  // a probe (bench only): the result unordered
-#elif defined(CPPLAN_ROW_TOPK_MERGE_SORT)  // a variant: warp runs of 64 merged by ranks
-  if (KS == 2 * kBlock && cap >= KS)
-    sorted = merge_sort(sel, cand, KS);
-  else
-    bitonic_sort(sel, KS);
-#elif defined(CPPLAN_ROW_TOPK_SORT4)  // a variant: four values a lane where the shape allows
-  if (KS % 128 == 0 && KS / 4 <= kBlock)
-    bitonic_sort4(sel, KS);
-  else
-    bitonic_sort(sel, KS);
+  CPPLAN_RESULT;
+  for (int i = tid; i < K; i += kBlock) out.put(i, sel[i]);
 #else
-  bitonic_sort(sel, KS);
+#if defined(CPPLAN_ROW_TOPK_SORT4)  // a variant: four values a lane
+  constexpr bool kSort4 = true;
+#else
+  constexpr bool kSort4 = false;
 #endif
-  float* os = out_s + row * stride_o;
-  int32_t* oi = out_i + row * stride_o;
-  for (int i = tid; i < K; i += kBlock) {
-    if (i < m) {
-      const uint64_t v = sorted[i];
-      const int32_t key = static_cast<int32_t>(static_cast<uint32_t>(v >> 32) ^ 0x80000000u);
-      const int32_t bits_f = key < 0 ? key ^ 0x7fffffff : key;
-      int32_t c = static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(v));
-      if (decode_ids) c = (c / I) * (W * I) + rank * I + c % I;
-      os[i] = __int_as_float(bits_f);
-      oi[i] = c;
-    } else {
-      os[i] = __int_as_float(0xff800000);  // -inf
-      oi[i] = -1;
-    }
+#if defined(CPPLAN_ROW_TOPK_SMEM_SORT)  // a variant: every stage in shared memory
+  constexpr bool kShared = true;
+#else
+  constexpr bool kShared = false;
+#endif
+  if (!kShared && !kSort4 && KS == 2 * kBlock) {  // two values a thread
+    uint64_t a, b;
+    bitonic_sort_registers<2 * kBlock>(sel, a, b);
+    CPPLAN_RESULT;
+    const int ia = (tid >> 5) * 64 + (tid & 31);
+    out.put(ia, a);
+    out.put(ia + 32, b);
+  } else if (!kShared && (kSort4 || kBlock <= 512) &&  // four values a thread (kept out of
+             (KS == 4 * kBlock || KS == 2 * kBlock)) {  // the default build: its registers)
+    uint64_t e[4];
+    if (KS == 4 * kBlock)
+      bitonic_sort4_registers<4 * kBlock>(sel, e);
+    else
+      bitonic_sort4_registers<2 * kBlock>(sel, e);
+    CPPLAN_RESULT;
+    const int base = (tid >> 5) * 128 + (tid & 31) * 4;
+    if (tid < KS / 4)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) out.put(base + r, e[r]);
+  } else {
+    bitonic_sort_shared(sel, KS);
+    CPPLAN_RESULT;
+    for (int i = tid; i < K; i += kBlock) out.put(i, sel[i]);
   }
+#endif
+#undef CPPLAN_RESULT
 }
 
 size_t smem_bytes(int KS, int cap) {
-  return static_cast<size_t>(KS + cap) * sizeof(uint64_t) + kBins * sizeof(uint32_t);
+  return static_cast<size_t>(KS + max(cap, kBins / 2)) * sizeof(uint64_t) +
+         kNextBins * sizeof(uint32_t);
 }
 
 #ifdef CPPLAN_HOST_EMULATION
@@ -605,6 +611,9 @@ int launch(const int32_t* keys, int64_t stride_k, const int32_t* lens, int rows,
 }  // namespace
 
 extern "C" {
+
+// The candidates' buffer the launcher passes as `cap` (8192 but in a bench variant).
+int cpplan_row_topk_cap() { return kCap; }
 
 // Shared memory a CTA takes for a result of KS (a power of two >= K) and `cap` candidates.
 size_t cpplan_row_topk_smem(int KS, int cap) { return smem_bytes(KS, cap); }

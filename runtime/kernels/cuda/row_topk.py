@@ -23,14 +23,17 @@ import torch
 from . import build
 
 MAX_TOPK = 4096  # the result's sort buffer (a power of two >= topk) ...
-CAP = 8192  # ... and the K-th key's bin in shared memory (>= MAX_TOPK): 112 KB at MAX_TOPK
+CAP = 8192  # ... and the K-th key's bin in shared memory (>= MAX_TOPK): 100 KB at MAX_TOPK
 SOURCE = "row_topk.cu"
 # variants of the kernel (compile-time), timed beside the default by bench/indexer.py
 VARIANTS = {
     "sort in shared memory only": ("CPPLAN_ROW_TOPK_SMEM_SORT",),
     "512 threads a CTA": ("CPPLAN_ROW_TOPK_BLOCK=512",),
+    "512 threads a CTA, 4096 candidates (four CTAs an SM)": ("CPPLAN_ROW_TOPK_BLOCK=512",
+                                                             "CPPLAN_ROW_TOPK_CAP=4096"),
+    "512 threads a CTA, 2048 candidates": ("CPPLAN_ROW_TOPK_BLOCK=512", "CPPLAN_ROW_TOPK_CAP=2048"),
     "sort with four values a lane": ("CPPLAN_ROW_TOPK_SORT4",),
-    "sort by warp runs of 64 merged by ranks": ("CPPLAN_ROW_TOPK_MERGE_SORT",),
+    "sort, its shared-memory stages two a round": ("CPPLAN_ROW_TOPK_SMEM_PAIRS",),
     "probe: no sort (the result unordered, not equal)": ("CPPLAN_ROW_TOPK_PROBE_NO_SORT",),
 }
 
@@ -50,6 +53,8 @@ def _library(arch: str, defines: tuple[str, ...]):
     lib.cpplan_row_topk_init.argtypes = [ctypes.c_size_t]
     lib.cpplan_row_topk_error.restype = ctypes.c_char_p
     lib.cpplan_row_topk_error.argtypes = [ctypes.c_int]
+    lib.cpplan_row_topk_cap.restype = ctypes.c_int
+    lib.cpplan_row_topk_cap.argtypes = []
     return lib, None
 
 
@@ -63,7 +68,8 @@ def _ready(index: int, defines: tuple[str, ...] = ()):
     lib, why = _library(f"{major}{minor}", defines)
     if lib is None:
         return None, why
-    smem = lib.cpplan_row_topk_smem(MAX_TOPK, CAP)
+    cap = lib.cpplan_row_topk_cap()  # CAP, but in a bench variant
+    smem = lib.cpplan_row_topk_smem(min(MAX_TOPK, cap), cap)
     have = torch.cuda.get_device_properties(index).shared_memory_per_block_optin
     if smem > have:
         return None, f"needs {smem} bytes of shared memory a block, the GPU allows {have}"
@@ -106,8 +112,11 @@ def select(keys, lens, topk: int, top_s, top_i, *, decode_ids=False, W=1, I=1, r
                       else torch.cuda.current_device(), tuple(defines))
     if lib is None:
         raise RuntimeError(f"row_topk: {why}")
+    cap = lib.cpplan_row_topk_cap()
+    if cap != CAP:  # a bench variant's
+        _check(keys, lens, topk, top_s, top_i, cap)
     with torch.cuda.device(keys.device):
-        rc = lib.cpplan_row_topk(*_args(keys, lens, topk, top_s, top_i, CAP, decode_ids, W, I,
+        rc = lib.cpplan_row_topk(*_args(keys, lens, topk, top_s, top_i, cap, decode_ids, W, I,
                                         rank),
                                  torch.cuda.current_stream(keys.device).cuda_stream)
     if rc:
