@@ -29,8 +29,7 @@
 // host, a CTA's threads as std::threads (host_emulation.h): the CPU tests check it against the
 // reference there, with CPPLAN_ROW_TOPK_BLOCK threads a CTA. Other defines are the bench's
 // variants (row_topk.VARIANTS): CPPLAN_ROW_TOPK_SMEM_SORT, _SORT4 and _SMEM_PAIRS (other
-// sorts), _BLOCK and _CAP (smaller CTAs), _PREFETCH (loads a tile ahead), _PROBE_NO_SORT (the
-// result left unordered: a timing probe).
+// sorts), _PROBE_NO_SORT (the result left unordered: a timing probe).
 
 #include <cstdint>
 
@@ -58,11 +57,6 @@ constexpr int kMinBlocks = 2048 / kBlock < 16 ? 2048 / kBlock : 16;  // CTAs an 
 #define CPPLAN_ROW_TOPK_CAP 8192
 #endif
 constexpr int kCap = CPPLAN_ROW_TOPK_CAP;  // the launcher's `cap` (cpplan_row_topk_cap)
-#ifdef CPPLAN_ROW_TOPK_PREFETCH
-constexpr bool kPrefetch = true;  // a variant: steps 1 and 3 load a tile ahead
-#else
-constexpr bool kPrefetch = false;
-#endif
 
 struct Shared {
   int warp[kWarps];
@@ -406,28 +400,16 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
   for (int b = tid; b < kBins; b += kBlock) first[b] = 0;
   if (tid == 0) sh.n_sel = sh.n_cand = 0;
   __syncthreads();
-  int32_t a[VEC], b[VEC];  // two loads in flight a thread (a variant: the next two also)
-  if (kPrefetch) {
-    Loads<VEC>::at(p, tid * VEC, n, a);
-    Loads<VEC>::at(p, kTile + tid * VEC, n, b);
-  }
-  for (int c0 = 0; c0 < n; c0 += 2 * kTile) {
-    int32_t na[VEC], nb[VEC];
-    const int c1 = kPrefetch ? c0 + 2 * kTile : c0;
-    Loads<VEC>::at(p, c1 + tid * VEC, n, kPrefetch ? na : a);
-    Loads<VEC>::at(p, c1 + kTile + tid * VEC, n, kPrefetch ? nb : b);
+  for (int c0 = 0; c0 < n; c0 += 2 * kTile) {  // two loads in flight a thread
+    int32_t a[VEC], b[VEC];
+    Loads<VEC>::at(p, c0 + tid * VEC, n, a);
+    Loads<VEC>::at(p, c0 + kTile + tid * VEC, n, b);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       const uint32_t ua = ukey(a[j]), ub = ukey(b[j]);
       if (ua) atomicAdd(&first[ua >> (32 - kFirstBits)], 1u);
       if (ub) atomicAdd(&first[ub >> (32 - kFirstBits)], 1u);
     }
-    if (kPrefetch)
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        a[j] = na[j];
-        b[j] = nb[j];
-      }
   }
   __syncthreads();
   int live;
@@ -467,11 +449,10 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
 
   // 3. the composites above the bin to sel (fewer than K), those in it to cand (at most cap);
   //    32-bit comparisons while the bin is a prefix of the key (bits <= 32)
-  if (kPrefetch) Loads<VEC>::at(p, tid * VEC, n, a);
   for (int c0 = 0; c0 < n; c0 += kTile) {
+    int32_t a[VEC];
     const int c = c0 + tid * VEC;
-    int32_t na[VEC];
-    Loads<VEC>::at(p, kPrefetch ? c + kTile : c, n, kPrefetch ? na : a);
+    Loads<VEC>::at(p, c, n, a);
     bool up[VEC], eq[VEC];
     uint64_t v[VEC];
 #pragma unroll
@@ -493,9 +474,6 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
     }
     warp_append_vec(sel, &sh.n_sel, up, v);
     warp_append_vec(cand, &sh.n_cand, eq, v);
-    if (kPrefetch)
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) a[j] = na[j];
   }
   __syncthreads();
 

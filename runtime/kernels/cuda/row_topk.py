@@ -34,7 +34,6 @@ VARIANTS = {
     "512 threads a CTA, 2048 candidates": ("CPPLAN_ROW_TOPK_BLOCK=512", "CPPLAN_ROW_TOPK_CAP=2048"),
     "sort with four values a lane": ("CPPLAN_ROW_TOPK_SORT4",),
     "sort, its shared-memory stages two a round": ("CPPLAN_ROW_TOPK_SMEM_PAIRS",),
-    "steps 1 and 3 load a tile ahead": ("CPPLAN_ROW_TOPK_PREFETCH",),
     "probe: no sort (the result unordered, not equal)": ("CPPLAN_ROW_TOPK_PROBE_NO_SORT",),
 }
 
