@@ -8,6 +8,7 @@ bf16 matmul ceiling.
                             [--sweep]
                             [--planar-sweep] [--planar-tiles 2:128:4:3,2:64:8:3:128] [--json out.json]
                             [--planar-variants gluon,ws] [--inputs integer|normal] [--deepgemm]
+                            [--cuda-baseline FILE]
 
 Prefill cases: the last T tokens of an N-token context (query i has keys 0 .. N - T + i),
 64 heads x 128 dims, topk 2048, one rank. Decode cases: B requests of one context each (and 64
@@ -19,7 +20,8 @@ per (query, key). Medians of ``triton.testing.do_bench``. Each prefill case also
 the planar fp8 logits and the select (default: the CUDA row top-k where nvcc builds it, the
 first line of the prefill output says whether; else the Triton filter path. Variants: the
 CUDA kernel's compile-time variants (``row_topk.VARIANTS``; its earlier forms: commits named
-in bench/RESULTS.md), the segment path alone, and radix-only; other ``exact_segments``; the Triton filter path with
+in bench/RESULTS.md; ``--cuda-baseline FILE``: the kernel built from another source, e.g. an
+earlier commit's), the segment path alone, and radix-only; other ``exact_segments``; the Triton filter path with
 ``PREFILL_FILTERS``' tunables; each checked equal to the default), the whole indexer with the
 Triton select (``PREFILL_WHOLE``), the query quantisation and the plane split alone, and planar
 tile choices
@@ -46,6 +48,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import os
 import time
 
 import torch
@@ -186,6 +189,9 @@ def prefill_parts(args, tiles, ceil, flops, label):
     for name, defines in row_topk.VARIANTS.items():  # the CUDA row top-k's variants
         parts.append((f"select CUDA, {name}", lambda d=defines: row_topk.select(
             keys, lens32, TOPK, top_s, top_i, defines=d), None))
+    if CUDA_BASELINE:  # --cuda-baseline: another source of the kernel, e.g. an earlier commit's
+        parts.append((f"select CUDA, baseline {CUDA_BASELINE}", lambda: row_topk.select(
+            keys, lens32, TOPK, top_s, top_i, source=CUDA_BASELINE), None))
     parts.append(("select Triton filter path (the default before)", lambda: it._select(
         keys, key_len, TOPK, top_s, top_i, dataclasses.replace(tiles, cuda_select=False)), None))
     if label == "parts":
@@ -288,6 +294,7 @@ def gbench(fn):
 # decode logits tiles (decode_block_k, decode_warps, decode_stages) timed beside the default
 LOGITS_TILES = ((128, 4, 4), (64, 4, 4), (64, 4, 3), (256, 8, 3))
 VARIANTS = None  # --variants: substrings of the variant names timed (None: every variant)
+CUDA_BASELINE = None  # --cuda-baseline: a path to another row_topk.cu, timed beside the default
 PROFILE = False  # --profile: device time per kernel (decode: the whole call; prefill: selects)
 
 
@@ -767,14 +774,21 @@ def main():
     ap.add_argument("--inputs", choices=("integer", "normal"), default="integer",
                     help="prefill inputs: integer-valued (exact, tied scores; the default) or "
                          "normal draws (continuous scores)")
+    ap.add_argument("--cuda-baseline", metavar="FILE",
+                    help="each prefill case also times the CUDA select built from FILE, e.g. "
+                         "an earlier commit's (git show REV:runtime/kernels/cuda/row_topk.cu)")
     ap.add_argument("--deepgemm", action="store_true",
                     help="each prefill case also times DeepGEMM's fp8_mqa_logits (+ torch.topk) "
                          "on the same inputs (bench/deepgemm_build.sh builds it; one line and "
                          "no rows if deep_gemm does not import)")
     a = ap.parse_args()
-    global VARIANTS, PROFILE, PLANAR_DEFAULT_TILES, PLANAR_VARIANTS, INPUTS
+    global VARIANTS, PROFILE, PLANAR_DEFAULT_TILES, PLANAR_VARIANTS, INPUTS, CUDA_BASELINE
     PLANAR_VARIANTS = tuple(v for v in a.planar_variants.split(",") if v)
     PROFILE = a.profile
+    if a.cuda_baseline:
+        if not os.path.isfile(a.cuda_baseline):
+            ap.error(f"--cuda-baseline: no such file: {a.cuda_baseline}")
+        CUDA_BASELINE = os.path.abspath(a.cuda_baseline)
     INPUTS = a.inputs
     PLANAR_DEFAULT_TILES = a.planar_tiles
     if a.variants is not None:

@@ -65,7 +65,7 @@ def _version(compiler: str) -> str:
 
 def compile_library(source: str, arch: str, *, defines: tuple[str, ...] = (),
                     nvcc: str | None = None, out_dir: Path | None = None) -> Path:
-    """The shared library of ``source`` (a file name in this package) for ``arch``, with
+    """The shared library of ``source`` (a file name in this package, or a path) for ``arch``, with
     ``defines`` (``NAME`` or ``NAME=VALUE``: a kernel's variants): the cached one, or compiled
     now. Raises ``CudaBuildError`` (no nvcc; nvcc failed or timed out)."""
     nvcc = nvcc or find_nvcc()

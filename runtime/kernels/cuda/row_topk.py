@@ -39,10 +39,10 @@ VARIANTS = {
 
 
 @functools.cache
-def _library(arch: str, defines: tuple[str, ...]):
+def _library(arch: str, defines: tuple[str, ...], source: str = SOURCE):
     """(ctypes library, None) or (None, the reason it cannot be had); once a process."""
     try:
-        lib = build.load(build.compile_library(SOURCE, arch, defines=defines))
+        lib = build.load(build.compile_library(source, arch, defines=defines))
     except build.CudaBuildError as e:
         return None, str(e)
     lib.cpplan_row_topk.restype = ctypes.c_int
@@ -53,22 +53,28 @@ def _library(arch: str, defines: tuple[str, ...]):
     lib.cpplan_row_topk_init.argtypes = [ctypes.c_size_t]
     lib.cpplan_row_topk_error.restype = ctypes.c_char_p
     lib.cpplan_row_topk_error.argtypes = [ctypes.c_int]
-    lib.cpplan_row_topk_cap.restype = ctypes.c_int
-    lib.cpplan_row_topk_cap.argtypes = []
+    if hasattr(lib, "cpplan_row_topk_cap"):  # (an earlier source, a bench baseline: CAP)
+        lib.cpplan_row_topk_cap.restype = ctypes.c_int
+        lib.cpplan_row_topk_cap.argtypes = []
     return lib, None
 
 
+def _cap(lib) -> int:
+    """The candidates' buffer ``lib`` is launched with: CAP, but in a bench variant."""
+    return lib.cpplan_row_topk_cap() if hasattr(lib, "cpplan_row_topk_cap") else CAP
+
+
 @functools.cache
-def _ready(index: int, defines: tuple[str, ...] = ()):
+def _ready(index: int, defines: tuple[str, ...] = (), source: str = SOURCE):
     """The library for GPU ``index`` (built with ``defines``), its kernels allowed their shared
     memory there (once a device), or (None, reason)."""
     major, minor = torch.cuda.get_device_capability(index)
     if major < 8:
         return None, f"needs compute capability 8.0 or newer, got {major}.{minor}"
-    lib, why = _library(f"{major}{minor}", defines)
+    lib, why = _library(f"{major}{minor}", defines, source)
     if lib is None:
         return None, why
-    cap = lib.cpplan_row_topk_cap()  # CAP, but in a bench variant
+    cap = _cap(lib)
     smem = lib.cpplan_row_topk_smem(min(MAX_TOPK, cap), cap)
     have = torch.cuda.get_device_properties(index).shared_memory_per_block_optin
     if smem > have:
@@ -101,18 +107,19 @@ def _warn_once(why: str) -> None:
 
 
 def select(keys, lens, topk: int, top_s, top_i, *, decode_ids=False, W=1, I=1, rank=0,
-           defines: tuple[str, ...] = ()) -> None:
+           defines: tuple[str, ...] = (), source: str = SOURCE) -> None:
     """Exact top-k of each row of int32 keys ``[R, L]`` (row r: its first lens[r] columns)
     into ``top_s`` float32 / ``top_i`` int32 ``[R, topk]``, every slot written (pads -inf /
     NO_KEY); ids are columns, or with ``decode_ids`` a DCP rank's global token ids
     ``(c // I) * W * I + rank * I + c % I``. Call ``unavailable_reason`` first. ``defines``:
-    a variant of the kernel (``VARIANTS``; the bench times them)."""
+    a variant of the kernel (``VARIANTS``; the bench times them); ``source``: another file of
+    the kernel (a path; the bench's baseline, e.g. an earlier commit's)."""
     _check(keys, lens, topk, top_s, top_i, CAP)
     lib, why = _ready(keys.device.index if keys.device.index is not None
-                      else torch.cuda.current_device(), tuple(defines))
+                      else torch.cuda.current_device(), tuple(defines), source)
     if lib is None:
         raise RuntimeError(f"row_topk: {why}")
-    cap = lib.cpplan_row_topk_cap()
+    cap = _cap(lib)
     if cap != CAP:  # a bench variant's
         _check(keys, lens, topk, top_s, top_i, cap)
     with torch.cuda.device(keys.device):
