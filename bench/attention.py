@@ -10,7 +10,7 @@ empty rows included) and the raw kernel call on pre-converted inputs, Triton (``
 "cuda", "triton")``: Gluon where it applies), Triton / FlashMLA, TFLOP/s of the adapter
 (2 * T * H * topk * (576 + 512), unpadded H), ``choose()``, and the largest differences of out
 and of finite lse between the two. Medians of ``triton.testing.do_bench``.
-Inputs as bench/kernels.py: prefill tokens share 64 random index rows (neighbours share keys),
+Inputs as bench/kernel_times.py: prefill tokens share 64 random index rows (neighbours share keys),
 decode queries each read their own rows. ``--graph`` adds, for T <= 256, both
 backends timed by ``triton.testing.do_bench_cudagraph`` (the call captured in a CUDA graph and
 replayed: launch overheads gone, as in a graph-replayed decode step). flash_mla must import (``pip install --no-deps

@@ -82,7 +82,7 @@ def build_indexer(case: str):
 def build(case: str):
     if case in INDEXER_CASES:
         return build_indexer(case)
-    from kernels import (  # same inputs as the benchmark table (bench/ is on sys.path)
+    from kernel_times import (  # same inputs as the benchmark table (bench/ is on sys.path)
         _inputs,
         attn_plan,
     )

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 # bench/common.py loaded by its path, under its own name: bench/ is not put on sys.path, where
-# its modules (bench/kernels.py) would shadow installed packages of the same name (the
-# `kernels` package transformers imports) for every later test of the worker
+# a module of it could shadow an installed package of the same name for every later test of
+# the worker (bench/kernels.py did: the `kernels` package transformers imports; now
+# bench/kernel_times.py)
 _spec = importlib.util.spec_from_file_location(
     "cpplan_bench_common", pathlib.Path(__file__).resolve().parents[1] / "bench" / "common.py")
 _common = importlib.util.module_from_spec(_spec)

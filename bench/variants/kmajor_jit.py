@@ -19,7 +19,7 @@ Why it is here and not in the runtime (bench/RESULTS.md, variant sweep): at B 25
 (32 keys, prefetch) measured 344-347 us against 359-376 for the heads kernels, but its prefetch
 variants at 64/128 keys hit an illegal address on the H200 (cause not found); at 64-128 heads it
 lost everywhere; the Gluon decode (214.8 us) now runs that shape on sm_90. Launched by
-``kmajor.py`` for comparison in bench/kernels.py's sweep.
+``kmajor.py`` for comparison in bench/kernel_times.py's sweep.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ TABLE = [
     ((CPU, 2, 128, 64, B16, 80, FP16, False), ("triton-heads", 1, "none", 64, 64, 8, 3)),
 ]
 
-# Changed on purpose, from H200 measurements (bench/kernels.py --only plans, 2026-11-30): one
+# Changed on purpose, from H200 measurements (bench/kernel_times.py --only plans, 2026-11-30): one
 # query token splits down to one key block per split (the pre-plan code kept two: 16 splits at
 # topk 2048, most SMs idle) and takes 16 heads per program (fp8 44.2 us vs 78.9 at 64 heads).
 TABLE_T1 = [

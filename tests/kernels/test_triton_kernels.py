@@ -101,7 +101,7 @@ def test_attention_matches_reference(env, kv_format):
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_keys_major_bench_variant(env, kv_format, prefetch):
-    """bench/variants' keys-major kernel (a comparison point of bench/kernels.py's sweep) at the
+    """bench/variants' keys-major kernel (a comparison point of bench/kernel_times.py's sweep) at the
     launch numbers that sweep uses (32 keys; prefetch at 64/128 keys faulted on the H200)."""
     from bench.variants.kmajor import sparse_mla_attention_kmajor
 

@@ -1,7 +1,7 @@
 """The Triton backend's attention plan: kernel family, top-k splits and launch numbers.
 
 Pure host arithmetic on the shape of the work and a ``DeviceSpec`` (no tensor, no sync). The
-numbers are the H200 tuning measured by bench/kernels.py (bench/RESULTS.md, "Kernels on the
+numbers are the H200 tuning measured by bench/kernel_times.py (bench/RESULTS.md, "Kernels on the
 H200" and after); changing one is a measurement, not a guess. Choices, in order:
 
 1. fp8_ds_mla rows referenced ``DEQUANTISE_ONCE_REUSE`` times or more on average
@@ -35,7 +35,7 @@ FAMILIES = HEADS_FAMILIES + GLUON_FAMILIES
 _FP8_IN_KERNEL_FAMILIES = ("triton-heads-scaled",) + GLUON_FAMILIES
 
 # in-kernel fp8 reads against one dequantising pass break even near 4 references per row
-# (bench/kernels.py --only reuse; bench/RESULTS.md, "Kernels, third pass")
+# (bench/kernel_times.py --only reuse; bench/RESULTS.md, "Kernels, third pass")
 DEQUANTISE_ONCE_REUSE = 4
 GLUON_BLOCK_K = 64  # the M of the Gluon kernels' wgmma products
 
@@ -59,7 +59,7 @@ def heads_block(num_heads: int, operand_bytes: int = 2, fp8_in_kernel: bool = Fa
 
 
 def heads_launch(fp8_in_kernel: bool, num_heads: int, operand_bytes: int) -> tuple[str, int, int, int]:
-    """(family, block_k, num_warps, num_stages) of the heads kernels (bench/kernels.py --only sweep).
+    """(family, block_k, num_warps, num_stages) of the heads kernels (bench/kernel_times.py --only sweep).
 
     float32 q over unquantised rows (exact "ieee" products, the oracle replays) halves the key
     block and drops pipelining: 64 fp32 rows of 576 in two stages need 258 KB of shared memory,
@@ -70,7 +70,7 @@ def heads_launch(fp8_in_kernel: bool, num_heads: int, operand_bytes: int) -> tup
         return "triton-heads", 32, 4 if block_h <= 32 else 8, 1
     if block_h <= 32:
         return ("triton-heads-scaled" if fp8_in_kernel else "triton-heads"), 64, 4, 2
-    # bf16 rows: 3 stages beat 2 at T 4096, H 128 (bench/kernels.py --only sweep)
+    # bf16 rows: 3 stages beat 2 at T 4096, H 128 (bench/kernel_times.py --only sweep)
     return "triton-heads", 64, 8, 2 if fp8_in_kernel else 3
 
 
@@ -85,7 +85,7 @@ def split_policy(programs: int, topk: int, block_k: int, sm_count: int, min_bloc
 
 # One query token of 64+ heads (bf16 q): 16 heads per program, 4 warps, 2 stages, 32 splits of
 # one 64-key block, faster than 64 heads per program for fp8 and bf16 rows; two tokens keep 64
-# heads per program (bench/kernels.py --only plans; bench/RESULTS.md, "Single-token decode
+# heads per program (bench/kernel_times.py --only plans; bench/RESULTS.md, "Single-token decode
 # plans").
 SINGLE_TOKEN_BLOCK_H = 16
 

@@ -1,7 +1,7 @@
 """Kernel benchmarks on one GPU: every kernel's median time against naive torch and the machine's
 ceilings measured in the same run (bf16 matmul 8192^3, device-to-device copy).
 
-    python bench/kernels.py [--quick] [--json out.json] [--only ceil,prefill,reuse,decode,plans,remap,small,sweep]
+    python bench/kernel_times.py [--quick] [--json out.json] [--only ceil,prefill,reuse,decode,plans,remap,small,sweep]
 
 Parts: ceil (the two ceilings), prefill (bf16 and fp8 rows, in-kernel and dequantised once),
 reuse (in-kernel vs dequantise-once by references per row), decode (Triton and the Gluon
