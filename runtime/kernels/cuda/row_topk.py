@@ -4,7 +4,7 @@ int32 keys finds the bin of the K-th key, a second pass gathers the keys above t
 those in it into shared memory (a warp's places taken with one atomic), histograms of 10 more
 bits refine the bin (ties by the columns' bits; a bin of at most 32 ranked by one warp), and
 a bitonic network sorts the K composites (score descending, column ascending, as the
-reference order; at K 2048 its stages of stride <= 32 in registers and shuffles). About two
+reference order; at K 2048 unrolled, its stages of stride <= 32 in registers and shuffles). About two
 reads of the row's keys (the second mostly from L2) against the Triton filter path's threshold,
 counting, gathering, trim, run sorts and ranks (bench/RESULTS.md).
 
