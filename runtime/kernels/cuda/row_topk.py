@@ -34,6 +34,7 @@ VARIANTS = {
     "512 threads a CTA, 2048 candidates": ("CPPLAN_ROW_TOPK_BLOCK=512", "CPPLAN_ROW_TOPK_CAP=2048"),
     "sort with four values a lane": ("CPPLAN_ROW_TOPK_SORT4",),
     "sort, its shared-memory stages two a round": ("CPPLAN_ROW_TOPK_SMEM_PAIRS",),
+    "no guess: steps 1-3 for every row": ("CPPLAN_ROW_TOPK_NO_GUESS",),
     "probe: no sort (the result unordered, not equal)": ("CPPLAN_ROW_TOPK_PROBE_NO_SORT",),
 }
 
