@@ -159,7 +159,7 @@ def _reference_from_keys(keys, lens, topk):
 
 @needs_cxx
 def test_row_topk_on_the_host_guess_paths():
-    """The sampled guess in the GPU's shape (1024 threads, cap 8192, K 2048, rows of 12000):
+    """The sampled guess (a variant) in the GPU's shape (1024 threads, cap 8192, K 2048, rows of 12000):
     it holds (normal scores; integer ties), and each way it falls back to the full passes: more
     candidates than the cap (one value; keys under one 12-bit prefix), fewer than K (the
     sampled columns hold the largest keys, the rest far below), too few live keys sampled
@@ -179,7 +179,8 @@ def test_row_topk_on_the_host_guess_paths():
     keys = score_keys(scores)
     keys[5, torch.rand(L, generator=g) < 0.9] = -2**31
     lens = torch.full((6,), L, dtype=torch.int32)
-    got = _run(keys.contiguous(), lens, K, host=(1024, row_topk.CAP))
+    got = _run(keys.contiguous(), lens, K, host=(1024, row_topk.CAP),
+               defines=row_topk.VARIANTS["a sampled guess, one read of the row where it holds"])
     _check(got, _reference_from_keys(keys, lens, K))
 
 

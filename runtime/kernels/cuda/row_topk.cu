@@ -10,7 +10,8 @@
 //
 // Per row, over composites (u << 32 | ~column: distinct, and their descending order is the
 // reference order), found by their bits from the top:
-//   0. a guess, on rows of more than 2 K keys (K > 1024): a sample of the row's keys (one a
+//   0. (a variant, CPPLAN_ROW_TOPK_GUESS: slower but on the longest rows of model-like keys,
+//      bench/RESULTS.md) a guess, on rows of more than 2 K keys (K > 1024): a sample of the row's keys (one a
 //      thread) gives a 12-bit bin below the K-th key with a margin, and one pass over the row
 //      gathers the composites of that bin and above into `cand`; if they are at least K and
 //      fit, the K-th composite's bin is found among them (a histogram in `sel`, still free)
@@ -35,8 +36,8 @@
 // host, a CTA's threads as std::threads (host_emulation.h): the CPU tests check it against the
 // reference there, with CPPLAN_ROW_TOPK_BLOCK threads a CTA. Other defines are the bench's
 // variants (row_topk.VARIANTS): CPPLAN_ROW_TOPK_SMEM_SORT, _SORT4 and _SMEM_PAIRS (other
-// sorts), _BLOCK and _CAP (smaller CTAs), _NO_GUESS (steps 1-3 for every row), _PROBE_NO_SORT
-// (the result left unordered: a timing probe).
+// sorts), _BLOCK and _CAP (smaller CTAs), _GUESS (step 0), _PROBE_NO_SORT (the result left
+// unordered: a timing probe).
 
 #include <cstdint>
 
@@ -66,10 +67,10 @@ constexpr int kMinBlocks = 2048 / kBlock < 16 ? 2048 / kBlock : 16;  // CTAs an 
 #define CPPLAN_ROW_TOPK_CAP 8192
 #endif
 constexpr int kCap = CPPLAN_ROW_TOPK_CAP;  // the launcher's `cap` (cpplan_row_topk_cap)
-#ifdef CPPLAN_ROW_TOPK_NO_GUESS
-constexpr bool kGuess = false;  // a variant: steps 1-3 for every row (the form before)
+#ifdef CPPLAN_ROW_TOPK_GUESS
+constexpr bool kGuess = true;  // a variant: step 0 (slower on the bench's rows but the longest)
 #else
-constexpr bool kGuess = true;
+constexpr bool kGuess = false;
 #endif
 
 struct Shared {
@@ -416,7 +417,7 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
   uint64_t prefix = 0u;
   int bits = kFirstBits, need = 0, in_bin = 0, held = 0;
 
-  // 0. a guess (rows of more than 2 K keys, K > 1024): a sample of the row's keys (one a
+  // 0. a guess (a variant; rows of more than 2 K keys, K > 1024): a sample of the row's keys (one a
   //    thread) gives a 12-bit bin t below the K-th key with a margin; one pass over the row
   //    gathers every key of a bin >= t into cand; if they are at least K and fit, the K-th
   //    key's bin is found among them, and steps 1-3 (two more reads of the row) are skipped
