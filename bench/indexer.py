@@ -209,6 +209,7 @@ def prefill_parts(args, tiles, ceil, flops, label):
                 keys, key_len, TOPK, top_s, top_i, t), None))
     if VARIANTS is not None:  # --variants: the default parts and the named ones
         parts = [p for p in parts if p[0] in ("planar logits", "select")
+                 or p[0].startswith("select CUDA, baseline")  # asked for by its own flag
                  or any(v in p[0] for v in VARIANTS)]
     want = None
     for part, fn, fl in parts:
