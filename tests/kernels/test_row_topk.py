@@ -139,51 +139,6 @@ def test_row_topk_on_the_host_in_the_gpu_shape(variant):
         _check((s, i), want)
 
 
-def _reference_from_keys(keys, lens, topk):
-    """The top ``topk`` of int32 keys by themselves (INT32_MIN: no key): each row's live keys
-    ordered by key descending, column ascending, as float32 scores (the keys' inverse map) and
-    columns; pads -inf / NO_KEY."""
-    R = keys.shape[0]
-    s = torch.full((R, topk), float("-inf"))
-    ids = torch.full((R, topk), ref.NO_KEY, dtype=torch.int64)
-    for r in range(R):
-        k = keys[r, :int(lens[r])].long()
-        cols = torch.nonzero(k != -2**31).flatten()
-        order = sorted(cols.tolist(), key=lambda c: (-int(k[c]), c))[:topk]
-        kk = keys[r, order]
-        bits = torch.where(kk < 0, kk ^ 0x7FFFFFFF, kk)
-        s[r, :len(order)] = bits.view(torch.float32)
-        ids[r, :len(order)] = torch.tensor(order, dtype=torch.int64)
-    return s, ids
-
-
-@needs_cxx
-def test_row_topk_on_the_host_guess_paths():
-    """The sampled guess (a variant) in the GPU's shape (1024 threads, cap 8192, K 2048, rows of 12000):
-    it holds (normal scores; integer ties), and each way it falls back to the full passes: more
-    candidates than the cap (one value; keys under one 12-bit prefix), fewer than K (the
-    sampled columns hold the largest keys, the rest far below), too few live keys sampled
-    (nine in ten keys absent)."""
-    L, K = 12000, 2048
-    g = torch.Generator().manual_seed(11)
-    scores = torch.stack([
-        torch.randn(L, generator=g),
-        torch.randint(0, 40, (L,), generator=g).float(),
-        torch.full((L,), 3.5),
-        1.0 + torch.randint(0, 1 << 19, (L,), generator=g).float() * 2.0 ** -23,
-        torch.rand(L, generator=g),
-        torch.randn(L, generator=g),
-    ])
-    sampled = torch.arange(1024) * L // 1024  # the guess's sample: column t * n / 1024
-    scores[4, sampled] = 1000.0 + torch.arange(1024).float()
-    keys = score_keys(scores)
-    keys[5, torch.rand(L, generator=g) < 0.9] = -2**31
-    lens = torch.full((6,), L, dtype=torch.int32)
-    got = _run(keys.contiguous(), lens, K, host=(1024, row_topk.CAP),
-               defines=row_topk.VARIANTS["a sampled guess, one read of the row where it holds"])
-    _check(got, _reference_from_keys(keys, lens, K))
-
-
 @needs_cxx
 def test_row_topk_on_the_host_decode_ids():
     kw = {"decode_ids": True, "W": 4, "I": 64, "rank": 3}

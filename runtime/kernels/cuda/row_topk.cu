@@ -10,13 +10,6 @@
 //
 // Per row, over composites (u << 32 | ~column: distinct, and their descending order is the
 // reference order), found by their bits from the top:
-//   0. (a variant, CPPLAN_ROW_TOPK_GUESS: slower but on the longest rows of model-like keys,
-//      bench/RESULTS.md) a guess, on rows of more than 2 K keys (K > 1024): a sample of the row's keys (one a
-//      thread) gives a 12-bit bin below the K-th key with a margin, and one pass over the row
-//      gathers the composites of that bin and above into `cand`; if they are at least K and
-//      fit, the K-th composite's bin is found among them (a histogram in `sel`, still free)
-//      and steps 1-3 are skipped: one read of the row instead of two. Else (a bin of ties, a
-//      sample that missed) steps 1-3 run;
 //   1. a histogram of the top 12 bits over the row (global memory, read once);
 //   2. the bin holding the K-th composite; while it holds more than CAP (ties, narrow rows),
 //      another pass over the row refines it by the next 10 bits (rare);
@@ -36,14 +29,11 @@
 // host, a CTA's threads as std::threads (host_emulation.h): the CPU tests check it against the
 // reference there, with CPPLAN_ROW_TOPK_BLOCK threads a CTA. Other defines are the bench's
 // variants (row_topk.VARIANTS): CPPLAN_ROW_TOPK_SMEM_SORT, _SORT4 and _SMEM_PAIRS (other
-// sorts), _BLOCK and _CAP (smaller CTAs), _GUESS (step 0), _PROBE_NO_SORT (the result left
-// unordered: a timing probe).
+// sorts), _PROBE_NO_SORT (the result left unordered: a timing probe).
 
 #include <cstdint>
 
 #ifdef CPPLAN_HOST_EMULATION
-#include <cmath>
-
 #include "host_emulation.h"
 #else
 #include <cuda_runtime.h>
@@ -67,11 +57,6 @@ constexpr int kMinBlocks = 2048 / kBlock < 16 ? 2048 / kBlock : 16;  // CTAs an 
 #define CPPLAN_ROW_TOPK_CAP 8192
 #endif
 constexpr int kCap = CPPLAN_ROW_TOPK_CAP;  // the launcher's `cap` (cpplan_row_topk_cap)
-#ifdef CPPLAN_ROW_TOPK_GUESS
-constexpr bool kGuess = true;  // a variant: step 0 (slower on the bench's rows but the longest)
-#else
-constexpr bool kGuess = false;
-#endif
 
 struct Shared {
   int warp[kWarps];
@@ -318,7 +303,7 @@ __device__ __forceinline__ void warp_append(uint64_t* buf, int* count, bool take
 // warp_append of a lane's VEC values at once: one ballot a value, one atomic a warp.
 template <int VEC>
 __device__ __forceinline__ void warp_append_vec(uint64_t* buf, int* count, const bool (&take)[VEC],
-                                                const uint64_t (&v)[VEC], int limit = 1 << 30) {
+                                                const uint64_t (&v)[VEC]) {
   const int lane = threadIdx.x & 31;
   const unsigned below = (1u << lane) - 1u;
   int off[VEC], total = 0;
@@ -334,7 +319,7 @@ __device__ __forceinline__ void warp_append_vec(uint64_t* buf, int* count, const
   base = __shfl_sync(0xffffffffu, base, 0);
 #pragma unroll
   for (int j = 0; j < VEC; ++j)
-    if (take[j] && base + off[j] < limit) buf[base + off[j]] = v[j];  // *count counts on
+    if (take[j]) buf[base + off[j]] = v[j];
 }
 
 // A bin of at most 32 composites (those of cand[0, held) under `prefix`): warp 0 gathers them
@@ -411,71 +396,6 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
   const int32_t* p = keys + row * stride_k;
   constexpr int kTile = kBlock * VEC;
 
-  // the bin: composites whose top `bits` bits are `prefix`; `need` of them still wanted, of
-  // `in_bin`; step 4 scans cand[0, held) for it
-  bool all = false;  // every live key is in the result
-  uint64_t prefix = 0u;
-  int bits = kFirstBits, need = 0, in_bin = 0, held = 0;
-
-  // 0. a guess (a variant; rows of more than 2 K keys, K > 1024): a sample of the row's keys (one a
-  //    thread) gives a 12-bit bin t below the K-th key with a margin; one pass over the row
-  //    gathers every key of a bin >= t into cand; if they are at least K and fit, the K-th
-  //    key's bin is found among them, and steps 1-3 (two more reads of the row) are skipped
-  bool guessed = false;
-  if (kGuess && 2 * KS >= kBins && n > 2 * K) {
-    for (int b = tid; b < kBins; b += kBlock) first[b] = 0;
-    if (tid == 0) sh.n_sel = sh.n_cand = 0;
-    __syncthreads();
-    const uint32_t us = ukey(p[static_cast<int64_t>(tid) * n / kBlock]);
-    if (us) atomicAdd(&first[us >> (32 - kFirstBits)], 1u);
-    __syncthreads();
-    const float e = static_cast<float>(kBlock) * K / n;  // samples expected above the K-th key
-    const int want = min(kBlock, static_cast<int>(1.5f * e + 4.f * sqrtf(e)) + 4);
-    int sampled;
-    find_bin(first, kBins, want, sh, sampled);
-    if (sampled >= want) {  // (the same in every thread)
-      const uint32_t t = sh.found_bin;
-      for (int c0 = 0; c0 < n; c0 += kTile) {  // (`first` is read no more: find_bin's barrier)
-        int32_t a[VEC];
-        const int c = c0 + tid * VEC;
-        Loads<VEC>::at(p, c, n, a);
-        bool take[VEC];
-        uint64_t v[VEC];
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          const uint32_t u = ukey(a[j]);
-          take[j] = u != 0u && (u >> (32 - kFirstBits)) >= t;
-          v[j] = composite(u, c + j);
-        }
-        warp_append_vec(cand, &sh.n_cand, take, v, cap);
-      }
-      __syncthreads();
-      const int got = sh.n_cand;
-      __syncthreads();  // (every thread has read it before step 1 may reset it)
-      if (got >= K && got <= cap) {
-        uint32_t* h = reinterpret_cast<uint32_t*>(sel);  // kBins: sel is free till the appends
-        for (int b = tid; b < kBins; b += kBlock) h[b] = 0;
-        __syncthreads();
-        for (int i = tid; i < got; i += kBlock) atomicAdd(&h[cand[i] >> (64 - kFirstBits)], 1u);
-        __syncthreads();
-        int unused;
-        find_bin(h, kBins, K, sh, unused);
-        prefix = sh.found_bin;
-        need = K - sh.found_before;
-        in_bin = sh.found_count;
-        held = got;
-        for (int i0 = 0; i0 < got; i0 += kBlock) {  // the composites above the bin to sel
-          const int i = i0 + tid;
-          const uint64_t v = i < got ? cand[i] : 0u;
-          warp_append(sel, &sh.n_sel, i < got && (v >> (64 - kFirstBits)) > prefix, v);
-        }
-        __syncthreads();
-        guessed = true;
-      }
-    }
-  }
-  if (!guessed) {
-
   // 1. histogram of the top kFirstBits bits of the live keys
   for (int b = tid; b < kBins; b += kBlock) first[b] = 0;
   if (tid == 0) sh.n_sel = sh.n_cand = 0;
@@ -494,10 +414,12 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
   __syncthreads();
   int live;
   find_bin(first, kBins, K, sh, live);
-  all = live <= K;
-  prefix = all ? 0u : static_cast<uint64_t>(sh.found_bin);
-  need = all ? live : K - sh.found_before;
-  in_bin = all ? 0 : sh.found_count;
+  const bool all = live <= K;  // every live key is in the result
+  // the bin: composites whose top `bits` bits are `prefix`; `need` of them still wanted
+  uint64_t prefix = all ? 0u : static_cast<uint64_t>(sh.found_bin);
+  int bits = kFirstBits;
+  int need = all ? live : K - sh.found_before;
+  int in_bin = all ? 0 : sh.found_count;
 
   // 2. a bin too large for `cand`: refined over the row (ties, or keys packed in a narrow range)
   while (!all && in_bin > cap) {
@@ -554,12 +476,11 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
     warp_append_vec(cand, &sh.n_cand, eq, v);
   }
   __syncthreads();
-  held = in_bin;  // cand holds the bin's composites only
-  }  // !guessed
 
   // 4. refine the bin inside cand until it holds exactly the composites still needed; a bin
   //    of at most 32 is finished by one warp
   if (!all) {
+    const int held = in_bin;  // cand[0, held): the bin of step 3, scanned again at each level
     bool finished = false;
     while (in_bin > need) {
       if (in_bin <= 32) {

@@ -4,11 +4,9 @@ int32 keys finds the bin of the K-th key, a second pass gathers the keys above t
 those in it into shared memory (a warp's places taken with one atomic), histograms of 10 more
 bits refine the bin (ties by the columns' bits; a bin of at most 32 ranked by one warp), and
 a bitonic network sorts the K composites (score descending, column ascending, as the
-reference order; at K 2048 unrolled, its stages of stride <= 32 in registers and shuffles).
-About two reads of the row's keys (the second mostly from L2) against the Triton filter path's
-threshold, counting, gathering, trim, run sorts and ranks (bench/RESULTS.md). A variant guesses
-the K-th key's bin from a sample and gathers in one pass where the guess holds (slower on the
-bench's rows but the longest).
+reference order; at K 2048 unrolled, its stages of stride <= 32 in registers and shuffles). About two
+reads of the row's keys (the second mostly from L2) against the Triton filter path's threshold,
+counting, gathering, trim, run sorts and ranks (bench/RESULTS.md).
 
 ``indexer_select._select`` calls ``select`` for at least ``IndexerTiles.cuda_select_rows``
 rows of ``topk <= MAX_TOPK`` where ``unavailable_reason`` is None.
@@ -36,7 +34,6 @@ VARIANTS = {
     "512 threads a CTA, 2048 candidates": ("CPPLAN_ROW_TOPK_BLOCK=512", "CPPLAN_ROW_TOPK_CAP=2048"),
     "sort with four values a lane": ("CPPLAN_ROW_TOPK_SORT4",),
     "sort, its shared-memory stages two a round": ("CPPLAN_ROW_TOPK_SMEM_PAIRS",),
-    "a sampled guess, one read of the row where it holds": ("CPPLAN_ROW_TOPK_GUESS",),
     "probe: no sort (the result unordered, not equal)": ("CPPLAN_ROW_TOPK_PROBE_NO_SORT",),
 }
 
