@@ -153,8 +153,7 @@ def tally(body, ins, group_of):
         stalls = collections.Counter({k[len("stall_"):]: int(v) for k, v in row.items()
                                       if k.startswith("stall_") and "Not Issued" not in k
                                       and v.isdigit() and int(v)})
-        for acc in (by_group[group_of.get(line, "(no line)") if line else "(no line)"],
-                    by_line[line]):
+        for acc in (by_group[group_of.get(line, "(no line)")], by_line[line]):
             acc[0] += samples
             acc[1] += executed
             acc[2].update(stalls)

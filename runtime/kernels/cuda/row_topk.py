@@ -4,9 +4,9 @@ int32 keys finds the bin of the K-th key, a second pass gathers the keys above t
 those in it into shared memory (a warp's places taken with one atomic), histograms of 10 more
 bits refine the bin (ties by the columns' bits; a bin of at most 32 ranked by one warp), and
 a bitonic network sorts the K composites (score descending, column ascending, as the
-reference order; at K 2048 unrolled, its stages of stride <= 32 in registers and shuffles). About two
-reads of the row's keys (the second mostly from L2) against the Triton filter path's threshold,
-counting, gathering, trim, run sorts and ranks (bench/RESULTS.md).
+reference order; at K 2048 unrolled, its stages of stride <= 32 in registers and shuffles).
+About two reads of the row's keys (the second mostly from L2) against the Triton filter path's
+threshold, counting, gathering, trim, run sorts and ranks (bench/RESULTS.md).
 
 ``indexer_select._select`` calls ``select`` for at least ``IndexerTiles.cuda_select_rows``
 rows of ``topk <= MAX_TOPK`` where ``unavailable_reason`` is None.
@@ -31,7 +31,6 @@ VARIANTS = {
     "512 threads a CTA": ("CPPLAN_ROW_TOPK_BLOCK=512",),
     "512 threads a CTA, 4096 candidates (four CTAs an SM)": ("CPPLAN_ROW_TOPK_BLOCK=512",
                                                              "CPPLAN_ROW_TOPK_CAP=4096"),
-    "512 threads a CTA, 2048 candidates": ("CPPLAN_ROW_TOPK_BLOCK=512", "CPPLAN_ROW_TOPK_CAP=2048"),
     "sort with four values a lane": ("CPPLAN_ROW_TOPK_SORT4",),
     "sort, its shared-memory stages two a round": ("CPPLAN_ROW_TOPK_SMEM_PAIRS",),
     "probe: no sort (the result unordered, not equal)": ("CPPLAN_ROW_TOPK_PROBE_NO_SORT",),
@@ -59,8 +58,10 @@ def _library(arch: str, defines: tuple[str, ...], source: str = SOURCE):
     return lib, None
 
 
+@functools.cache
 def _cap(lib) -> int:
-    """The candidates' buffer ``lib`` is launched with: CAP, but in a bench variant."""
+    """The candidates' buffer ``lib`` is launched with: CAP, but in a bench variant (once a
+    library: ``select`` asks at every call)."""
     return lib.cpplan_row_topk_cap() if hasattr(lib, "cpplan_row_topk_cap") else CAP
 
 
