@@ -119,7 +119,7 @@ def test_row_topk_on_the_host_equals_reference(kind, shape):
 
 
 @needs_cxx
-@pytest.mark.parametrize("variant", ["default", *row_topk.VARIANTS])
+@pytest.mark.parametrize("variant", ["default", *(v for v, d in row_topk.VARIANTS.items() if d)])
 def test_row_topk_on_the_host_in_the_gpu_shape(variant):
     """1024 threads, cap 8192, K 2048 (the sort's register form), and each bench variant (the
     no-sort probe: the same set of results, unordered)."""
@@ -183,8 +183,13 @@ def test_prefill_select_takes_the_cuda_rows():
     from cpplan.runtime.kernels.triton.indexer_select import cuda_rows
 
     assert cuda_rows(R, topk, torch.device("cuda"), on)
+    # rows of 8192 keys take the short rows' build, wider ones (and K past 2048) the default
+    assert row_topk.select_defines(L, topk, on.cuda_select_short_keys) == row_topk.SHORT_ROWS
+    assert row_topk.select_defines(L, topk, L - 1) == ()
+    assert row_topk.select_defines(L, 4096, on.cuda_select_short_keys) == ()
     assert not cuda_rows(R, topk, torch.device("cuda"), it.IndexerTiles(cuda_select=False))
-    for tiles in (on, it.IndexerTiles(cuda_select=False)):
+    for tiles in (on, it.IndexerTiles(cuda_select_short_keys=0),
+                  it.IndexerTiles(cuda_select=False)):
         _check(it.select_topk(scores.cuda(), lens.cuda(), topk, tiles=tiles), want)
 
 

@@ -27,9 +27,10 @@
 //
 // Built with -DCPPLAN_HOST_EMULATION (a C++20 compiler, no CUDA) the same kernel runs on the
 // host, a CTA's threads as std::threads (host_emulation.h): the CPU tests check it against the
-// reference there, with CPPLAN_ROW_TOPK_BLOCK threads a CTA. Other defines are the bench's
-// variants (row_topk.VARIANTS): CPPLAN_ROW_TOPK_SMEM_SORT, _SORT4 and _SMEM_PAIRS (other
-// sorts), _PROBE_NO_SORT (the result left unordered: a timing probe).
+// reference there, with CPPLAN_ROW_TOPK_BLOCK threads a CTA (512 with _CAP 4096: the short
+// rows' build). Other defines are the bench's variants (row_topk.VARIANTS):
+// CPPLAN_ROW_TOPK_SMEM_SORT (every sort stage in shared memory), _PROBE_NO_SORT (the result
+// left unordered: a timing probe).
 
 #include <cstdint>
 
@@ -135,28 +136,10 @@ __device__ __forceinline__ uint64_t keep(uint64_t x, uint64_t y, bool keep_max) 
 }
 
 // The stages of stride `stride` down to kLow of a run of `size` over sel[0, KS), in shared
-// memory, a barrier after each (a variant: two stages a round while two remain, a thread of
-// the first KS / 4 holding four values, i0 + {0, h, 2h, 3h}, h = stride / 2; 12% slower).
+// memory, a barrier after each. (Two stages a round, a thread of the first KS / 4 holding four
+// values, measured 12% slower: half the CTA idles; bench/RESULTS.md.)
 template <int KS, int kLow>
 __device__ __forceinline__ void shared_stages(uint64_t* sel, int size, int stride) {
-#ifdef CPPLAN_ROW_TOPK_SMEM_PAIRS  // a variant: two stages a round
-#pragma unroll
-  for (; stride >= 2 * kLow; stride >>= 2) {
-    const int h = stride >> 1;
-    for (int t = threadIdx.x; t < KS / 4; t += kBlock) {
-      const int i0 = (t & (h - 1)) | ((t & ~(h - 1)) << 2);  // two zero bits at h and 2h
-      const bool down = (i0 & size) == 0;
-      const uint64_t e0 = sel[i0], e1 = sel[i0 + h], e2 = sel[i0 + 2 * h], e3 = sel[i0 + 3 * h];
-      const uint64_t f0 = keep(e0, e2, down), f2 = keep(e2, e0, !down);  // stride 2h
-      const uint64_t f1 = keep(e1, e3, down), f3 = keep(e3, e1, !down);
-      sel[i0] = keep(f0, f1, down);  // stride h
-      sel[i0 + h] = keep(f1, f0, !down);
-      sel[i0 + 2 * h] = keep(f2, f3, down);
-      sel[i0 + 3 * h] = keep(f3, f2, !down);
-    }
-    __syncthreads();
-  }
-#endif
 #pragma unroll
   for (; stride >= kLow; stride >>= 1) bitonic_stage(sel, KS, size, stride);
 }
@@ -205,8 +188,9 @@ __device__ void bitonic_sort_shared(uint64_t* sel, int KS) {
     for (int stride = size >> 1; stride > 0; stride >>= 1) bitonic_stage(sel, KS, size, stride);
 }
 
-// The same sort with four values a lane (KS / 4 threads, the first of the CTA): used where
-// KS = 4 kBlock, and at KS = 2 kBlock as a variant;
+// The same sort with four values a lane (KS / 4 = kBlock threads), at 512 threads a CTA or
+// fewer (the short rows' build at K 2048; at 1024 threads and KS = 2 kBlock, half the CTA
+// idle, it measured 35% slower than two values a thread);
 // lane l of warp w holds places 128 w + 4 l + r, r < 4, so stages of stride 1 and 2 run inside
 // a thread, 4 to 64 on shuffles, 128 and up in shared memory; every loop unrolled.
 template <int KS>
@@ -533,30 +517,21 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
   CPPLAN_RESULT;
   for (int i = tid; i < K; i += kBlock) out.put(i, sel[i]);
 #else
-#if defined(CPPLAN_ROW_TOPK_SORT4)  // a variant: four values a lane
-  constexpr bool kSort4 = true;
-#else
-  constexpr bool kSort4 = false;
-#endif
 #if defined(CPPLAN_ROW_TOPK_SMEM_SORT)  // a variant: every stage in shared memory
   constexpr bool kShared = true;
 #else
   constexpr bool kShared = false;
 #endif
-  if (!kShared && !kSort4 && KS == 2 * kBlock) {  // two values a thread
+  if (!kShared && KS == 2 * kBlock) {  // two values a thread
     uint64_t a, b;
     bitonic_sort_registers<2 * kBlock>(sel, a, b);
     CPPLAN_RESULT;
     const int ia = (tid >> 5) * 64 + (tid & 31);
     out.put(ia, a);
     out.put(ia + 32, b);
-  } else if (!kShared && (kSort4 || kBlock <= 512) &&  // four values a thread (kept out of
-             (KS == 4 * kBlock || KS == 2 * kBlock)) {  // the default build: its registers)
+  } else if (!kShared && kBlock <= 512 && KS == 4 * kBlock) {  // four values a thread
     uint64_t e[4];
-    if (KS == 4 * kBlock)
-      bitonic_sort4_registers<4 * kBlock>(sel, e);
-    else
-      bitonic_sort4_registers<2 * kBlock>(sel, e);
+    bitonic_sort4_registers<4 * kBlock>(sel, e);
     CPPLAN_RESULT;
     const int base = (tid >> 5) * 128 + (tid & 31) * 4;
     if (tid < KS / 4)

@@ -26,13 +26,15 @@ MAX_TOPK = 4096  # the result's sort buffer (a power of two >= topk) ...
 CAP = 8192  # ... and the K-th key's bin in shared memory (>= MAX_TOPK): 100 KB at MAX_TOPK
 SOURCE = "row_topk.cu"
 # variants of the kernel (compile-time), timed beside the default by bench/indexer.py
+# the build for short rows (``select_defines``): 512 threads a CTA, 4096 candidates, four CTAs
+# an SM; its sort holds four values a thread, so up to SHORT_MAX_TOPK (bench/RESULTS.md)
+SHORT_ROWS = ("CPPLAN_ROW_TOPK_BLOCK=512", "CPPLAN_ROW_TOPK_CAP=4096")
+SHORT_MAX_TOPK = 2048
 VARIANTS = {
     "sort in shared memory only": ("CPPLAN_ROW_TOPK_SMEM_SORT",),
+    "1024 threads a CTA (the long rows' build)": (),
     "512 threads a CTA": ("CPPLAN_ROW_TOPK_BLOCK=512",),
-    "512 threads a CTA, 4096 candidates (four CTAs an SM)": ("CPPLAN_ROW_TOPK_BLOCK=512",
-                                                             "CPPLAN_ROW_TOPK_CAP=4096"),
-    "sort with four values a lane": ("CPPLAN_ROW_TOPK_SORT4",),
-    "sort, its shared-memory stages two a round": ("CPPLAN_ROW_TOPK_SMEM_PAIRS",),
+    "512 threads a CTA, 4096 candidates (the short rows' build)": SHORT_ROWS,
     "probe: no sort (the result unordered, not equal)": ("CPPLAN_ROW_TOPK_PROBE_NO_SORT",),
 }
 
@@ -87,15 +89,21 @@ def _ready(index: int, defines: tuple[str, ...] = (), source: str = SOURCE):
     return lib, None
 
 
-def unavailable_reason(device) -> str | None:
-    """None where ``select`` runs on ``device``; else one line saying why not (no GPU, no
-    nvcc, the build failed: then also a RuntimeWarning once, as the Triton select runs
-    instead)."""
+def select_defines(L: int, topk: int, short_keys: int) -> tuple[str, ...]:
+    """The build that selects rows of width ``L``: ``SHORT_ROWS`` up to ``short_keys`` keys
+    (more rows in flight an SM), else the default (1024 threads a CTA)."""
+    return SHORT_ROWS if L <= short_keys and topk <= SHORT_MAX_TOPK else ()
+
+
+def unavailable_reason(device, defines: tuple[str, ...] = ()) -> str | None:
+    """None where ``select`` (with ``defines``) runs on ``device``; else one line saying why
+    not (no GPU, no nvcc, the build failed: then also a RuntimeWarning once, as the Triton
+    select runs instead)."""
     device = torch.device(device)
     if device.type != "cuda":
         return f"needs a CUDA device, got {device.type}"
     index = device.index if device.index is not None else torch.cuda.current_device()
-    lib, why = _ready(index)
+    lib, why = _ready(index, tuple(defines))
     if lib is None and "no nvcc" not in why:
         _warn_once(why)
     return why

@@ -6,7 +6,8 @@ bench/RESULTS.md (``bench/indexer.py``). The launch shapes (``tiles`` below) are
 Top-k (``_select``), by row shape:
 
 - CUDA rows (at least ``cuda_select_rows`` rows, where ``..cuda.row_topk`` builds and runs:
-  a prefill chunk's rows): one CTA a row selects in shared memory (``row_topk.cu``); the
+  a prefill chunk's rows): one CTA a row selects in shared memory (``row_topk.cu``; rows at
+  most ``cuda_select_short_keys`` wide take its short rows' build, four CTAs an SM); the
   Triton paths below serve the rest, and every row where it cannot run;
 - split path (at most ``split_rows`` rows of at most ``split_run_max`` x ``rank_runs`` keys:
   short decode rows): ``sort_runs_kernel`` sorts runs of composites ``key << 32 | (2**32 - 1 -
@@ -71,8 +72,11 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
     ranks write only the live slots, have the outputs filled first."""
     R, L = keys.shape
     if cuda_rows(R, topk, keys.device, tiles):
+        defines = row_topk.select_defines(L, topk, tiles.cuda_select_short_keys)
+        if defines and row_topk.unavailable_reason(keys.device, defines) is not None:
+            defines = ()  # (the short rows' build failed: the default selects them)
         row_topk.select(keys, lens if lens.dtype == torch.int32 else lens.int(), topk, top_s,
-                        top_i, decode_ids=decode_ids, W=W, I=I, rank=rank)
+                        top_i, decode_ids=decode_ids, W=W, I=I, rank=rank, defines=defines)
         return
     kp = triton.next_power_of_2(topk)
     ids = {"RANK": rank, "W": W, "I": I, "DECODE_IDS": decode_ids}
