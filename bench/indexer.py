@@ -8,7 +8,7 @@ bf16 matmul ceiling.
                             [--sweep]
                             [--planar-sweep] [--planar-tiles 2:128:4:3,2:64:8:3:128] [--json out.json]
                             [--planar-variants gluon,ws] [--inputs integer|normal] [--deepgemm]
-                            [--cuda-baseline FILE]
+                            [--cuda-baseline FILE] [--ws-tiles 4:2:4,2:4:4:probe]
 
 Prefill cases: the last T tokens of an N-token context (query i has keys 0 .. N - T + i),
 64 heads x 128 dims, topk 2048, one rank. Decode cases: B requests of one context each (and 64
@@ -468,6 +468,22 @@ WS_TILES = ((4, 2, 4, False), (4, 2, 3, False), (2, 4, 4, False), (2, 4, 6, Fals
             (4, 2, 4, True), (2, 4, 4, True))
 
 
+def _ws_tiles(text: str) -> tuple[tuple, ...]:
+    """"2:4:4,4:2:4:probe" -> ((2, 4, 4, False), (4, 2, 4, True)) (queries a CTA, math
+    warpgroups, ring stages, and ``probe`` for the epilogue left out)."""
+    tiles = []
+    for item in text.split(","):
+        v = item.split(":")
+        try:
+            if len(v) not in (3, 4) or (len(v) == 4 and v[3] != "probe"):
+                raise ValueError
+            tiles.append((int(v[0]), int(v[1]), int(v[2]), len(v) == 4))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"ws tile {item!r}: expected BQ:NM:STAGES[:probe], e.g. 4:2:4") from None
+    return tuple(tiles)
+
+
 def ws_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops):
     """The warp-specialised Gluon logits (runtime/kernels/gluon/indexer_logits.py) at each of
     WS_TILES, checked equal to the Triton kernel's keys; a Triton without Gluon, or a variant
@@ -761,6 +777,8 @@ def main():
                     help="variant logits kernels timed beside the planar tiles: gluon (the "
                          "bench/variants kernel), ws (the warp-specialised one's WS_TILES); '' "
                          "for none")
+    ap.add_argument("--ws-tiles", type=_ws_tiles, metavar="BQ:NM:STAGES[:probe],...",
+                    help="the warp-specialised logits' configurations timed (default: WS_TILES)")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--prefill-cases", type=_prefill_cases, metavar="TxN[,TxN...]",
                     help="these prefill cases only, e.g. 2048x65536,8192x8192")
@@ -783,7 +801,9 @@ def main():
                          "on the same inputs (bench/deepgemm_build.sh builds it; one line and "
                          "no rows if deep_gemm does not import)")
     a = ap.parse_args()
-    global VARIANTS, PROFILE, PLANAR_DEFAULT_TILES, PLANAR_VARIANTS, INPUTS, CUDA_BASELINE
+    global VARIANTS, PROFILE, PLANAR_DEFAULT_TILES, PLANAR_VARIANTS, INPUTS, CUDA_BASELINE, \
+        WS_TILES
+    WS_TILES = a.ws_tiles or WS_TILES
     PLANAR_VARIANTS = tuple(v for v in a.planar_variants.split(",") if v)
     PROFILE = a.profile
     if a.cuda_baseline:
