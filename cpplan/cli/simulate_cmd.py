@@ -160,7 +160,7 @@ def _options(args):
 
 def run(args) -> int:
     from cpplan.schemas.errors import ConfigError
-    from cpplan.sim.simulate import preset_config
+    from cpplan.sim.simulate import check_inject, preset_config
 
     opts = _options(args)
     config = preset_config(opts)  # ConfigError (exit 2) for an unsupported topology
@@ -171,6 +171,7 @@ def run(args) -> int:
     if opts.inject and not 0 <= opts.inject.rank < world:
         raise ConfigError(f"--inject-divergence rank must be in [0, {world}): got "
                           f"{opts.inject.rank}")
+    check_inject(config, opts)  # a step the workload reaches, a kind that changes it
     from cpplan.sim.launch import torchrun_env
 
     env = torchrun_env()

@@ -127,6 +127,35 @@ def perturb(step: StepInput, config: ParallelConfig, kind: str):
     raise StepInputError(f"divergence kind must be one of {INJECT_KINDS}: got {kind!r}")
 
 
+def preset_scheduler(config: ParallelConfig, opts: SimOptions) -> MiniScheduler:
+    """The preset workload's scheduler (every rank runs its own: deterministic)."""
+    return MiniScheduler(preset_requests(config.pcp_size, config.max_model_len, num_long=4),
+                         token_budget=TOKEN_BUDGET, max_running=MAX_RUNNING,
+                         kv_token_budget=KV_TOKEN_BUDGET, name_sampled=opts.sampled_rows)
+
+
+def check_inject(config: ParallelConfig, opts: SimOptions) -> None:
+    """``--inject-divergence`` checked before any rank starts, on a dry run of the scheduler
+    (no model): ConfigError unless the workload reaches its STEP and its KIND changes that
+    step (reordering a one-request step changes nothing)."""
+    inj = opts.inject
+    if inj is None:
+        return
+    sched = preset_scheduler(config, opts)
+    for step_id in range(min(opts.steps, inj.step + 1)):
+        step = sched.schedule(step_id)
+        if step is None:
+            raise ConfigError(f"--inject-divergence {inj.step}:{inj.rank}:{inj.kind}: the "
+                              f"workload ends after {step_id} steps, so nothing would be "
+                              f"injected; expected a STEP below {step_id}")
+        if step_id == inj.step and perturb(step, config, inj.kind) == (step, config):
+            raise ConfigError(f"--inject-divergence {inj.step}:{inj.rank}:{inj.kind}: step "
+                              f"{inj.step} has {step.num_requests} request(s), so "
+                              f"'{inj.kind}' changes nothing; expected a step it perturbs "
+                              "(another STEP or KIND)")
+        sched.complete()
+
+
 def rank_main(ctx, opts: SimOptions) -> dict:
     """The body run on every rank; returns this rank's record (errors included, typed)."""
     config = preset_config(opts)
@@ -160,10 +189,7 @@ class _RankSim:
                                     groups.dcp_rank, config.interleave_size)
         self.caches = [LayerCache.empty(config, num_blocks, groups.device)
                        for _ in range(config.num_layers)]
-        self.sched = MiniScheduler(preset_requests(config.pcp_size, mml, num_long=4),
-                                   token_budget=TOKEN_BUDGET, max_running=MAX_RUNNING,
-                                   kv_token_budget=KV_TOKEN_BUDGET,
-                                   name_sampled=opts.sampled_rows)
+        self.sched = preset_scheduler(config, opts)
         self.graphs = StepGraphs(self.executor, self._layers) if opts.graphs else None
         if opts.warmup:  # collective, like a step: every rank does it here
             warmup(self.executor)

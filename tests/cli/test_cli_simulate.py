@@ -8,6 +8,7 @@ world's run is shared by the tests that read it (``graphs_run``), and the tests 
 rank's failure or divergence does to its peer run P = 2, W = 1 (two ranks, the preset
 workload depends on P only); tests/dist covers the P x W topologies."""
 
+import dataclasses
 import json
 import time
 
@@ -108,20 +109,34 @@ def test_simulate_refuses_options_that_would_do_nothing_or_abort(args, words, tm
     assert not (tmp_path / "deep").exists()
 
 
-def test_simulate_injection_that_never_happens_is_an_error():
-    """The workload of the default preset ends after 32 steps, and reordering a one-request
-    step changes nothing: each ran to "OK", exit 0, with nothing injected."""
-    proc = cpplan("simulate", "--pcp", 2, "--dcp", 1, "--steps", 60, "--layers", 1,
-                  "--inject-divergence", "45:1")
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert "step  31/60" in proc.stderr  # the last step that ran
-    assert "the workload ended after 32 steps, so nothing was injected" in proc.stderr
-    proc = cpplan("simulate", "--pcp", 2, "--dcp", 1, "--steps", 31, "--layers", 1,
-                  "--inject-divergence", "30:1:reorder")
-    assert proc.returncode == 2, proc.stderr
-    assert "rank 1 at step 30" in proc.stderr and "'reorder' changes nothing" in proc.stderr
-    assert "PeerFailedError: rank 1 failed in step 30" in proc.stderr  # rank 0, told at once
+@pytest.mark.parametrize("inject, steps, words", [
+    ("45:1", 60, "45:1:q+1: the workload ends after 32 steps, so nothing would be injected; "
+                 "expected a STEP below 32"),
+    ("30:1:reorder", 31, "step 30 has 1 request(s), so 'reorder' changes nothing"),
+])
+def test_simulate_injection_that_never_happens_is_refused_up_front(inject, steps, words):
+    """The default preset's workload ends after 32 steps, and reordering a one-request step
+    changes nothing: a dry run of the scheduler refuses both before any rank starts (exit 2,
+    one line; they used to run every step first)."""
+    assert_one_line_error(_in_process("simulate", "--pcp", 2, "--dcp", 1, "--steps", steps,
+                                      "--layers", 1, "--inject-divergence", inject), 2, words)
+
+
+def test_the_dry_run_sees_the_steps_the_ranks_run():
+    """``check_inject``'s dry run and a rank's loop schedule the same steps: the last step
+    the dry run accepts is the last one the workload runs."""
+    from cpplan.sim import simulate as sim
+
+    opts = sim.SimOptions(pcp=2, dcp=1, steps=60, layers=1)
+    config = sim.preset_config(opts)
+    sched, ran = sim.preset_scheduler(config, opts), 0
+    while sched.schedule(ran) is not None:
+        sched.complete()
+        ran += 1
+    assert ran == 32
+    sim.check_inject(config, dataclasses.replace(opts, inject=sim.Inject(ran - 1, 1)))
+    with pytest.raises(sim.ConfigError, match=f"ends after {ran} steps"):
+        sim.check_inject(config, dataclasses.replace(opts, inject=sim.Inject(ran, 1)))
 
 
 def test_simulate_record_write_failure_stops_every_rank_at_once(tmp_path):
@@ -177,14 +192,14 @@ def test_simulate_shared_layers_sampled_rows_and_a_model_scale_match_the_oracle(
     keys with its source's inputs); a recorded step replays at the recorded scale."""
     runs = tmp_path / "runs"
     proc = cpplan("simulate", "--layers", "3", "--indexer-pattern", "FS", "--sampled-rows",
-                  "--sm-scale", "0.0625", "--steps", "10", "--json", "--record", runs)
+                  "--sm-scale", "0.0625", "--steps", "6", "--json", "--record", runs)
     assert proc.returncode == 0, proc.stderr
     summary = _last_json(proc.stdout)
     assert summary["ok"] is True and summary["max_abs_err"] <= summary["tolerance"]
-    report = json.loads(cpplan("inspect", runs / "step-9.msgpack", "--json").stdout)
+    report = json.loads(cpplan("inspect", runs / "step-5.msgpack", "--json").stdout)
     assert report["config"]["indexer_sources"] == [0, 0, 2]
     names = {c["name"] for c in report["collectives"]}
     assert "sampled" in report and "restore" not in names  # never the full restore
     assert ("restore_sampled" in names) == bool(report["sampled"]["requests"])
     assert json.loads((runs / "replay.json").read_text())["sm_scale"] == 0.0625
-    assert cpplan("replay", runs / "step-9.msgpack").returncode == 0
+    assert cpplan("replay", runs / "step-5.msgpack").returncode == 0
