@@ -8,7 +8,7 @@ bf16 matmul ceiling.
                             [--sweep]
                             [--planar-sweep] [--planar-tiles 2:128:4:3,2:64:8:3:128] [--json out.json]
                             [--planar-variants gluon,ws] [--inputs integer|normal] [--deepgemm]
-                            [--cuda-baseline FILE] [--ws-tiles 4:2:4,2:4:4:probe]
+                            [--cuda-baseline FILE] [--ws-tiles 4:2:4,2:2:4:pipe]
 
 Prefill cases: the last T tokens of an N-token context (query i has keys 0 .. N - T + i),
 64 heads x 128 dims, topk 2048, one rank. Decode cases: B requests of one context each (and 64
@@ -461,26 +461,29 @@ def planar_logits(args, ceil, flops, sweep_tiles=False):
     return ok
 
 
-# (queries a CTA, math warpgroups, ring stages, probe) of the warp-specialised logits; a probe
-# replaces the epilogue by a per-column maximum stored nowhere (the products' and the
-# pipeline's time, no keys written)
-WS_TILES = ((4, 2, 4, False), (4, 2, 3, False), (2, 4, 4, False), (2, 4, 6, False),
-            (4, 2, 4, True), (2, 4, 4, True))
+# (queries a CTA, math warpgroups, ring stages, mode) of the warp-specialised logits; mode
+# "pipe": the next product issued before each epilogue; "probe": the epilogue replaced by a
+# per-column maximum stored nowhere (the products' and the pipeline's time, no keys written)
+WS_TILES = ((4, 2, 4, ""), (2, 2, 4, "pipe"), (2, 2, 6, "pipe"), (2, 4, 4, ""),
+            (4, 2, 4, "probe"), (2, 2, 4, "pipe,probe"))
+WS_MODES = ("", "pipe", "probe", "pipe,probe")
 
 
 def _ws_tiles(text: str) -> tuple[tuple, ...]:
-    """"2:4:4,4:2:4:probe" -> ((2, 4, 4, False), (4, 2, 4, True)) (queries a CTA, math
-    warpgroups, ring stages, and ``probe`` for the epilogue left out)."""
+    """"2:2:4:pipe,4:2:4" -> ((2, 2, 4, "pipe"), (4, 2, 4, "")) (queries a CTA, math
+    warpgroups, ring stages, and a mode: pipe, probe or both, "+"-joined)."""
     tiles = []
     for item in text.split(","):
         v = item.split(":")
         try:
-            if len(v) not in (3, 4) or (len(v) == 4 and v[3] != "probe"):
+            mode = ",".join(sorted(v[3].split("+"))) if len(v) == 4 else ""
+            if len(v) not in (3, 4) or mode not in WS_MODES:
                 raise ValueError
-            tiles.append((int(v[0]), int(v[1]), int(v[2]), len(v) == 4))
+            tiles.append((int(v[0]), int(v[1]), int(v[2]), mode))
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"ws tile {item!r}: expected BQ:NM:STAGES[:probe], e.g. 4:2:4") from None
+                f"ws tile {item!r}: expected BQ:NM:STAGES[:pipe|probe|pipe+probe], e.g. "
+                f"2:2:4:pipe") from None
     return tuple(tiles)
 
 
@@ -494,12 +497,14 @@ def ws_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops):
         print(f"  ws logits: not available ({e})", flush=True)
         return True
     ok = True
-    for bq, nm, ns, probe in WS_TILES:
-        def fn(bq=bq, nm=nm, ns=ns, probe=probe):
+    for bq, nm, ns, mode in WS_TILES:
+        probe, pipe = "probe" in mode, "pipe" in mode
+
+        def fn(bq=bq, nm=nm, ns=ns, probe=probe, pipe=pipe):
             ws.launch(q8, w8, kp, ks, got, key_len, pcu, N, 1, 1, block_q=bq,
-                      math_warpgroups=nm, stages=ns, _probe=probe)
+                      math_warpgroups=nm, stages=ns, pipelined=pipe, _probe=probe)
         name = (f"  ws fp8 logits bq {bq}, {nm} math warpgroups, {ns} stages"
-                f"{', PROBE: no epilogue' * probe}")
+                f"{', pipelined' * pipe}{', PROBE: no epilogue' * probe}")
         try:
             got.fill_(0)
             fn()
@@ -777,7 +782,7 @@ def main():
                     help="variant logits kernels timed beside the planar tiles: gluon (the "
                          "bench/variants kernel), ws (the warp-specialised one's WS_TILES); '' "
                          "for none")
-    ap.add_argument("--ws-tiles", type=_ws_tiles, metavar="BQ:NM:STAGES[:probe],...",
+    ap.add_argument("--ws-tiles", type=_ws_tiles, metavar="BQ:NM:STAGES[:MODE],...",
                     help="the warp-specialised logits' configurations timed (default: WS_TILES)")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--prefill-cases", type=_prefill_cases, metavar="TxN[,TxN...]",

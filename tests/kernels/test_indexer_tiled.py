@@ -460,7 +460,7 @@ def test_bench_indexer_case_arguments(monkeypatch):
     spec.loader.exec_module(mod)
     assert mod._planar_tiles("2:128:8:3:128,2:64:4:3") == [(2, 128, 8, 3, 128), (2, 64, 4, 3, 0)]
     assert mod._decode_cases("8x131072,64x65536-131072") == [(8, 131072), (64, 131072, 65536)]
-    assert mod._ws_tiles("4:2:4,2:4:6:probe") == ((4, 2, 4, False), (2, 4, 6, True))
+    assert mod._ws_tiles("4:2:4,2:2:6:probe+pipe") == ((4, 2, 4, ""), (2, 2, 6, "pipe,probe"))
     fields = {f.name for f in dataclasses.fields(_it().IndexerTiles)}  # no typo costs a GPU run
     for table in (mod.PREFILL_FILTERS, mod.DECODE_SELECTS, {"segment path": mod.SEGMENT_PATH}):
         for name, kw in table.items():
@@ -469,7 +469,8 @@ def test_bench_indexer_case_arguments(monkeypatch):
                              (mod._planar_tiles, "2:x:8:3", "planar tile '2:x:8:3'"),
                              (mod._decode_cases, "8by4096", "expected BxCTX"),
                              (mod._ws_tiles, "4:2", "expected BQ:NM:STAGES"),
-                             (mod._ws_tiles, "4:2:4:fast", "ws tile '4:2:4:fast'")):
+                             (mod._ws_tiles, "4:2:4:fast", "ws tile '4:2:4:fast'"),
+                             (mod._ws_tiles, "4:2:4:pipe+", r"ws tile '4:2:4:pipe\+'")):
         with pytest.raises(argparse.ArgumentTypeError, match=said):
             parse(bad)
 

@@ -40,13 +40,16 @@ def _columns_fit(columns: int, math_warpgroups: int) -> bool:
 
 
 def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, block_q: int = 4,
-           math_warpgroups: int = 2, stages: int = 4, _probe: bool = False) -> None:
+           math_warpgroups: int = 2, stages: int = 4, pipelined: bool = False,
+           _probe: bool = False) -> None:
     """Prefill int32 keys ``out [T, >= max lens]`` (``indexer_tiled._logits_planar``'s
     contract): q8 ``[T, HI, 128]`` float8_e4m3fn, weights ``[T, HI]`` float32 (the query's
     scales folded in), the key planes ``kp [R, 128]`` float8_e4m3fn (contiguous) and ``ks [R]``
     float32, key_len ``lens [T]``, region starts ``pcu [T]`` int64; all on one CUDA device.
     Only the first lens[t] columns of row t are written. block_q queries a CTA, tiles of
-    ``math_warpgroups`` x 64 keys, ``stages`` tiles in the ring. ``_probe`` (bench only): the
+    ``math_warpgroups`` x 64 keys, ``stages`` tiles in the ring; ``pipelined``: a math
+    warpgroup issues its next product before an epilogue (two accumulators: at most 128
+    columns, 2 math warpgroups). ``_probe`` (bench only): the
     epilogue left out, so the time is the products' and the pipeline's (keys not written)."""
     T, HI, _ = q8.shape
     columns = block_q * padded_heads(HI)
@@ -57,6 +60,11 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
                          f"stages; expected one rank or an interleave that {BOX} divides, 2 or "
                          f"4 math warpgroups, block_q x padded heads <= {MAX_COLUMNS} (128 at 4 "
                          f"math warpgroups), >= 2 stages")
+    if pipelined and (math_warpgroups != 2 or columns > MAX_COLUMNS // 2):
+        raise ValueError(f"warp-specialised logits, pipelined: got {math_warpgroups} math "
+                         f"warpgroups, {columns} columns (block_q {block_q}); expected 2 math "
+                         f"warpgroups and at most {MAX_COLUMNS // 2} columns (two accumulators "
+                         f"a thread)")
     if T == 0:
         return
     layout = gl.NVMMASharedLayout.get_default_for([BOX, 128], gl.float8e4nv)
@@ -65,4 +73,5 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
     ljit.ws_logits_kernel[(triton.cdiv(T, block_q),)](
         q8, weights, kdesc, ks, out, lens, pcu, q8.stride(0), q8.stride(1), weights.stride(0),
         out.stride(0), T, HI, PT, W=W, I=I, BQ=block_q, HP=padded_heads(HI),
-        NM=math_warpgroups, NS=stages, MATH_REGS=regs, EPI=not _probe, num_warps=4, maxnreg=cap)
+        NM=math_warpgroups, NS=stages, MATH_REGS=regs, EPI=not _probe, PIPE=pipelined, num_warps=4,
+        maxnreg=cap)

@@ -24,8 +24,10 @@ Measured on the H200 (bench/RESULTS.md, "the warp-specialised Gluon prefill logi
 faster than the Triton kernel on chunks of 32k-64k keys, 7% slower at 8k (the per-CTA
 start-up of short causal rows);
 with the epilogue replaced by a column maximum the schedule runs at 1306 TFLOP/s-eq, so the
-tensor cores idle a third of the time even then. Issuing the next tile's product before this
-tile's epilogue (two accumulators live) made ptxas serialise every wgmma, and was removed.
+tensor cores idle a third of the time even then. ``PIPE`` (two accumulators of 128 columns, the
+next product issued before each epilogue; the loop shaped so that ptxas keeps the wgmmas
+asynchronous) is 14% faster than waiting at 2 queries a CTA but still 4% slower than the
+default 4 (bench/RESULTS.md, "twenty-third session").
 
 A block across a request boundary (rare) takes one pass per query, as in the Triton kernel;
 tiles past a query's keys are multiplied (TMA reads rows past the plane as 0) and never
@@ -123,16 +125,13 @@ def _finish(acc, w, scale, c, n, mine, optr, BQ: gl.constexpr, HP: gl.constexpr,
         gl.store(optr + c[:, None], x.to(gl.int32, bitcast=True), mask=x == 0.123456789)
 
 
-# The math warpgroup's loop (stage waits, products, scale loads under them, epilogues) is one
-# schedule: over 50 lines on purpose.
 @gluon.jit
 def _math(q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T, HI, PT,
           stride_wt, stride_ot, hi, p_lo, shared, W: gl.constexpr, I: gl.constexpr,
           BQ: gl.constexpr, HP: gl.constexpr, NM: gl.constexpr, NS: gl.constexpr,
-          EPI: gl.constexpr, WG: gl.constexpr):
-    """Math warpgroup WG: keys WG x 64 .. WG x 64 + 63 of every tile, all BQ queries. Each
-    product is waited on before its epilogue: with the next tile's product issued first (two
-    accumulators live), ptxas serialises every wgmma (bench/RESULTS.md)."""
+          EPI: gl.constexpr, PIPE: gl.constexpr, WG: gl.constexpr):
+    """Math warpgroup WG: keys WG x 64 .. WG x 64 + 63 of every tile, all BQ queries, a pass
+    a request (``_pass_waited``, or with PIPE ``_pass_pipelined``)."""
     N: gl.constexpr = BQ * HP
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, N, 32])
@@ -154,17 +153,76 @@ def _math(q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j
     for qi in range(gl.where(shared, 1, BQ)):
         pq = _pass_start(qi, pcu_ptr, j0, T, p_lo, shared)
         mine = (jb == qi) | shared  # the pass's queries: all if shared
-        # the next tile's scales are loaded under this tile's product and epilogue
-        scale = _scales(ks_ptr, k0, hi, pq, PT, W, I)
-        for t in range(tiles):
-            acc = _product(ring, ready, q_smem, zero, it, NM, NS, WG)
-            c = t * (NM * SUB) + k0
-            scale_nxt = _scales(ks_ptr, c + NM * SUB, hi, pq, PT, W, I)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(free.index(it % NS), count=1)
-            _finish(acc, w, scale, c, n, mine, optr, BQ, HP, EPI)
-            scale = scale_nxt
-            it += 1
+        if PIPE:
+            it = _pass_pipelined(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k0,
+                                 tiles, it, pq, hi, PT, W, I, BQ, HP, NM, NS, EPI, WG)
+        else:
+            it = _pass_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k0,
+                              tiles, it, pq, hi, PT, W, I, BQ, HP, NM, NS, EPI, WG)
+
+
+@gluon.jit
+def _pass_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k0, tiles, it, pq,
+                 hi, PT, W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr, HP: gl.constexpr,
+                 NM: gl.constexpr, NS: gl.constexpr, EPI: gl.constexpr, WG: gl.constexpr):
+    """One pass of a math warpgroup over its keys, each product waited on before its epilogue
+    (the next tile's scales loaded under it); returns the ring's count past the pass."""
+    scale = _scales(ks_ptr, k0, hi, pq, PT, W, I)
+    for t in range(tiles):
+        acc = _product(ring, ready, q_smem, zero, it, NM, NS, WG)
+        c = t * (NM * SUB) + k0
+        scale_nxt = _scales(ks_ptr, c + NM * SUB, hi, pq, PT, W, I)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(free.index(it % NS), count=1)
+        _finish(acc, w, scale, c, n, mine, optr, BQ, HP, EPI)
+        scale = scale_nxt
+        it += 1
+    return it
+
+
+@gluon.jit
+def _pass_pipelined(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k0, tiles, it,
+                    pq, hi, PT, W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr,
+                    HP: gl.constexpr, NM: gl.constexpr, NS: gl.constexpr, EPI: gl.constexpr,
+                    WG: gl.constexpr):
+    """The same pass with two accumulators: four tiles a trip, each product but the trip's
+    last issued before the epilogue of the one before it; then the rest one at a time. No
+    product in flight crosses the loop's back edge: reading an accumulator that did (even
+    after the wait that retires it) makes ptxas serialise every wgmma of the kernel (C7514,
+    "non wgmma instructions reading accumulator registers")."""
+    c = k0
+    for _ in range(tiles // 4):
+        a = _product(ring, ready, q_smem, zero, it, NM, NS, WG)
+        sa = _scales(ks_ptr, c, hi, pq, PT, W, I)
+        b = _product(ring, ready, q_smem, zero, it + 1, NM, NS, WG)
+        sb = _scales(ks_ptr, c + NM * SUB, hi, pq, PT, W, I)
+        a = warpgroup_mma_wait(num_outstanding=1, deps=(a,))
+        mbarrier.arrive(free.index(it % NS), count=1)
+        _finish(a, w, sa, c, n, mine, optr, BQ, HP, EPI)
+        a = _product(ring, ready, q_smem, zero, it + 2, NM, NS, WG)
+        sa = _scales(ks_ptr, c + 2 * NM * SUB, hi, pq, PT, W, I)
+        b = warpgroup_mma_wait(num_outstanding=1, deps=(b,))
+        mbarrier.arrive(free.index((it + 1) % NS), count=1)
+        _finish(b, w, sb, c + NM * SUB, n, mine, optr, BQ, HP, EPI)
+        b = _product(ring, ready, q_smem, zero, it + 3, NM, NS, WG)
+        sb = _scales(ks_ptr, c + 3 * NM * SUB, hi, pq, PT, W, I)
+        a = warpgroup_mma_wait(num_outstanding=1, deps=(a,))
+        mbarrier.arrive(free.index((it + 2) % NS), count=1)
+        _finish(a, w, sa, c + 2 * NM * SUB, n, mine, optr, BQ, HP, EPI)
+        b = warpgroup_mma_wait(num_outstanding=0, deps=(b,))
+        mbarrier.arrive(free.index((it + 3) % NS), count=1)
+        _finish(b, w, sb, c + 3 * NM * SUB, n, mine, optr, BQ, HP, EPI)
+        c = c + 4 * NM * SUB
+        it += 4
+    for _ in range(tiles // 4 * 4, tiles):
+        a = _product(ring, ready, q_smem, zero, it, NM, NS, WG)
+        sa = _scales(ks_ptr, c, hi, pq, PT, W, I)
+        a = warpgroup_mma_wait(num_outstanding=0, deps=(a,))
+        mbarrier.arrive(free.index(it % NS), count=1)
+        _finish(a, w, sa, c, n, mine, optr, BQ, HP, EPI)
+        c = c + NM * SUB
+        it += 1
+    return it
 
 
 @gluon.jit(do_not_specialize=["len_ptr", "pcu_ptr", "T", "PT"])
@@ -172,7 +230,7 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
                      stride_qt, stride_qh, stride_wt, stride_ot, T, HI, PT,
                      W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr, HP: gl.constexpr,
                      NM: gl.constexpr, NS: gl.constexpr, MATH_REGS: gl.constexpr,
-                     EPI: gl.constexpr = True):
+                     EPI: gl.constexpr = True, PIPE: gl.constexpr = False):
     """One CTA a block of BQ queries (the last blocks first: a prefill's later queries have
     the most keys, longest processing time first). kdesc: a TMA descriptor over the value
     plane ``[R, 128]`` fp8 with boxes of ``[64, 128]``."""
@@ -210,10 +268,10 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
             (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, hi, p_lo, shared, W, I, BQ,
                        NM, NS)),
             (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
+                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE,
                      0)),
             (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
+                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE,
                      1)),
         ], [4, 4], [MATH_REGS, MATH_REGS])
     else:
@@ -222,15 +280,15 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
             (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, hi, p_lo, shared, W, I, BQ,
                        NM, NS)),
             (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
+                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE,
                      0)),
             (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
+                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE,
                      1)),
             (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
+                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE,
                      2)),
             (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
+                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE,
                      3)),
         ], [4, 4, 4, 4], [MATH_REGS, MATH_REGS, MATH_REGS, MATH_REGS])
