@@ -1,5 +1,5 @@
-"""The prefill indexer's exact top-k as one CUDA kernel: a CTA (1024 threads) a row, in shared
-memory (source and the algorithm: ``row_topk.cu``). Per row a 12-bit histogram pass over its
+"""The prefill indexer's exact top-k as one CUDA kernel: a CTA (1024 threads, or 512 in the
+short rows' build) a row, in shared memory (source and the algorithm: ``row_topk.cu``). Per row a 12-bit histogram pass over its
 int32 keys finds the bin of the K-th key, a second pass gathers the keys above the bin and
 those in it into shared memory (a warp's places taken with one atomic), histograms of 10 more
 bits refine the bin (ties by the columns' bits; a bin of at most 32 ranked by one warp), and
@@ -9,7 +9,9 @@ About two reads of the row's keys (the second mostly from L2) against the Triton
 threshold, counting, gathering, trim, run sorts and ranks (bench/RESULTS.md).
 
 ``indexer_select._select`` calls ``select`` for at least ``IndexerTiles.cuda_select_rows``
-rows of ``topk <= MAX_TOPK`` where ``unavailable_reason`` is None.
+rows of ``topk <= MAX_TOPK`` where ``unavailable_reason`` is None, with the build
+``select_defines`` picks: ``SHORT_ROWS`` (four CTAs an SM) for rows of at most
+``IndexerTiles.cuda_select_short_keys`` keys, the default for wider ones.
 """
 
 from __future__ import annotations
