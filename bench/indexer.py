@@ -462,28 +462,30 @@ def planar_logits(args, ceil, flops, sweep_tiles=False):
 
 
 # (queries a CTA, math warpgroups, ring stages, mode) of the warp-specialised logits; mode
-# "pipe": the next product issued before each epilogue; "probe": the epilogue replaced by a
-# per-column maximum stored nowhere (the products' and the pipeline's time, no keys written)
-WS_TILES = ((4, 2, 4, ""), (2, 2, 4, "pipe"), (2, 2, 6, "pipe"), (2, 4, 4, ""),
-            (4, 2, 4, "probe"), (2, 2, 4, "pipe,probe"))
-WS_MODES = ("", "pipe", "probe", "pipe,probe")
+# words ("+"-joined on the command line): "pipe": the next product issued before each epilogue;
+# "split": the math warpgroups split the queries (queries a warpgroup, tiles of 64 keys);
+# "probe": the epilogue replaced by a per-column maximum stored nowhere (the products' and the
+# pipeline's time, no keys written)
+WS_TILES = ((4, 2, 4, ""), (2, 3, 4, "split"), (2, 2, 4, "pipe"), (2, 2, 6, "pipe"),
+            (2, 4, 4, ""), (4, 2, 4, "probe"), (2, 3, 4, "probe,split"), (2, 2, 4, "pipe,probe"))
+WS_WORDS = ("pipe", "probe", "split")
 
 
 def _ws_tiles(text: str) -> tuple[tuple, ...]:
-    """"2:2:4:pipe,4:2:4" -> ((2, 2, 4, "pipe"), (4, 2, 4, "")) (queries a CTA, math
-    warpgroups, ring stages, and a mode: pipe, probe or both, "+"-joined)."""
+    """"2:2:4:pipe,4:2:4" -> ((2, 2, 4, "pipe"), (4, 2, 4, "")) (queries a CTA or with split a
+    warpgroup, math warpgroups, ring stages, and a mode: words of WS_WORDS, "+"-joined)."""
     tiles = []
     for item in text.split(","):
         v = item.split(":")
         try:
-            mode = ",".join(sorted(v[3].split("+"))) if len(v) == 4 else ""
-            if len(v) not in (3, 4) or mode not in WS_MODES:
+            words = sorted(set(v[3].split("+"))) if len(v) == 4 else []
+            if len(v) not in (3, 4) or any(x not in WS_WORDS for x in words):
                 raise ValueError
-            tiles.append((int(v[0]), int(v[1]), int(v[2]), mode))
+            tiles.append((int(v[0]), int(v[1]), int(v[2]), ",".join(words)))
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"ws tile {item!r}: expected BQ:NM:STAGES[:pipe|probe|pipe+probe], e.g. "
-                f"2:2:4:pipe") from None
+                f"ws tile {item!r}: expected BQ:NM:STAGES[:MODE], MODE words of "
+                f"{'|'.join(WS_WORDS)} joined by +, e.g. 2:3:4:split") from None
     return tuple(tiles)
 
 
@@ -498,12 +500,14 @@ def ws_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops):
         return True
     ok = True
     for bq, nm, ns, mode in WS_TILES:
-        probe, pipe = "probe" in mode, "pipe" in mode
+        probe, pipe, split = "probe" in mode, "pipe" in mode, "split" in mode
 
-        def fn(bq=bq, nm=nm, ns=ns, probe=probe, pipe=pipe):
+        def fn(bq=bq, nm=nm, ns=ns, probe=probe, pipe=pipe, split=split):
             ws.launch(q8, w8, kp, ks, got, key_len, pcu, N, 1, 1, block_q=bq,
-                      math_warpgroups=nm, stages=ns, pipelined=pipe, _probe=probe)
-        name = (f"  ws fp8 logits bq {bq}, {nm} math warpgroups, {ns} stages"
+                      math_warpgroups=nm, stages=ns, pipelined=pipe, split=split,
+                      _probe=probe)
+        name = (f"  ws fp8 logits bq {bq}{' a warpgroup' * split}, {nm} math warpgroups"
+                f"{' splitting queries' * split}, {ns} stages"
                 f"{', pipelined' * pipe}{', PROBE: no epilogue' * probe}")
         try:
             got.fill_(0)

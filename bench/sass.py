@@ -2,7 +2,8 @@
 
     python bench/sass.py [--bk 64] [--warps 4] [--stages 3] [--maxnreg 128] [--copies] [--bq 2]
                          [--sass FILE]
-    python bench/sass.py --ws [--bq 4] [--math-warpgroups 2] [--stages 4] [--pipelined] [--ptx FILE]
+    python bench/sass.py --ws [--bq 4] [--math-warpgroups 2] [--stages 4] [--pipelined] [--split]
+                         [--ptx FILE]
 
 ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` with the installed Triton (install the
 device's Triton version to read what the H200 runs), then the cuobjdump / nvdisasm that Triton's
@@ -52,7 +53,8 @@ def compile_logits(bq: int, bk: int, warps: int, stages: int, maxnreg: int, tma:
                           options=opts)
 
 
-def compile_ws(bq: int, math_warpgroups: int, stages: int, pipelined: bool = False):
+def compile_ws(bq: int, math_warpgroups: int, stages: int, pipelined: bool = False,
+               split: bool = False):
     """The compiled kernel (sm_90) of the warp-specialised Gluon logits, at the launcher's
     register budget."""
     from triton.experimental.gluon import language as gl
@@ -64,7 +66,8 @@ def compile_ws(bq: int, math_warpgroups: int, stages: int, pipelined: bool = Fal
     layout = gl.NVMMASharedLayout.get_default_for([ws.BOX, 128], gl.float8e4nv)
     cap, regs = ws._REGISTERS[math_warpgroups]
     const = {"W": 1, "I": 1, "BQ": bq, "HP": 64, "NM": math_warpgroups, "NS": stages,
-             "MATH_REGS": regs, "EPI": True, "PIPE": pipelined}
+             "MATH_REGS": regs, "EPI": True, "PIPE": pipelined, "SPLIT": split,
+             "CQP": triton.next_power_of_2(bq * (math_warpgroups if split else 1))}
     ptrs = {**POINTERS, "q_ptr": "*fp8e4nv"}
     sig = {n: "constexpr" if n in const else f"tensordesc<fp8e4nv[{ws.BOX}, 128],{layout!r}>"
            if n == "kdesc" else ptrs.get(n, "i32") for n in fn.arg_names}
@@ -109,16 +112,18 @@ def main(argv=None) -> int:
     ap.add_argument("--copies", action="store_true", help="per-thread key copies, not TMA tiles")
     ap.add_argument("--sass", help="write the disassembly here")
     ap.add_argument("--ws", action="store_true", help="the warp-specialised Gluon kernel")
-    ap.add_argument("--math-warpgroups", type=int, default=2, help="--ws: 2 or 4")
+    ap.add_argument("--math-warpgroups", type=int, default=2, help="--ws: 2 to 4")
     ap.add_argument("--pipelined", action="store_true",
                     help="--ws: two accumulators, the next product before each epilogue")
+    ap.add_argument("--split", action="store_true",
+                    help="--ws: the math warpgroups split the CTA's queries, not its keys")
     ap.add_argument("--ptx", help="write the PTX here")
     a = ap.parse_args(argv)
     if a.ws:  # its own defaults: the launcher's
         given = argv if argv is not None else sys.argv
         a.stages = a.stages if "--stages" in given else 4
         a.bq = a.bq if "--bq" in given else 4
-        k = compile_ws(a.bq, a.math_warpgroups, a.stages, a.pipelined)
+        k = compile_ws(a.bq, a.math_warpgroups, a.stages, a.pipelined, a.split)
     else:
         k = compile_logits(a.bq, a.bk, a.warps, a.stages, a.maxnreg, not a.copies)
     with tempfile.TemporaryDirectory() as tmp:
@@ -142,7 +147,7 @@ def main(argv=None) -> int:
         nreg = sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", k.asm["ptx"])))
         print(f"ws_logits_kernel, Triton {triton.__version__}, sm_90: BQ {a.bq}, "
               f"{a.math_warpgroups} math warpgroups, {a.stages} stages"
-              f"{', pipelined' * a.pipelined}; products "
+              f"{', pipelined' * a.pipelined}{', queries split' * a.split}; products "
               f"{', '.join(gmma)}; setmaxnreg {', '.join(f'{d} {r}' for d, r in nreg)}")
         # a wait for all products but one: two in flight (ptxas serialising the wgmmas leaves
         # only waits for none, one after each product)

@@ -460,7 +460,8 @@ def test_bench_indexer_case_arguments(monkeypatch):
     spec.loader.exec_module(mod)
     assert mod._planar_tiles("2:128:8:3:128,2:64:4:3") == [(2, 128, 8, 3, 128), (2, 64, 4, 3, 0)]
     assert mod._decode_cases("8x131072,64x65536-131072") == [(8, 131072), (64, 131072, 65536)]
-    assert mod._ws_tiles("4:2:4,2:2:6:probe+pipe") == ((4, 2, 4, ""), (2, 2, 6, "pipe,probe"))
+    assert mod._ws_tiles("4:2:4,2:2:6:probe+pipe,2:3:4:split") == (
+        (4, 2, 4, ""), (2, 2, 6, "pipe,probe"), (2, 3, 4, "split"))
     fields = {f.name for f in dataclasses.fields(_it().IndexerTiles)}  # no typo costs a GPU run
     for table in (mod.PREFILL_FILTERS, mod.DECODE_SELECTS, {"segment path": mod.SEGMENT_PATH}):
         for name, kw in table.items():

@@ -19,7 +19,7 @@ BOX = 64  # key rows a TMA box: the M of one math warpgroup's product
 MAX_COLUMNS = 256  # block_q x padded heads: the N of one wgmma
 # (kernel register cap, registers of a math warpgroup) by math warpgroups: the CTA's warpgroups
 # (the loader's and the math ones) share the 64K registers; the loader keeps what is left
-_REGISTERS = {2: (168, 240), 4: (96, 112)}
+_REGISTERS = {2: (168, 240), 3: (128, 152), 4: (96, 112)}
 
 
 def padded_heads(num_heads: int) -> int:
@@ -35,13 +35,13 @@ def supported(W: int, I: int, num_heads: int, block_q: int) -> bool:
 
 def _columns_fit(columns: int, math_warpgroups: int) -> bool:
     """Whether a math warpgroup's registers hold its accumulator: 256 columns (128 float32 a
-    thread) at 2 math warpgroups (240 registers a thread), 128 at 4 (112)."""
-    return columns <= MAX_COLUMNS // (2 if math_warpgroups == 4 else 1)
+    thread) at 2 math warpgroups (240 registers a thread), 128 at 3 or 4 (152, 112)."""
+    return columns <= MAX_COLUMNS // (1 if math_warpgroups == 2 else 2)
 
 
 def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, block_q: int = 4,
            math_warpgroups: int = 2, stages: int = 4, pipelined: bool = False,
-           _probe: bool = False) -> None:
+           split: bool = False, _probe: bool = False) -> None:
     """Prefill int32 keys ``out [T, >= max lens]`` (``indexer_tiled._logits_planar``'s
     contract): q8 ``[T, HI, 128]`` float8_e4m3fn, weights ``[T, HI]`` float32 (the query's
     scales folded in), the key planes ``kp [R, 128]`` float8_e4m3fn (contiguous) and ``ks [R]``
@@ -49,7 +49,9 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
     Only the first lens[t] columns of row t are written. block_q queries a CTA, tiles of
     ``math_warpgroups`` x 64 keys, ``stages`` tiles in the ring; ``pipelined``: a math
     warpgroup issues its next product before an epilogue (two accumulators: at most 128
-    columns, 2 math warpgroups). ``_probe`` (bench only): the
+    columns, 2 math warpgroups); ``split``: the math warpgroups split the CTA's queries
+    instead of its keys (block_q each, math_warpgroups x block_q a CTA, tiles of 64 keys that
+    every warpgroup multiplies). ``_probe`` (bench only): the
     epilogue left out, so the time is the products' and the pipeline's (keys not written)."""
     T, HI, _ = q8.shape
     columns = block_q * padded_heads(HI)
@@ -57,9 +59,9 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
             or not _columns_fit(columns, math_warpgroups) or stages < 2:
         raise ValueError(f"warp-specialised logits: got W {W}, interleave {I}, {HI} heads, "
                          f"block_q {block_q}, {math_warpgroups} math warpgroups, {stages} "
-                         f"stages; expected one rank or an interleave that {BOX} divides, 2 or "
-                         f"4 math warpgroups, block_q x padded heads <= {MAX_COLUMNS} (128 at 4 "
-                         f"math warpgroups), >= 2 stages")
+                         f"stages; expected one rank or an interleave that {BOX} divides, 2 to "
+                         f"4 math warpgroups, block_q x padded heads <= {MAX_COLUMNS} (128 at 3 "
+                         f"or 4 math warpgroups), >= 2 stages")
     if pipelined and (math_warpgroups != 2 or columns > MAX_COLUMNS // 2):
         raise ValueError(f"warp-specialised logits, pipelined: got {math_warpgroups} math "
                          f"warpgroups, {columns} columns (block_q {block_q}); expected 2 math "
@@ -70,8 +72,9 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
     layout = gl.NVMMASharedLayout.get_default_for([BOX, 128], gl.float8e4nv)
     kdesc = TensorDescriptor.from_tensor(kp, [BOX, 128], layout)
     cap, regs = _REGISTERS[math_warpgroups]
-    ljit.ws_logits_kernel[(triton.cdiv(T, block_q),)](
+    cta_queries = block_q * (math_warpgroups if split else 1)
+    ljit.ws_logits_kernel[(triton.cdiv(T, cta_queries),)](
         q8, weights, kdesc, ks, out, lens, pcu, q8.stride(0), q8.stride(1), weights.stride(0),
         out.stride(0), T, HI, PT, W=W, I=I, BQ=block_q, HP=padded_heads(HI),
-        NM=math_warpgroups, NS=stages, MATH_REGS=regs, EPI=not _probe, PIPE=pipelined, num_warps=4,
-        maxnreg=cap)
+        NM=math_warpgroups, NS=stages, MATH_REGS=regs, EPI=not _probe, PIPE=pipelined,
+        SPLIT=split, CQP=triton.next_power_of_2(cta_queries), num_warps=4, maxnreg=cap)

@@ -50,6 +50,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 # a TMA copy into shared memory: ``async_load`` in Triton 3.9, ``async_copy_global_to_shared``
 # before (3.6, the GPU image's)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# a barrier of the CTA's threads: ``thread_barrier`` in Triton 3.6, ``barrier`` in 3.9
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 SUB = gl.constexpr(64)  # keys a math warpgroup multiplies a tile: the M of one wgmma
 
 
@@ -70,33 +72,34 @@ def _pass_start(qi, pcu_ptr, j0, T, p_lo, shared):
 
 @gluon.jit
 def _loader(kdesc, ring, ready, free, pcu_ptr, j0, T, PT, hi, p_lo, shared,
-            W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr, NM: gl.constexpr,
+            W: gl.constexpr, I: gl.constexpr, CQ: gl.constexpr, NB: gl.constexpr,
             NS: gl.constexpr):
-    """The CTA's first warpgroup (one thread issues the copies): every tile's NM boxes of 64
+    """The CTA's first warpgroup (one thread issues the copies): every tile's NB boxes of 64
     key rows into ring stage ``it % NS`` once the math warpgroups have freed it (the first NS
-    stages are free from the start)."""
-    tiles = gl.cdiv(hi, NM * SUB)
+    stages are free from the start); CQ: the CTA's queries (a pass each where they are not
+    one request's)."""
+    tiles = gl.cdiv(hi, NB * SUB)
     it = 0
-    for qi in range(gl.where(shared, 1, BQ)):
+    for qi in range(gl.where(shared, 1, CQ)):
         pq = _pass_start(qi, pcu_ptr, j0, T, p_lo, shared)
         for t in range(tiles):
             s = it % NS
             mbarrier.wait(free.index(s), ((it // NS) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), NM * kdesc.block_type.nbytes)
-            for m in gl.static_range(NM):
-                r = _prefill_rows(t * (NM * SUB) + m * SUB, pq, PT, W, I)
-                _tma_load(kdesc, [r.to(gl.int32), 0], ready.index(s), ring.index(s * NM + m))
+            mbarrier.expect(ready.index(s), NB * kdesc.block_type.nbytes)
+            for m in gl.static_range(NB):
+                r = _prefill_rows(t * (NB * SUB) + m * SUB, pq, PT, W, I)
+                _tma_load(kdesc, [r.to(gl.int32), 0], ready.index(s), ring.index(s * NB + m))
             it += 1
 
 
 @gluon.jit
-def _product(ring, ready, q_smem, zero, it, NM: gl.constexpr, NS: gl.constexpr,
-             WG: gl.constexpr):
-    """Issue (asynchronously) the product of ring tile ``it``'s 64 keys of warpgroup WG with
-    the block's queries, once the tile has landed."""
+def _product(ring, ready, q_smem, zero, it, NB: gl.constexpr, NS: gl.constexpr,
+             BX: gl.constexpr):
+    """Issue (asynchronously) the product of ring tile ``it``'s box BX (64 keys) with the
+    warpgroup's queries ``q_smem``, once the tile has landed."""
     s = it % NS
     mbarrier.wait(ready.index(s), (it // NS) & 1)
-    return warpgroup_mma(ring.index(s * NM + WG), q_smem.permute((1, 0)), zero, use_acc=False,
+    return warpgroup_mma(ring.index(s * NB + BX), q_smem.permute((1, 0)), zero, use_acc=False,
                          is_async=True)
 
 
@@ -129,10 +132,16 @@ def _finish(acc, w, scale, c, n, mine, optr, BQ: gl.constexpr, HP: gl.constexpr,
 def _math(q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T, HI, PT,
           stride_wt, stride_ot, hi, p_lo, shared, W: gl.constexpr, I: gl.constexpr,
           BQ: gl.constexpr, HP: gl.constexpr, NM: gl.constexpr, NS: gl.constexpr,
-          EPI: gl.constexpr, PIPE: gl.constexpr, WG: gl.constexpr):
-    """Math warpgroup WG: keys WG x 64 .. WG x 64 + 63 of every tile, all BQ queries, a pass
-    a request (``_pass_waited``, or with PIPE ``_pass_pipelined``)."""
+          EPI: gl.constexpr, PIPE: gl.constexpr, SPLIT: gl.constexpr, WG: gl.constexpr):
+    """Math warpgroup WG: keys WG x 64 .. WG x 64 + 63 of every tile and all BQ queries, or
+    with SPLIT all 64 keys of every tile and queries WG x BQ .. WG x BQ + BQ - 1; a pass a
+    request (``_pass_waited``, or with PIPE ``_pass_pipelined``)."""
     N: gl.constexpr = BQ * HP
+    NB: gl.constexpr = 1 if SPLIT else NM  # boxes a tile
+    BX: gl.constexpr = 0 if SPLIT else WG  # the warpgroup's box
+    Q0: gl.constexpr = WG * BQ if SPLIT else 0  # its first query in the CTA
+    CQ: gl.constexpr = NM * BQ if SPLIT else BQ  # the CTA's queries
+    q_mine = q_smem.index(WG if SPLIT else 0)
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, N, 32])
     zero = gl.zeros([SUB, N], gl.float32, layout=MMA)
@@ -141,37 +150,37 @@ def _math(q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j
     KEY: gl.constexpr = gl.SliceLayout(1, S_L)
     LQ: gl.constexpr = gl.SliceLayout(0, S_L)
     rw = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
-    jw = j0 + rw // HP
+    jw = j0 + Q0 + rw // HP
     hw = rw % HP
     w = gl.load(w_ptr + jw.to(gl.int64) * stride_wt + hw, mask=(hw < HI) & (jw < T), other=0.0)
-    jb = gl.arange(0, BQ, layout=LQ)
+    jb = Q0 + gl.arange(0, BQ, layout=LQ)  # the warpgroup's queries in the CTA
     n = gl.load(len_ptr + j0 + jb, mask=j0 + jb < T, other=0).to(gl.int32)
-    optr = out_ptr + (j0 + gl.arange(0, BQ, layout=LQ)).to(gl.int64)[None, :] * stride_ot
-    tiles = gl.cdiv(hi, NM * SUB)
-    k0 = WG * SUB + gl.arange(0, SUB, layout=KEY)
+    optr = out_ptr + (j0 + jb).to(gl.int64)[None, :] * stride_ot
+    tiles = gl.cdiv(hi, NB * SUB)
+    k0 = BX * SUB + gl.arange(0, SUB, layout=KEY)
     it = 0
-    for qi in range(gl.where(shared, 1, BQ)):
+    for qi in range(gl.where(shared, 1, CQ)):
         pq = _pass_start(qi, pcu_ptr, j0, T, p_lo, shared)
         mine = (jb == qi) | shared  # the pass's queries: all if shared
         if PIPE:
-            it = _pass_pipelined(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k0,
-                                 tiles, it, pq, hi, PT, W, I, BQ, HP, NM, NS, EPI, WG)
+            it = _pass_pipelined(ring, ready, free, q_mine, zero, w, ks_ptr, optr, n, mine, k0,
+                                 tiles, it, pq, hi, PT, W, I, BQ, HP, NB, NS, EPI, BX)
         else:
-            it = _pass_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k0,
-                              tiles, it, pq, hi, PT, W, I, BQ, HP, NM, NS, EPI, WG)
+            it = _pass_waited(ring, ready, free, q_mine, zero, w, ks_ptr, optr, n, mine, k0,
+                              tiles, it, pq, hi, PT, W, I, BQ, HP, NB, NS, EPI, BX)
 
 
 @gluon.jit
 def _pass_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k0, tiles, it, pq,
                  hi, PT, W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr, HP: gl.constexpr,
-                 NM: gl.constexpr, NS: gl.constexpr, EPI: gl.constexpr, WG: gl.constexpr):
+                 NB: gl.constexpr, NS: gl.constexpr, EPI: gl.constexpr, BX: gl.constexpr):
     """One pass of a math warpgroup over its keys, each product waited on before its epilogue
     (the next tile's scales loaded under it); returns the ring's count past the pass."""
     scale = _scales(ks_ptr, k0, hi, pq, PT, W, I)
     for t in range(tiles):
-        acc = _product(ring, ready, q_smem, zero, it, NM, NS, WG)
-        c = t * (NM * SUB) + k0
-        scale_nxt = _scales(ks_ptr, c + NM * SUB, hi, pq, PT, W, I)
+        acc = _product(ring, ready, q_smem, zero, it, NB, NS, BX)
+        c = t * (NB * SUB) + k0
+        scale_nxt = _scales(ks_ptr, c + NB * SUB, hi, pq, PT, W, I)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(free.index(it % NS), count=1)
         _finish(acc, w, scale, c, n, mine, optr, BQ, HP, EPI)
@@ -183,8 +192,8 @@ def _pass_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k0, 
 @gluon.jit
 def _pass_pipelined(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k0, tiles, it,
                     pq, hi, PT, W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr,
-                    HP: gl.constexpr, NM: gl.constexpr, NS: gl.constexpr, EPI: gl.constexpr,
-                    WG: gl.constexpr):
+                    HP: gl.constexpr, NB: gl.constexpr, NS: gl.constexpr, EPI: gl.constexpr,
+                    BX: gl.constexpr):
     """The same pass with two accumulators: four tiles a trip, each product but the trip's
     last issued before the epilogue of the one before it; then the rest one at a time. No
     product in flight crosses the loop's back edge: reading an accumulator that did (even
@@ -192,35 +201,35 @@ def _pass_pipelined(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k
     "non wgmma instructions reading accumulator registers")."""
     c = k0
     for _ in range(tiles // 4):
-        a = _product(ring, ready, q_smem, zero, it, NM, NS, WG)
+        a = _product(ring, ready, q_smem, zero, it, NB, NS, BX)
         sa = _scales(ks_ptr, c, hi, pq, PT, W, I)
-        b = _product(ring, ready, q_smem, zero, it + 1, NM, NS, WG)
-        sb = _scales(ks_ptr, c + NM * SUB, hi, pq, PT, W, I)
+        b = _product(ring, ready, q_smem, zero, it + 1, NB, NS, BX)
+        sb = _scales(ks_ptr, c + NB * SUB, hi, pq, PT, W, I)
         a = warpgroup_mma_wait(num_outstanding=1, deps=(a,))
         mbarrier.arrive(free.index(it % NS), count=1)
         _finish(a, w, sa, c, n, mine, optr, BQ, HP, EPI)
-        a = _product(ring, ready, q_smem, zero, it + 2, NM, NS, WG)
-        sa = _scales(ks_ptr, c + 2 * NM * SUB, hi, pq, PT, W, I)
+        a = _product(ring, ready, q_smem, zero, it + 2, NB, NS, BX)
+        sa = _scales(ks_ptr, c + 2 * NB * SUB, hi, pq, PT, W, I)
         b = warpgroup_mma_wait(num_outstanding=1, deps=(b,))
         mbarrier.arrive(free.index((it + 1) % NS), count=1)
-        _finish(b, w, sb, c + NM * SUB, n, mine, optr, BQ, HP, EPI)
-        b = _product(ring, ready, q_smem, zero, it + 3, NM, NS, WG)
-        sb = _scales(ks_ptr, c + 3 * NM * SUB, hi, pq, PT, W, I)
+        _finish(b, w, sb, c + NB * SUB, n, mine, optr, BQ, HP, EPI)
+        b = _product(ring, ready, q_smem, zero, it + 3, NB, NS, BX)
+        sb = _scales(ks_ptr, c + 3 * NB * SUB, hi, pq, PT, W, I)
         a = warpgroup_mma_wait(num_outstanding=1, deps=(a,))
         mbarrier.arrive(free.index((it + 2) % NS), count=1)
-        _finish(a, w, sa, c + 2 * NM * SUB, n, mine, optr, BQ, HP, EPI)
+        _finish(a, w, sa, c + 2 * NB * SUB, n, mine, optr, BQ, HP, EPI)
         b = warpgroup_mma_wait(num_outstanding=0, deps=(b,))
         mbarrier.arrive(free.index((it + 3) % NS), count=1)
-        _finish(b, w, sb, c + 3 * NM * SUB, n, mine, optr, BQ, HP, EPI)
-        c = c + 4 * NM * SUB
+        _finish(b, w, sb, c + 3 * NB * SUB, n, mine, optr, BQ, HP, EPI)
+        c = c + 4 * NB * SUB
         it += 4
     for _ in range(tiles // 4 * 4, tiles):
-        a = _product(ring, ready, q_smem, zero, it, NM, NS, WG)
+        a = _product(ring, ready, q_smem, zero, it, NB, NS, BX)
         sa = _scales(ks_ptr, c, hi, pq, PT, W, I)
         a = warpgroup_mma_wait(num_outstanding=0, deps=(a,))
         mbarrier.arrive(free.index(it % NS), count=1)
         _finish(a, w, sa, c, n, mine, optr, BQ, HP, EPI)
-        c = c + NM * SUB
+        c = c + NB * SUB
         it += 1
     return it
 
@@ -230,34 +239,44 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
                      stride_qt, stride_qh, stride_wt, stride_ot, T, HI, PT,
                      W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr, HP: gl.constexpr,
                      NM: gl.constexpr, NS: gl.constexpr, MATH_REGS: gl.constexpr,
-                     EPI: gl.constexpr = True, PIPE: gl.constexpr = False):
-    """One CTA a block of BQ queries (the last blocks first: a prefill's later queries have
-    the most keys, longest processing time first). kdesc: a TMA descriptor over the value
-    plane ``[R, 128]`` fp8 with boxes of ``[64, 128]``."""
-    N: gl.constexpr = BQ * HP
-    j0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * BQ
-    # the block's queries, query-major (padded heads and queries past T: 0), as the B operand
+                     EPI: gl.constexpr = True, PIPE: gl.constexpr = False,
+                     SPLIT: gl.constexpr = False, CQP: gl.constexpr = 0):
+    """One CTA a block of BQ queries, or with SPLIT NM x BQ (the last blocks first: a
+    prefill's later queries have the most keys, longest processing time first). kdesc: a TMA
+    descriptor over the value plane ``[R, 128]`` fp8 with boxes of ``[64, 128]``; CQP: the
+    CTA's queries rounded up to a power of two (with SPLIT)."""
+    N: gl.constexpr = BQ * HP  # a product's columns
+    NB: gl.constexpr = 1 if SPLIT else NM  # boxes of 64 keys a tile
+    CQ: gl.constexpr = NM * BQ if SPLIT else BQ  # the CTA's queries
+    j0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * CQ
+    # the CTA's queries, query-major (padded heads and queries past T: 0), as the B operands
+    # (one a math warpgroup with SPLIT), copied N rows at a time
     QL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # 4 warps
-    r = gl.arange(0, N, layout=gl.SliceLayout(1, QL))
-    d = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
-    jr = j0 + r // HP
-    hr = r % HP
-    q = gl.load(q_ptr + jr.to(gl.int64)[:, None] * stride_qt + hr[:, None] * stride_qh
-                + d[None, :], mask=((hr < HI) & (jr < T))[:, None], other=0.0)
-    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [N, 128],
+    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [CQ // BQ, N, 128],
                                        gl.NVMMASharedLayout.get_default_for([N, 128],
-                                                                            gl.float8e4nv), q)
-    ring = gl.allocate_shared_memory(gl.float8e4nv, [NS * NM, SUB, 128], kdesc.layout)
+                                                                            gl.float8e4nv))
+    d = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
+    for g in gl.static_range(CQ // BQ):
+        r = g * N + gl.arange(0, N, layout=gl.SliceLayout(1, QL))
+        jr = j0 + r // HP
+        hr = r % HP
+        q = gl.load(q_ptr + jr.to(gl.int64)[:, None] * stride_qt + hr[:, None] * stride_qh
+                    + d[None, :], mask=((hr < HI) & (jr < T))[:, None], other=0.0)
+        q_smem.index(g).store(q)
+        if g + 1 < CQ // BQ:  # one block's copy in registers at a time
+            _cta_barrier()
+    ring = gl.allocate_shared_memory(gl.float8e4nv, [NS * NB, SUB, 128], kdesc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NS):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(free.index(s), count=NM)
     fence_async_shared()
-    jq = j0 + gl.arange(0, BQ, layout=gl.SliceLayout(1, QL))
-    n = gl.load(len_ptr + jq, mask=jq < T, other=0).to(gl.int32)
-    pcu = gl.load(pcu_ptr + jq, mask=jq < T, other=0).to(gl.int64)
-    hi = gl.max(n, 0)  # the block's keys: its longest query's
+    jq = j0 + gl.arange(0, CQP if SPLIT else BQ, layout=gl.SliceLayout(1, QL))
+    live = (jq < T) & (jq < j0 + CQ)
+    n = gl.load(len_ptr + jq, mask=live, other=0).to(gl.int32)
+    pcu = gl.load(pcu_ptr + jq, mask=live, other=0).to(gl.int64)
+    hi = gl.max(n, 0)  # the CTA's keys: its longest query's
     p_lo = gl.min(gl.where(n > 0, pcu, 9223372036854775807), 0)
     shared = gl.max(gl.where(n > 0, pcu, -1), 0) <= p_lo  # one request's keys serve every query
     # the loader is the default partition (its warps are the CTA's first warpgroup), the math
@@ -265,30 +284,44 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
     # tuple held in a variable, or built by concatenation, turns its constexprs into tensors.
     if NM == 2:
         gl.warp_specialize([
-            (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, hi, p_lo, shared, W, I, BQ,
-                       NM, NS)),
+            (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, hi, p_lo, shared, W, I, CQ,
+                       NB, NS)),
             (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE,
-                     0)),
+                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
+                     PIPE, SPLIT, 0)),
             (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE,
-                     1)),
+                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
+                     PIPE, SPLIT, 1)),
         ], [4, 4], [MATH_REGS, MATH_REGS])
-    else:
-        gl.static_assert(NM == 4, "NM: 2 or 4 math warpgroups")
+    elif NM == 3:
         gl.warp_specialize([
-            (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, hi, p_lo, shared, W, I, BQ,
-                       NM, NS)),
+            (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, hi, p_lo, shared, W, I, CQ,
+                       NB, NS)),
             (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE,
-                     0)),
+                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
+                     PIPE, SPLIT, 0)),
             (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE,
-                     1)),
+                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
+                     PIPE, SPLIT, 1)),
             (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE,
-                     2)),
+                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
+                     PIPE, SPLIT, 2)),
+        ], [4, 4, 4], [MATH_REGS, MATH_REGS, MATH_REGS])
+    else:
+        gl.static_assert(NM == 4, "NM: 2, 3 or 4 math warpgroups")
+        gl.warp_specialize([
+            (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, hi, p_lo, shared, W, I, CQ,
+                       NB, NS)),
             (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE,
-                     3)),
+                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
+                     PIPE, SPLIT, 0)),
+            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
+                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
+                     PIPE, SPLIT, 1)),
+            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
+                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
+                     PIPE, SPLIT, 2)),
+            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
+                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
+                     PIPE, SPLIT, 3)),
         ], [4, 4, 4, 4], [MATH_REGS, MATH_REGS, MATH_REGS, MATH_REGS])

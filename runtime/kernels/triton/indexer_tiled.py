@@ -66,7 +66,8 @@ class IndexerTiles:
     # prefill logits: the warp-specialised Gluon kernel on Hopper (``ws_*``), else Triton's
     logits_ws: bool = True  # the Gluon kernel where it applies (``prefill_logits``)
     ws_block_q: int = 4  # queries a CTA (N = block_q * padded heads <= 256)
-    ws_math_warpgroups: int = 2  # tiles of 64 keys a math warpgroup (2 or 4)
+    ws_math_warpgroups: int = 2  # math warpgroups, each 64 keys of a tile (2 to 4)
+    ws_split: bool = False  # ... or each ws_block_q queries of the CTA's (tiles of 64 keys)
     ws_stages: int = 4  # key tiles in the ring
     ws_min_keys: int = 16384  # narrower chunks take Triton's (per-CTA start-up: at T 8192 x
     # N 8192 the Gluon kernel was 7% slower; at N 16384 2%, at 32768 / 65536 3-5% faster)
@@ -263,7 +264,8 @@ def prefill_logits(q8, w8, kp, ks, out, L, lens, pcu, PT, W, I, tiles: IndexerTi
     ws = ws_logits(q8, W, I, L, tiles)
     if ws is not None:
         ws.launch(q8, w8, kp, ks, out, lens, pcu, PT, W, I, block_q=tiles.ws_block_q,
-                  math_warpgroups=tiles.ws_math_warpgroups, stages=tiles.ws_stages)
+                  math_warpgroups=tiles.ws_math_warpgroups, stages=tiles.ws_stages,
+                  split=tiles.ws_split)
         return
     _logits_planar(q8, w8, kp, ks, out, L, lens, pcu, PT, W, I, bq=tiles.block_q,
                    bk=tiles.block_k, warps=tiles.logits_warps, stages=tiles.logits_stages,
