@@ -49,7 +49,6 @@ import dataclasses
 import itertools
 import json
 import os
-import re
 import time
 
 import torch
@@ -465,12 +464,11 @@ def planar_logits(args, ceil, flops, sweep_tiles=False):
 # (queries a CTA, math warpgroups, ring stages, mode) of the warp-specialised logits; mode
 # words ("+"-joined on the command line): "pipe": the next product issued before each epilogue;
 # "split": the math warpgroups split the queries (queries a warpgroup, tiles of 64 keys);
-# "persist" / "persistP": the split form made persistent, items of P key tiles (64 by default);
 # "probe": the epilogue replaced by a per-column maximum stored nowhere (the products' and the
 # pipeline's time, no keys written)
 WS_TILES = ((4, 2, 4, ""), (2, 3, 4, "split"), (2, 2, 4, "pipe"), (2, 2, 6, "pipe"),
             (2, 4, 4, ""), (4, 2, 4, "probe"), (2, 3, 4, "probe,split"), (2, 2, 4, "pipe,probe"))
-WS_WORDS = ("pipe", "probe", "split", "persist")
+WS_WORDS = ("pipe", "probe", "split")
 
 
 def _ws_tiles(text: str) -> tuple[tuple, ...]:
@@ -481,8 +479,7 @@ def _ws_tiles(text: str) -> tuple[tuple, ...]:
         v = item.split(":")
         try:
             words = sorted(set(v[3].split("+"))) if len(v) == 4 else []
-            if len(v) not in (3, 4) or any(re.sub(r"(?<=^persist)\d+$", "", x) not in WS_WORDS
-                                           for x in words):
+            if len(v) not in (3, 4) or any(x not in WS_WORDS for x in words):
                 raise ValueError
             tiles.append((int(v[0]), int(v[1]), int(v[2]), ",".join(words)))
         except ValueError:
@@ -503,18 +500,14 @@ def ws_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops):
         return True
     ok = True
     for bq, nm, ns, mode in WS_TILES:
-        probe, pipe = "probe" in mode, "pipe" in mode
-        persist = re.search(r"persist(\d*)", mode)
-        parts = int(persist.group(1) or 64) if persist else 0
-        split = "split" in mode or bool(persist)
+        probe, pipe, split = "probe" in mode, "pipe" in mode, "split" in mode
 
-        def fn(bq=bq, nm=nm, ns=ns, probe=probe, pipe=pipe, split=split, parts=parts):
+        def fn(bq=bq, nm=nm, ns=ns, probe=probe, pipe=pipe, split=split):
             ws.launch(q8, w8, kp, ks, got, key_len, pcu, N, 1, 1, block_q=bq,
                       math_warpgroups=nm, stages=ns, pipelined=pipe, split=split,
-                      persistent=parts > 0, part_tiles=max(parts, 1), _probe=probe)
+                      _probe=probe)
         name = (f"  ws fp8 logits bq {bq}{' a warpgroup' * split}, {nm} math warpgroups"
                 f"{' splitting queries' * split}, {ns} stages"
-                f"{f', persistent, parts of {parts} tiles' if parts else ''}"
                 f"{', pipelined' * pipe}{', PROBE: no epilogue' * probe}")
         try:
             got.fill_(0)

@@ -3,7 +3,7 @@
     python bench/sass.py [--bk 64] [--warps 4] [--stages 3] [--maxnreg 128] [--copies] [--bq 2]
                          [--sass FILE]
     python bench/sass.py --ws [--bq 4] [--math-warpgroups 2] [--stages 4] [--pipelined] [--split]
-                         [--persistent] [--ptx FILE]
+                         [--ptx FILE]
 
 ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` with the installed Triton (install the
 device's Triton version to read what the H200 runs), then the cuobjdump / nvdisasm that Triton's
@@ -54,31 +54,23 @@ def compile_logits(bq: int, bk: int, warps: int, stages: int, maxnreg: int, tma:
 
 
 def compile_ws(bq: int, math_warpgroups: int, stages: int, pipelined: bool = False,
-               split: bool = False, persistent: bool = False):
+               split: bool = False):
     """The compiled kernel (sm_90) of the warp-specialised Gluon logits, at the launcher's
-    register budget (``persistent``: ``ws_persistent_kernel``, its queries split)."""
+    register budget."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from cpplan.runtime.kernels.gluon import indexer_logits as ws
 
+    fn = ws.ljit.ws_logits_kernel
     layout = gl.NVMMASharedLayout.get_default_for([ws.BOX, 128], gl.float8e4nv)
     cap, regs = ws._REGISTERS[math_warpgroups]
-    cqp = triton.next_power_of_2(bq * (math_warpgroups if split or persistent else 1))
-    descs = {"kdesc": f"tensordesc<fp8e4nv[{ws.BOX}, 128],{layout!r}>"}
-    if persistent:
-        fn = ws.ljit.ws_persistent_kernel
-        const = {"W": 1, "I": 1, "BQ": bq, "HP": 64, "NM": math_warpgroups, "NS": stages,
-                 "MATH_REGS": regs, "CQP": cqp, "EPI": True}
-        qlay = gl.NVMMASharedLayout.get_default_for([bq * 64, 128], gl.float8e4nv)
-        descs["qdesc"] = f"tensordesc<fp8e4nv[{bq * 64}, 128],{qlay!r}>"
-    else:
-        fn = ws.ljit.ws_logits_kernel
-        const = {"W": 1, "I": 1, "BQ": bq, "HP": 64, "NM": math_warpgroups, "NS": stages,
-                 "MATH_REGS": regs, "EPI": True, "PIPE": pipelined, "SPLIT": split, "CQP": cqp}
+    const = {"W": 1, "I": 1, "BQ": bq, "HP": 64, "NM": math_warpgroups, "NS": stages,
+             "MATH_REGS": regs, "EPI": True, "PIPE": pipelined, "SPLIT": split,
+             "CQP": triton.next_power_of_2(bq * (math_warpgroups if split else 1))}
     ptrs = {**POINTERS, "q_ptr": "*fp8e4nv"}
-    sig = {n: "constexpr" if n in const else descs[n] if n in descs else ptrs.get(n, "i32")
-           for n in fn.arg_names}
+    sig = {n: "constexpr" if n in const else f"tensordesc<fp8e4nv[{ws.BOX}, 128],{layout!r}>"
+           if n == "kdesc" else ptrs.get(n, "i32") for n in fn.arg_names}
     aligned = [i for i, n in enumerate(fn.arg_names) if sig[n].startswith("*") or n == "stride_ot"]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     return triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
@@ -125,15 +117,13 @@ def main(argv=None) -> int:
                     help="--ws: two accumulators, the next product before each epilogue")
     ap.add_argument("--split", action="store_true",
                     help="--ws: the math warpgroups split the CTA's queries, not its keys")
-    ap.add_argument("--persistent", action="store_true",
-                    help="--ws: the persistent kernel (queries split, items of key parts)")
     ap.add_argument("--ptx", help="write the PTX here")
     a = ap.parse_args(argv)
     if a.ws:  # its own defaults: the launcher's
         given = argv if argv is not None else sys.argv
         a.stages = a.stages if "--stages" in given else 4
         a.bq = a.bq if "--bq" in given else 4
-        k = compile_ws(a.bq, a.math_warpgroups, a.stages, a.pipelined, a.split, a.persistent)
+        k = compile_ws(a.bq, a.math_warpgroups, a.stages, a.pipelined, a.split)
     else:
         k = compile_logits(a.bq, a.bk, a.warps, a.stages, a.maxnreg, not a.copies)
     with tempfile.TemporaryDirectory() as tmp:
@@ -155,10 +145,9 @@ def main(argv=None) -> int:
     if a.ws:
         gmma = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", k.asm["ptx"])))
         nreg = sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", k.asm["ptx"])))
-        name = "ws_persistent_kernel" if a.persistent else "ws_logits_kernel"
-        print(f"{name}, Triton {triton.__version__}, sm_90: BQ {a.bq}, "
+        print(f"ws_logits_kernel, Triton {triton.__version__}, sm_90: BQ {a.bq}, "
               f"{a.math_warpgroups} math warpgroups, {a.stages} stages"
-              f"{', pipelined' * a.pipelined}{', queries split' * a.split}{', persistent' * a.persistent}; products "
+              f"{', pipelined' * a.pipelined}{', queries split' * a.split}; products "
               f"{', '.join(gmma)}; setmaxnreg {', '.join(f'{d} {r}' for d, r in nreg)}")
         # a wait for all products but one: two in flight (ptxas serialising the wgmmas leaves
         # only waits for none, one after each product)

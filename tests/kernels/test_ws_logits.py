@@ -51,23 +51,19 @@ def _case(T, HI, PT, W, nreq, seed):
     (96, 64, 2048, 2, 64, 3),     # DCP: interleaves of one box
     (64, 32, 2048, 4, 128, 1),    # 32 heads, four ranks
 ])
-@pytest.mark.parametrize("bq,nm,ns,pipe,split,parts", [
-    (4, 2, 4, False, False, 0), (2, 2, 2, False, False, 0), (2, 4, 5, False, False, 0),
-    (1, 4, 3, False, False, 0), (2, 2, 4, True, False, 0), (1, 2, 3, True, False, 0),
+@pytest.mark.parametrize("bq,nm,ns,pipe,split", [
+    (4, 2, 4, False, False), (2, 2, 2, False, False), (2, 4, 5, False, False),
+    (1, 4, 3, False, False), (2, 2, 4, True, False), (1, 2, 3, True, False),
     # the math warpgroups split the queries: 6, 8, 3 queries a CTA
-    (2, 3, 4, False, True, 0), (4, 2, 3, False, True, 0), (1, 3, 2, False, True, 0),
-    (2, 4, 4, False, True, 0), (2, 2, 4, True, True, 0),
-    # persistent: items of 2, 1, 3 and 64 key tiles (blocks cut into parts, or whole)
-    (2, 3, 6, False, True, 2), (4, 2, 3, False, True, 1), (1, 3, 2, False, True, 3),
-    (2, 3, 4, False, True, 64)])
+    (2, 3, 4, False, True), (4, 2, 3, False, True), (1, 3, 2, False, True),
+    (2, 4, 4, False, True), (2, 2, 4, True, True)])
 def test_ws_logits_equal_the_triton_kernel_and_the_reference(T, HI, PT, W, I, nreq, bq, nm, ns,
-                                                             pipe, split, parts):
+                                                             pipe, split):
     from cpplan.runtime.kernels.triton import indexer_tiled as it
     from cpplan.runtime.kernels.triton import pack
 
     ws = _gluon()
-    if not ws.supported(W, I, HI, bq) or not ws._columns_fit(bq * ws.padded_heads(HI), nm) \
-            or (parts and HI != ws.padded_heads(HI)):
+    if not ws.supported(W, I, HI, bq) or not ws._columns_fit(bq * ws.padded_heads(HI), nm):
         pytest.skip("layout outside the kernel")
     q, w, k, key_len, pcu = _case(T, HI, PT, W, nreq, seed=T + HI + W)
     q8, w8 = pack.quantize_indexer_q(q, w)
@@ -75,8 +71,7 @@ def test_ws_logits_equal_the_triton_kernel_and_the_reference(T, HI, PT, W, I, nr
     got = torch.full((T, PT), 0x5A5A5A5A, dtype=torch.int32, device="cuda")  # poison
     want = torch.full_like(got, 0x5A5A5A5A)
     ws.launch(q8, w8, kp, ks, got, key_len, pcu, PT, W, I, block_q=bq, math_warpgroups=nm,
-              stages=ns, pipelined=pipe, split=split, persistent=parts > 0,
-              part_tiles=max(parts, 1))
+              stages=ns, pipelined=pipe, split=split)
     it._logits_planar(q8, w8, kp, ks, want, PT, key_len, pcu, PT, W, I, bq=2, bk=64, warps=4,
                       stages=3, tma=False)
     valid = torch.arange(PT, device="cuda")[None, :] < key_len[:, None]
@@ -131,27 +126,21 @@ def test_ws_logits_layouts_and_refusals():
     with pytest.raises(ValueError, match="pipelined: got 4 math warpgroups"):
         ws.launch(q8, None, None, None, None, None, None, 16, 1, 1, block_q=2,
                   math_warpgroups=4, pipelined=True)
-    with pytest.raises(ValueError, match="persistent: got split False"):
-        ws.launch(q8, None, None, None, None, None, None, 16, 1, 1, persistent=True)
-    with pytest.raises(ValueError, match="persistent: got split True.* 48 heads"):
-        ws.launch(torch.zeros(4, 48, 128), None, None, None, None, None, None, 16, 1, 1,
-                  block_q=2, math_warpgroups=3, split=True, persistent=True)
     with pytest.raises(ValueError, match=">= 2 stages"):
         ws.launch(q8, None, None, None, None, None, None, 16, 1, 1, stages=1)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bq,nm,no_spill,pipe,split,persist", [
-    (4, 2, True, False, False, False), (2, 4, False, False, False, False),
-    (2, 2, True, True, False, False), (2, 3, True, False, True, False),
-    (2, 3, True, False, True, True)])
-def test_ws_logits_compile_for_sm90_without_spills(bq, nm, no_spill, pipe, split, persist):
+@pytest.mark.parametrize("bq,nm,no_spill,pipe,split", [
+    (4, 2, True, False, False), (2, 4, False, False, False), (2, 2, True, True, False),
+    (2, 3, True, False, True)])
+def test_ws_logits_compile_for_sm90_without_spills(bq, nm, no_spill, pipe, split):
     """``bench/sass.py --ws`` (an offline sm_90 compile with this Triton; a process without
     the interpreter): the products m64n{64 bq}k32 on fp8, the math warpgroups raised to their
     register budget and, for the default configuration, no spill in the math loop (at 4 math
     warpgroups of 112 registers Triton 3.9 leaves one reload in it, 3.6 none) and for three
-    warpgroups splitting the queries (and its persistent form). Pipelined, some waits leave a
-    product in flight: ptxas did not serialise the wgmmas."""
+    warpgroups splitting the queries. Pipelined, some waits leave a product in flight: ptxas
+    did not serialise the wgmmas."""
     import sys
     from pathlib import Path
 
@@ -165,7 +154,7 @@ def test_ws_logits_compile_for_sm90_without_spills(bq, nm, no_spill, pipe, split
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9 warns while it is unset
     out = subprocess.run([sys.executable, str(root / "bench" / "sass.py"), "--ws", "--bq", str(bq),
                           "--math-warpgroups", str(nm), *["--pipelined"] * pipe,
-                          *["--split"] * split, *["--persistent"] * persist],
+                          *["--split"] * split],
                          capture_output=True, text=True, env=env, cwd=root, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout

@@ -41,8 +41,7 @@ def _columns_fit(columns: int, math_warpgroups: int) -> bool:
 
 def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, block_q: int = 4,
            math_warpgroups: int = 2, stages: int = 4, pipelined: bool = False,
-           split: bool = False, persistent: bool = False, part_tiles: int = 64,
-           _probe: bool = False) -> None:
+           split: bool = False, _probe: bool = False) -> None:
     """Prefill int32 keys ``out [T, >= max lens]`` (``indexer_tiled._logits_planar``'s
     contract): q8 ``[T, HI, 128]`` float8_e4m3fn, weights ``[T, HI]`` float32 (the query's
     scales folded in), the key planes ``kp [R, 128]`` float8_e4m3fn (contiguous) and ``ks [R]``
@@ -52,10 +51,7 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
     warpgroup issues its next product before an epilogue (two accumulators: at most 128
     columns, 2 math warpgroups); ``split``: the math warpgroups split the CTA's queries
     instead of its keys (block_q each, math_warpgroups x block_q a CTA, tiles of 64 keys that
-    every warpgroup multiplies); ``persistent`` (with split; 2 or 3 math warpgroups, unpadded
-    heads, q8 contiguous): a CTA a SM, each taking every G-th item of (block, ``part_tiles``
-    tiles of its keys), blocks the longest first, so that the CTAs' work evens out whatever
-    the grid's waves. ``_probe`` (bench only): the
+    every warpgroup multiplies). ``_probe`` (bench only): the
     epilogue left out, so the time is the products' and the pipeline's (keys not written)."""
     T, HI, _ = q8.shape
     columns = block_q * padded_heads(HI)
@@ -71,56 +67,14 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
                          f"warpgroups, {columns} columns (block_q {block_q}); expected 2 math "
                          f"warpgroups and at most {MAX_COLUMNS // 2} columns (two accumulators "
                          f"a thread)")
-    if persistent and (not split or pipelined or math_warpgroups == 4
-                       or HI != padded_heads(HI) or not q8.is_contiguous() or part_tiles < 1):
-        raise ValueError(f"warp-specialised logits, persistent: got split {split}, pipelined "
-                         f"{pipelined}, {math_warpgroups} math warpgroups, {HI} heads, q8 "
-                         f"contiguous {q8.is_contiguous()}, part_tiles {part_tiles}; expected "
-                         f"split, not pipelined, 2 or 3 math warpgroups, a power-of-two head "
-                         f"count >= 16, contiguous queries, part_tiles >= 1")
     if T == 0:
         return
     layout = gl.NVMMASharedLayout.get_default_for([BOX, 128], gl.float8e4nv)
     kdesc = TensorDescriptor.from_tensor(kp, [BOX, 128], layout)
     cap, regs = _REGISTERS[math_warpgroups]
-    if persistent:
-        _launch_persistent(q8, weights, kdesc, ks, out, lens, pcu, PT, W, I, block_q,
-                           math_warpgroups, stages, part_tiles, regs, cap, not _probe)
-        return
     cta_queries = block_q * (math_warpgroups if split else 1)
     ljit.ws_logits_kernel[(triton.cdiv(T, cta_queries),)](
         q8, weights, kdesc, ks, out, lens, pcu, q8.stride(0), q8.stride(1), weights.stride(0),
         out.stride(0), T, HI, PT, W=W, I=I, BQ=block_q, HP=padded_heads(HI),
         NM=math_warpgroups, NS=stages, MATH_REGS=regs, EPI=not _probe, PIPE=pipelined,
         SPLIT=split, CQP=triton.next_power_of_2(cta_queries), num_warps=4, maxnreg=cap)
-
-
-def _launch_persistent(q8, weights, kdesc, ks, out, lens, pcu, PT, W, I, block_q,
-                       math_warpgroups, stages, part_tiles, regs, cap, epilogue) -> None:
-    """``launch(persistent=True)``: items of (block, part) over min(SMs, items) CTAs."""
-    T, HI, _ = q8.shape
-    cta_queries = block_q * math_warpgroups
-    blocks = triton.cdiv(T, cta_queries)
-    parts = triton.cdiv(triton.cdiv(max(out.shape[1], 1), BOX), part_tiles)
-    items = blocks * parts
-    qlay = gl.NVMMASharedLayout.get_default_for([block_q * HI, 128], gl.float8e4nv)
-    qdesc = TensorDescriptor.from_tensor(q8.view(T * HI, 128), [block_q * HI, 128], qlay)
-    grid = min(_sms(q8.device), items)
-    ljit.ws_persistent_kernel[(grid,)](
-        qdesc, weights, kdesc, ks, out, lens, pcu, weights.stride(0), out.stride(0), T, HI, PT,
-        items, parts, part_tiles, blocks, W=W, I=I, BQ=block_q, HP=HI, NM=math_warpgroups,
-        NS=stages, MATH_REGS=regs, CQP=triton.next_power_of_2(cta_queries), EPI=epilogue,
-        num_warps=4, maxnreg=cap)
-
-
-_SMS: dict = {}
-
-
-def _sms(device) -> int:
-    """Streaming multiprocessors of a CUDA device (asked once a device)."""
-    import torch
-
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]

@@ -166,20 +166,18 @@ def _math(q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j
             it = _pass_pipelined(ring, ready, free, q_mine, zero, w, ks_ptr, optr, n, mine, k0,
                                  tiles, it, pq, hi, PT, W, I, BQ, HP, NB, NS, EPI, BX)
         else:
-            it = _pass_waited(ring, ready, free, q_mine, zero, w, ks_ptr, optr, n, mine, k0, 0,
+            it = _pass_waited(ring, ready, free, q_mine, zero, w, ks_ptr, optr, n, mine, k0,
                               tiles, it, pq, hi, PT, W, I, BQ, HP, NB, NS, EPI, BX)
 
 
 @gluon.jit
-def _pass_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k0, t_lo, t_hi, it,
-                 pq, hi, PT, W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr,
-                 HP: gl.constexpr, NB: gl.constexpr, NS: gl.constexpr, EPI: gl.constexpr,
-                 BX: gl.constexpr):
-    """One pass of a math warpgroup over its keys of tiles t_lo .. t_hi - 1, each product
-    waited on before its epilogue (the next tile's scales loaded under it); returns the ring's
-    count past the pass."""
-    scale = _scales(ks_ptr, t_lo * (NB * SUB) + k0, hi, pq, PT, W, I)
-    for t in range(t_lo, t_hi):
+def _pass_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k0, tiles, it, pq,
+                 hi, PT, W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr, HP: gl.constexpr,
+                 NB: gl.constexpr, NS: gl.constexpr, EPI: gl.constexpr, BX: gl.constexpr):
+    """One pass of a math warpgroup over its keys, each product waited on before its epilogue
+    (the next tile's scales loaded under it); returns the ring's count past the pass."""
+    scale = _scales(ks_ptr, k0, hi, pq, PT, W, I)
+    for t in range(tiles):
         acc = _product(ring, ready, q_smem, zero, it, NB, NS, BX)
         c = t * (NB * SUB) + k0
         scale_nxt = _scales(ks_ptr, c + NB * SUB, hi, pq, PT, W, I)
@@ -327,169 +325,3 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
                      HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
                      PIPE, SPLIT, 3)),
         ], [4, 4, 4, 4], [MATH_REGS, MATH_REGS, MATH_REGS, MATH_REGS])
-
-
-# ---- the persistent form: one CTA a SM, (block, key part) items taken in turn ----------------
-
-
-@gluon.jit
-def _item(item, parts, part_tiles, B, len_ptr, pcu_ptr, T, CQ: gl.constexpr, CQP: gl.constexpr,
-          L: gl.constexpr):
-    """Item ``item`` (blocks the longest first, then their parts of ``part_tiles`` tiles of 64
-    keys): the block's first query j0, its keys hi, region start p_lo and whether one request
-    holds all its queries (as ``ws_logits_kernel``), and the part's tiles t_lo .. t_hi - 1
-    (none past hi). The loader and the math warpgroups each compute it."""
-    b = B - 1 - item // parts
-    part = item % parts
-    j0 = b * CQ
-    jq = j0 + gl.arange(0, CQP, layout=L)
-    live = (jq < T) & (jq < j0 + CQ)
-    n = gl.load(len_ptr + jq, mask=live, other=0).to(gl.int32)
-    pcu = gl.load(pcu_ptr + jq, mask=live, other=0).to(gl.int64)
-    hi = gl.max(n, 0)
-    p_lo = gl.min(gl.where(n > 0, pcu, 9223372036854775807), 0)
-    shared = gl.max(gl.where(n > 0, pcu, -1), 0) <= p_lo
-    t_lo = part * part_tiles
-    t_hi = gl.minimum(gl.cdiv(hi, SUB), t_lo + part_tiles)
-    return j0, hi, p_lo, shared, t_lo, t_hi
-
-
-@gluon.jit
-def _loader_persistent(qdesc, kdesc, q_smem, ring, ready, free, q_ready, q_free, len_ptr,
-                       pcu_ptr, T, PT, n_items, parts, part_tiles, B, W: gl.constexpr,
-                       I: gl.constexpr, BQ: gl.constexpr, HP: gl.constexpr, NM: gl.constexpr,
-                       NS: gl.constexpr, CQP: gl.constexpr):
-    """The persistent CTA's loader: for each of its items (every G-th from its program id)
-    the NM warpgroups' queries into q buffer ``qn % 2`` by TMA once the math warpgroups have
-    freed it, then the part's key tiles into the ring, a pass a request as in ``_loader``."""
-    CQ: gl.constexpr = NM * BQ
-    IL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    it = 0
-    qn = 0
-    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        j0, hi, p_lo, shared, t_lo, t_hi = _item(item, parts, part_tiles, B, len_ptr, pcu_ptr,
-                                                 T, CQ, CQP, IL)
-        if t_lo < t_hi:
-            buf = qn % 2
-            mbarrier.wait(q_free.index(buf), ((qn // 2) & 1) ^ 1)
-            mbarrier.expect(q_ready.index(buf), NM * qdesc.block_type.nbytes)
-            for g in gl.static_range(NM):
-                _tma_load(qdesc, [((j0 + g * BQ) * HP).to(gl.int32), 0], q_ready.index(buf),
-                          q_smem.index(buf * NM + g))
-            for qi in range(gl.where(shared, 1, CQ)):
-                pq = _pass_start(qi, pcu_ptr, j0, T, p_lo, shared)
-                for t in range(t_lo, t_hi):
-                    s = it % NS
-                    mbarrier.wait(free.index(s), ((it // NS) & 1) ^ 1)
-                    mbarrier.expect(ready.index(s), kdesc.block_type.nbytes)
-                    r = _prefill_rows(t * SUB, pq, PT, W, I)
-                    _tma_load(kdesc, [r.to(gl.int32), 0], ready.index(s), ring.index(s))
-                    it += 1
-            qn += 1
-
-
-@gluon.jit
-def _math_persistent(q_smem, ring, ready, free, q_ready, q_free, w_ptr, ks_ptr, out_ptr, len_ptr,
-                     pcu_ptr, T, HI, PT, stride_wt, stride_ot, n_items, parts, part_tiles, B,
-                     W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr, HP: gl.constexpr,
-                     NM: gl.constexpr, NS: gl.constexpr, CQP: gl.constexpr, EPI: gl.constexpr,
-                     WG: gl.constexpr):
-    """Math warpgroup WG of the persistent CTA: for each item, queries WG x BQ .. of the block
-    (their B operand in q buffer ``qn % 2``, freed after the item's last product) times every
-    key tile of the part, as ``_pass_waited``."""
-    N: gl.constexpr = BQ * HP
-    CQ: gl.constexpr = NM * BQ
-    IL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, N, 32])
-    zero = gl.zeros([SUB, N], gl.float32, layout=MMA)
-    S_L: gl.constexpr = gl.sum(gl.reshape(zero, [SUB, BQ, HP]), 2).type.layout
-    KEY: gl.constexpr = gl.SliceLayout(1, S_L)
-    LQ: gl.constexpr = gl.SliceLayout(0, S_L)
-    rw = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
-    hw = rw % HP
-    jb = WG * BQ + gl.arange(0, BQ, layout=LQ)  # the warpgroup's queries in the block
-    k0 = gl.arange(0, SUB, layout=KEY)
-    it = 0
-    qn = 0
-    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        j0, hi, p_lo, shared, t_lo, t_hi = _item(item, parts, part_tiles, B, len_ptr, pcu_ptr,
-                                                 T, CQ, CQP, IL)
-        if t_lo < t_hi:
-            jw = j0 + WG * BQ + rw // HP
-            w = gl.load(w_ptr + jw.to(gl.int64) * stride_wt + hw, mask=(hw < HI) & (jw < T),
-                        other=0.0)
-            n = gl.load(len_ptr + j0 + jb, mask=j0 + jb < T, other=0).to(gl.int32)
-            optr = out_ptr + (j0 + jb).to(gl.int64)[None, :] * stride_ot
-            buf = qn % 2
-            mbarrier.wait(q_ready.index(buf), (qn // 2) & 1)
-            qw = q_smem.index(buf * NM + WG)
-            for qi in range(gl.where(shared, 1, CQ)):
-                pq = _pass_start(qi, pcu_ptr, j0, T, p_lo, shared)
-                mine = (jb == qi) | shared
-                it = _pass_waited(ring, ready, free, qw, zero, w, ks_ptr, optr, n, mine, k0,
-                                  t_lo, t_hi, it, pq, hi, PT, W, I, BQ, HP, 1, NS, EPI, 0)
-            mbarrier.arrive(q_free.index(buf), count=1)
-            qn += 1
-
-
-@gluon.jit(do_not_specialize=["len_ptr", "pcu_ptr", "T", "PT", "n_items", "parts", "part_tiles",
-                              "B"])
-def ws_persistent_kernel(qdesc, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr, stride_wt,
-                         stride_ot, T, HI, PT, n_items, parts, part_tiles, B,
-                         W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr, HP: gl.constexpr,
-                         NM: gl.constexpr, NS: gl.constexpr, MATH_REGS: gl.constexpr,
-                         CQP: gl.constexpr, EPI: gl.constexpr = True):
-    """The split form (NM math warpgroups of BQ queries each, tiles of 64 keys) made
-    persistent: a CTA a SM takes items ``program_id, program_id + G, ...`` of ``n_items`` =
-    B blocks x ``parts`` parts, so that every CTA gets about the same number of key tiles
-    whatever the grid's waves. qdesc: a TMA descriptor over the queries ``[T x HP, 128]``
-    (heads unpadded: HI = HP) with boxes of ``[BQ x HP, 128]``; kdesc as in
-    ``ws_logits_kernel``."""
-    N: gl.constexpr = BQ * HP
-    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * NM, N, 128], qdesc.layout)
-    ring = gl.allocate_shared_memory(gl.float8e4nv, [NS, SUB, 128], kdesc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NS):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(free.index(s), count=NM)
-    for s in gl.static_range(2):
-        mbarrier.init(q_ready.index(s), count=1)
-        mbarrier.init(q_free.index(s), count=NM)
-    fence_async_shared()
-    if NM == 2:
-        gl.warp_specialize([
-            (_loader_persistent, (qdesc, kdesc, q_smem, ring, ready, free, q_ready, q_free,
-                                  len_ptr, pcu_ptr, T, PT, n_items, parts, part_tiles, B, W, I,
-                                  BQ, HP, NM, NS, CQP)),
-            (_math_persistent, (q_smem, ring, ready, free, q_ready, q_free, w_ptr, ks_ptr,
-                                out_ptr, len_ptr, pcu_ptr, T, HI, PT, stride_wt, stride_ot,
-                                n_items, parts, part_tiles, B, W, I, BQ, HP, NM, NS, CQP, EPI,
-                                0)),
-            (_math_persistent, (q_smem, ring, ready, free, q_ready, q_free, w_ptr, ks_ptr,
-                                out_ptr, len_ptr, pcu_ptr, T, HI, PT, stride_wt, stride_ot,
-                                n_items, parts, part_tiles, B, W, I, BQ, HP, NM, NS, CQP, EPI,
-                                1)),
-        ], [4, 4], [MATH_REGS, MATH_REGS])
-    else:
-        gl.static_assert(NM == 3, "persistent: NM 2 or 3 math warpgroups")
-        gl.warp_specialize([
-            (_loader_persistent, (qdesc, kdesc, q_smem, ring, ready, free, q_ready, q_free,
-                                  len_ptr, pcu_ptr, T, PT, n_items, parts, part_tiles, B, W, I,
-                                  BQ, HP, NM, NS, CQP)),
-            (_math_persistent, (q_smem, ring, ready, free, q_ready, q_free, w_ptr, ks_ptr,
-                                out_ptr, len_ptr, pcu_ptr, T, HI, PT, stride_wt, stride_ot,
-                                n_items, parts, part_tiles, B, W, I, BQ, HP, NM, NS, CQP, EPI,
-                                0)),
-            (_math_persistent, (q_smem, ring, ready, free, q_ready, q_free, w_ptr, ks_ptr,
-                                out_ptr, len_ptr, pcu_ptr, T, HI, PT, stride_wt, stride_ot,
-                                n_items, parts, part_tiles, B, W, I, BQ, HP, NM, NS, CQP, EPI,
-                                1)),
-            (_math_persistent, (q_smem, ring, ready, free, q_ready, q_free, w_ptr, ks_ptr,
-                                out_ptr, len_ptr, pcu_ptr, T, HI, PT, stride_wt, stride_ot,
-                                n_items, parts, part_tiles, B, W, I, BQ, HP, NM, NS, CQP, EPI,
-                                2)),
-        ], [4, 4, 4], [MATH_REGS, MATH_REGS, MATH_REGS])

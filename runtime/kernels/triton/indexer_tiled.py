@@ -68,8 +68,6 @@ class IndexerTiles:
     ws_block_q: int = 4  # queries a CTA (N = block_q * padded heads <= 256)
     ws_math_warpgroups: int = 2  # math warpgroups, each 64 keys of a tile (2 to 4)
     ws_split: bool = False  # ... or each ws_block_q queries of the CTA's (tiles of 64 keys)
-    ws_persistent: bool = False  # split, a CTA a SM taking items of ws_part_tiles key tiles
-    ws_part_tiles: int = 64
     ws_stages: int = 4  # key tiles in the ring
     ws_min_keys: int = 16384  # narrower chunks take Triton's (per-CTA start-up: at T 8192 x
     # N 8192 the Gluon kernel was 7% slower; at N 16384 2%, at 32768 / 65536 3-5% faster)
@@ -267,8 +265,7 @@ def prefill_logits(q8, w8, kp, ks, out, L, lens, pcu, PT, W, I, tiles: IndexerTi
     if ws is not None:
         ws.launch(q8, w8, kp, ks, out, lens, pcu, PT, W, I, block_q=tiles.ws_block_q,
                   math_warpgroups=tiles.ws_math_warpgroups, stages=tiles.ws_stages,
-                  split=tiles.ws_split or tiles.ws_persistent, persistent=tiles.ws_persistent,
-                  part_tiles=tiles.ws_part_tiles)
+                  split=tiles.ws_split)
         return
     _logits_planar(q8, w8, kp, ks, out, L, lens, pcu, PT, W, I, bq=tiles.block_q,
                    bk=tiles.block_k, warps=tiles.logits_warps, stages=tiles.logits_stages,
