@@ -16,6 +16,10 @@ CTA a SM at a time:
   the epilogue in registers (ReLU, weights, the sum over heads within a thread and a quad,
   the scale loaded a tile ahead) stored straight from the accumulator's layout; the
   warpgroups run out of phase, one's epilogue under another's product;
+- ``SPLIT`` (not the default): the math warpgroups split the CTA's queries instead of its
+  keys: ``NM x BQ`` queries a CTA, tiles of one box of 64 keys that every math warpgroup
+  multiplies by its own BQ queries (its slice of the B operands), the free barrier counting
+  NM arrivals as before;
 - register budget: the math warpgroups take ``MATH_REGS`` registers a thread, the loader what
   is left (``gl.warp_specialize``'s ``setmaxnreg``; the launcher caps the kernel so that they
   add up).
@@ -27,7 +31,12 @@ with the epilogue replaced by a column maximum the schedule runs at 1306 TFLOP/s
 tensor cores idle a third of the time even then. ``PIPE`` (two accumulators of 128 columns, the
 next product issued before each epilogue; the loop shaped so that ptxas keeps the wgmmas
 asynchronous) is 14% faster than waiting at 2 queries a CTA but still 4% slower than the
-default 4 (bench/RESULTS.md, "twenty-third session").
+default 4 (bench/RESULTS.md, "twenty-third session"). ``SPLIT`` with 3 math warpgroups of 2
+queries (6 stages) runs at 1076-1090 TFLOP/s-eq where its grid is whole waves (T 3960 x N
+32768: 1833-1857 us against the default's 1991-2005) but loses the last, nearly empty wave at
+T 4096 (2098-2113 against 1974-2005 us) and in the 32k step (indexer 14.55 against 14.15 ms a
+layer); a persistent form evening the waves was slower still (bench/RESULTS.md,
+"twenty-fifth session").
 
 A block across a request boundary (rare) takes one pass per query, as in the Triton kernel;
 tiles past a query's keys are multiplied (TMA reads rows past the plane as 0) and never
