@@ -464,11 +464,12 @@ def planar_logits(args, ceil, flops, sweep_tiles=False):
 # (queries a CTA, math warpgroups, ring stages, mode) of the warp-specialised logits; mode
 # words ("+"-joined on the command line): "pipe": the next product issued before each epilogue;
 # "split": the math warpgroups split the queries (queries a warpgroup, tiles of 64 keys);
+# "whole": no block cut into parts (the grid's last wave as it falls; the default cuts it);
 # "probe": the epilogue replaced by a per-column maximum stored nowhere (the products' and the
 # pipeline's time, no keys written)
 WS_TILES = ((4, 2, 4, ""), (2, 3, 4, "split"), (2, 2, 4, "pipe"), (2, 2, 6, "pipe"),
             (2, 4, 4, ""), (4, 2, 4, "probe"), (2, 3, 4, "probe,split"), (2, 2, 4, "pipe,probe"))
-WS_WORDS = ("pipe", "probe", "split")
+WS_WORDS = ("pipe", "probe", "split", "whole")
 
 
 def _ws_tiles(text: str) -> tuple[tuple, ...]:
@@ -501,13 +502,15 @@ def ws_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops):
     ok = True
     for bq, nm, ns, mode in WS_TILES:
         probe, pipe, split = "probe" in mode, "pipe" in mode, "split" in mode
+        whole = "whole" in mode
 
-        def fn(bq=bq, nm=nm, ns=ns, probe=probe, pipe=pipe, split=split):
+        def fn(bq=bq, nm=nm, ns=ns, probe=probe, pipe=pipe, split=split, whole=whole):
             ws.launch(q8, w8, kp, ks, got, key_len, pcu, N, 1, 1, block_q=bq,
                       math_warpgroups=nm, stages=ns, pipelined=pipe, split=split,
-                      _probe=probe)
+                      last_wave_parts=1 if whole else None, _probe=probe)
         name = (f"  ws fp8 logits bq {bq}{' a warpgroup' * split}, {nm} math warpgroups"
                 f"{' splitting queries' * split}, {ns} stages"
+                f"{', last wave whole' * whole}"
                 f"{', pipelined' * pipe}{', PROBE: no epilogue' * probe}")
         try:
             got.fill_(0)

@@ -51,14 +51,19 @@ def _case(T, HI, PT, W, nreq, seed):
     (96, 64, 2048, 2, 64, 3),     # DCP: interleaves of one box
     (64, 32, 2048, 4, 128, 1),    # 32 heads, four ranks
 ])
-@pytest.mark.parametrize("bq,nm,ns,pipe,split", [
-    (4, 2, 4, False, False), (2, 2, 2, False, False), (2, 4, 5, False, False),
-    (1, 4, 3, False, False), (2, 2, 4, True, False), (1, 2, 3, True, False),
+@pytest.mark.parametrize("bq,nm,ns,pipe,split,parts", [
+    (4, 2, 4, False, False, None), (2, 2, 2, False, False, None),
+    (2, 4, 5, False, False, None), (1, 4, 3, False, False, None),
+    (2, 2, 4, True, False, None), (1, 2, 3, True, False, None),
     # the math warpgroups split the queries: 6, 8, 3 queries a CTA
-    (2, 3, 4, False, True), (4, 2, 3, False, True), (1, 3, 2, False, True),
-    (2, 4, 4, False, True), (2, 2, 4, True, True)])
+    (2, 3, 4, False, True, None), (4, 2, 3, False, True, None), (1, 3, 2, False, True, None),
+    (2, 4, 4, False, True, None), (2, 2, 4, True, True, None),
+    # the last wave's blocks whole, or cut into 3 / 8 / 5 parts of their key tiles (the
+    # shapes' blocks are fewer than an H200's SMs: every block is cut)
+    (4, 2, 4, False, False, 1), (4, 2, 4, False, False, 3), (2, 3, 4, False, True, 8),
+    (2, 2, 4, True, False, 5)])
 def test_ws_logits_equal_the_triton_kernel_and_the_reference(T, HI, PT, W, I, nreq, bq, nm, ns,
-                                                             pipe, split):
+                                                             pipe, split, parts):
     from cpplan.runtime.kernels.triton import indexer_tiled as it
     from cpplan.runtime.kernels.triton import pack
 
@@ -71,7 +76,7 @@ def test_ws_logits_equal_the_triton_kernel_and_the_reference(T, HI, PT, W, I, nr
     got = torch.full((T, PT), 0x5A5A5A5A, dtype=torch.int32, device="cuda")  # poison
     want = torch.full_like(got, 0x5A5A5A5A)
     ws.launch(q8, w8, kp, ks, got, key_len, pcu, PT, W, I, block_q=bq, math_warpgroups=nm,
-              stages=ns, pipelined=pipe, split=split)
+              stages=ns, pipelined=pipe, split=split, last_wave_parts=parts)
     it._logits_planar(q8, w8, kp, ks, want, PT, key_len, pcu, PT, W, I, bq=2, bk=64, warps=4,
                       stages=3, tma=False)
     valid = torch.arange(PT, device="cuda")[None, :] < key_len[:, None]
@@ -104,6 +109,36 @@ def test_prefill_indexer_takes_the_ws_logits_and_equals_the_reference():
         s, ids = it.indexer_topk_prefill(q, w, k, key_len, pcu, N, 1, 1, topk, max_keys=N,
                                          tiles=tiles)
         assert torch.equal(ids.cpu(), want[1].cpu()) and torch.equal(s.cpu(), want[0].cpu())
+
+
+def _makespan(lengths, sms):
+    """Greedy list scheduling (each CTA, in order, to the SM free first): the last end."""
+    import heapq
+
+    free = [0] * sms
+    for x in lengths:
+        heapq.heappush(free, heapq.heappop(free) + x)
+    return max(free)
+
+
+@pytest.mark.parametrize("sms", [132, 4, 7])
+def test_last_wave_split_ends_soonest(sms):
+    """``last_wave_split`` against a brute force: every part count 1..8 of the blocks past the
+    last whole wave scheduled greedily (blocks of equal work, parts of 1/p); the chosen
+    count's makespan is the least (the fewest parts on a tie), and none where it is 1."""
+    from fractions import Fraction
+
+    ws = _gluon()
+    for blocks in list(range(1, 3 * sms + 2)) + [683, 1024, 2048]:
+        rest = blocks % sms
+        spans = {p: _makespan([Fraction(1)] * (blocks - rest) + [Fraction(1, p)] * (rest * p),
+                              sms) for p in range(1, 9)}
+        best = min(spans, key=lambda p: (spans[p], p))
+        whole, parts = ws.last_wave_split(blocks, sms)
+        assert (whole, parts) == ((blocks, 1) if best == 1 else (blocks - rest, best)), blocks
+        assert ws.last_wave_split(blocks, sms, 1) == (blocks, 1)
+        if rest:
+            assert ws.last_wave_split(blocks, sms, 3) == (blocks - rest, 3)
 
 
 def test_ws_logits_layouts_and_refusals():

@@ -41,7 +41,8 @@ def _columns_fit(columns: int, math_warpgroups: int) -> bool:
 
 def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, block_q: int = 4,
            math_warpgroups: int = 2, stages: int = 4, pipelined: bool = False,
-           split: bool = False, _probe: bool = False) -> None:
+           split: bool = False, last_wave_parts: int | None = None,
+           _probe: bool = False) -> None:
     """Prefill int32 keys ``out [T, >= max lens]`` (``indexer_tiled._logits_planar``'s
     contract): q8 ``[T, HI, 128]`` float8_e4m3fn, weights ``[T, HI]`` float32 (the query's
     scales folded in), the key planes ``kp [R, 128]`` float8_e4m3fn (contiguous) and ``ks [R]``
@@ -51,7 +52,9 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
     warpgroup issues its next product before an epilogue (two accumulators: at most 128
     columns, 2 math warpgroups); ``split``: the math warpgroups split the CTA's queries
     instead of its keys (block_q each, math_warpgroups x block_q a CTA, tiles of 64 keys that
-    every warpgroup multiplies). ``_probe`` (bench only): the
+    every warpgroup multiplies). The blocks that would make the grid's last, partial wave are
+    cut into ``last_wave_parts`` CTAs each (a part of the key tiles each; None: the count
+    ``last_wave_split`` picks for this device's SMs, 1: none). ``_probe`` (bench only): the
     epilogue left out, so the time is the products' and the pipeline's (keys not written)."""
     T, HI, _ = q8.shape
     columns = block_q * padded_heads(HI)
@@ -73,8 +76,39 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
     kdesc = TensorDescriptor.from_tensor(kp, [BOX, 128], layout)
     cap, regs = _REGISTERS[math_warpgroups]
     cta_queries = block_q * (math_warpgroups if split else 1)
-    ljit.ws_logits_kernel[(triton.cdiv(T, cta_queries),)](
+    blocks = triton.cdiv(T, cta_queries)
+    whole, parts = last_wave_split(blocks, _sms(q8.device), last_wave_parts)
+    ljit.ws_logits_kernel[(whole + (blocks - whole) * parts,)](
         q8, weights, kdesc, ks, out, lens, pcu, q8.stride(0), q8.stride(1), weights.stride(0),
-        out.stride(0), T, HI, PT, W=W, I=I, BQ=block_q, HP=padded_heads(HI),
+        out.stride(0), T, HI, PT, whole, parts, W=W, I=I, BQ=block_q, HP=padded_heads(HI),
         NM=math_warpgroups, NS=stages, MATH_REGS=regs, EPI=not _probe, PIPE=pipelined,
         SPLIT=split, CQP=triton.next_power_of_2(cta_queries), num_warps=4, maxnreg=cap)
+
+
+def last_wave_split(blocks: int, sms: int, parts: int | None = None,
+                    max_parts: int = 8) -> tuple[int, int]:
+    """(whole, parts): the first ``whole`` CTAs take a block each (the longest first), the
+    other ``blocks - whole`` blocks ``parts`` CTAs each. One CTA a SM, blocks of about equal
+    work: the blocks past the last whole wave (or all, if fewer than the SMs) are cut into
+    the count of parts (at most ``max_parts``) whose waves end soonest, ceil(rest x p / SMs)
+    / p of a block's time (the fewest parts on a tie); none where the waves are whole.
+    ``parts`` given: that many (1: no cut)."""
+    rest = blocks % sms
+    if parts is None:
+        parts = min(range(1, max_parts + 1), key=lambda p: (-(-rest * p // sms) / p, p))
+    if rest == 0 or parts <= 1:
+        return blocks, 1
+    return blocks - rest, parts
+
+
+_SMS: dict = {}
+
+
+def _sms(device) -> int:
+    """Streaming multiprocessors of a CUDA device (asked once a device)."""
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]

@@ -80,18 +80,17 @@ def _pass_start(qi, pcu_ptr, j0, T, p_lo, shared):
 
 
 @gluon.jit
-def _loader(kdesc, ring, ready, free, pcu_ptr, j0, T, PT, hi, p_lo, shared,
+def _loader(kdesc, ring, ready, free, pcu_ptr, j0, T, PT, t_lo, t_hi, p_lo, shared,
             W: gl.constexpr, I: gl.constexpr, CQ: gl.constexpr, NB: gl.constexpr,
             NS: gl.constexpr):
     """The CTA's first warpgroup (one thread issues the copies): every tile's NB boxes of 64
     key rows into ring stage ``it % NS`` once the math warpgroups have freed it (the first NS
-    stages are free from the start); CQ: the CTA's queries (a pass each where they are not
-    one request's)."""
-    tiles = gl.cdiv(hi, NB * SUB)
+    stages are free from the start): the CTA's tiles t_lo .. t_hi - 1; CQ: the CTA's queries
+    (a pass each where they are not one request's)."""
     it = 0
     for qi in range(gl.where(shared, 1, CQ)):
         pq = _pass_start(qi, pcu_ptr, j0, T, p_lo, shared)
-        for t in range(tiles):
+        for t in range(t_lo, t_hi):
             s = it % NS
             mbarrier.wait(free.index(s), ((it // NS) & 1) ^ 1)
             mbarrier.expect(ready.index(s), NB * kdesc.block_type.nbytes)
@@ -139,7 +138,7 @@ def _finish(acc, w, scale, c, n, mine, optr, BQ: gl.constexpr, HP: gl.constexpr,
 
 @gluon.jit
 def _math(q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T, HI, PT,
-          stride_wt, stride_ot, hi, p_lo, shared, W: gl.constexpr, I: gl.constexpr,
+          stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W: gl.constexpr, I: gl.constexpr,
           BQ: gl.constexpr, HP: gl.constexpr, NM: gl.constexpr, NS: gl.constexpr,
           EPI: gl.constexpr, PIPE: gl.constexpr, SPLIT: gl.constexpr, WG: gl.constexpr):
     """Math warpgroup WG: keys WG x 64 .. WG x 64 + 63 of every tile and all BQ queries, or
@@ -165,7 +164,6 @@ def _math(q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j
     jb = Q0 + gl.arange(0, BQ, layout=LQ)  # the warpgroup's queries in the CTA
     n = gl.load(len_ptr + j0 + jb, mask=j0 + jb < T, other=0).to(gl.int32)
     optr = out_ptr + (j0 + jb).to(gl.int64)[None, :] * stride_ot
-    tiles = gl.cdiv(hi, NB * SUB)
     k0 = BX * SUB + gl.arange(0, SUB, layout=KEY)
     it = 0
     for qi in range(gl.where(shared, 1, CQ)):
@@ -173,20 +171,22 @@ def _math(q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j
         mine = (jb == qi) | shared  # the pass's queries: all if shared
         if PIPE:
             it = _pass_pipelined(ring, ready, free, q_mine, zero, w, ks_ptr, optr, n, mine, k0,
-                                 tiles, it, pq, hi, PT, W, I, BQ, HP, NB, NS, EPI, BX)
+                                 t_lo, t_hi, it, pq, hi, PT, W, I, BQ, HP, NB, NS, EPI, BX)
         else:
             it = _pass_waited(ring, ready, free, q_mine, zero, w, ks_ptr, optr, n, mine, k0,
-                              tiles, it, pq, hi, PT, W, I, BQ, HP, NB, NS, EPI, BX)
+                              t_lo, t_hi, it, pq, hi, PT, W, I, BQ, HP, NB, NS, EPI, BX)
 
 
 @gluon.jit
-def _pass_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k0, tiles, it, pq,
-                 hi, PT, W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr, HP: gl.constexpr,
-                 NB: gl.constexpr, NS: gl.constexpr, EPI: gl.constexpr, BX: gl.constexpr):
-    """One pass of a math warpgroup over its keys, each product waited on before its epilogue
-    (the next tile's scales loaded under it); returns the ring's count past the pass."""
-    scale = _scales(ks_ptr, k0, hi, pq, PT, W, I)
-    for t in range(tiles):
+def _pass_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k0, t_lo, t_hi, it,
+                 pq, hi, PT, W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr,
+                 HP: gl.constexpr, NB: gl.constexpr, NS: gl.constexpr, EPI: gl.constexpr,
+                 BX: gl.constexpr):
+    """One pass of a math warpgroup over its keys of tiles t_lo .. t_hi - 1, each product
+    waited on before its epilogue (the next tile's scales loaded under it); returns the ring's
+    count past the pass."""
+    scale = _scales(ks_ptr, t_lo * (NB * SUB) + k0, hi, pq, PT, W, I)
+    for t in range(t_lo, t_hi):
         acc = _product(ring, ready, q_smem, zero, it, NB, NS, BX)
         c = t * (NB * SUB) + k0
         scale_nxt = _scales(ks_ptr, c + NB * SUB, hi, pq, PT, W, I)
@@ -199,8 +199,8 @@ def _pass_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k0, 
 
 
 @gluon.jit
-def _pass_pipelined(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k0, tiles, it,
-                    pq, hi, PT, W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr,
+def _pass_pipelined(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k0, t_lo, t_hi,
+                    it, pq, hi, PT, W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr,
                     HP: gl.constexpr, NB: gl.constexpr, NS: gl.constexpr, EPI: gl.constexpr,
                     BX: gl.constexpr):
     """The same pass with two accumulators: four tiles a trip, each product but the trip's
@@ -208,7 +208,8 @@ def _pass_pipelined(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k
     product in flight crosses the loop's back edge: reading an accumulator that did (even
     after the wait that retires it) makes ptxas serialise every wgmma of the kernel (C7514,
     "non wgmma instructions reading accumulator registers")."""
-    c = k0
+    c = t_lo * (NB * SUB) + k0
+    tiles = t_hi - t_lo
     for _ in range(tiles // 4):
         a = _product(ring, ready, q_smem, zero, it, NB, NS, BX)
         sa = _scales(ks_ptr, c, hi, pq, PT, W, I)
@@ -243,9 +244,9 @@ def _pass_pipelined(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k
     return it
 
 
-@gluon.jit(do_not_specialize=["len_ptr", "pcu_ptr", "T", "PT"])
+@gluon.jit(do_not_specialize=["len_ptr", "pcu_ptr", "T", "PT", "F", "P"])
 def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
-                     stride_qt, stride_qh, stride_wt, stride_ot, T, HI, PT,
+                     stride_qt, stride_qh, stride_wt, stride_ot, T, HI, PT, F, P,
                      W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr, HP: gl.constexpr,
                      NM: gl.constexpr, NS: gl.constexpr, MATH_REGS: gl.constexpr,
                      EPI: gl.constexpr = True, PIPE: gl.constexpr = False,
@@ -257,7 +258,14 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
     N: gl.constexpr = BQ * HP  # a product's columns
     NB: gl.constexpr = 1 if SPLIT else NM  # boxes of 64 keys a tile
     CQ: gl.constexpr = NM * BQ if SPLIT else BQ  # the CTA's queries
-    j0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * CQ
+    # CTAs 0 .. F - 1: the F last blocks whole (the longest keys first); then P CTAs a block,
+    # each a P-th of its key tiles: the grid's last wave split so that it ends sooner
+    pid = gl.program_id(0)
+    past = gl.maximum(pid - F, 0)
+    in_parts = pid >= F
+    j0 = gl.where(in_parts, gl.cdiv(T, CQ) - 1 - F - past // P, gl.cdiv(T, CQ) - 1 - pid) * CQ
+    part = gl.where(in_parts, past % P, 0)
+    nparts = gl.where(in_parts, P, 1)
     # the CTA's queries, query-major (padded heads and queries past T: 0), as the B operands
     # (one a math warpgroup with SPLIT), copied N rows at a time
     QL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # 4 warps
@@ -285,52 +293,55 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
     live = (jq < T) & (jq < j0 + CQ)
     n = gl.load(len_ptr + jq, mask=live, other=0).to(gl.int32)
     pcu = gl.load(pcu_ptr + jq, mask=live, other=0).to(gl.int64)
-    hi = gl.max(n, 0)  # the CTA's keys: its longest query's
+    hi = gl.max(n, 0)  # the block's keys: its longest query's
     p_lo = gl.min(gl.where(n > 0, pcu, 9223372036854775807), 0)
     shared = gl.max(gl.where(n > 0, pcu, -1), 0) <= p_lo  # one request's keys serve every query
+    per = gl.cdiv(gl.cdiv(hi, NB * SUB), nparts)  # the CTA's tiles: part x per .. (its part)
+    t_lo = part * per
+    t_hi = gl.minimum(gl.cdiv(hi, NB * SUB), t_lo + per)
     # the loader is the default partition (its warps are the CTA's first warpgroup), the math
     # warpgroups are workers. Each partition's arguments are written out: in Triton 3.6 a
     # tuple held in a variable, or built by concatenation, turns its constexprs into tensors.
     if NM == 2:
         gl.warp_specialize([
-            (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, hi, p_lo, shared, W, I, CQ,
-                       NB, NS)),
+            (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, t_lo, t_hi, p_lo, shared, W,
+                       I, CQ, NB, NS)),
             (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
-                     PIPE, SPLIT, 0)),
+                     HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM,
+                     NS, EPI, PIPE, SPLIT, 0)),
             (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
-                     PIPE, SPLIT, 1)),
+                     HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM,
+                     NS, EPI, PIPE, SPLIT, 1)),
         ], [4, 4], [MATH_REGS, MATH_REGS])
     elif NM == 3:
         gl.warp_specialize([
-            (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, hi, p_lo, shared, W, I, CQ,
-                       NB, NS)),
+            (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, t_lo, t_hi, p_lo, shared, W,
+                       I, CQ, NB, NS)),
             (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
-                     PIPE, SPLIT, 0)),
+                     HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM,
+                     NS, EPI, PIPE, SPLIT, 0)),
             (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
-                     PIPE, SPLIT, 1)),
+                     HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM,
+                     NS, EPI, PIPE, SPLIT, 1)),
             (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
-                     PIPE, SPLIT, 2)),
+                     HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM,
+                     NS, EPI, PIPE, SPLIT, 2)),
         ], [4, 4, 4], [MATH_REGS, MATH_REGS, MATH_REGS])
     else:
         gl.static_assert(NM == 4, "NM: 2, 3 or 4 math warpgroups")
         gl.warp_specialize([
-            (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, hi, p_lo, shared, W, I, CQ,
-                       NB, NS)),
+            (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, t_lo, t_hi, p_lo, shared, W,
+                       I, CQ, NB, NS)),
             (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
-                     PIPE, SPLIT, 0)),
+                     HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM,
+                     NS, EPI, PIPE, SPLIT, 0)),
             (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
-                     PIPE, SPLIT, 1)),
+                     HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM,
+                     NS, EPI, PIPE, SPLIT, 1)),
             (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
-                     PIPE, SPLIT, 2)),
+                     HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM,
+                     NS, EPI, PIPE, SPLIT, 2)),
             (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI,
-                     PIPE, SPLIT, 3)),
+                     HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM,
+                     NS, EPI, PIPE, SPLIT, 3)),
         ], [4, 4, 4, 4], [MATH_REGS, MATH_REGS, MATH_REGS, MATH_REGS])
