@@ -27,10 +27,12 @@ def padded_heads(num_heads: int) -> int:
     return max(16, triton.next_power_of_2(num_heads))
 
 
-def supported(W: int, I: int, num_heads: int, block_q: int) -> bool:
+def supported(W: int, I: int, num_heads: int, block_q: int, math_warpgroups: int = 2) -> bool:
     """Whether the kernel takes this layout: every 64-key box one run of plane rows (one rank,
-    or an interleave that 64 divides) and at most 256 product columns."""
-    return (W == 1 or I % BOX == 0) and block_q * padded_heads(num_heads) <= MAX_COLUMNS
+    or an interleave that 64 divides) and product columns that the math warpgroups' registers
+    hold (256 at 2, 128 at 3 or 4)."""
+    return (W == 1 or I % BOX == 0) and _columns_fit(block_q * padded_heads(num_heads),
+                                                     math_warpgroups)
 
 
 def _columns_fit(columns: int, math_warpgroups: int) -> bool:

@@ -16,27 +16,26 @@ CTA a SM at a time:
   the epilogue in registers (ReLU, weights, the sum over heads within a thread and a quad,
   the scale loaded a tile ahead) stored straight from the accumulator's layout; the
   warpgroups run out of phase, one's epilogue under another's product;
-- ``SPLIT`` (not the default): the math warpgroups split the CTA's queries instead of its
-  keys: ``NM x BQ`` queries a CTA, tiles of one box of 64 keys that every math warpgroup
-  multiplies by its own BQ queries (its slice of the B operands), the free barrier counting
-  NM arrivals as before;
+- ``SPLIT`` (the default of ``indexer_tiled.IndexerTiles``, 3 x 2 queries): the math
+  warpgroups split the CTA's queries instead of its keys: ``NM x BQ`` queries a CTA, tiles of
+  one box of 64 keys that every math warpgroup multiplies by its own BQ queries (its slice of
+  the B operands), the free barrier counting NM arrivals as before;
+- the grid's last partial wave cut: the first F CTAs take a block each (the longest first),
+  the blocks left P CTAs each, a P-th of their key tiles each (the launcher's
+  ``last_wave_split``), so that a chunk does not end on a nearly empty wave;
 - register budget: the math warpgroups take ``MATH_REGS`` registers a thread, the loader what
   is left (``gl.warp_specialize``'s ``setmaxnreg``; the launcher caps the kernel so that they
   add up).
 
-Measured on the H200 (bench/RESULTS.md, "the warp-specialised Gluon prefill logits"): 2-5%
-faster than the Triton kernel on chunks of 32k-64k keys, 7% slower at 8k (the per-CTA
-start-up of short causal rows);
-with the epilogue replaced by a column maximum the schedule runs at 1306 TFLOP/s-eq, so the
-tensor cores idle a third of the time even then. ``PIPE`` (two accumulators of 128 columns, the
-next product issued before each epilogue; the loop shaped so that ptxas keeps the wgmmas
-asynchronous) is 14% faster than waiting at 2 queries a CTA but still 4% slower than the
-default 4 (bench/RESULTS.md, "twenty-third session"). ``SPLIT`` with 3 math warpgroups of 2
-queries (6 stages) runs at 1076-1090 TFLOP/s-eq where its grid is whole waves (T 3960 x N
-32768: 1833-1857 us against the default's 1991-2005) but loses the last, nearly empty wave at
-T 4096 (2098-2113 against 1974-2005 us) and in the 32k step (indexer 14.55 against 14.15 ms a
-layer); a persistent form evening the waves was slower still (bench/RESULTS.md,
-"twenty-fifth session").
+Measured on the H200 (bench/RESULTS.md, "the warp-specialised Gluon prefill logits" and
+"twenty-fifth session"): with the epilogue replaced by a column maximum the schedule runs at
+1300-1330 TFLOP/s-eq, so the tensor cores idle a fifth to a third of the time even then.
+3 x 2 split queries, last wave cut: T 4096 x N 32768 in 1910 us (1080 TFLOP/s-eq; 2 x 4
+queries splitting keys, whole last wave: 1972), the 32k step's indexer 13.8 against 14.1 ms a
+layer. ``PIPE`` (two accumulators of 128 columns, the next product issued before each
+epilogue; the loop shaped so that ptxas keeps the wgmmas asynchronous) is 14% faster than
+waiting at 2 queries a CTA but still 4% slower than 4 (bench/RESULTS.md, "twenty-third
+session").
 
 A block across a request boundary (rare) takes one pass per query, as in the Triton kernel;
 tiles past a query's keys are multiplied (TMA reads rows past the plane as 0) and never

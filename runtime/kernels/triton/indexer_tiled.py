@@ -9,7 +9,8 @@ head, folded into the weights), as in every backend.
 
 Logits. Prefill (``prefill_logits``): on a Hopper GPU, for chunks at least ``ws_min_keys``
 wide whose gather layout makes every 64 keys one run of rows, the warp-specialised Gluon kernel
-(``..gluon.indexer_logits``: a TMA loader warpgroup, two math warpgroups, 4 queries a product);
+(``..gluon.indexer_logits``: a TMA loader warpgroup, three math warpgroups of 2 queries each
+multiplying every 64-key tile; the grid's last partial wave cut into parts of key tiles);
 elsewhere ``logits_planar_kernel``: the gathered keys split into two planes (fp8 values
 ``[R, 128]`` in 128-byte rows, float32 scales ``[R]``: ``split_planes``); a program owns
 ``block_q`` consecutive queries and per ``block_k`` keys computes ``K @ Q^T`` on fp8 tensor
@@ -65,9 +66,10 @@ class IndexerTiles:
 
     # prefill logits: the warp-specialised Gluon kernel on Hopper (``ws_*``), else Triton's
     logits_ws: bool = True  # the Gluon kernel where it applies (``prefill_logits``)
-    ws_block_q: int = 4  # queries a CTA (N = block_q * padded heads <= 256)
-    ws_math_warpgroups: int = 2  # math warpgroups, each 64 keys of a tile (2 to 4)
-    ws_split: bool = False  # ... or each ws_block_q queries of the CTA's (tiles of 64 keys)
+    ws_block_q: int = 2  # queries a math warpgroup (N = block_q * padded heads: <= 128 at
+    # 3 or 4 math warpgroups, 256 at 2; wider heads take the Triton kernel)
+    ws_math_warpgroups: int = 3  # each block_q queries of the CTA's, tiles of 64 keys ...
+    ws_split: bool = True  # ... or (False) each 64 keys of a tile, all block_q queries
     ws_stages: int = 4  # key tiles in the ring
     ws_min_keys: int = 16384  # narrower chunks take Triton's (per-CTA start-up: at T 8192 x
     # N 8192 the Gluon kernel was 7% slower; at N 16384 2%, at 32768 / 65536 3-5% faster)
@@ -255,7 +257,8 @@ def ws_logits(q, W: int, I: int, L: int, tiles: IndexerTiles):
         return None
     from ..gluon import indexer_logits
 
-    return indexer_logits if indexer_logits.supported(W, I, q.shape[1], tiles.ws_block_q) else None
+    ok = indexer_logits.supported(W, I, q.shape[1], tiles.ws_block_q, tiles.ws_math_warpgroups)
+    return indexer_logits if ok else None
 
 
 def prefill_logits(q8, w8, kp, ks, out, L, lens, pcu, PT, W, I, tiles: IndexerTiles):
