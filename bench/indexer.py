@@ -467,8 +467,8 @@ def planar_logits(args, ceil, flops, sweep_tiles=False):
 # "whole": no block cut into parts (the grid's last wave as it falls; the default cuts it);
 # "probe": the epilogue replaced by a per-column maximum stored nowhere (the products' and the
 # pipeline's time, no keys written)
-WS_TILES = ((4, 2, 4, ""), (2, 3, 4, "split"), (2, 2, 4, "pipe"), (2, 2, 6, "pipe"),
-            (2, 4, 4, ""), (4, 2, 4, "probe"), (2, 3, 4, "probe,split"), (2, 2, 4, "pipe,probe"))
+WS_TILES = ((2, 3, 4, "split"), (2, 3, 4, "split,whole"), (4, 2, 4, ""), (2, 2, 4, "pipe"),
+            (2, 3, 4, "probe,split"), (4, 2, 4, "probe"))  # the first: IndexerTiles' default
 WS_WORDS = ("pipe", "probe", "split", "whole")
 
 
