@@ -103,14 +103,8 @@ def last_wave_split(blocks: int, sms: int, parts: int | None = None,
     return blocks - rest, parts
 
 
-_SMS: dict = {}
-
-
 def _sms(device) -> int:
-    """Streaming multiprocessors of a CUDA device (asked once a device)."""
+    """Streaming multiprocessors of a CUDA device (torch keeps its properties)."""
     import torch
 
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
+    return torch.cuda.get_device_properties(device).multi_processor_count
