@@ -8,7 +8,7 @@ bf16 matmul ceiling.
                             [--sweep]
                             [--planar-sweep] [--planar-tiles 2:128:4:3,2:64:8:3:128] [--json out.json]
                             [--planar-variants gluon,ws] [--inputs integer|normal] [--deepgemm]
-                            [--cuda-baseline FILE] [--ws-tiles 4:2:4,2:2:4:pipe]
+                            [--cuda-baseline FILE] [--ws-tiles 2:3:4:split,4:2:4] [--ws-rounds 3]
 
 Prefill cases: the last T tokens of an N-token context (query i has keys 0 .. N - T + i),
 64 heads x 128 dims, topk 2048, one rank. Decode cases: B requests of one context each (and 64
@@ -49,6 +49,7 @@ import dataclasses
 import itertools
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -470,6 +471,7 @@ def planar_logits(args, ceil, flops, sweep_tiles=False):
 WS_TILES = ((2, 3, 4, "split"), (2, 3, 4, "split,whole"), (4, 2, 4, ""), (2, 2, 4, "pipe"),
             (2, 3, 4, "probe,split"), (4, 2, 4, "probe"))  # the first: IndexerTiles' default
 WS_WORDS = ("pipe", "probe", "split", "whole")
+WS_ROUNDS = 1  # --ws-rounds
 
 
 def _ws_tiles(text: str) -> tuple[tuple, ...]:
@@ -492,14 +494,17 @@ def _ws_tiles(text: str) -> tuple[tuple, ...]:
 
 def ws_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops):
     """The warp-specialised Gluon logits (runtime/kernels/gluon/indexer_logits.py) at each of
-    WS_TILES, checked equal to the Triton kernel's keys; a Triton without Gluon, or a variant
-    that does not build or run, prints one line."""
+    WS_TILES, checked equal to the Triton kernel's keys, then timed WS_ROUNDS times in turn
+    (each row the median of its rounds: a card that slows as it warms weighs on every
+    configuration alike); a Triton without Gluon, or a variant that does not build or run,
+    prints one line."""
     try:
         from cpplan.runtime.kernels.gluon import indexer_logits as ws
     except ImportError as e:
         print(f"  ws logits: not available ({e})", flush=True)
         return True
     ok = True
+    runs = []  # (name, fn, note) of the configurations that ran
     for bq, nm, ns, mode in WS_TILES:
         probe, pipe, split = "probe" in mode, "pipe" in mode, "split" in mode
         whole = "whole" in mode
@@ -517,10 +522,17 @@ def ws_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops):
             fn()
             eq = torch.equal(torch.where(valid, got, 0), torch.where(valid, want, 0))
             ok &= eq or probe
-            row(name, bench(fn), flops, ceil, "(keys not written)" if probe
-                else f"== Triton kernel: {eq}")
+            runs.append((name, fn, "(keys not written)" if probe else f"== Triton kernel: {eq}"))
         except FAILS + (ValueError,) as e:
             print(f"{name}: failed ({_first_line(e)[:100]})", flush=True)
+    times = [[] for _ in runs]
+    for _ in range(WS_ROUNDS):
+        for (_, fn, _), t in zip(runs, times):
+            t.append(bench(fn))
+    for (name, _, note), t in zip(runs, times):
+        if len(t) > 1:
+            note += f"; {len(t)} rounds, {min(t) * 1e3:.1f}-{max(t) * 1e3:.1f} us"
+        row(name, statistics.median(t), flops, ceil, note)
     return ok
 
 
@@ -791,6 +803,9 @@ def main():
                          "for none")
     ap.add_argument("--ws-tiles", type=_ws_tiles, metavar="BQ:NM:STAGES[:MODE],...",
                     help="the warp-specialised logits' configurations timed (default: WS_TILES)")
+    ap.add_argument("--ws-rounds", type=int, default=1, metavar="R",
+                    help="time the --ws-tiles configurations R times in turn, each row the "
+                         "median of its rounds (default 1)")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--prefill-cases", type=_prefill_cases, metavar="TxN[,TxN...]",
                     help="these prefill cases only, e.g. 2048x65536,8192x8192")
@@ -814,8 +829,11 @@ def main():
                          "no rows if deep_gemm does not import)")
     a = ap.parse_args()
     global VARIANTS, PROFILE, PLANAR_DEFAULT_TILES, PLANAR_VARIANTS, INPUTS, CUDA_BASELINE, \
-        WS_TILES
+        WS_TILES, WS_ROUNDS
     WS_TILES = a.ws_tiles or WS_TILES
+    if a.ws_rounds < 1:
+        ap.error(f"--ws-rounds: got {a.ws_rounds}; expected at least 1")
+    WS_ROUNDS = a.ws_rounds
     PLANAR_VARIANTS = tuple(v for v in a.planar_variants.split(",") if v)
     PROFILE = a.profile
     if a.cuda_baseline:
