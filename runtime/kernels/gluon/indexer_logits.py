@@ -60,8 +60,8 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
     epilogue left out, so the time is the products' and the pipeline's (keys not written)."""
     T, HI, _ = q8.shape
     columns = block_q * padded_heads(HI)
-    if not supported(W, I, HI, block_q) or math_warpgroups not in _REGISTERS \
-            or not _columns_fit(columns, math_warpgroups) or stages < 2:
+    if not supported(W, I, HI, block_q, math_warpgroups) or math_warpgroups not in _REGISTERS \
+            or stages < 2:
         raise ValueError(f"warp-specialised logits: got W {W}, interleave {I}, {HI} heads, "
                          f"block_q {block_q}, {math_warpgroups} math warpgroups, {stages} "
                          f"stages; expected one rank or an interleave that {BOX} divides, 2 to "

@@ -28,7 +28,7 @@ CTA a SM at a time:
   add up).
 
 Measured on the H200 (bench/RESULTS.md, "the warp-specialised Gluon prefill logits" and
-"twenty-fifth session"): with the epilogue replaced by a column maximum the schedule runs at
+"the math warpgroups split the queries"): with the epilogue replaced by a column maximum the schedule runs at
 1300-1330 TFLOP/s-eq, so the tensor cores idle a fifth to a third of the time even then.
 3 x 2 split queries, last wave cut: T 4096 x N 32768 in 1910 us (1080 TFLOP/s-eq; 2 x 4
 queries splitting keys, whole last wave: 1972), the 32k step's indexer 13.8 against 14.1 ms a
@@ -248,12 +248,12 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
                      stride_qt, stride_qh, stride_wt, stride_ot, T, HI, PT, F, P,
                      W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr, HP: gl.constexpr,
                      NM: gl.constexpr, NS: gl.constexpr, MATH_REGS: gl.constexpr,
-                     EPI: gl.constexpr = True, PIPE: gl.constexpr = False,
-                     SPLIT: gl.constexpr = False, CQP: gl.constexpr = 0):
+                     CQP: gl.constexpr, EPI: gl.constexpr = True, PIPE: gl.constexpr = False,
+                     SPLIT: gl.constexpr = False):
     """One CTA a block of BQ queries, or with SPLIT NM x BQ (the last blocks first: a
     prefill's later queries have the most keys, longest processing time first). kdesc: a TMA
     descriptor over the value plane ``[R, 128]`` fp8 with boxes of ``[64, 128]``; CQP: the
-    CTA's queries rounded up to a power of two (with SPLIT)."""
+    CTA's queries rounded up to a power of two."""
     N: gl.constexpr = BQ * HP  # a product's columns
     NB: gl.constexpr = 1 if SPLIT else NM  # boxes of 64 keys a tile
     CQ: gl.constexpr = NM * BQ if SPLIT else BQ  # the CTA's queries
@@ -288,16 +288,17 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(free.index(s), count=NM)
     fence_async_shared()
-    jq = j0 + gl.arange(0, CQP if SPLIT else BQ, layout=gl.SliceLayout(1, QL))
+    jq = j0 + gl.arange(0, CQP, layout=gl.SliceLayout(1, QL))
     live = (jq < T) & (jq < j0 + CQ)
     n = gl.load(len_ptr + jq, mask=live, other=0).to(gl.int32)
     pcu = gl.load(pcu_ptr + jq, mask=live, other=0).to(gl.int64)
     hi = gl.max(n, 0)  # the block's keys: its longest query's
     p_lo = gl.min(gl.where(n > 0, pcu, 9223372036854775807), 0)
     shared = gl.max(gl.where(n > 0, pcu, -1), 0) <= p_lo  # one request's keys serve every query
-    per = gl.cdiv(gl.cdiv(hi, NB * SUB), nparts)  # the CTA's tiles: part x per .. (its part)
+    tiles = gl.cdiv(hi, NB * SUB)  # the block's; the CTA's: its part of them
+    per = gl.cdiv(tiles, nparts)
     t_lo = part * per
-    t_hi = gl.minimum(gl.cdiv(hi, NB * SUB), t_lo + per)
+    t_hi = gl.minimum(tiles, t_lo + per)
     # the loader is the default partition (its warps are the CTA's first warpgroup), the math
     # warpgroups are workers. Each partition's arguments are written out: in Triton 3.6 a
     # tuple held in a variable, or built by concatenation, turns its constexprs into tensors.
