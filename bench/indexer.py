@@ -465,12 +465,14 @@ def planar_logits(args, ceil, flops, sweep_tiles=False):
 # (queries a CTA, math warpgroups, ring stages, mode) of the warp-specialised logits; mode
 # words ("+"-joined on the command line): "pipe": the next product issued before each epilogue;
 # "split": the math warpgroups split the queries (queries a warpgroup, tiles of 64 keys);
-# "whole": no block cut into parts (the grid's last wave as it falls; the default cuts it);
+# "scatter": each quad's sums over heads transposed, a lane scaling and storing one (key,
+# query) (block_q 2); "whole": no block cut into parts (the grid's last wave as it falls; the default cuts it);
 # "probe": the epilogue replaced by a per-column maximum stored nowhere (the products' and the
 # pipeline's time, no keys written)
-WS_TILES = ((2, 3, 4, "split"), (2, 3, 4, "split,whole"), (4, 2, 4, ""), (2, 2, 4, "pipe"),
-            (2, 3, 4, "probe,split"), (4, 2, 4, "probe"))  # the first: IndexerTiles' default
-WS_WORDS = ("pipe", "probe", "split", "whole")
+WS_TILES = ((2, 3, 4, "scatter,split"), (2, 3, 4, "split"), (2, 3, 4, "scatter,split,whole"),
+            (4, 2, 4, ""), (2, 2, 4, "pipe"), (2, 3, 4, "probe,split"),
+            (4, 2, 4, "probe"))  # the first: IndexerTiles' default
+WS_WORDS = ("pipe", "probe", "scatter", "split", "whole")
 WS_ROUNDS = 1  # --ws-rounds
 
 
@@ -507,15 +509,16 @@ def ws_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops):
     runs = []  # (name, fn, note) of the configurations that ran
     for bq, nm, ns, mode in WS_TILES:
         probe, pipe, split = "probe" in mode, "pipe" in mode, "split" in mode
-        whole = "whole" in mode
+        whole, scatter = "whole" in mode, "scatter" in mode
 
-        def fn(bq=bq, nm=nm, ns=ns, probe=probe, pipe=pipe, split=split, whole=whole):
+        def fn(bq=bq, nm=nm, ns=ns, probe=probe, pipe=pipe, split=split, whole=whole,
+               scatter=scatter):
             ws.launch(q8, w8, kp, ks, got, key_len, pcu, N, 1, 1, block_q=bq,
                       math_warpgroups=nm, stages=ns, pipelined=pipe, split=split,
-                      last_wave_parts=1 if whole else None, _probe=probe)
+                      scatter=scatter, last_wave_parts=1 if whole else None, _probe=probe)
         name = (f"  ws fp8 logits bq {bq}{' a warpgroup' * split}, {nm} math warpgroups"
                 f"{' splitting queries' * split}, {ns} stages"
-                f"{', last wave whole' * whole}"
+                f"{', quad sums scattered' * scatter}{', last wave whole' * whole}"
                 f"{', pipelined' * pipe}{', PROBE: no epilogue' * probe}")
         try:
             got.fill_(0)

@@ -54,7 +54,7 @@ def compile_logits(bq: int, bk: int, warps: int, stages: int, maxnreg: int, tma:
 
 
 def compile_ws(bq: int, math_warpgroups: int, stages: int, pipelined: bool = False,
-               split: bool = False):
+               split: bool = False, epilogue: int = 1):
     """The compiled kernel (sm_90) of the warp-specialised Gluon logits, at the launcher's
     register budget."""
     from triton.experimental.gluon import language as gl
@@ -66,7 +66,7 @@ def compile_ws(bq: int, math_warpgroups: int, stages: int, pipelined: bool = Fal
     layout = gl.NVMMASharedLayout.get_default_for([ws.BOX, 128], gl.float8e4nv)
     cap, regs = ws._REGISTERS[math_warpgroups]
     const = {"W": 1, "I": 1, "BQ": bq, "HP": 64, "NM": math_warpgroups, "NS": stages,
-             "MATH_REGS": regs, "EPI": True, "PIPE": pipelined, "SPLIT": split,
+             "MATH_REGS": regs, "EPI": epilogue, "PIPE": pipelined, "SPLIT": split,
              "CQP": triton.next_power_of_2(bq * (math_warpgroups if split else 1))}
     ptrs = {**POINTERS, "q_ptr": "*fp8e4nv"}
     sig = {n: "constexpr" if n in const else f"tensordesc<fp8e4nv[{ws.BOX}, 128],{layout!r}>"
@@ -117,13 +117,16 @@ def main(argv=None) -> int:
                     help="--ws: two accumulators, the next product before each epilogue")
     ap.add_argument("--split", action="store_true",
                     help="--ws: the math warpgroups split the CTA's queries, not its keys")
+    ap.add_argument("--scatter", action="store_true",
+                    help="--ws: the epilogue's quad sums scattered (EPI 2), not all-reduced")
     ap.add_argument("--ptx", help="write the PTX here")
     a = ap.parse_args(argv)
     if a.ws:  # its own defaults: the launcher's
         given = argv if argv is not None else sys.argv
         a.stages = a.stages if "--stages" in given else 4
         a.bq = a.bq if "--bq" in given else 4
-        k = compile_ws(a.bq, a.math_warpgroups, a.stages, a.pipelined, a.split)
+        k = compile_ws(a.bq, a.math_warpgroups, a.stages, a.pipelined, a.split,
+                       2 if a.scatter else 1)
     else:
         k = compile_logits(a.bq, a.bk, a.warps, a.stages, a.maxnreg, not a.copies)
     with tempfile.TemporaryDirectory() as tmp:

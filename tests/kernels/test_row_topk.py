@@ -187,9 +187,11 @@ def test_prefill_select_takes_the_cuda_rows():
     assert row_topk.select_defines(L, topk, on.cuda_select_short_keys) == row_topk.SHORT_ROWS
     assert row_topk.select_defines(L, topk, L - 1) == ()
     assert row_topk.select_defines(L, 4096, on.cuda_select_short_keys) == ()
+    assert row_topk.select_defines(L, topk, L, L - 1) == row_topk.SHORT_ROWS_MERGE
+    assert row_topk.select_defines(L, topk, L, L) == row_topk.SHORT_ROWS
     assert not cuda_rows(R, topk, torch.device("cuda"), it.IndexerTiles(cuda_select=False))
     for tiles in (on, it.IndexerTiles(cuda_select_short_keys=0),
-                  it.IndexerTiles(cuda_select=False)):
+                  it.IndexerTiles(cuda_select_merge_keys=1), it.IndexerTiles(cuda_select=False)):
         _check(it.select_topk(scores.cuda(), lens.cuda(), topk, tiles=tiles), want)
 
 

@@ -64,19 +64,77 @@ def _case(T, HI, PT, W, nreq, seed):
     (2, 2, 4, True, False, 5)])
 def test_ws_logits_equal_the_triton_kernel_and_the_reference(T, HI, PT, W, I, nreq, bq, nm, ns,
                                                              pipe, split, parts):
+    _check_ws(T, HI, PT, W, I, nreq, block_q=bq, math_warpgroups=nm, stages=ns, pipelined=pipe,
+              split=split, last_wave_parts=parts)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("T,HI,PT,W,I,nreq", [
+    (257, 64, 4096, 1, 1, 1), (130, 64, 2048, 1, 1, 5), (67, 4, 1024, 1, 1, 2),
+    (96, 64, 2048, 2, 64, 3), (64, 32, 2048, 4, 128, 1)])
+@pytest.mark.parametrize("nm,ns,pipe,split,parts", [
+    (3, 4, False, True, None), (3, 4, False, True, 8), (2, 4, False, False, None),
+    (2, 3, True, False, None), (4, 4, False, True, 1)])
+def test_ws_logits_scatter_equal_the_triton_kernel_and_the_reference(T, HI, PT, W, I, nreq, nm,
+                                                                     ns, pipe, split, parts):
+    """The quad sums scattered (block_q 2), in every mode."""
+    _check_ws(T, HI, PT, W, I, nreq, block_q=2, math_warpgroups=nm, stages=ns, pipelined=pipe,
+              split=split, scatter=True, last_wave_parts=parts)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+def test_ws_logits_scatter_sums_normal_inputs():
+    """Normal inputs (sums rounded): the scattered epilogue's scores within rounding of the
+    all-reduced one's (the same additions in the same order, but which of a thread's first
+    two products the compiler rounds before its fused add differs between them: up to a few
+    units in the last place), and of the float64 reference's."""
     from cpplan.runtime.kernels.triton import indexer_tiled as it
     from cpplan.runtime.kernels.triton import pack
 
     ws = _gluon()
-    if not ws.supported(W, I, HI, bq, nm):
+    T, HI, PT = 300, 64, 4096
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(T, HI, 128, generator=g).to(torch.bfloat16).cuda()
+    w = torch.randn(T, HI, generator=g).cuda()
+    k = ref.quantize_indexer_k(torch.randn(PT, 128, generator=g)).cuda()
+    key_len = torch.randint(1, PT + 1, (T,), generator=g).cuda()
+    pcu = torch.zeros(T, dtype=torch.int64, device="cuda")
+    q8, w8 = pack.quantize_indexer_q(q, w)
+    kp, ks = it.split_planes(k)
+    valid = torch.arange(PT, device="cuda")[None, :] < key_len[:, None]
+    scores = []
+    for scatter in (False, True):
+        out = torch.zeros((T, PT), dtype=torch.int32, device="cuda")
+        ws.launch(q8, w8, kp, ks, out, key_len, pcu, PT, 1, 1, block_q=2, math_warpgroups=3,
+                  split=True, scatter=scatter)
+        scores.append(torch.where(out < 0, out ^ 0x7FFFFFFF, out).view(torch.float32)[valid])
+    rows, _ = ref.prefill_key_rows(key_len.cpu(), pcu.cpu(), PT, 1, 1, PT)
+    want = ref.indexer_scores(q.cpu().double(), w.cpu(), k.cpu(), rows)[valid.cpu()]
+    big = want.abs().max().item()
+    assert big > 0
+    a, b = scores[0].cpu().double(), scores[1].cpu().double()
+    assert (a - b).abs().max().item() <= 1e-5 * big
+    assert (b - want).abs().max().item() <= 1e-3 * big
+    assert (a != b).float().mean().item() < 0.5  # most keys bit for bit
+
+
+def _check_ws(T, HI, PT, W, I, nreq, **launch):
+    """The ws kernel's keys (``launch``'s knobs) equal the Triton planar kernel's and the
+    float64 reference's, nothing written past a row's keys."""
+    from cpplan.runtime.kernels.triton import indexer_tiled as it
+    from cpplan.runtime.kernels.triton import pack
+
+    ws = _gluon()
+    if not ws.supported(W, I, HI, launch["block_q"], launch["math_warpgroups"]):
         pytest.skip("layout outside the kernel")
     q, w, k, key_len, pcu = _case(T, HI, PT, W, nreq, seed=T + HI + W)
     q8, w8 = pack.quantize_indexer_q(q, w)
     kp, ks = it.split_planes(k)
     got = torch.full((T, PT), 0x5A5A5A5A, dtype=torch.int32, device="cuda")  # poison
     want = torch.full_like(got, 0x5A5A5A5A)
-    ws.launch(q8, w8, kp, ks, got, key_len, pcu, PT, W, I, block_q=bq, math_warpgroups=nm,
-              stages=ns, pipelined=pipe, split=split, last_wave_parts=parts)
+    ws.launch(q8, w8, kp, ks, got, key_len, pcu, PT, W, I, **launch)
     it._logits_planar(q8, w8, kp, ks, want, PT, key_len, pcu, PT, W, I, bq=2, bk=64, warps=4,
                       stages=3, tma=False)
     valid = torch.arange(PT, device="cuda")[None, :] < key_len[:, None]
@@ -161,15 +219,18 @@ def test_ws_logits_layouts_and_refusals():
     with pytest.raises(ValueError, match="pipelined: got 4 math warpgroups"):
         ws.launch(q8, None, None, None, None, None, None, 16, 1, 1, block_q=2,
                   math_warpgroups=4, pipelined=True)
+    with pytest.raises(ValueError, match="scatter: got block_q 4"):
+        ws.launch(q8, None, None, None, None, None, None, 16, 1, 1, scatter=True)
     with pytest.raises(ValueError, match=">= 2 stages"):
         ws.launch(q8, None, None, None, None, None, None, 16, 1, 1, stages=1)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bq,nm,no_spill,pipe,split", [
-    (4, 2, True, False, False), (2, 4, False, False, False), (2, 2, True, True, False),
-    (2, 3, True, False, True)])
-def test_ws_logits_compile_for_sm90_without_spills(bq, nm, no_spill, pipe, split):
+@pytest.mark.parametrize("bq,nm,no_spill,pipe,split,scatter", [
+    (4, 2, True, False, False, False), (2, 4, False, False, False, False),
+    (2, 2, True, True, False, False), (2, 3, True, False, True, False),
+    (2, 3, True, False, True, True)])
+def test_ws_logits_compile_for_sm90_without_spills(bq, nm, no_spill, pipe, split, scatter):
     """``bench/sass.py --ws`` (an offline sm_90 compile with this Triton; a process without
     the interpreter): the products m64n{64 bq}k32 on fp8, the math warpgroups raised to their
     register budget and, for the default configuration, no spill in the math loop (at 4 math
@@ -189,7 +250,7 @@ def test_ws_logits_compile_for_sm90_without_spills(bq, nm, no_spill, pipe, split
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9 warns while it is unset
     out = subprocess.run([sys.executable, str(root / "bench" / "sass.py"), "--ws", "--bq", str(bq),
                           "--math-warpgroups", str(nm), *["--pipelined"] * pipe,
-                          *["--split"] * split],
+                          *["--split"] * split, *["--scatter"] * scatter],
                          capture_output=True, text=True, env=env, cwd=root, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout

@@ -235,6 +235,66 @@ __device__ __forceinline__ void bitonic_sort4_registers(uint64_t* sel, uint64_t 
   }
 }
 
+// The keeper of each pair of a thread's n values in registers, odd-even transposition (n
+// rounds): e[0, n) descending.
+template <int N>
+__device__ __forceinline__ void sort_in_thread(uint64_t (&e)[N]) {
+#pragma unroll
+  for (int round = 0; round < N; ++round)
+#pragma unroll
+    for (int r = round & 1; r + 1 < N; r += 2) {
+      const uint64_t x = keep(e[r], e[r + 1], true);
+      e[r + 1] = keep(e[r + 1], e[r], false);
+      e[r] = x;
+    }
+}
+
+// Sorts sel[0, KS) descending by merges, ITEMS composites a thread of the first KS / ITEMS
+// (a multiple of 32; the others only pass the barriers): each thread's own sorted in
+// registers, then log2(KS / ITEMS) rounds, each merging pairs of sorted runs: a thread finds
+// where its ITEMS outputs start on the pair's merge path (a binary search, log2(run) + 1
+// steps) and merges them serially. Between rounds the outputs go back to sel (a warp's own
+// rounds, runs inside its 32 x ITEMS places, synchronise the warp only); the last round's
+// stay in registers: thread t holds places ITEMS t .. ITEMS t + ITEMS - 1.
+template <int KS, int ITEMS>
+__device__ __forceinline__ void merge_sort_registers(uint64_t* sel, uint64_t (&e)[ITEMS]) {
+  static_assert(KS % (32 * ITEMS) == 0 && KS / ITEMS <= kBlock, "whole warps of ITEMS places");
+  const bool mine = threadIdx.x < KS / ITEMS;
+  const int d0 = ITEMS * threadIdx.x;  // the thread's first place
+#pragma unroll
+  for (int r = 0; r < ITEMS; ++r) e[r] = mine ? sel[d0 + r] : 0u;
+  sort_in_thread<ITEMS>(e);
+#pragma unroll
+  for (int run = ITEMS; run < KS; run <<= 1) {
+    const bool in_warp = 2 * run <= 32 * ITEMS;
+    // write the runs, then merge pairs of them: A = sel[p, p + run), B = the next run
+    if (mine)
+#pragma unroll
+      for (int r = 0; r < ITEMS; ++r) sel[d0 + r] = e[r];
+    if (in_warp) __syncwarp(); else __syncthreads();
+    if (mine) {
+      const uint64_t* A = sel + (d0 & ~(2 * run - 1));
+      const uint64_t* B = A + run;
+      const int d = d0 & (2 * run - 1);  // outputs of the pair before the thread's
+      int lo = d > run ? d - run : 0, hi = d < run ? d : run;  // A's share of them: in [lo, hi]
+      while (lo < hi) {  // the first i where A[i] loses to B[d - 1 - i]
+        const int mid = (lo + hi) >> 1;
+        if (A[mid] > B[d - 1 - mid]) lo = mid + 1; else hi = mid;
+      }
+      int i = lo, j = d - lo;
+      uint64_t a = i < run ? A[i] : 0u, b = j < run ? B[j] : 0u;  // 0: below every composite
+#pragma unroll
+      for (int r = 0; r < ITEMS; ++r) {
+        const bool take_a = a > b;
+        e[r] = take_a ? a : b;
+        if (take_a) a = ++i < run ? A[i] : 0u;
+        else b = ++j < run ? B[j] : 0u;
+      }
+    }
+    if (in_warp) __syncwarp(); else __syncthreads();  // read before the next round writes
+  }
+}
+
 template <int VEC>
 struct Loads;
 template <>
@@ -522,7 +582,24 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
 #else
   constexpr bool kShared = false;
 #endif
-  if (!kShared && KS == 2 * kBlock) {  // two values a thread
+#if defined(CPPLAN_ROW_TOPK_MERGE_SORT)  // a variant: merges instead of the bitonic network
+  constexpr bool kMerge = true;
+#else
+  constexpr bool kMerge = false;
+#endif
+#if defined(CPPLAN_ROW_TOPK_MERGE_ITEMS)
+  constexpr int kMergeItems = CPPLAN_ROW_TOPK_MERGE_ITEMS;
+#else
+  constexpr int kMergeItems = 2048 / kBlock;
+#endif
+  if (kMerge && KS == 2048) {
+    uint64_t e[kMergeItems];
+    merge_sort_registers<2048, kMergeItems>(sel, e);
+    CPPLAN_RESULT;
+    if (tid < 2048 / kMergeItems)
+#pragma unroll
+      for (int r = 0; r < kMergeItems; ++r) out.put(kMergeItems * tid + r, e[r]);
+  } else if (!kShared && KS == 2 * kBlock) {  // two values a thread
     uint64_t a, b;
     bitonic_sort_registers<2 * kBlock>(sel, a, b);
     CPPLAN_RESULT;

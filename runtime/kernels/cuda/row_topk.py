@@ -32,11 +32,20 @@ SOURCE = "row_topk.cu"
 # an SM; its sort holds four values a thread, so up to SHORT_MAX_TOPK (bench/RESULTS.md)
 SHORT_ROWS = ("CPPLAN_ROW_TOPK_BLOCK=512", "CPPLAN_ROW_TOPK_CAP=4096")
 SHORT_MAX_TOPK = 2048
+# the result sorted by merges instead of the bitonic network (``CPPLAN_ROW_TOPK_MERGE_SORT``):
+# faster where a row's reads dominate, slower on short rows (bench/RESULTS.md)
+MERGE_SORT = ("CPPLAN_ROW_TOPK_MERGE_SORT",)
+SHORT_ROWS_MERGE = (*SHORT_ROWS, *MERGE_SORT)
 VARIANTS = {
     "sort in shared memory only": ("CPPLAN_ROW_TOPK_SMEM_SORT",),
     "1024 threads a CTA (the long rows' build)": (),
     "512 threads a CTA": ("CPPLAN_ROW_TOPK_BLOCK=512",),
     "512 threads a CTA, 4096 candidates (the short rows' build)": SHORT_ROWS,
+    "merge sort": MERGE_SORT,
+    "merge sort, four a thread": (*MERGE_SORT, "CPPLAN_ROW_TOPK_MERGE_ITEMS=4"),
+    "merge sort, the short rows' build": SHORT_ROWS_MERGE,
+    "merge sort, the short rows' build, eight a thread": (
+        *SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_MERGE_ITEMS=8"),
     "probe: no sort (the result unordered, not equal)": ("CPPLAN_ROW_TOPK_PROBE_NO_SORT",),
 }
 
@@ -91,10 +100,14 @@ def _ready(index: int, defines: tuple[str, ...] = (), source: str = SOURCE):
     return lib, None
 
 
-def select_defines(L: int, topk: int, short_keys: int) -> tuple[str, ...]:
+def select_defines(L: int, topk: int, short_keys: int, merge_keys: int | None = None
+                   ) -> tuple[str, ...]:
     """The build that selects rows of width ``L``: ``SHORT_ROWS`` up to ``short_keys`` keys
-    (more rows in flight an SM), else the default (1024 threads a CTA)."""
-    return SHORT_ROWS if L <= short_keys and topk <= SHORT_MAX_TOPK else ()
+    (more rows in flight an SM), its result sorted by merges (``SHORT_ROWS_MERGE``) where the
+    rows are wider than ``merge_keys`` (None: never), else the default (1024 threads a CTA)."""
+    if L > short_keys or topk > SHORT_MAX_TOPK:
+        return ()
+    return SHORT_ROWS_MERGE if merge_keys is not None and L > merge_keys else SHORT_ROWS
 
 
 def unavailable_reason(device, defines: tuple[str, ...] = ()) -> str | None:

@@ -43,7 +43,7 @@ def _columns_fit(columns: int, math_warpgroups: int) -> bool:
 
 def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, block_q: int = 4,
            math_warpgroups: int = 2, stages: int = 4, pipelined: bool = False,
-           split: bool = False, last_wave_parts: int | None = None,
+           split: bool = False, scatter: bool = False, last_wave_parts: int | None = None,
            _probe: bool = False) -> None:
     """Prefill int32 keys ``out [T, >= max lens]`` (``indexer_tiled._logits_planar``'s
     contract): q8 ``[T, HI, 128]`` float8_e4m3fn, weights ``[T, HI]`` float32 (the query's
@@ -54,7 +54,9 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
     warpgroup issues its next product before an epilogue (two accumulators: at most 128
     columns, 2 math warpgroups); ``split``: the math warpgroups split the CTA's queries
     instead of its keys (block_q each, math_warpgroups x block_q a CTA, tiles of 64 keys that
-    every warpgroup multiplies). The blocks that would make the grid's last, partial wave are
+    every warpgroup multiplies); ``scatter`` (block_q 2): each quad's sums over heads transposed
+    through shared memory and finished in registers, so that a thread scales and stores one
+    (key, query) instead of all four lanes holding four. The blocks that would make the grid's last, partial wave are
     cut into ``last_wave_parts`` CTAs each (a part of the key tiles each; None: the count
     ``last_wave_split`` picks for this device's SMs, 1: none). ``_probe`` (bench only): the
     epilogue left out, so the time is the products' and the pipeline's (keys not written)."""
@@ -67,6 +69,9 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
                          f"stages; expected one rank or an interleave that {BOX} divides, 2 to "
                          f"4 math warpgroups, block_q x padded heads <= {MAX_COLUMNS} (128 at 3 "
                          f"or 4 math warpgroups), >= 2 stages")
+    if scatter and block_q != 2:
+        raise ValueError(f"warp-specialised logits, scatter: got block_q {block_q}; expected 2 "
+                         f"(a quad's four lanes: two keys x two queries)")
     if pipelined and (math_warpgroups != 2 or columns > MAX_COLUMNS // 2):
         raise ValueError(f"warp-specialised logits, pipelined: got {math_warpgroups} math "
                          f"warpgroups, {columns} columns (block_q {block_q}); expected 2 math "
@@ -83,7 +88,7 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
     ljit.ws_logits_kernel[(whole + (blocks - whole) * parts,)](
         q8, weights, kdesc, ks, out, lens, pcu, q8.stride(0), q8.stride(1), weights.stride(0),
         out.stride(0), T, HI, PT, whole, parts, W=W, I=I, BQ=block_q, HP=padded_heads(HI),
-        NM=math_warpgroups, NS=stages, MATH_REGS=regs, EPI=not _probe, PIPE=pipelined,
+        NM=math_warpgroups, NS=stages, MATH_REGS=regs, EPI=0 if _probe else 2 if scatter else 1, PIPE=pipelined,
         SPLIT=split, CQP=triton.next_power_of_2(cta_queries), num_warps=4, maxnreg=cap)
 
 

@@ -61,6 +61,15 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 # a barrier of the CTA's threads: ``thread_barrier`` in Triton 3.6, ``barrier`` in 3.9
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 SUB = gl.constexpr(64)  # keys a math warpgroup multiplies a tile: the M of one wgmma
+# EPI 2's layout of a tile's [64 keys, 2 queries, 4] partial sums over heads after the
+# transpose within each quad: a thread's 4 registers hold the 4 partials of one (key, query),
+# whose accumulator columns the quad's lanes held; lane bit 0 picks the key of the pair
+# (k, k + 8) a thread held, lane bit 1 the query; lanes 4 x 8 and the 4 warps the key as in the
+# wgmma accumulator (rows 16 w + l // 4 and + 8)
+QUAD_T = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 0, 2]],
+    lane_bases=[[8, 0, 0], [0, 1, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+    warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 2, 4]))
 
 
 @gluon.jit
@@ -125,7 +134,17 @@ def _finish(acc, w, scale, c, n, mine, optr, BQ: gl.constexpr, HP: gl.constexpr,
     heads (within a thread, then a quad), the key's scale (a positive power of two: exact after
     the sum), the order-preserving bits. EPI 0 (a probe of the products' bound, wrong keys):
     a per-column maximum computed, stored nowhere."""
-    if EPI:
+    if EPI == 2:  # the quad's sums scattered: a lane stores one (key, query) of four
+        x = gl.reshape(gl.maximum(acc, 0.0) * w[None, :], [acc.shape[0], BQ, HP // 8, 4, 2])
+        x = gl.reshape(gl.permute(x, [0, 1, 3, 2, 4]), [acc.shape[0], BQ, 4, HP // 4])
+        # a thread's partial sums (its columns in order), then each quad's transposed
+        x = gl.convert_layout(gl.sum(x, 3), QUAD_T)
+        # (p0 + p2) + (p1 + p3), the butterfly's order (xor 2, then xor 1)
+        x = gl.sum(gl.sum(gl.reshape(x, [acc.shape[0], BQ, 2, 2]), 2), 2)
+        bits = (x * scale[:, None]).to(gl.int32, bitcast=True)
+        keys = gl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        gl.store(optr + c[:, None], keys, mask=(c[:, None] < n[None, :]) & mine[None, :])
+    elif EPI:
         x = gl.sum(gl.reshape(gl.maximum(acc, 0.0) * w[None, :], [acc.shape[0], BQ, HP]), 2)
         bits = (x * scale[:, None]).to(gl.int32, bitcast=True)
         keys = gl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
@@ -153,7 +172,10 @@ def _math(q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j
                                                   instr_shape=[16, N, 32])
     zero = gl.zeros([SUB, N], gl.float32, layout=MMA)
     # the layout of a tile's [64, BQ] scores (the products summed over heads)
-    S_L: gl.constexpr = gl.sum(gl.reshape(zero, [SUB, BQ, HP]), 2).type.layout
+    S_L: gl.constexpr = gl.sum(gl.sum(gl.reshape(gl.zeros([SUB, BQ, 4], gl.float32,
+                                                          layout=QUAD_T),
+                                                 [SUB, BQ, 2, 2]), 2), 2).type.layout \
+        if EPI == 2 else gl.sum(gl.reshape(zero, [SUB, BQ, HP]), 2).type.layout
     KEY: gl.constexpr = gl.SliceLayout(1, S_L)
     LQ: gl.constexpr = gl.SliceLayout(0, S_L)
     rw = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))

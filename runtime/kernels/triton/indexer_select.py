@@ -72,7 +72,8 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
     ranks write only the live slots, have the outputs filled first."""
     R, L = keys.shape
     if cuda_rows(R, topk, keys.device, tiles):
-        defines = row_topk.select_defines(L, topk, tiles.cuda_select_short_keys)
+        defines = row_topk.select_defines(L, topk, tiles.cuda_select_short_keys,
+                                          tiles.cuda_select_merge_keys or None)
         if defines and row_topk.unavailable_reason(keys.device, defines) is not None:
             defines = ()  # (the short rows' build failed: the default selects them)
         row_topk.select(keys, lens if lens.dtype == torch.int32 else lens.int(), topk, top_s,

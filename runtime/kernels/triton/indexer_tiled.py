@@ -60,8 +60,9 @@ _DOT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: t
 class IndexerTiles:
     """Launch shapes of the indexer: tiles, warps, stages, register caps, programs per SM,
     sample sizes and row-shape thresholds (results do not depend on them, but for the logits
-    kernel's choice, ``logits_ws`` / ``ws_min_keys``: its sum over heads runs in another order,
-    the last bit of a continuous score can differ; bench/indexer.py --sweep varies them; the
+    kernel's choice, ``logits_ws`` / ``ws_min_keys`` / ``ws_scatter``: which of a sum's first
+    two products is rounded before its fused add can differ, so can the last bit of a
+    continuous score; bench/indexer.py --sweep varies them; the
     defaults' figures: bench/RESULTS.md)."""
 
     # prefill logits: the warp-specialised Gluon kernel on Hopper (``ws_*``), else Triton's
@@ -71,8 +72,9 @@ class IndexerTiles:
     ws_math_warpgroups: int = 3  # each block_q queries of the CTA's, tiles of 64 keys ...
     ws_split: bool = True  # ... or (False) each 64 keys of a tile, all block_q queries
     ws_stages: int = 4  # key tiles in the ring
-    ws_min_keys: int = 16384  # narrower chunks take Triton's (per-CTA start-up: at T 8192 x
-    # N 8192 the Gluon kernel was 7% slower; at N 16384 2%, at 32768 / 65536 3-5% faster)
+    ws_scatter: bool = True  # block_q 2: each quad's head sums transposed, a lane stores one
+    ws_min_keys: int = 4096  # narrower chunks take Triton's (with the quad sums scattered the
+    # Gluon kernel is 5% faster at T 8192 x N 8192, and the 32k step's first chunks gain)
     block_q: int = 2  # Triton's: queries per program (N = block_q * padded heads)
     block_k: int = 64  # keys per product (M)
     logits_warps: int = 4
@@ -94,7 +96,9 @@ class IndexerTiles:
     # the CUDA row kernel (``..cuda.row_topk``, built by nvcc on first use where one is found)
     cuda_select: bool = True  # batches of at least cuda_select_rows rows (a prefill chunk's)
     cuda_select_rows: int = 256
-    cuda_select_short_keys: int = 32768  # rows at most this wide: the short rows' build
+    cuda_select_short_keys: int = 32768  # rows at most this wide: the short rows' build ...
+    cuda_select_merge_keys: int = 16384  # ... its result sorted by merges past this width
+    # (0: never)
     # segment path (select_kernel)
     select_block: int = 8192  # keys a scan step (< 2**16)
     select_warps: int = 16
@@ -268,7 +272,7 @@ def prefill_logits(q8, w8, kp, ks, out, L, lens, pcu, PT, W, I, tiles: IndexerTi
     if ws is not None:
         ws.launch(q8, w8, kp, ks, out, lens, pcu, PT, W, I, block_q=tiles.ws_block_q,
                   math_warpgroups=tiles.ws_math_warpgroups, stages=tiles.ws_stages,
-                  split=tiles.ws_split)
+                  split=tiles.ws_split, scatter=tiles.ws_scatter and tiles.ws_block_q == 2)
         return
     _logits_planar(q8, w8, kp, ks, out, L, lens, pcu, PT, W, I, bq=tiles.block_q,
                    bk=tiles.block_k, warps=tiles.logits_warps, stages=tiles.logits_stages,
