@@ -23,13 +23,18 @@
 //      ranked against the others;
 //   5. the K composites sorted by a bitonic network, written out (at K 2048 from registers:
 //      its stages unrolled, those of stride <= 32 on registers and warp shuffles, the others
-//      in shared memory).
+//      in shared memory); or, built with CPPLAN_ROW_TOPK_MERGE_SORT (K 2048), by merges: a
+//      thread's own composites sorted in registers, then rounds that merge pairs of sorted
+//      runs, each thread finding its outputs' start on the merge path by a binary search.
+//      The merges overlap better with other rows' reads (faster on wide rows), the network
+//      is faster where the sort dominates (short rows; bench/RESULTS.md).
 //
 // Built with -DCPPLAN_HOST_EMULATION (a C++20 compiler, no CUDA) the same kernel runs on the
 // host, a CTA's threads as std::threads (host_emulation.h): the CPU tests check it against the
 // reference there, with CPPLAN_ROW_TOPK_BLOCK threads a CTA (512 with _CAP 4096: the short
 // rows' build). Other defines are the bench's variants (row_topk.VARIANTS):
-// CPPLAN_ROW_TOPK_SMEM_SORT (every sort stage in shared memory), _PROBE_NO_SORT (the result
+// CPPLAN_ROW_TOPK_SMEM_SORT (every sort stage in shared memory), _MERGE_ITEMS (composites a
+// thread in the merge sort: 2048 / the CTA's threads by default), _PROBE_NO_SORT (the result
 // left unordered: a timing probe).
 
 #include <cstdint>

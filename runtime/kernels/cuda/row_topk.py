@@ -4,14 +4,16 @@ int32 keys finds the bin of the K-th key, a second pass gathers the keys above t
 those in it into shared memory (a warp's places taken with one atomic), histograms of 10 more
 bits refine the bin (ties by the columns' bits; a bin of at most 32 ranked by one warp), and
 a bitonic network sorts the K composites (score descending, column ascending, as the
-reference order; at K 2048 unrolled, its stages of stride <= 32 in registers and shuffles).
+reference order; at K 2048 unrolled, its stages of stride <= 32 in registers and shuffles), or
+in the merge build rounds of merges along each thread's merge path.
 About two reads of the row's keys (the second mostly from L2) against the Triton filter path's
 threshold, counting, gathering, trim, run sorts and ranks (bench/RESULTS.md).
 
 ``indexer_select._select`` calls ``select`` for at least ``IndexerTiles.cuda_select_rows``
 rows of ``topk <= MAX_TOPK`` where ``unavailable_reason`` is None, with the build
 ``select_defines`` picks: ``SHORT_ROWS`` (four CTAs an SM) for rows of at most
-``IndexerTiles.cuda_select_short_keys`` keys, the default for wider ones.
+``IndexerTiles.cuda_select_short_keys`` keys, sorted by merges (``SHORT_ROWS_MERGE``) where
+they are wider than ``IndexerTiles.cuda_select_merge_keys``; the default for wider ones.
 """
 
 from __future__ import annotations

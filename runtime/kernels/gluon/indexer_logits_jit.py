@@ -1,8 +1,10 @@
 """Jitted body of the warp-specialised prefill indexer logits (Gluon, sm_90).
 
-Same contract and int32 keys as ``triton/indexer_logits_jit.logits_planar_kernel`` (fp8 key
-planes, the fp8-quantised query, ReLU, head weights, the sum over each query's heads, the
-per-key power-of-two scale; docs/design.md §4.3). In the Triton kernel each 4-warp program
+Same contract as ``triton/indexer_logits_jit.logits_planar_kernel`` (fp8 key planes, the
+fp8-quantised query, ReLU, head weights, the sum over each query's heads, the per-key
+power-of-two scale; docs/design.md §4.3), the same int32 keys wherever the sums are exact
+(which of a thread's first two products the compiler rounds before its fused add can differ
+between the kernels and epilogues, so can a continuous score's last bit). In the Triton kernel each 4-warp program
 reads its own key tiles and multiplies them by a B operand of two queries (N 128). Here, one
 CTA a SM at a time:
 
@@ -16,6 +18,12 @@ CTA a SM at a time:
   the epilogue in registers (ReLU, weights, the sum over heads within a thread and a quad,
   the scale loaded a tile ahead) stored straight from the accumulator's layout; the
   warpgroups run out of phase, one's epilogue under another's product;
+- ``EPI`` 2 (BQ 2, ``IndexerTiles.ws_scatter``, the default): a quad's four lanes hold the
+  same two keys x two queries, each lane its own columns' partial sums; instead of all four
+  reducing all four (8 shuffles and adds, then four stores a thread of which three masked),
+  the partials go through a warp's 512 bytes of shared memory transposed (``QUAD_T``: one
+  store, one ldmatrix) and each lane adds up one (key, query), scales and stores it: 174
+  instructions a thread a tile against 224 (ReLU and the weighted sums are 128 of them);
 - ``SPLIT`` (the default of ``indexer_tiled.IndexerTiles``, 3 x 2 queries): the math
   warpgroups split the CTA's queries instead of its keys: ``NM x BQ`` queries a CTA, tiles of
   one box of 64 keys that every math warpgroup multiplies by its own BQ queries (its slice of
@@ -27,12 +35,12 @@ CTA a SM at a time:
   is left (``gl.warp_specialize``'s ``setmaxnreg``; the launcher caps the kernel so that they
   add up).
 
-Measured on the H200 (bench/RESULTS.md, "the warp-specialised Gluon prefill logits" and
-"the math warpgroups split the queries"): with the epilogue replaced by a column maximum the schedule runs at
-1300-1330 TFLOP/s-eq, so the tensor cores idle a fifth to a third of the time even then.
-3 x 2 split queries, last wave cut: T 4096 x N 32768 in 1910 us (1080 TFLOP/s-eq; 2 x 4
-queries splitting keys, whole last wave: 1972), the 32k step's indexer 13.8 against 14.1 ms a
-layer. ``PIPE`` (two accumulators of 128 columns, the next product issued before each
+Measured on the H200 (bench/RESULTS.md, "the warp-specialised Gluon prefill logits", "the
+math warpgroups split the queries" and "the quad sums scattered"): with the epilogue replaced
+by a column maximum the schedule runs at 1350 TFLOP/s-eq, so the tensor cores idle a fifth to
+a third of the time even then. 3 x 2 split queries, last wave cut, quad sums scattered: T 4096
+x N 32768 in 1728 us (1193 TFLOP/s-eq; all-reduced 1902, 2 x 4 queries splitting keys with a
+whole last wave 1972). ``PIPE`` (two accumulators of 128 columns, the next product issued before each
 epilogue; the loop shaped so that ptxas keeps the wgmmas asynchronous) is 14% faster than
 waiting at 2 queries a CTA but still 4% slower than 4 (bench/RESULTS.md, "twenty-third
 session").

@@ -7,7 +7,8 @@ Top-k (``_select``), by row shape:
 
 - CUDA rows (at least ``cuda_select_rows`` rows, where ``..cuda.row_topk`` builds and runs:
   a prefill chunk's rows): one CTA a row selects in shared memory (``row_topk.cu``; rows at
-  most ``cuda_select_short_keys`` wide take its short rows' build, four CTAs an SM); the
+  most ``cuda_select_short_keys`` wide take its short rows' build, four CTAs an SM, its result
+  sorted by merges past ``cuda_select_merge_keys``); the
   Triton paths below serve the rest, and every row where it cannot run;
 - split path (at most ``split_rows`` rows of at most ``split_run_max`` x ``rank_runs`` keys:
   short decode rows): ``sort_runs_kernel`` sorts runs of composites ``key << 32 | (2**32 - 1 -
