@@ -63,11 +63,13 @@ constexpr int kMinBlocks = 2048 / kBlock < 16 ? 2048 / kBlock : 16;  // CTAs an 
 #define CPPLAN_ROW_TOPK_CAP 8192
 #endif
 constexpr int kCap = CPPLAN_ROW_TOPK_CAP;  // the launcher's `cap` (cpplan_row_topk_cap)
+static_assert(kCap < 65536, "step 3 counts a bin's candidates in 16 bits");
 
 struct Shared {
   int warp[kWarps];
   int found_bin, found_before, found_count;  // find_bin's result
   int n_sel, n_cand;                         // places taken in sel / cand
+  unsigned n_pair;                           // step 3's: n_sel | n_cand << 16 (one atomic)
   uint64_t small_bin[32];                    // a bin of at most 32 composites (warp_finish)
 };
 
@@ -371,6 +373,42 @@ __device__ __forceinline__ void warp_append_vec(uint64_t* buf, int* count, const
     if (take[j]) buf[base + off[j]] = v[j];
 }
 
+// Step 3's append of a lane's VEC keys (columns c ..): those above hi_u to sel, those in
+// [lo_u, hi_u] to cand (unsigned keys). Each lane counts its two kinds in one word, the warp
+// scans the words (five shuffles), one lane takes both lists' places with one atomic on
+// sh.n_pair (16 bits each: fewer than KS above, at most kCap in the bin); every lane of the
+// warp calls it. (Two ballots a key before: bench/RESULTS.md.)
+template <int VEC>
+__device__ __forceinline__ void warp_append_scan(uint64_t* sel, uint64_t* cand, Shared& sh,
+                                                 const int32_t (&a)[VEC], int c, uint32_t lo_u,
+                                                 uint32_t hi_u) {
+  const int lane = threadIdx.x & 31;
+  uint32_t u[VEC];
+  unsigned mine = 0;  // above | in the bin << 16 (at most 32 x VEC each)
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    u[j] = ukey(a[j]);
+    mine += u[j] > hi_u ? 1u : (u[j] >= lo_u ? 0x10000u : 0u);
+  }
+  unsigned incl = mine;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const unsigned y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  const unsigned total = __shfl_sync(0xffffffffu, incl, 31);
+  if (total == 0u) return;
+  unsigned base = 0;
+  if (lane == 31) base = atomicAdd(&sh.n_pair, total);
+  base = __shfl_sync(0xffffffffu, base, 31) + incl - mine;
+  int s = static_cast<int>(base & 0xffffu), e = static_cast<int>(base >> 16);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    if (u[j] > hi_u) sel[s++] = composite(u[j], c + j);
+    else if (u[j] >= lo_u) cand[e++] = composite(u[j], c + j);
+  }
+}
+
 // A bin of at most 32 composites (those of cand[0, held) under `prefix`): warp 0 gathers them
 // into lanes, ranks each against the others (composites are distinct) and appends the `need`
 // largest to sel. The whole CTA calls it (one barrier).
@@ -447,7 +485,10 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
 
   // 1. histogram of the top kFirstBits bits of the live keys
   for (int b = tid; b < kBins; b += kBlock) first[b] = 0;
-  if (tid == 0) sh.n_sel = sh.n_cand = 0;
+  if (tid == 0) {
+    sh.n_sel = sh.n_cand = 0;
+    sh.n_pair = 0u;
+  }
   __syncthreads();
   for (int c0 = 0; c0 < n; c0 += 2 * kTile) {  // two loads in flight a thread
     int32_t a[VEC], b[VEC];
@@ -496,33 +537,57 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
     skip_column_ones(prefix, bits, L);
   }
 
-  // 3. the composites above the bin to sel (fewer than K), those in it to cand (at most cap);
-  //    32-bit comparisons while the bin is a prefix of the key (bits <= 32)
-  for (int c0 = 0; c0 < n; c0 += kTile) {
-    int32_t a[VEC];
-    const int c = c0 + tid * VEC;
-    Loads<VEC>::at(p, c, n, a);
-    bool up[VEC], eq[VEC];
-    uint64_t v[VEC];
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      const uint32_t u = ukey(a[j]);
-      v[j] = composite(u, c + j);
-      if (all) {
-        up[j] = u != 0u;
-        eq[j] = false;
-      } else if (bits <= 32) {
-        const uint32_t hi = u >> (32 - bits);
-        up[j] = u != 0u && hi > static_cast<uint32_t>(prefix);
-        eq[j] = u != 0u && hi == static_cast<uint32_t>(prefix);
-      } else {
-        const uint64_t hi = v[j] >> (64 - bits);
-        up[j] = u != 0u && hi > prefix;
-        eq[j] = u != 0u && hi == prefix;
-      }
+  // 3. the composites above the bin to sel (fewer than K), those in it to cand (at most cap):
+  //    while the bin is a prefix of the key (bits <= 32), or every live key is wanted, by the
+  //    keys' unsigned bounds and one scan a warp (warp_append_scan); else by the composites
+#if defined(CPPLAN_ROW_TOPK_BALLOT_APPEND)  // a variant: two ballots a key (the form before)
+  constexpr bool kScan = false;
+#else
+  constexpr bool kScan = true;
+#endif
+  if (kScan && (all || bits <= 32)) {
+    // all: every live key (u != 0) above; else the bin is [lo, hi] (lo at least 1: u = 0 is
+    // "no key"), hi + 1 wrapping to 0 at the top bin
+    const uint32_t lo = all ? 1u : max(static_cast<uint32_t>(prefix) << (32 - bits), 1u);
+    const uint32_t hi = all ? 0u : ((static_cast<uint32_t>(prefix) + 1u) << (32 - bits)) - 1u;
+    for (int c0 = 0; c0 < n; c0 += kTile) {
+      int32_t a[VEC];
+      const int c = c0 + tid * VEC;
+      Loads<VEC>::at(p, c, n, a);
+      warp_append_scan(sel, cand, sh, a, c, lo, hi);
     }
-    warp_append_vec(sel, &sh.n_sel, up, v);
-    warp_append_vec(cand, &sh.n_cand, eq, v);
+    __syncthreads();
+    if (tid == 0) {
+      sh.n_sel = static_cast<int>(sh.n_pair & 0xffffu);
+      sh.n_cand = static_cast<int>(sh.n_pair >> 16);
+    }
+  } else {
+    for (int c0 = 0; c0 < n; c0 += kTile) {
+      int32_t a[VEC];
+      const int c = c0 + tid * VEC;
+      Loads<VEC>::at(p, c, n, a);
+      bool up[VEC], eq[VEC];
+      uint64_t v[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        const uint32_t u = ukey(a[j]);
+        v[j] = composite(u, c + j);
+        if (all) {
+          up[j] = u != 0u;
+          eq[j] = false;
+        } else if (bits <= 32) {
+          const uint32_t hi = u >> (32 - bits);
+          up[j] = u != 0u && hi > static_cast<uint32_t>(prefix);
+          eq[j] = u != 0u && hi == static_cast<uint32_t>(prefix);
+        } else {
+          const uint64_t hi = v[j] >> (64 - bits);
+          up[j] = u != 0u && hi > prefix;
+          eq[j] = u != 0u && hi == prefix;
+        }
+      }
+      warp_append_vec(sel, &sh.n_sel, up, v);
+      warp_append_vec(cand, &sh.n_cand, eq, v);
+    }
   }
   __syncthreads();
 

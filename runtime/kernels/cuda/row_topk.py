@@ -38,6 +38,8 @@ SHORT_MAX_TOPK = 2048
 # faster where a row's reads dominate, slower on short rows (bench/RESULTS.md)
 MERGE_SORT = ("CPPLAN_ROW_TOPK_MERGE_SORT",)
 SHORT_ROWS_MERGE = (*SHORT_ROWS, *MERGE_SORT)
+# step 3's appends by two ballots a key (the form before the warp scan; a bench variant)
+BALLOT_APPEND = ("CPPLAN_ROW_TOPK_BALLOT_APPEND",)
 VARIANTS = {
     "sort in shared memory only": ("CPPLAN_ROW_TOPK_SMEM_SORT",),
     "1024 threads a CTA (the long rows' build)": (),
@@ -48,6 +50,9 @@ VARIANTS = {
     "merge sort, the short rows' build": SHORT_ROWS_MERGE,
     "merge sort, the short rows' build, eight a thread": (
         *SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_MERGE_ITEMS=8"),
+    "ballot appends (the form before)": BALLOT_APPEND,
+    "ballot appends, the short rows' build": (*SHORT_ROWS, *BALLOT_APPEND),
+    "ballot appends, the short rows' build, merge sort": (*SHORT_ROWS_MERGE, *BALLOT_APPEND),
     "probe: no sort (the result unordered, not equal)": ("CPPLAN_ROW_TOPK_PROBE_NO_SORT",),
 }
 
