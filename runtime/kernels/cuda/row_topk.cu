@@ -256,6 +256,40 @@ __device__ __forceinline__ void sort_in_thread(uint64_t (&e)[N]) {
     }
 }
 
+// A warp's 128 places (four a lane, lane l holding 4 l .. 4 l + 3) in runs of UPTO, each
+// sorted descending by the bitonic network's stages in registers and shuffles (the merge
+// sort's variant CPPLAN_ROW_TOPK_MERGE_FROM: its first rounds this way).
+template <int UPTO>
+__device__ __forceinline__ void warp_bitonic4(uint64_t (&e)[4]) {
+  static_assert(UPTO >= 8 && UPTO <= 128, "runs inside a warp's 128 places");
+  const int lane = threadIdx.x & 31;
+  const int base = lane * 4;  // (the warp's offset is a multiple of 128: no run direction)
+#pragma unroll
+  for (int size = 2; size <= UPTO; size <<= 1) {
+#pragma unroll
+    for (int stride = size >> 1; stride >= 4; stride >>= 1) {  // across lanes
+      const bool lower = (lane & (stride >> 2)) == 0;
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const bool down = size == UPTO || ((base + r) & size) == 0;
+        const uint64_t y = __shfl_xor_sync(0xffffffffu, e[r], stride >> 2);
+        e[r] = keep(e[r], y, lower == down);
+      }
+    }
+#pragma unroll
+    for (int stride = size >= 4 ? 2 : 1; stride > 0; stride >>= 1) {  // inside the thread
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        if (r & stride) continue;
+        const bool down = size == UPTO || ((base + r) & size) == 0;
+        const uint64_t x = keep(e[r], e[r + stride], down);
+        e[r + stride] = keep(e[r + stride], e[r], !down);
+        e[r] = x;
+      }
+    }
+  }
+}
+
 // Sorts sel[0, KS) descending by merges, ITEMS composites a thread of the first KS / ITEMS
 // (a multiple of 32; the others only pass the barriers): each thread's own sorted in
 // registers, then log2(KS / ITEMS) rounds, each merging pairs of sorted runs: a thread finds
@@ -263,16 +297,17 @@ __device__ __forceinline__ void sort_in_thread(uint64_t (&e)[N]) {
 // steps) and merges them serially. Between rounds the outputs go back to sel (a warp's own
 // rounds, runs inside its 32 x ITEMS places, synchronise the warp only); the last round's
 // stay in registers: thread t holds places ITEMS t .. ITEMS t + ITEMS - 1.
-template <int KS, int ITEMS>
+template <int KS, int ITEMS, int FROM = ITEMS>
 __device__ __forceinline__ void merge_sort_registers(uint64_t* sel, uint64_t (&e)[ITEMS]) {
   static_assert(KS % (32 * ITEMS) == 0 && KS / ITEMS <= kBlock, "whole warps of ITEMS places");
   const bool mine = threadIdx.x < KS / ITEMS;
   const int d0 = ITEMS * threadIdx.x;  // the thread's first place
 #pragma unroll
   for (int r = 0; r < ITEMS; ++r) e[r] = mine ? sel[d0 + r] : 0u;
-  sort_in_thread<ITEMS>(e);
+  if constexpr (FROM > ITEMS) warp_bitonic4<FROM>(e);  // runs of FROM in registers first
+  else sort_in_thread<ITEMS>(e);
 #pragma unroll
-  for (int run = ITEMS; run < KS; run <<= 1) {
+  for (int run = FROM; run < KS; run <<= 1) {
     const bool in_warp = 2 * run <= 32 * ITEMS;
     // write the runs, then merge pairs of them: A = sel[p, p + run), B = the next run
     if (mine)
@@ -662,9 +697,14 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
 #else
   constexpr int kMergeItems = 2048 / kBlock;
 #endif
+#if defined(CPPLAN_ROW_TOPK_MERGE_FROM)  // a variant: runs of this many by the network first
+  constexpr int kMergeFrom = kMergeItems == 4 ? CPPLAN_ROW_TOPK_MERGE_FROM : kMergeItems;
+#else
+  constexpr int kMergeFrom = kMergeItems;
+#endif
   if (kMerge && KS == 2048) {
     uint64_t e[kMergeItems];
-    merge_sort_registers<2048, kMergeItems>(sel, e);
+    merge_sort_registers<2048, kMergeItems, kMergeFrom>(sel, e);
     CPPLAN_RESULT;
     if (tid < 2048 / kMergeItems)
 #pragma unroll

@@ -48,6 +48,10 @@ VARIANTS = {
     "merge sort": MERGE_SORT,
     "merge sort, four a thread": (*MERGE_SORT, "CPPLAN_ROW_TOPK_MERGE_ITEMS=4"),
     "merge sort, the short rows' build": SHORT_ROWS_MERGE,
+    "merge sort, the short rows' build, from runs of 32": (
+        *SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_MERGE_FROM=32"),
+    "merge sort, the short rows' build, from runs of 128": (
+        *SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_MERGE_FROM=128"),
     "merge sort, the short rows' build, eight a thread": (
         *SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_MERGE_ITEMS=8"),
     "ballot appends (the form before)": BALLOT_APPEND,
