@@ -185,14 +185,25 @@ def test_prefill_select_takes_the_cuda_rows():
     assert cuda_rows(R, topk, torch.device("cuda"), on)
     # rows of 8192 keys take the short rows' build, wider ones (and K past 2048) the default
     assert row_topk.select_defines(L, topk, on.cuda_select_short_keys) == row_topk.SHORT_ROWS
+    assert row_topk.select_defines(L, topk, on.cuda_select_short_keys, True) \
+        == row_topk.SHORT_ROWS_MERGE
     assert row_topk.select_defines(L, topk, L - 1) == ()
     assert row_topk.select_defines(L, 4096, on.cuda_select_short_keys) == ()
-    assert row_topk.select_defines(L, topk, L, L - 1) == row_topk.SHORT_ROWS_MERGE
-    assert row_topk.select_defines(L, topk, L, L) == row_topk.SHORT_ROWS
     assert not cuda_rows(R, topk, torch.device("cuda"), it.IndexerTiles(cuda_select=False))
     for tiles in (on, it.IndexerTiles(cuda_select_short_keys=0),
-                  it.IndexerTiles(cuda_select_merge_keys=1), it.IndexerTiles(cuda_select=False)):
+                  it.IndexerTiles(cuda_select_merge=False), it.IndexerTiles(cuda_select=False)):
         _check(it.select_topk(scores.cuda(), lens.cuda(), topk, tiles=tiles), want)
+
+
+def test_select_defines_picks_the_build():
+    """Rows up to the short rows' width (and K up to 2048) take the short rows' build, sorted
+    by merges or by the network; wider rows, or a larger K, the default build."""
+    short = row_topk.SHORT_ROWS
+    assert row_topk.select_defines(32768, 2048, 32768) == short
+    assert row_topk.select_defines(4096, 2048, 32768, True) == row_topk.SHORT_ROWS_MERGE
+    assert set(short) < set(row_topk.SHORT_ROWS_MERGE)
+    assert row_topk.select_defines(32769, 2048, 32768, True) == ()
+    assert row_topk.select_defines(4096, 4096, 32768, True) == ()
 
 
 @pytest.mark.gpu

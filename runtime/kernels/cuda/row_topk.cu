@@ -23,11 +23,12 @@
 //      ranked against the others;
 //   5. the K composites sorted by a bitonic network, written out (at K 2048 from registers:
 //      its stages unrolled, those of stride <= 32 on registers and warp shuffles, the others
-//      in shared memory); or, built with CPPLAN_ROW_TOPK_MERGE_SORT (K 2048), by merges: a
-//      thread's own composites sorted in registers, then rounds that merge pairs of sorted
-//      runs, each thread finding its outputs' start on the merge path by a binary search.
-//      The merges overlap better with other rows' reads (faster on wide rows), the network
-//      is faster where the sort dominates (short rows; bench/RESULTS.md).
+//      in shared memory); or, built with CPPLAN_ROW_TOPK_MERGE_SORT (K 2048; the short rows'
+//      build), by merges: a thread's own composites sorted in registers (with _MERGE_FROM,
+//      each warp's runs of that many by the network's register and shuffle stages), then
+//      rounds that merge pairs of sorted runs in shared memory, each thread finding its
+//      outputs' start on the merge path by a binary search. From runs of 128 this is 9-15%
+//      faster a row than the network alone (bench/RESULTS.md).
 //
 // Built with -DCPPLAN_HOST_EMULATION (a C++20 compiler, no CUDA) the same kernel runs on the
 // host, a CTA's threads as std::threads (host_emulation.h): the CPU tests check it against the

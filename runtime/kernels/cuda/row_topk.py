@@ -5,15 +5,17 @@ those in it into shared memory (a warp's places taken with one atomic), histogra
 bits refine the bin (ties by the columns' bits; a bin of at most 32 ranked by one warp), and
 a bitonic network sorts the K composites (score descending, column ascending, as the
 reference order; at K 2048 unrolled, its stages of stride <= 32 in registers and shuffles), or
-in the merge build rounds of merges along each thread's merge path.
+in the short rows' build each warp's runs of 128 by the network, then rounds of merges along
+each thread's merge path.
 About two reads of the row's keys (the second mostly from L2) against the Triton filter path's
 threshold, counting, gathering, trim, run sorts and ranks (bench/RESULTS.md).
 
 ``indexer_select._select`` calls ``select`` for at least ``IndexerTiles.cuda_select_rows``
 rows of ``topk <= MAX_TOPK`` where ``unavailable_reason`` is None, with the build
 ``select_defines`` picks: ``SHORT_ROWS`` (four CTAs an SM) for rows of at most
-``IndexerTiles.cuda_select_short_keys`` keys, sorted by merges (``SHORT_ROWS_MERGE``) where
-they are wider than ``IndexerTiles.cuda_select_merge_keys``; the default for wider ones.
+``IndexerTiles.cuda_select_short_keys`` keys, sorted by merges from runs of 128
+(``SHORT_ROWS_MERGE``, unless ``IndexerTiles.cuda_select_merge`` is off); the default for
+wider ones.
 """
 
 from __future__ import annotations
@@ -34,26 +36,26 @@ SOURCE = "row_topk.cu"
 # an SM; its sort holds four values a thread, so up to SHORT_MAX_TOPK (bench/RESULTS.md)
 SHORT_ROWS = ("CPPLAN_ROW_TOPK_BLOCK=512", "CPPLAN_ROW_TOPK_CAP=4096")
 SHORT_MAX_TOPK = 2048
-# the result sorted by merges instead of the bitonic network (``CPPLAN_ROW_TOPK_MERGE_SORT``):
-# faster where a row's reads dominate, slower on short rows (bench/RESULTS.md)
+# the result sorted by merges instead of the bitonic network (``CPPLAN_ROW_TOPK_MERGE_SORT``);
+# the short rows' build takes them from each warp's runs of 128 sorted by the network (9-15%
+# faster than the network alone; merges from a thread's 4 lost on short rows: bench/RESULTS.md)
 MERGE_SORT = ("CPPLAN_ROW_TOPK_MERGE_SORT",)
-SHORT_ROWS_MERGE = (*SHORT_ROWS, *MERGE_SORT)
+SHORT_ROWS_MERGE = (*SHORT_ROWS, *MERGE_SORT, "CPPLAN_ROW_TOPK_MERGE_FROM=128")
 # step 3's appends by two ballots a key (the form before the warp scan; a bench variant)
 BALLOT_APPEND = ("CPPLAN_ROW_TOPK_BALLOT_APPEND",)
 VARIANTS = {
     "sort in shared memory only": ("CPPLAN_ROW_TOPK_SMEM_SORT",),
     "1024 threads a CTA (the long rows' build)": (),
     "512 threads a CTA": ("CPPLAN_ROW_TOPK_BLOCK=512",),
-    "512 threads a CTA, 4096 candidates (the short rows' build)": SHORT_ROWS,
+    "512 threads a CTA, 4096 candidates, the network (the short rows' build before)": SHORT_ROWS,
     "merge sort": MERGE_SORT,
     "merge sort, four a thread": (*MERGE_SORT, "CPPLAN_ROW_TOPK_MERGE_ITEMS=4"),
-    "merge sort, the short rows' build": SHORT_ROWS_MERGE,
-    "merge sort, the short rows' build, from runs of 32": (
-        *SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_MERGE_FROM=32"),
-    "merge sort, the short rows' build, from runs of 128": (
-        *SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_MERGE_FROM=128"),
-    "merge sort, the short rows' build, eight a thread": (
-        *SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_MERGE_ITEMS=8"),
+    "merge sort from runs of 128, the short rows' build": SHORT_ROWS_MERGE,
+    "merge sort from runs of 32, 512 threads": (*SHORT_ROWS, *MERGE_SORT,
+                                                "CPPLAN_ROW_TOPK_MERGE_FROM=32"),
+    "merge sort from a thread's 4, 512 threads": (*SHORT_ROWS, *MERGE_SORT),
+    "merge sort from a thread's 8, 512 threads": (*SHORT_ROWS, *MERGE_SORT,
+                                                  "CPPLAN_ROW_TOPK_MERGE_ITEMS=8"),
     "ballot appends (the form before)": BALLOT_APPEND,
     "ballot appends, the short rows' build": (*SHORT_ROWS, *BALLOT_APPEND),
     "ballot appends, the short rows' build, merge sort": (*SHORT_ROWS_MERGE, *BALLOT_APPEND),
@@ -111,14 +113,14 @@ def _ready(index: int, defines: tuple[str, ...] = (), source: str = SOURCE):
     return lib, None
 
 
-def select_defines(L: int, topk: int, short_keys: int, merge_keys: int | None = None
+def select_defines(L: int, topk: int, short_keys: int, merge: bool = False
                    ) -> tuple[str, ...]:
-    """The build that selects rows of width ``L``: ``SHORT_ROWS`` up to ``short_keys`` keys
-    (more rows in flight an SM), its result sorted by merges (``SHORT_ROWS_MERGE``) where the
-    rows are wider than ``merge_keys`` (None: never), else the default (1024 threads a CTA)."""
+    """The build that selects rows of width ``L``: up to ``short_keys`` keys the short rows'
+    (more rows in flight an SM), its result sorted by merges (``SHORT_ROWS_MERGE``) or with
+    ``merge`` off by the network (``SHORT_ROWS``); else the default (1024 threads a CTA)."""
     if L > short_keys or topk > SHORT_MAX_TOPK:
         return ()
-    return SHORT_ROWS_MERGE if merge_keys is not None and L > merge_keys else SHORT_ROWS
+    return SHORT_ROWS_MERGE if merge else SHORT_ROWS
 
 
 def unavailable_reason(device, defines: tuple[str, ...] = ()) -> str | None:

@@ -8,7 +8,7 @@ Top-k (``_select``), by row shape:
 - CUDA rows (at least ``cuda_select_rows`` rows, where ``..cuda.row_topk`` builds and runs:
   a prefill chunk's rows): one CTA a row selects in shared memory (``row_topk.cu``; rows at
   most ``cuda_select_short_keys`` wide take its short rows' build, four CTAs an SM, its result
-  sorted by merges past ``cuda_select_merge_keys``); the
+  sorted by merges unless ``cuda_select_merge`` is off); the
   Triton paths below serve the rest, and every row where it cannot run;
 - split path (at most ``split_rows`` rows of at most ``split_run_max`` x ``rank_runs`` keys:
   short decode rows): ``sort_runs_kernel`` sorts runs of composites ``key << 32 | (2**32 - 1 -
@@ -74,7 +74,7 @@ def _select(keys, lens, topk, top_s, top_i, tiles, *, decode_ids=False, W=1, I=1
     R, L = keys.shape
     if cuda_rows(R, topk, keys.device, tiles):
         defines = row_topk.select_defines(L, topk, tiles.cuda_select_short_keys,
-                                          tiles.cuda_select_merge_keys or None)
+                                          tiles.cuda_select_merge)
         if defines and row_topk.unavailable_reason(keys.device, defines) is not None:
             defines = ()  # (the short rows' build failed: the default selects them)
         row_topk.select(keys, lens if lens.dtype == torch.int32 else lens.int(), topk, top_s,

@@ -97,8 +97,7 @@ class IndexerTiles:
     cuda_select: bool = True  # batches of at least cuda_select_rows rows (a prefill chunk's)
     cuda_select_rows: int = 256
     cuda_select_short_keys: int = 32768  # rows at most this wide: the short rows' build ...
-    cuda_select_merge_keys: int = 16384  # ... its result sorted by merges past this width
-    # (0: never)
+    cuda_select_merge: bool = True  # ... its result sorted by merges (else by the network)
     # segment path (select_kernel)
     select_block: int = 8192  # keys a scan step (< 2**16)
     select_warps: int = 16
