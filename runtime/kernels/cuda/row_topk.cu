@@ -34,9 +34,10 @@
 // host, a CTA's threads as std::threads (host_emulation.h): the CPU tests check it against the
 // reference there, with CPPLAN_ROW_TOPK_BLOCK threads a CTA (512 with _CAP 4096: the short
 // rows' build). Other defines are the bench's variants (row_topk.VARIANTS):
-// CPPLAN_ROW_TOPK_SMEM_SORT (every sort stage in shared memory), _MERGE_ITEMS (composites a
-// thread in the merge sort: 2048 / the CTA's threads by default), _PROBE_NO_SORT (the result
-// left unordered: a timing probe).
+// CPPLAN_ROW_TOPK_SMEM_SORT (every sort stage in shared memory), _MERGE_SORT with or without
+// _MERGE_FROM (the merge sort in the 1024-thread build; from a thread's own in the 512-thread
+// one), _BALLOT_APPEND (step 3's form before), _PROBE_NO_SORT (the result left unordered: a
+// timing probe).
 
 #include <cstdint>
 
@@ -257,30 +258,31 @@ __device__ __forceinline__ void sort_in_thread(uint64_t (&e)[N]) {
     }
 }
 
-// A warp's 128 places (four a lane, lane l holding 4 l .. 4 l + 3) in runs of UPTO, each
-// sorted descending by the bitonic network's stages in registers and shuffles (the merge
-// sort's variant CPPLAN_ROW_TOPK_MERGE_FROM: its first rounds this way).
-template <int UPTO>
-__device__ __forceinline__ void warp_bitonic4(uint64_t (&e)[4]) {
-  static_assert(UPTO >= 8 && UPTO <= 128, "runs inside a warp's 128 places");
+// A warp's 32 x ITEMS places (lane l holding ITEMS l .. ITEMS l + ITEMS - 1) in runs of UPTO,
+// each sorted descending by the bitonic network's stages: strides below ITEMS inside a
+// thread, the others on shuffles (the merge sort's first rounds with CPPLAN_ROW_TOPK_MERGE_FROM).
+template <int ITEMS, int UPTO>
+__device__ __forceinline__ void warp_bitonic(uint64_t (&e)[ITEMS]) {
+  static_assert(UPTO > ITEMS && UPTO <= 32 * ITEMS, "runs inside a warp's places");
   const int lane = threadIdx.x & 31;
-  const int base = lane * 4;  // (the warp's offset is a multiple of 128: no run direction)
+  const int base = lane * ITEMS;  // (a warp's offset is a multiple of 32 ITEMS >= UPTO)
 #pragma unroll
   for (int size = 2; size <= UPTO; size <<= 1) {
 #pragma unroll
-    for (int stride = size >> 1; stride >= 4; stride >>= 1) {  // across lanes
-      const bool lower = (lane & (stride >> 2)) == 0;
+    for (int stride = size >> 1; stride >= ITEMS; stride >>= 1) {  // across lanes
+      const bool lower = (lane & (stride / ITEMS)) == 0;
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
+      for (int r = 0; r < ITEMS; ++r) {
         const bool down = size == UPTO || ((base + r) & size) == 0;
-        const uint64_t y = __shfl_xor_sync(0xffffffffu, e[r], stride >> 2);
+        const uint64_t y = __shfl_xor_sync(0xffffffffu, e[r], stride / ITEMS);
         e[r] = keep(e[r], y, lower == down);
       }
     }
 #pragma unroll
-    for (int stride = size >= 4 ? 2 : 1; stride > 0; stride >>= 1) {  // inside the thread
+    for (int stride = (size >> 1) < ITEMS ? size >> 1 : ITEMS >> 1; stride > 0;
+         stride >>= 1) {  // inside the thread
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
+      for (int r = 0; r < ITEMS; ++r) {
         if (r & stride) continue;
         const bool down = size == UPTO || ((base + r) & size) == 0;
         const uint64_t x = keep(e[r], e[r + stride], down);
@@ -305,7 +307,7 @@ __device__ __forceinline__ void merge_sort_registers(uint64_t* sel, uint64_t (&e
   const int d0 = ITEMS * threadIdx.x;  // the thread's first place
 #pragma unroll
   for (int r = 0; r < ITEMS; ++r) e[r] = mine ? sel[d0 + r] : 0u;
-  if constexpr (FROM > ITEMS) warp_bitonic4<FROM>(e);  // runs of FROM in registers first
+  if constexpr (FROM > ITEMS) warp_bitonic<ITEMS, FROM>(e);  // runs of FROM in registers first
   else sort_in_thread<ITEMS>(e);
 #pragma unroll
   for (int run = FROM; run < KS; run <<= 1) {
@@ -693,13 +695,9 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
 #else
   constexpr bool kMerge = false;
 #endif
-#if defined(CPPLAN_ROW_TOPK_MERGE_ITEMS)
-  constexpr int kMergeItems = CPPLAN_ROW_TOPK_MERGE_ITEMS;
-#else
-  constexpr int kMergeItems = 2048 / kBlock;
-#endif
-#if defined(CPPLAN_ROW_TOPK_MERGE_FROM)  // a variant: runs of this many by the network first
-  constexpr int kMergeFrom = kMergeItems == 4 ? CPPLAN_ROW_TOPK_MERGE_FROM : kMergeItems;
+  constexpr int kMergeItems = 2048 / kBlock;  // composites a thread in the merge sort
+#if defined(CPPLAN_ROW_TOPK_MERGE_FROM)  // runs of this many by the network first
+  constexpr int kMergeFrom = CPPLAN_ROW_TOPK_MERGE_FROM;
 #else
   constexpr int kMergeFrom = kMergeItems;
 #endif
