@@ -4,9 +4,9 @@ Same contract as ``triton/indexer_logits_jit.logits_planar_kernel`` (fp8 key pla
 fp8-quantised query, ReLU, head weights, the sum over each query's heads, the per-key
 power-of-two scale; docs/design.md §4.3), the same int32 keys wherever the sums are exact
 (which of a thread's first two products the compiler rounds before its fused add can differ
-between the kernels and epilogues, so can a continuous score's last bit). In the Triton kernel each 4-warp program
-reads its own key tiles and multiplies them by a B operand of two queries (N 128). Here, one
-CTA a SM at a time:
+between the kernels and epilogues, so can a continuous score's last bit). In the Triton
+kernel each 4-warp program reads its own key tiles and multiplies them by a B operand of two
+queries (N 128). Here, one CTA a SM at a time:
 
 - a loader warpgroup (one thread issues) copies key tiles of ``NM x 64`` keys by TMA (one box
   of 64 rows per math warpgroup) into a ring of ``NS`` stages, each stage an mbarrier "ready"
@@ -40,10 +40,10 @@ math warpgroups split the queries" and "the quad sums scattered"): with the epil
 by a column maximum the schedule runs at 1350 TFLOP/s-eq, so the tensor cores idle a fifth to
 a third of the time even then. 3 x 2 split queries, last wave cut, quad sums scattered: T 4096
 x N 32768 in 1728 us (1193 TFLOP/s-eq; all-reduced 1902, 2 x 4 queries splitting keys with a
-whole last wave 1972). ``PIPE`` (two accumulators of 128 columns, the next product issued before each
-epilogue; the loop shaped so that ptxas keeps the wgmmas asynchronous) is 14% faster than
-waiting at 2 queries a CTA but still 4% slower than 4 (bench/RESULTS.md, "twenty-third
-session").
+whole last wave 1972). ``PIPE`` (two accumulators of 128 columns, the next product issued
+before each epilogue; the loop shaped so that ptxas keeps the wgmmas asynchronous) is 14%
+faster than waiting at 2 queries a CTA but still 4% slower than 4 (bench/RESULTS.md,
+"twenty-third session").
 
 A block across a request boundary (rare) takes one pass per query, as in the Triton kernel;
 tiles past a query's keys are multiplied (TMA reads rows past the plane as 0) and never
@@ -140,8 +140,9 @@ def _finish(acc, w, scale, c, n, mine, optr, BQ: gl.constexpr, HP: gl.constexpr,
             EPI: gl.constexpr):
     """A finished product's int32 keys stored: ReLU, head weights, the sum over each query's
     heads (within a thread, then a quad), the key's scale (a positive power of two: exact after
-    the sum), the order-preserving bits. EPI 0 (a probe of the products' bound, wrong keys):
-    a per-column maximum computed, stored nowhere."""
+    the sum), the order-preserving bits. EPI 2 (BQ 2): the quad's partial sums transposed
+    (``QUAD_T``), each lane finishing one (key, query). EPI 0 (a probe of the products' bound,
+    wrong keys): a per-column maximum computed, stored nowhere."""
     if EPI == 2:  # the quad's sums scattered: a lane stores one (key, query) of four
         x = gl.reshape(gl.maximum(acc, 0.0) * w[None, :], [acc.shape[0], BQ, HP // 8, 4, 2])
         x = gl.reshape(gl.permute(x, [0, 1, 3, 2, 4]), [acc.shape[0], BQ, 4, HP // 4])
