@@ -197,6 +197,37 @@ __device__ void bitonic_sort_shared(uint64_t* sel, int KS) {
     for (int stride = size >> 1; stride > 0; stride >>= 1) bitonic_stage(sel, KS, size, stride);
 }
 
+// The stages of run size `size` from stride `from` down, on a warp's places held ITEMS a lane
+// (lane l: base + r, base = its warp's offset + ITEMS l): strides of ITEMS and up on
+// shuffles, smaller ones inside the thread; runs descending where (place & size) == 0, or
+// every run with `all_down`. Called with compile-time sizes (unrolled loops).
+template <int ITEMS>
+__device__ __forceinline__ void register_stages(uint64_t (&e)[ITEMS], int base, int size,
+                                                int from, bool all_down) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int stride = from; stride >= ITEMS; stride >>= 1) {  // across lanes
+    const bool lower = (lane & (stride / ITEMS)) == 0;
+#pragma unroll
+    for (int r = 0; r < ITEMS; ++r) {
+      const bool down = all_down || ((base + r) & size) == 0;
+      const uint64_t y = __shfl_xor_sync(0xffffffffu, e[r], stride / ITEMS);
+      e[r] = keep(e[r], y, lower == down);
+    }
+  }
+#pragma unroll
+  for (int stride = from < ITEMS / 2 ? from : ITEMS / 2; stride > 0; stride >>= 1) {  // inside
+#pragma unroll
+    for (int r = 0; r < ITEMS; ++r) {
+      if (r & stride) continue;
+      const bool down = all_down || ((base + r) & size) == 0;
+      const uint64_t x = keep(e[r], e[r + stride], down);
+      e[r + stride] = keep(e[r + stride], e[r], !down);
+      e[r] = x;
+    }
+  }
+}
+
 // The same sort with four values a lane (KS / 4 = kBlock threads), at 512 threads a CTA or
 // fewer (the short rows' build at K 2048; at 1024 threads and KS = 2 kBlock, half the CTA
 // idle, it measured 35% slower than two values a thread);
@@ -204,9 +235,9 @@ __device__ void bitonic_sort_shared(uint64_t* sel, int KS) {
 // a thread, 4 to 64 on shuffles, 128 and up in shared memory; every loop unrolled.
 template <int KS>
 __device__ __forceinline__ void bitonic_sort4_registers(uint64_t* sel, uint64_t (&e)[4]) {
-  const int t = threadIdx.x, lane = t & 31;
+  const int t = threadIdx.x;
   const bool mine = t < KS / 4;
-  const int base = (t >> 5) * 128 + lane * 4;
+  const int base = (t >> 5) * 128 + (t & 31) * 4;
 #pragma unroll
   for (int r = 0; r < 4; ++r) e[r] = mine ? sel[base + r] : 0u;
 #pragma unroll
@@ -221,120 +252,58 @@ __device__ __forceinline__ void bitonic_sort4_registers(uint64_t* sel, uint64_t 
 #pragma unroll
         for (int r = 0; r < 4; ++r) e[r] = sel[base + r];
     }
-#pragma unroll
-    for (int stride = size >= 256 ? 64 : size >> 1; stride >= 4; stride >>= 1) {  // lanes
-      const bool lower = (lane & (stride >> 2)) == 0;
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const uint64_t y = __shfl_xor_sync(0xffffffffu, e[r], stride >> 2);
-        e[r] = keep(e[r], y, lower == (((base + r) & size) == 0));
-      }
-    }
-#pragma unroll
-    for (int stride = size >= 4 ? 2 : 1; stride > 0; stride >>= 1) {  // inside the thread
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        if (r & stride) continue;
-        const bool down = ((base + r) & size) == 0;
-        const uint64_t x = keep(e[r], e[r + stride], down);
-        e[r + stride] = keep(e[r + stride], e[r], !down);
-        e[r] = x;
-      }
-    }
+    register_stages<4>(e, base, size, size >= 256 ? 64 : size >> 1, false);
   }
-}
-
-// The keeper of each pair of a thread's n values in registers, odd-even transposition (n
-// rounds): e[0, n) descending.
-template <int N>
-__device__ __forceinline__ void sort_in_thread(uint64_t (&e)[N]) {
-#pragma unroll
-  for (int round = 0; round < N; ++round)
-#pragma unroll
-    for (int r = round & 1; r + 1 < N; r += 2) {
-      const uint64_t x = keep(e[r], e[r + 1], true);
-      e[r + 1] = keep(e[r + 1], e[r], false);
-      e[r] = x;
-    }
 }
 
 // A warp's 32 x ITEMS places (lane l holding ITEMS l .. ITEMS l + ITEMS - 1) in runs of UPTO,
-// each sorted descending by the bitonic network's stages: strides below ITEMS inside a
-// thread, the others on shuffles (the merge sort's first rounds with CPPLAN_ROW_TOPK_MERGE_FROM).
+// each sorted descending by the bitonic network's stages (the merge sort's first rounds: a
+// thread's own at UPTO = ITEMS, each warp's runs of CPPLAN_ROW_TOPK_MERGE_FROM with it).
 template <int ITEMS, int UPTO>
 __device__ __forceinline__ void warp_bitonic(uint64_t (&e)[ITEMS]) {
-  static_assert(UPTO > ITEMS && UPTO <= 32 * ITEMS, "runs inside a warp's places");
-  const int lane = threadIdx.x & 31;
-  const int base = lane * ITEMS;  // (a warp's offset is a multiple of 32 ITEMS >= UPTO)
+  static_assert(UPTO >= ITEMS && UPTO <= 32 * ITEMS, "runs inside a warp's places");
+  const int base = (threadIdx.x & 31) * ITEMS;  // (a warp's offset: a multiple of UPTO)
 #pragma unroll
-  for (int size = 2; size <= UPTO; size <<= 1) {
-#pragma unroll
-    for (int stride = size >> 1; stride >= ITEMS; stride >>= 1) {  // across lanes
-      const bool lower = (lane & (stride / ITEMS)) == 0;
-#pragma unroll
-      for (int r = 0; r < ITEMS; ++r) {
-        const bool down = size == UPTO || ((base + r) & size) == 0;
-        const uint64_t y = __shfl_xor_sync(0xffffffffu, e[r], stride / ITEMS);
-        e[r] = keep(e[r], y, lower == down);
-      }
-    }
-#pragma unroll
-    for (int stride = (size >> 1) < ITEMS ? size >> 1 : ITEMS >> 1; stride > 0;
-         stride >>= 1) {  // inside the thread
-#pragma unroll
-      for (int r = 0; r < ITEMS; ++r) {
-        if (r & stride) continue;
-        const bool down = size == UPTO || ((base + r) & size) == 0;
-        const uint64_t x = keep(e[r], e[r + stride], down);
-        e[r + stride] = keep(e[r + stride], e[r], !down);
-        e[r] = x;
-      }
-    }
-  }
+  for (int size = 2; size <= UPTO; size <<= 1)
+    register_stages<ITEMS>(e, base, size, size >> 1, size == UPTO);
 }
 
-// Sorts sel[0, KS) descending by merges, ITEMS composites a thread of the first KS / ITEMS
-// (a multiple of 32; the others only pass the barriers): each thread's own sorted in
-// registers, then log2(KS / ITEMS) rounds, each merging pairs of sorted runs: a thread finds
+// Sorts sel[0, KS) descending by merges, ITEMS = KS / kBlock composites a thread: runs of
+// FROM sorted in registers (``warp_bitonic``), then log2(KS / FROM) rounds, each merging pairs of sorted runs: a thread finds
 // where its ITEMS outputs start on the pair's merge path (a binary search, log2(run) + 1
 // steps) and merges them serially. Between rounds the outputs go back to sel (a warp's own
 // rounds, runs inside its 32 x ITEMS places, synchronise the warp only); the last round's
 // stay in registers: thread t holds places ITEMS t .. ITEMS t + ITEMS - 1.
-template <int KS, int ITEMS, int FROM = ITEMS>
+template <int KS, int ITEMS, int FROM>
 __device__ __forceinline__ void merge_sort_registers(uint64_t* sel, uint64_t (&e)[ITEMS]) {
-  static_assert(KS % (32 * ITEMS) == 0 && KS / ITEMS <= kBlock, "whole warps of ITEMS places");
-  const bool mine = threadIdx.x < KS / ITEMS;
+  static_assert(KS == ITEMS * kBlock, "ITEMS places a thread");
   const int d0 = ITEMS * threadIdx.x;  // the thread's first place
 #pragma unroll
-  for (int r = 0; r < ITEMS; ++r) e[r] = mine ? sel[d0 + r] : 0u;
-  if constexpr (FROM > ITEMS) warp_bitonic<ITEMS, FROM>(e);  // runs of FROM in registers first
-  else sort_in_thread<ITEMS>(e);
+  for (int r = 0; r < ITEMS; ++r) e[r] = sel[d0 + r];
+  warp_bitonic<ITEMS, FROM>(e);
 #pragma unroll
   for (int run = FROM; run < KS; run <<= 1) {
     const bool in_warp = 2 * run <= 32 * ITEMS;
     // write the runs, then merge pairs of them: A = sel[p, p + run), B = the next run
-    if (mine)
 #pragma unroll
-      for (int r = 0; r < ITEMS; ++r) sel[d0 + r] = e[r];
+    for (int r = 0; r < ITEMS; ++r) sel[d0 + r] = e[r];
     if (in_warp) __syncwarp(); else __syncthreads();
-    if (mine) {
-      const uint64_t* A = sel + (d0 & ~(2 * run - 1));
-      const uint64_t* B = A + run;
-      const int d = d0 & (2 * run - 1);  // outputs of the pair before the thread's
-      int lo = d > run ? d - run : 0, hi = d < run ? d : run;  // A's share of them: in [lo, hi]
-      while (lo < hi) {  // the first i where A[i] loses to B[d - 1 - i]
-        const int mid = (lo + hi) >> 1;
-        if (A[mid] > B[d - 1 - mid]) lo = mid + 1; else hi = mid;
-      }
-      int i = lo, j = d - lo;
-      uint64_t a = i < run ? A[i] : 0u, b = j < run ? B[j] : 0u;  // 0: below every composite
+    const uint64_t* A = sel + (d0 & ~(2 * run - 1));
+    const uint64_t* B = A + run;
+    const int d = d0 & (2 * run - 1);  // outputs of the pair before the thread's
+    int lo = d > run ? d - run : 0, hi = d < run ? d : run;  // A's share of them: in [lo, hi]
+    while (lo < hi) {  // the first i where A[i] loses to B[d - 1 - i]
+      const int mid = (lo + hi) >> 1;
+      if (A[mid] > B[d - 1 - mid]) lo = mid + 1; else hi = mid;
+    }
+    int i = lo, j = d - lo;
+    uint64_t a = i < run ? A[i] : 0u, b = j < run ? B[j] : 0u;  // 0: below every composite
 #pragma unroll
-      for (int r = 0; r < ITEMS; ++r) {
-        const bool take_a = a > b;
-        e[r] = take_a ? a : b;
-        if (take_a) a = ++i < run ? A[i] : 0u;
-        else b = ++j < run ? B[j] : 0u;
-      }
+    for (int r = 0; r < ITEMS; ++r) {
+      const bool take_a = a > b;
+      e[r] = take_a ? a : b;
+      if (take_a) a = ++i < run ? A[i] : 0u;
+      else b = ++j < run ? B[j] : 0u;
     }
     if (in_warp) __syncwarp(); else __syncthreads();  // read before the next round writes
   }
@@ -705,9 +674,8 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
     uint64_t e[kMergeItems];
     merge_sort_registers<2048, kMergeItems, kMergeFrom>(sel, e);
     CPPLAN_RESULT;
-    if (tid < 2048 / kMergeItems)
 #pragma unroll
-      for (int r = 0; r < kMergeItems; ++r) out.put(kMergeItems * tid + r, e[r]);
+    for (int r = 0; r < kMergeItems; ++r) out.put(kMergeItems * tid + r, e[r]);
   } else if (!kShared && KS == 2 * kBlock) {  // two values a thread
     uint64_t a, b;
     bitonic_sort_registers<2 * kBlock>(sel, a, b);
