@@ -466,7 +466,8 @@ def planar_logits(args, ceil, flops, sweep_tiles=False):
 # words ("+"-joined on the command line): "pipe": the next product issued before each epilogue;
 # "split": the math warpgroups split the queries (queries a warpgroup, tiles of 64 keys);
 # "scatter": each quad's sums over heads transposed, a lane scaling and storing one (key,
-# query) (block_q 2); "whole": no block cut into parts (the grid's last wave as it falls; the default cuts it);
+# query) (block_q 2); "whole": no block cut into parts (the grid's last wave as it falls; the
+# default cuts it);
 # "probe": the epilogue replaced by a per-column maximum stored nowhere (the products' and the
 # pipeline's time, no keys written)
 WS_TILES = ((2, 3, 4, "scatter,split"), (2, 3, 4, "split"), (2, 3, 4, "scatter,split,whole"),

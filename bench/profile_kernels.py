@@ -71,9 +71,7 @@ def build_indexer(case: str):
         from cpplan.runtime.kernels.gluon import indexer_logits as ws
 
         return lambda: ws.launch(q8, w8, kp, ks, out, key_len, pcu, N, 1, 1,
-                                 block_q=t.ws_block_q, math_warpgroups=t.ws_math_warpgroups,
-                                 stages=t.ws_stages, split=t.ws_split,
-                                 scatter=t.ws_scatter and t.ws_block_q == 2)
+                                 **t.ws_launch_options())
     return lambda: it._logits_planar(q8, w8, kp, ks, out, N, key_len, pcu, N, 1, 1, bq=t.block_q,
                                      bk=t.block_k, warps=t.logits_warps, stages=t.logits_stages,
                                      maxnreg=t.logits_maxnreg,

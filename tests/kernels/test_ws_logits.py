@@ -199,6 +199,20 @@ def test_last_wave_split_ends_soonest(sms):
             assert ws.last_wave_split(blocks, sms, 3) == (blocks - rest, 3)
 
 
+def test_tiles_give_the_launch_its_knobs():
+    """``IndexerTiles.ws_launch_options``: the tiles' knobs as ``launch``'s keywords, the
+    quad sums scattered only at 2 queries a math warpgroup (``launch`` refuses other shapes)."""
+    from cpplan.runtime.kernels.triton import indexer_tiled as it
+
+    ws = _gluon()
+    opts = it.IndexerTiles().ws_launch_options()
+    assert opts == {"block_q": 2, "math_warpgroups": 3, "stages": 4, "split": True,
+                    "scatter": True}
+    assert set(opts) <= set(ws.launch.__kwdefaults__)
+    wide = it.IndexerTiles(ws_block_q=4, ws_math_warpgroups=2, ws_split=False)
+    assert wide.ws_launch_options()["scatter"] is False
+
+
 def test_ws_logits_layouts_and_refusals():
     ws = _gluon()
     assert ws.supported(1, 1, 64, 4) and ws.supported(2, 64, 64, 4) and ws.supported(4, 128, 64, 2)

@@ -54,12 +54,13 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
     warpgroup issues its next product before an epilogue (two accumulators: at most 128
     columns, 2 math warpgroups); ``split``: the math warpgroups split the CTA's queries
     instead of its keys (block_q each, math_warpgroups x block_q a CTA, tiles of 64 keys that
-    every warpgroup multiplies); ``scatter`` (block_q 2): each quad's sums over heads transposed
-    through shared memory and finished in registers, so that a thread scales and stores one
-    (key, query) instead of all four lanes holding four. The blocks that would make the grid's last, partial wave are
-    cut into ``last_wave_parts`` CTAs each (a part of the key tiles each; None: the count
-    ``last_wave_split`` picks for this device's SMs, 1: none). ``_probe`` (bench only): the
-    epilogue left out, so the time is the products' and the pipeline's (keys not written)."""
+    every warpgroup multiplies); ``scatter`` (block_q 2): each quad's sums over heads
+    transposed through shared memory and finished in registers, so that a thread scales and
+    stores one (key, query) instead of all four lanes holding four. The blocks that would make
+    the grid's last, partial wave are cut into ``last_wave_parts`` CTAs each (a part of the key
+    tiles each; None: the count ``last_wave_split`` picks for this device's SMs, 1: none).
+    ``_probe`` (bench only): the epilogue left out, so the time is the products' and the
+    pipeline's (keys not written)."""
     T, HI, _ = q8.shape
     columns = block_q * padded_heads(HI)
     if not supported(W, I, HI, block_q, math_warpgroups) or math_warpgroups not in _REGISTERS \
@@ -88,8 +89,8 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
     ljit.ws_logits_kernel[(whole + (blocks - whole) * parts,)](
         q8, weights, kdesc, ks, out, lens, pcu, q8.stride(0), q8.stride(1), weights.stride(0),
         out.stride(0), T, HI, PT, whole, parts, W=W, I=I, BQ=block_q, HP=padded_heads(HI),
-        NM=math_warpgroups, NS=stages, MATH_REGS=regs, EPI=0 if _probe else 2 if scatter else 1, PIPE=pipelined,
-        SPLIT=split, CQP=triton.next_power_of_2(cta_queries), num_warps=4, maxnreg=cap)
+        NM=math_warpgroups, NS=stages, MATH_REGS=regs, EPI=0 if _probe else 2 if scatter else 1,
+        PIPE=pipelined, SPLIT=split, CQP=triton.next_power_of_2(cta_queries), num_warps=4, maxnreg=cap)
 
 
 def last_wave_split(blocks: int, sms: int, parts: int | None = None,

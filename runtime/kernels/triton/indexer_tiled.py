@@ -139,6 +139,13 @@ class IndexerTiles:
     filter_sample: int = 1024  # keys sampled a row for its threshold, taken at the sample
     filter_margin: float = 4.0  # rank m + margin * sqrt(m), m = topk x samples / keys
 
+    def ws_launch_options(self) -> dict:
+        """The warp-specialised logits' ``launch`` keywords these tiles give (the quad sums
+        scattered where a math warpgroup takes 2 queries, the only shape that allows it)."""
+        return {"block_q": self.ws_block_q, "math_warpgroups": self.ws_math_warpgroups,
+                "stages": self.ws_stages, "split": self.ws_split,
+                "scatter": self.ws_scatter and self.ws_block_q == 2}
+
 
 def _logits(q, weights, k, out, mode, out_keys, L, *, bk, warps, stages, splits=1, rows=None,
             lens=None, bt=None, B=1, maxnreg=0):
@@ -269,9 +276,7 @@ def prefill_logits(q8, w8, kp, ks, out, L, lens, pcu, PT, W, I, tiles: IndexerTi
     Gluon kernel where ``ws_logits`` allows, else by the Triton kernel."""
     ws = ws_logits(q8, W, I, L, tiles)
     if ws is not None:
-        ws.launch(q8, w8, kp, ks, out, lens, pcu, PT, W, I, block_q=tiles.ws_block_q,
-                  math_warpgroups=tiles.ws_math_warpgroups, stages=tiles.ws_stages,
-                  split=tiles.ws_split, scatter=tiles.ws_scatter and tiles.ws_block_q == 2)
+        ws.launch(q8, w8, kp, ks, out, lens, pcu, PT, W, I, **tiles.ws_launch_options())
         return
     _logits_planar(q8, w8, kp, ks, out, L, lens, pcu, PT, W, I, bq=tiles.block_q,
                    bk=tiles.block_k, warps=tiles.logits_warps, stages=tiles.logits_stages,
