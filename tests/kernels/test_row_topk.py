@@ -110,12 +110,16 @@ HOST_SHAPES = {
 
 
 @needs_cxx
+@pytest.mark.parametrize("one_pass", [False, True], ids=["two-passes", "one-pass"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("shape", list(HOST_SHAPES))
-def test_row_topk_on_the_host_equals_reference(kind, shape):
+def test_row_topk_on_the_host_equals_reference(kind, shape, one_pass):
+    """With ``one_pass`` every row wider than the cap takes the one pass from a sample (its
+    threshold kept, or too many keys at or above it, or too few: the two passes after it)."""
     R, L, topk, stride, host = HOST_SHAPES[shape]
     keys, lens, want = _case(kind, R, L, topk, 3, dev="cpu", stride=stride)
-    _check(_run(keys, lens, topk, host=host), want)
+    defines = ("CPPLAN_ROW_TOPK_ONE_PASS_FROM=0",) if one_pass else ()
+    _check(_run(keys, lens, topk, host=host, defines=defines), want)
 
 
 @needs_cxx
@@ -137,6 +141,21 @@ def test_row_topk_on_the_host_in_the_gpu_shape(variant):
                 sorted(zip(want[1][r].tolist(), want[0][r].tolist()))
     else:
         _check((s, i), want)
+
+
+@needs_cxx
+@pytest.mark.parametrize("kind,path", [("spread", 1), ("narrow", 1), ("equal", 2)])
+def test_row_topk_one_pass_on_the_host(kind, path):
+    """The default build in the GPU's shape (1024 threads, cap 8192, K 2048): rows wider than
+    the cap and 16384 keys sampled and their keys at or above the sample's threshold gathered in one pass
+    (spread; narrow: every key under one 12-bit prefix), or, more keys than the cap at or above
+    it (one value), the two passes after it; narrower rows in two passes. The host build
+    counts the wide rows each way took (``row_topk.host_paths``)."""
+    keys, lens, want = _case(kind, 3, 17000, 2048, 5, dev="cpu", lens=[17000, 16500, 3000])
+    before = row_topk.host_paths(1024)
+    _check(_run(keys, lens, 2048, host=(1024, row_topk.CAP)), want)
+    took = [a - b for a, b in zip(row_topk.host_paths(1024), before)]
+    assert took == [0, 2 if path == 1 else 0, 2 if path == 2 else 0]
 
 
 @needs_cxx
@@ -266,8 +285,9 @@ def test_build_compiles_and_caches(tmp_path):
     so.cpplan_row_topk_smem.restype = ctypes.c_size_t
     so.cpplan_row_topk_smem.argtypes = [ctypes.c_int, ctypes.c_int]
     # the result's and the candidates' composites, the 10-bit histogram (step 1's 12-bit one
-    # lies over the candidates)
+    # and the one pass's sample of 4096 keys lie over the candidates: 4096 composites at least)
     assert so.cpplan_row_topk_smem(4096, 8192) == (4096 + 8192) * 8 + 1024 * 4
-    assert so.cpplan_row_topk_smem(2048, 64) == (2048 + 2048) * 8 + 1024 * 4
+    assert so.cpplan_row_topk_smem(2048, 4096) == (2048 + 4096) * 8 + 1024 * 4
+    assert so.cpplan_row_topk_smem(2048, 64) == (2048 + 4096) * 8 + 1024 * 4
     so.cpplan_row_topk_cap.restype = ctypes.c_int
     assert so.cpplan_row_topk_cap() == row_topk.CAP

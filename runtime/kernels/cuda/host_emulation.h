@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <barrier>
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -17,6 +18,7 @@
 
 #define __global__
 #define __device__
+#define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __align__(n) alignas(n)
@@ -123,6 +125,17 @@ template <typename T>
 inline T atomicAdd(T* p, T v) {
   return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
 }
+
+template <typename T>
+inline T atomicMax(T* p, T v) {
+  T old = __atomic_load_n(p, __ATOMIC_RELAXED);
+  while (old < v && !__atomic_compare_exchange_n(p, &old, v, true, __ATOMIC_RELAXED,
+                                                 __ATOMIC_RELAXED)) {
+  }
+  return old;
+}
+
+inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(static_cast<unsigned>(x)); }
 
 inline float __int_as_float(int x) {
   float f;

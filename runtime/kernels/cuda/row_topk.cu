@@ -9,7 +9,10 @@
 // rows), pads (-inf, -1) past the row's live keys.
 //
 // Per row, over composites (u << 32 | ~column: distinct, and their descending order is the
-// reference order), found by their bits from the top:
+// reference order), found by their bits from the top (a row wider than cap and kOnePassFrom
+// first tries step 0: a sample of the row's lines sets a threshold, one pass gathers the
+// keys at or above it into `cand`, and where they hold the K-th composite step 4 runs on
+// them, steps 1-3 skipped: one read of the row instead of two):
 //   1. a histogram of the top 12 bits over the row (global memory, read once);
 //   2. the bin holding the K-th composite; while it holds more than CAP (ties, narrow rows),
 //      another pass over the row refines it by the next 10 bits (rare);
@@ -47,6 +50,15 @@
 #include <cuda_runtime.h>
 #endif
 
+#ifdef CPPLAN_HOST_EMULATION
+namespace {
+// rows the host build's one pass took with every live key (a sample too
+// small), with the sample's threshold, and fell back from (the CPU tests check that their
+// cases take each; cpplan_row_topk_host_paths)
+long long host_paths[3];
+}  // namespace
+#endif
+
 #ifndef CPPLAN_ROW_TOPK_BLOCK
 #define CPPLAN_ROW_TOPK_BLOCK 1024
 #endif
@@ -66,12 +78,29 @@ constexpr int kMinBlocks = 2048 / kBlock < 16 ? 2048 / kBlock : 16;  // CTAs an 
 #endif
 constexpr int kCap = CPPLAN_ROW_TOPK_CAP;  // the launcher's `cap` (cpplan_row_topk_cap)
 static_assert(kCap < 65536, "step 3 counts a bin's candidates in 16 bits");
+// The one pass's sample of a row wider than cap: up to kChunks lines of kChunk keys spread
+// evenly over it, at most one key in kSampleRate (sample_threshold).
+constexpr int kChunk = 32;       // keys a sampled chunk: one 128-byte line
+constexpr int kChunks = 128;     // chunks a sample at most: 4096 keys, 16 KB
+constexpr int kSampleRate = 8;
+#ifndef CPPLAN_ROW_TOPK_ONE_PASS_FROM
+#define CPPLAN_ROW_TOPK_ONE_PASS_FROM 16384
+#endif
+// Rows wider than this (and than cap) take the one pass from a sample's threshold (measured
+// faster at 65536 keys, even at ~30k, slower at 4-8k: bench/RESULTS.md).
+constexpr int kOnePassFrom = CPPLAN_ROW_TOPK_ONE_PASS_FROM;
+// Shared memory's candidates' area, in composites: step 1's histogram and the sample (past
+// it) lie over it too.
+__host__ __device__ constexpr int cand_area(int cap) {
+  return cap > kBins / 2 + kChunks * kChunk / 2 ? cap : kBins / 2 + kChunks * kChunk / 2;
+}
 
 struct Shared {
   int warp[kWarps];
   int found_bin, found_before, found_count;  // find_bin's result
   int n_sel, n_cand;                         // places taken in sel / cand
   unsigned n_pair;                           // step 3's: n_sel | n_cand << 16 (one atomic)
+  unsigned umax;                             // the one pass's largest unsigned key
   uint64_t small_bin[32];                    // a bin of at most 32 composites (warp_finish)
 };
 
@@ -416,6 +445,97 @@ __device__ __forceinline__ void warp_append_scan(uint64_t* sel, uint64_t* cand, 
   }
 }
 
+// Whether composite v lies in the bin of its top `bits` bits `prefix` (every composite at 0).
+__device__ __forceinline__ bool in_prefix(uint64_t v, uint64_t prefix, int bits) {
+  return bits == 0 || (v >> (64 - bits)) == prefix;
+}
+
+// A threshold t (an unsigned key) for the one pass over a row of n > cap keys, from a sample
+// of it: kChunk-key lines spread evenly (n / (kSampleRate kChunk) of them, at most kChunks),
+// their unsigned keys in `sample`, then the sample's `want`-th largest key's 22-bit prefix (a
+// 12-bit histogram over `first`, a 10-bit one of its bin over `hist`), `want` the sample's
+// expected count above the row's K-th key plus four standard deviations and 8. So the keys at
+// or above t number K to about K (1 + 4 / sqrt(want)) + 8 n / S, mostly; where they do not
+// the caller falls back to the two passes. 1 (every live key) where the sample is too small.
+// The whole CTA calls it; every thread gets t.
+template <int VEC>
+__device__ uint32_t sample_threshold(const int32_t* p, int n, int K, uint32_t* sample,
+                                     uint32_t* first, uint32_t* hist, Shared& sh) {
+  const int chunks = min(kChunks, n / (kSampleRate * kChunk));
+  if (chunks == 0) return 1u;
+  const int S = chunks * kChunk;
+  constexpr int kPer = kChunk / VEC;  // threads a chunk
+  for (int i = threadIdx.x; i < chunks * kPer; i += kBlock) {
+    const int j = i / kPer, o = (i % kPer) * VEC;
+    const int c = static_cast<int>(static_cast<int64_t>(j) * n / chunks) & ~(kChunk - 1);
+    int32_t a[VEC];
+    Loads<VEC>::at(p, c + o, n, a);
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) sample[j * kChunk + o + k] = ukey(a[k]);
+  }
+  for (int b = threadIdx.x; b < kBins; b += kBlock) first[b] = 0;
+  for (int b = threadIdx.x; b < kNextBins; b += kBlock) hist[b] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < S; i += kBlock) {
+    const uint32_t u = sample[i];
+    if (u) atomicAdd(&first[u >> (32 - kFirstBits)], 1u);
+  }
+  __syncthreads();
+  const float expect = static_cast<float>(K) * static_cast<float>(S) / static_cast<float>(n);
+  const int want = min(S, static_cast<int>(ceilf(expect + 4.0f * sqrtf(expect))) + 8);
+  int live;
+  find_bin(first, kBins, want, sh, live);
+  if (live < want) return 1u;  // (uniform: `live` is the block's sum)
+  const uint32_t b1 = static_cast<uint32_t>(sh.found_bin);
+  const int need = want - sh.found_before;
+  constexpr int kShift = 32 - kFirstBits - kNextBits;
+  for (int i = threadIdx.x; i < S; i += kBlock) {
+    const uint32_t u = sample[i];
+    if (u && (u >> (32 - kFirstBits)) == b1) atomicAdd(&hist[(u >> kShift) & (kNextBins - 1)], 1u);
+  }
+  __syncthreads();
+  int unused;
+  find_bin(hist, kNextBins, need, sh, unused);
+  const uint32_t t = (b1 << (32 - kFirstBits)) | (static_cast<uint32_t>(sh.found_bin) << kShift);
+  return max(t, 1u);
+}
+
+// The one pass's append of a lane's VEC keys (columns c ..): those at or above t to cand, at
+// places below cap (the count goes on past it: the caller then falls back), by one scan a
+// warp and one atomic; `umax` the lane's largest key so far. Every lane of the warp calls it.
+template <int VEC>
+__device__ __forceinline__ void warp_append_from(uint64_t* cand, int cap, Shared& sh,
+                                                 const int32_t (&a)[VEC], int c, uint32_t t,
+                                                 uint32_t& umax) {
+  const int lane = threadIdx.x & 31;
+  uint32_t u[VEC];
+  int mine = 0;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    u[j] = ukey(a[j]);
+    mine += u[j] >= t;
+    umax = max(umax, u[j]);
+  }
+  int incl = mine;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  const int total = __shfl_sync(0xffffffffu, incl, 31);
+  if (total == 0) return;
+  int base = 0;
+  if (lane == 31) base = atomicAdd(&sh.n_cand, total);
+  int e = __shfl_sync(0xffffffffu, base, 31) + incl - mine;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    if (u[j] >= t) {
+      if (e < cap) cand[e] = composite(u[j], c + j);
+      ++e;
+    }
+  }
+}
+
 // A bin of at most 32 composites (those of cand[0, held) under `prefix`): warp 0 gathers them
 // into lanes, ranks each against the others (composites are distinct) and appends the `need`
 // largest to sel. The whole CTA calls it (one barrier).
@@ -428,7 +548,7 @@ __device__ void warp_finish(const uint64_t* cand, int held, uint64_t prefix, int
     for (int i0 = 0; i0 < held && got < in_bin; i0 += 32) {
       const int i = i0 + lane;
       const uint64_t v = i < held ? cand[i] : 0u;
-      const bool match = i < held && (v >> (64 - bits)) == prefix;
+      const bool match = i < held && in_prefix(v, prefix, bits);
       const unsigned m = __ballot_sync(0xffffffffu, match);
       if (match) sh.small_bin[got + __popc(m & below)] = v;
       got += __popc(m);
@@ -481,7 +601,8 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
   uint64_t* sel = reinterpret_cast<uint64_t*>(smem_raw);  // KS: the result's composites
   uint64_t* cand = sel + KS;  // cap: the K-th composite's bin (from step 3)
   uint32_t* first = reinterpret_cast<uint32_t*>(cand);  // kBins: step 1's histogram (over cand)
-  uint32_t* hist = reinterpret_cast<uint32_t*>(cand + max(cap, kBins / 2));  // kNextBins
+  uint32_t* hist = reinterpret_cast<uint32_t*>(cand + cand_area(cap));  // kNextBins
+  uint32_t* sample = first + kBins;  // the one pass's sample (past the first histogram)
   __shared__ Shared sh;
 
   const int tid = threadIdx.x;
@@ -489,119 +610,172 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
   const int n = max(0, min(lens[row], L));
   const int32_t* p = keys + row * stride_k;
   constexpr int kTile = kBlock * VEC;
+  // the bin: composites whose top `bits` bits are `prefix`, in_bin of them, `need` of them
+  // still wanted; cand[0, held) holds them (and others); all: every live key is in sel
+  uint64_t prefix = 0u;
+  int bits = 0, need = 0, in_bin = 0, held = 0;
+  bool all = false;
 
-  // 1. histogram of the top kFirstBits bits of the live keys
-  for (int b = tid; b < kBins; b += kBlock) first[b] = 0;
-  if (tid == 0) {
-    sh.n_sel = sh.n_cand = 0;
-    sh.n_pair = 0u;
-  }
-  __syncthreads();
-  for (int c0 = 0; c0 < n; c0 += 2 * kTile) {  // two loads in flight a thread
-    int32_t a[VEC], b[VEC];
-    Loads<VEC>::at(p, c0 + tid * VEC, n, a);
-    Loads<VEC>::at(p, c0 + kTile + tid * VEC, n, b);
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      const uint32_t ua = ukey(a[j]), ub = ukey(b[j]);
-      if (ua) atomicAdd(&first[ua >> (32 - kFirstBits)], 1u);
-      if (ub) atomicAdd(&first[ub >> (32 - kFirstBits)], 1u);
+  // 0. a row wider than cap and kOnePassFrom, in one pass: the keys at or above a threshold t
+  //    from a sample of the row (sample_threshold) to cand; where those keys are at most cap,
+  //    and at least K (or every live key), the K-th composite is among them: the bin is
+  //    cand's, from the top bits all its keys share (those of t and of the largest). Else,
+  //    and in narrower rows (measured slower in one pass: bench/RESULTS.md), steps 1-3.
+#if defined(CPPLAN_ROW_TOPK_TWO_PASS)  // a variant: the two passes only (the form before)
+  constexpr bool kOnePass = false;
+#else
+  constexpr bool kOnePass = true;
+#endif
+  bool one_pass = false;
+  if (kOnePass && n > cap && n > kOnePassFrom) {
+    if (tid == 0) {
+      sh.n_sel = sh.n_cand = 0;
+      sh.umax = 0u;
     }
-  }
-  __syncthreads();
-  int live;
-  find_bin(first, kBins, K, sh, live);
-  const bool all = live <= K;  // every live key is in the result
-  // the bin: composites whose top `bits` bits are `prefix`; `need` of them still wanted
-  uint64_t prefix = all ? 0u : static_cast<uint64_t>(sh.found_bin);
-  int bits = kFirstBits;
-  int need = all ? live : K - sh.found_before;
-  int in_bin = all ? 0 : sh.found_count;
-
-  // 2. a bin too large for `cand`: refined over the row (ties, or keys packed in a narrow range)
-  while (!all && in_bin > cap) {
-    const int d = min(kNextBits, 64 - bits);
-    for (int b = tid; b < kNextBins; b += kBlock) hist[b] = 0;
+    const uint32_t t = sample_threshold<VEC>(p, n, K, sample, first, hist, sh);
     __syncthreads();
+    uint32_t umax = 0u;
     for (int c0 = 0; c0 < n; c0 += kTile) {
       int32_t a[VEC];
       const int c = c0 + tid * VEC;
       Loads<VEC>::at(p, c, n, a);
+      warp_append_from(cand, cap, sh, a, c, t, umax);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) umax = max(umax, __shfl_xor_sync(0xffffffffu, umax, o));
+    if ((tid & 31) == 0) atomicMax(&sh.umax, umax);
+    __syncthreads();
+    const int got = sh.n_cand;
+    one_pass = got <= cap && (got >= K || t == 1u);
+#ifdef CPPLAN_HOST_EMULATION
+    if (tid == 0) ++host_paths[t == 1u ? 0 : one_pass ? 1 : 2];
+#endif
+    if (one_pass) {
+      held = in_bin = got;
+      need = min(K, got);
+      if (got > 0) {
+        bits = __clz(static_cast<int>(t ^ sh.umax));  // t <= every key in cand <= umax
+        prefix = bits ? static_cast<uint64_t>(t >> (32 - bits)) : 0u;
+        skip_column_ones(prefix, bits, L);  // (every key equal)
+      }
+    }
+    __syncthreads();  // (sh read before the fallback resets it)
+  }
+
+  if (!one_pass) {  // the two passes: steps 1-3
+    // 1. histogram of the top kFirstBits bits of the live keys
+    for (int b = tid; b < kBins; b += kBlock) first[b] = 0;
+    if (tid == 0) {
+      sh.n_sel = sh.n_cand = 0;
+      sh.n_pair = 0u;
+    }
+    __syncthreads();
+    for (int c0 = 0; c0 < n; c0 += 2 * kTile) {  // two loads in flight a thread
+      int32_t a[VEC], b[VEC];
+      Loads<VEC>::at(p, c0 + tid * VEC, n, a);
+      Loads<VEC>::at(p, c0 + kTile + tid * VEC, n, b);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        const uint64_t v = composite(ukey(a[j]), c + j);
-        if ((v >> 32) && (v >> (64 - bits)) == prefix)
-          atomicAdd(&hist[(v >> (64 - bits - d)) & ((1u << d) - 1)], 1u);
+        const uint32_t ua = ukey(a[j]), ub = ukey(b[j]);
+        if (ua) atomicAdd(&first[ua >> (32 - kFirstBits)], 1u);
+        if (ub) atomicAdd(&first[ub >> (32 - kFirstBits)], 1u);
       }
     }
     __syncthreads();
-    int unused;
-    find_bin(hist, kNextBins, need, sh, unused);
-    prefix = (prefix << d) | static_cast<uint64_t>(sh.found_bin);
-    bits += d;
-    need -= sh.found_before;
-    in_bin = sh.found_count;
-    skip_column_ones(prefix, bits, L);
-  }
+    int live;
+    find_bin(first, kBins, K, sh, live);
+    all = live <= K;  // every live key is in the result
+    prefix = all ? 0u : static_cast<uint64_t>(sh.found_bin);
+    bits = kFirstBits;
+    need = all ? live : K - sh.found_before;
+    in_bin = all ? 0 : sh.found_count;
 
-  // 3. the composites above the bin to sel (fewer than K), those in it to cand (at most cap):
-  //    while the bin is a prefix of the key (bits <= 32), or every live key is wanted, by the
-  //    keys' unsigned bounds and one scan a warp (warp_append_scan); else by the composites
-#if defined(CPPLAN_ROW_TOPK_BALLOT_APPEND)  // a variant: two ballots a key (the form before)
-  constexpr bool kScan = false;
-#else
-  constexpr bool kScan = true;
-#endif
-  if (kScan && (all || bits <= 32)) {
-    // all: every live key (u != 0) above; else the bin is [lo, hi] (lo at least 1: u = 0 is
-    // "no key"), hi + 1 wrapping to 0 at the top bin
-    const uint32_t lo = all ? 1u : max(static_cast<uint32_t>(prefix) << (32 - bits), 1u);
-    const uint32_t hi = all ? 0u : ((static_cast<uint32_t>(prefix) + 1u) << (32 - bits)) - 1u;
-    for (int c0 = 0; c0 < n; c0 += kTile) {
-      int32_t a[VEC];
-      const int c = c0 + tid * VEC;
-      Loads<VEC>::at(p, c, n, a);
-      warp_append_scan(sel, cand, sh, a, c, lo, hi);
-    }
-    __syncthreads();
-    if (tid == 0) {
-      sh.n_sel = static_cast<int>(sh.n_pair & 0xffffu);
-      sh.n_cand = static_cast<int>(sh.n_pair >> 16);
-    }
-  } else {
-    for (int c0 = 0; c0 < n; c0 += kTile) {
-      int32_t a[VEC];
-      const int c = c0 + tid * VEC;
-      Loads<VEC>::at(p, c, n, a);
-      bool up[VEC], eq[VEC];
-      uint64_t v[VEC];
+    // 2. a bin too large for `cand`: refined over the row (ties, or keys packed in a narrow range)
+    while (!all && in_bin > cap) {
+      const int d = min(kNextBits, 64 - bits);
+      for (int b = tid; b < kNextBins; b += kBlock) hist[b] = 0;
+      __syncthreads();
+      for (int c0 = 0; c0 < n; c0 += kTile) {
+        int32_t a[VEC];
+        const int c = c0 + tid * VEC;
+        Loads<VEC>::at(p, c, n, a);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const uint32_t u = ukey(a[j]);
-        v[j] = composite(u, c + j);
-        if (all) {
-          up[j] = u != 0u;
-          eq[j] = false;
-        } else if (bits <= 32) {
-          const uint32_t hi = u >> (32 - bits);
-          up[j] = u != 0u && hi > static_cast<uint32_t>(prefix);
-          eq[j] = u != 0u && hi == static_cast<uint32_t>(prefix);
-        } else {
-          const uint64_t hi = v[j] >> (64 - bits);
-          up[j] = u != 0u && hi > prefix;
-          eq[j] = u != 0u && hi == prefix;
+        for (int j = 0; j < VEC; ++j) {
+          const uint64_t v = composite(ukey(a[j]), c + j);
+          if ((v >> 32) && (v >> (64 - bits)) == prefix)
+            atomicAdd(&hist[(v >> (64 - bits - d)) & ((1u << d) - 1)], 1u);
         }
       }
-      warp_append_vec(sel, &sh.n_sel, up, v);
-      warp_append_vec(cand, &sh.n_cand, eq, v);
+      __syncthreads();
+      int unused;
+      find_bin(hist, kNextBins, need, sh, unused);
+      prefix = (prefix << d) | static_cast<uint64_t>(sh.found_bin);
+      bits += d;
+      need -= sh.found_before;
+      in_bin = sh.found_count;
+      skip_column_ones(prefix, bits, L);
     }
+
+    // 3. the composites above the bin to sel (fewer than K), those in it to cand (at most cap):
+    //    while the bin is a prefix of the key (bits <= 32), or every live key is wanted, by the
+    //    keys' unsigned bounds and one scan a warp (warp_append_scan); else by the composites
+#if defined(CPPLAN_ROW_TOPK_BALLOT_APPEND)  // a variant: two ballots a key (the form before)
+    constexpr bool kScan = false;
+#else
+    constexpr bool kScan = true;
+#endif
+    if (kScan && (all || bits <= 32)) {
+      // all: every live key (u != 0) above; else the bin is [lo, hi] (lo at least 1: u = 0 is
+      // "no key"), hi + 1 wrapping to 0 at the top bin
+      const uint32_t lo = all ? 1u : max(static_cast<uint32_t>(prefix) << (32 - bits), 1u);
+      const uint32_t hi = all ? 0u : ((static_cast<uint32_t>(prefix) + 1u) << (32 - bits)) - 1u;
+      for (int c0 = 0; c0 < n; c0 += kTile) {
+        int32_t a[VEC];
+        const int c = c0 + tid * VEC;
+        Loads<VEC>::at(p, c, n, a);
+        warp_append_scan(sel, cand, sh, a, c, lo, hi);
+      }
+      __syncthreads();
+      if (tid == 0) {
+        sh.n_sel = static_cast<int>(sh.n_pair & 0xffffu);
+        sh.n_cand = static_cast<int>(sh.n_pair >> 16);
+      }
+    } else {
+      for (int c0 = 0; c0 < n; c0 += kTile) {
+        int32_t a[VEC];
+        const int c = c0 + tid * VEC;
+        Loads<VEC>::at(p, c, n, a);
+        bool up[VEC], eq[VEC];
+        uint64_t v[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const uint32_t u = ukey(a[j]);
+          v[j] = composite(u, c + j);
+          if (all) {
+            up[j] = u != 0u;
+            eq[j] = false;
+          } else if (bits <= 32) {
+            const uint32_t hi = u >> (32 - bits);
+            up[j] = u != 0u && hi > static_cast<uint32_t>(prefix);
+            eq[j] = u != 0u && hi == static_cast<uint32_t>(prefix);
+          } else {
+            const uint64_t hi = v[j] >> (64 - bits);
+            up[j] = u != 0u && hi > prefix;
+            eq[j] = u != 0u && hi == prefix;
+          }
+        }
+        warp_append_vec(sel, &sh.n_sel, up, v);
+        warp_append_vec(cand, &sh.n_cand, eq, v);
+      }
+    }
+    __syncthreads();
+    held = in_bin;
   }
-  __syncthreads();
 
   // 4. refine the bin inside cand until it holds exactly the composites still needed; a bin
-  //    of at most 32 is finished by one warp
+  //    of at most 32 is finished by one warp; cand[0, held) holds it (and other composites),
+  //    scanned again at each level
   if (!all) {
-    const int held = in_bin;  // cand[0, held): the bin of step 3, scanned again at each level
     bool finished = false;
     while (in_bin > need) {
       if (in_bin <= 32) {
@@ -609,13 +783,14 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
         finished = true;
         break;
       }
-      const int d = min(kNextBits, 64 - bits);
+      // (digits stop at the key's end, where skip_column_ones applies)
+      const int d = min(kNextBits, bits < 32 ? 32 - bits : 64 - bits);
       const int shift = 64 - bits - d;  // the digit's place
       for (int b = tid; b < kNextBins; b += kBlock) hist[b] = 0;
       __syncthreads();
       for (int i = tid; i < held; i += kBlock) {
         const uint64_t v = cand[i];
-        if ((v >> (64 - bits)) == prefix) atomicAdd(&hist[(v >> shift) & ((1u << d) - 1)], 1u);
+        if (in_prefix(v, prefix, bits)) atomicAdd(&hist[(v >> shift) & ((1u << d) - 1)], 1u);
       }
       __syncthreads();
       int unused;
@@ -624,7 +799,8 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
       for (int i0 = 0; i0 < held; i0 += kBlock) {  // the bin's composites above the new bin
         const int i = i0 + tid;
         const uint64_t v = i < held ? cand[i] : 0u;
-        const bool up = i < held && (v >> (64 - bits)) == prefix && ((v >> shift) & ((1u << d) - 1)) > b;
+        const bool up = i < held && in_prefix(v, prefix, bits) &&
+                        ((v >> shift) & ((1u << d) - 1)) > b;
         warp_append(sel, &sh.n_sel, up, v);
       }
       prefix = (prefix << d) | b;
@@ -638,7 +814,7 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
       for (int i0 = 0; i0 < held; i0 += kBlock) {  // the bin's own: all needed
         const int i = i0 + tid;
         const uint64_t v = i < held ? cand[i] : 0u;
-        warp_append(sel, &sh.n_sel, i < held && (v >> (64 - bits)) == prefix, v);
+        warp_append(sel, &sh.n_sel, i < held && in_prefix(v, prefix, bits), v);
       }
       __syncthreads();
     }
@@ -701,7 +877,7 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
 }
 
 size_t smem_bytes(int KS, int cap) {
-  return static_cast<size_t>(KS + max(cap, kBins / 2)) * sizeof(uint64_t) +
+  return static_cast<size_t>(KS + cand_area(cap)) * sizeof(uint64_t) +
          kNextBins * sizeof(uint32_t);
 }
 
@@ -725,6 +901,10 @@ extern "C" int cpplan_row_topk_host(const int32_t* keys, int64_t stride_k, const
   });
   return 0;
 }
+
+// The rows the one pass took since the library loaded: [every live key, the sample's
+// threshold, fell back to the two passes].
+extern "C" const long long* cpplan_row_topk_host_paths() { return host_paths; }
 
 #else
 template <int VEC>

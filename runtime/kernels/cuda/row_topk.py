@@ -8,7 +8,11 @@ reference order; at K 2048 unrolled, its stages of stride <= 32 in registers and
 in the short rows' build each warp's runs of 128 by the network, then rounds of merges along
 each thread's merge path.
 About two reads of the row's keys (the second mostly from L2) against the Triton filter path's
-threshold, counting, gathering, trim, run sorts and ranks (bench/RESULTS.md).
+threshold, counting, gathering, trim, run sorts and ranks (bench/RESULTS.md). Rows wider than
+16384 keys read once: a sample of the row (up to 4096 keys, whole 128-byte lines) sets a
+threshold expected to keep K to about 1.3 K keys, one pass gathers those at or above it, and
+the refinement runs over them (where they are too many or too few, the two passes after it):
+20% faster at 65536 keys a row.
 
 ``indexer_select._select`` calls ``select`` for at least ``IndexerTiles.cuda_select_rows``
 rows of ``topk <= MAX_TOPK`` where ``unavailable_reason`` is None, with the build
@@ -32,6 +36,9 @@ MAX_TOPK = 4096  # the result's sort buffer (a power of two >= topk) ...
 CAP = 8192  # ... and the K-th key's bin in shared memory (>= MAX_TOPK): 100 KB at MAX_TOPK
 SOURCE = "row_topk.cu"
 # variants of the kernel (compile-time), timed beside the default by bench/indexer.py
+# the two passes over every row (a histogram, then the gather; the form before rows wider than
+# 16384 keys took one pass from a sample's threshold; a bench variant)
+TWO_PASS = ("CPPLAN_ROW_TOPK_TWO_PASS",)
 # the build for short rows (``select_defines``): 512 threads a CTA, 4096 candidates, four CTAs
 # an SM; its sort holds four values a thread, so up to SHORT_MAX_TOPK (bench/RESULTS.md)
 SHORT_ROWS = ("CPPLAN_ROW_TOPK_BLOCK=512", "CPPLAN_ROW_TOPK_CAP=4096")
@@ -58,6 +65,9 @@ VARIANTS = {
     "ballot appends, the short rows' build": (*SHORT_ROWS, *BALLOT_APPEND),
     "ballot appends, the short rows' build, merge sort": (*SHORT_ROWS_MERGE, *BALLOT_APPEND),
     "probe: no sort (the result unordered, not equal)": ("CPPLAN_ROW_TOPK_PROBE_NO_SORT",),
+    "two passes over the row (the form before), 1024 threads": TWO_PASS,
+    "two passes over the row (the form before), the short rows' build": (*SHORT_ROWS_MERGE,
+                                                                        *TWO_PASS),
 }
 
 
@@ -181,11 +191,21 @@ _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, cty
              ctypes.c_int]  # the last: rows 16-byte aligned (four keys a load)
 
 
+def host_paths(block: int = 64, defines: tuple[str, ...] = ()) -> tuple[int, int, int]:
+    """The rows wider than the cap ``host_select`` (``block`` threads, ``defines``) took the
+    one pass over since its library loaded: (every live key, a sample too small; the sample's
+    threshold; falling back to the two passes)."""
+    p = _host_library(block, tuple(defines)).cpplan_row_topk_host_paths()
+    return p[0], p[1], p[2]
+
+
 @functools.cache
 def _host_library(block: int, defines: tuple[str, ...]):
     lib = build.load(build.compile_host(SOURCE, block, defines=defines))
     lib.cpplan_row_topk_host.restype = ctypes.c_int
     lib.cpplan_row_topk_host.argtypes = _ARGTYPES
+    lib.cpplan_row_topk_host_paths.restype = ctypes.POINTER(ctypes.c_longlong)
+    lib.cpplan_row_topk_host_paths.argtypes = []
     return lib
 
 

@@ -96,7 +96,7 @@ class IndexerTiles:
     # the CUDA row kernel (``..cuda.row_topk``, built by nvcc on first use where one is found)
     cuda_select: bool = True  # batches of at least cuda_select_rows rows (a prefill chunk's)
     cuda_select_rows: int = 256
-    cuda_select_short_keys: int = 32768  # rows at most this wide: the short rows' build ...
+    cuda_select_short_keys: int = 65536  # rows at most this wide: the short rows' build ...
     cuda_select_merge: bool = True  # ... its result sorted by merges (else by the network)
     # segment path (select_kernel)
     select_block: int = 8192  # keys a scan step (< 2**16)
