@@ -88,7 +88,11 @@ def serve(model, prompts, max_new_tokens, *, kv_cache_dtype="bf16", budget=32,
 # |dlogit| within which two logits are "equal": float32 noise between two correct forwards
 # (summation order) stays below it with bf16 KV; fp8 rounding (steps of 1/16) and the fp8
 # indexer query turn that noise into an occasional larger difference (a value or a selected
-# key on the other side of a rounding boundary) on these random models (docs/design.md §4.5)
+# key on the other side of a rounding boundary) on these random models (docs/design.md §4.5),
+# and where such a position's top two logits are closer than the difference, its greedy token
+# differs too (measured: tiny-deepseek-v32 below topk, prompts of seed 1, 2 of 40 positions,
+# |dlogit| 0.98, on every token budget from 16 to 64; a CI machine's float32 noise flipped one
+# of tiny-glm-5's that this machine's does not)
 TOL = 5e-2
 MIN_CLOSE = 0.85  # of the sampled positions within TOL wherever fp8 rounding is involved
 
@@ -100,16 +104,20 @@ class Agreement:
     max_dlogit: float
     close: int  # positions whose logits are all within TOL of the reference's
     exact: int  # positions where the argmaxes are the same token
+    close_tokens: int  # close positions where the token is the reference's (ties within TOL)
 
     def failures(self, min_close: float = MIN_CLOSE) -> list[str]:
-        """What breaks the stated tolerance: every token equal, min_close of the positions'
-        logits within TOL."""
+        """What breaks the stated tolerance: min_close of the positions' logits within TOL,
+        and the token equal at every one of them. A position beyond TOL (an fp8 rounding
+        boundary crossed: at most 1 - min_close of them) may differ in its token too; with
+        min_close 1 every token must be equal."""
         out = []
-        if self.tokens != self.positions:
-            out.append(f"tokens equal at {self.tokens} of {self.positions} positions")
+        if self.close_tokens != self.close:
+            out.append(f"tokens equal at {self.close_tokens} of the {self.close} positions "
+                       f"whose logits are within {TOL}")
         if self.close < min_close * self.positions:
             out.append(f"logits within {TOL} at {self.close} of {self.positions} positions "
-                       f"(max |dlogit| {self.max_dlogit:.3g})")
+                       f"(max |dlogit| {self.max_dlogit:.3g}; tokens equal at {self.tokens})")
         return out
 
 
@@ -117,7 +125,7 @@ def compare(model, served: list[Served], **numerics) -> Agreement:
     """cpplan's sampled logits against the model's teacher-forced forward over each request's
     tokens (``numerics``: reference_numerics' indexer / kv_cache_dtype). A token counts as
     equal where it is the reference's argmax or ties it within TOL."""
-    agree = total = close = exact = 0
+    agree = total = close = exact = close_agree = 0
     worst = 0.0
     for r in served:
         n = len(r.output)
@@ -125,13 +133,15 @@ def compare(model, served: list[Served], **numerics) -> Agreement:
         ref = teacher_forced_logits(model, r.tokens[:-1], pos, **numerics)
         ours = torch.stack(r.logits).to(ref.device)
         picked = ref.gather(1, ours.argmax(-1, keepdim=True))[:, 0]
-        agree += int((picked >= ref.amax(-1) - TOL).sum())
+        equal = picked >= ref.amax(-1) - TOL
+        near = (ref - ours).abs().amax(-1) <= TOL
+        agree += int(equal.sum())
+        close_agree += int((equal & near).sum())
         exact += int((ours.argmax(-1) == ref.argmax(-1)).sum())
-        d = (ref - ours).abs().amax(-1)
-        close += int((d <= TOL).sum())
+        close += int(near.sum())
         total += n
-        worst = max(worst, float(d.max()))
-    return Agreement(agree, total, worst, close, exact)
+        worst = max(worst, float((ref - ours).abs().max()))
+    return Agreement(agree, total, worst, close, exact, close_agree)
 
 
 def prompts(sizes, seed=0, vocab=512):

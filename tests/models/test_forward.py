@@ -67,7 +67,7 @@ def test_a_wrong_softmax_scale_fails_the_check(tiny_models, name, monkeypatch):
     monkeypatch.setattr(derive, "softmax_scale", lambda config: 576 ** -0.5)
     assert model_spec(model).sm_scale == 576 ** -0.5  # the executor and forward both use it
     got = compare(model, serve(model, PROMPTS[:2], 6), kv_cache_dtype="bf16")
-    assert len(got.failures()) == 2, got
+    assert got.failures() and got.close == 0 and got.tokens < got.positions, got
 
 
 @pytest.mark.parametrize("which", ["mla", "indexer"])
