@@ -159,6 +159,24 @@ def test_row_topk_one_pass_on_the_host(kind, path):
 
 
 @needs_cxx
+@pytest.mark.parametrize("build", ["long", "short"])
+@pytest.mark.parametrize("kind,bucketed", [("spread", True), ("narrow", True), ("ties", False),
+                                           ("equal", False)])
+def test_row_topk_sorts_on_the_host(kind, bucketed, build):
+    """Step 5 in the GPU's builds (1024 threads, cap 8192; the short rows': 512, 4096, merges):
+    results of distinct keys (spread; narrow: under one 12-bit prefix) sorted by buckets, those
+    of ties (a bucket over its bound) by the network or merges; the host build counts the rows
+    each way took (``row_topk.host_sorts``)."""
+    block, cap, defines = (1024, row_topk.CAP, ()) if build == "long" else \
+        (512, 4096, row_topk.SHORT_ROWS_MERGE)
+    keys, lens, want = _case(kind, 3, 6000, 2048, 6, dev="cpu", lens=[6000, 6000, 3000])
+    before = row_topk.host_sorts(block, defines)
+    _check(_run(keys, lens, 2048, host=(block, cap), defines=defines), want)
+    took = [a - b for a, b in zip(row_topk.host_sorts(block, defines), before)]
+    assert took == ([3, 0] if bucketed else [0, 3])
+
+
+@needs_cxx
 def test_row_topk_on_the_host_decode_ids():
     kw = {"decode_ids": True, "W": 4, "I": 64, "rank": 3}
     keys, lens, want = _case("spread", 3, 3000, 200, 2, dev="cpu", **kw)

@@ -52,10 +52,10 @@
 
 #ifdef CPPLAN_HOST_EMULATION
 namespace {
-// rows the host build's one pass took with every live key (a sample too
-// small), with the sample's threshold, and fell back from (the CPU tests check that their
-// cases take each; cpplan_row_topk_host_paths)
-long long host_paths[3];
+// rows the host build's one pass took with every live key (a sample too small), with the
+// sample's threshold, and fell back from; then rows step 5 sorted by buckets, and fell back
+// from them (the CPU tests check that their cases take each; cpplan_row_topk_host_paths)
+long long host_paths[5];
 }  // namespace
 #endif
 
@@ -89,11 +89,20 @@ constexpr int kSampleRate = 8;
 // Rows wider than this (and than cap) take the one pass from a sample's threshold (measured
 // faster at 65536 keys, even at ~30k, slower at 4-8k: bench/RESULTS.md).
 constexpr int kOnePassFrom = CPPLAN_ROW_TOPK_ONE_PASS_FROM;
+#ifndef CPPLAN_ROW_TOPK_BUCKET_MAX
+#define CPPLAN_ROW_TOPK_BUCKET_MAX 64
+#endif
+// Step 5 sorts a result of up to kSortMaxKS by buckets where none holds more than kBucketMax
+// composites (bucket_sort); else, and for larger results, by the network or merges.
+constexpr int kSortMaxKS = 2048;
+constexpr int kBucketMax = CPPLAN_ROW_TOPK_BUCKET_MAX;
 // Shared memory's candidates' area, in composites: step 1's histogram and the sample (past
 // it) lie over it too.
 __host__ __device__ constexpr int cand_area(int cap) {
   return cap > kBins / 2 + kChunks * kChunk / 2 ? cap : kBins / 2 + kChunks * kChunk / 2;
 }
+
+static_assert(cand_area(0) >= kSortMaxKS / 2 + kSortMaxKS, "step 5's buckets lie over cand");
 
 struct Shared {
   int warp[kWarps];
@@ -101,6 +110,8 @@ struct Shared {
   int n_sel, n_cand;                         // places taken in sel / cand
   unsigned n_pair;                           // step 3's: n_sel | n_cand << 16 (one atomic)
   unsigned umax;                             // the one pass's largest unsigned key
+  unsigned sort_hi, sort_lo_inv;             // step 5's largest key and ~ its smallest
+  int sort_full;                             // step 5: a bucket over kBucketMax
   uint64_t small_bin[32];                    // a bin of at most 32 composites (warp_finish)
 };
 
@@ -565,6 +576,88 @@ __device__ void warp_finish(const uint64_t* cand, int held, uint64_t prefix, int
   __syncthreads();
 }
 
+// Sorts sel[0, m) descending by buckets: each composite's key mapped linearly onto nb
+// buckets (a multiple of kBlock) between the smallest and the largest key, through a float
+// (so the map is monotone), the largest keys in bucket 0; the buckets counted (a shared atomic
+// a composite, which also gives its place in the bucket), their starts by one scan, the
+// composites scattered by bucket to `buf`, and each placed in sel by its rank among its
+// bucket's. Returns false with sel untouched where a bucket holds more than kBucketMax (ties,
+// keys packed together): the caller sorts another way. `count` (nb) and `buf` (m) are free
+// shared memory; sh.sort_hi, sort_lo_inv and sort_full 0 on entry. The whole CTA calls it.
+__device__ bool bucket_sort(uint64_t* sel, int m, int nb, uint32_t* count, uint64_t* buf,
+                            Shared& sh) {
+  constexpr int kItems = kSortMaxKS / kBlock > 0 ? kSortMaxKS / kBlock : 1;
+  const int tid = threadIdx.x;
+  uint64_t v[kItems];
+  int place[kItems];
+  uint32_t lo = 0xffffffffu, hi = 0u;
+#pragma unroll
+  for (int r = 0; r < kItems; ++r) {
+    const int i = tid + r * kBlock;
+    v[r] = i < m ? sel[i] : 0u;
+    const uint32_t u = static_cast<uint32_t>(v[r] >> 32);
+    if (i < m) {
+      lo = min(lo, u);
+      hi = max(hi, u);
+    }
+  }
+  for (int b = tid; b < nb; b += kBlock) count[b] = 0u;
+  uint32_t lo_inv = ~lo;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    lo_inv = max(lo_inv, __shfl_xor_sync(0xffffffffu, lo_inv, o));
+    hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+  }
+  if ((tid & 31) == 0) {
+    atomicMax(&sh.sort_lo_inv, lo_inv);
+    atomicMax(&sh.sort_hi, hi);
+  }
+  __syncthreads();
+  lo = ~sh.sort_lo_inv;
+  const float scale = static_cast<float>(nb) / (static_cast<float>(sh.sort_hi - lo) + 1.0f);
+  auto bucket = [&](uint64_t x) {  // (found again where needed: fewer registers)
+    const int k = static_cast<int>(static_cast<float>(static_cast<uint32_t>(x >> 32) - lo) * scale);
+    return nb - 1 - min(k, nb - 1);
+  };
+#pragma unroll
+  for (int r = 0; r < kItems; ++r)
+    if (tid + r * kBlock < m) place[r] = static_cast<int>(atomicAdd(&count[bucket(v[r])], 1u));
+  __syncthreads();
+  const int per = nb / kBlock;  // a thread's consecutive buckets
+  int sum = 0, most = 0;
+  for (int j = 0; j < per; ++j) {
+    const int c = static_cast<int>(count[tid * per + j]);
+    sum += c;
+    most = max(most, c);
+  }
+  int total;
+  int start = block_scan(sum, sh, total);
+  if (most > kBucketMax) atomicMax(&sh.sort_full, 1);
+  for (int j = 0; j < per; ++j) {  // counts -> starts
+    const int c = static_cast<int>(count[tid * per + j]);
+    count[tid * per + j] = static_cast<uint32_t>(start);
+    start += c;
+  }
+  __syncthreads();
+  if (sh.sort_full) return false;
+#pragma unroll
+  for (int r = 0; r < kItems; ++r)
+    if (tid + r * kBlock < m) buf[count[bucket(v[r])] + place[r]] = v[r];
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < kItems; ++r) {
+    if (tid + r * kBlock < m) {
+      const int b = bucket(v[r]), first = static_cast<int>(count[b]);
+      const int end = b + 1 < nb ? static_cast<int>(count[b + 1]) : m;
+      int rank = 0;
+      for (int j = first; j < end; ++j) rank += buf[j] > v[r];
+      sel[first + rank] = v[r];
+    }
+  }
+  __syncthreads();
+  return true;
+}
+
 // A row's result: place p < K gets composite v's score and id (p < m), or a pad.
 struct Result {
   float* s;
@@ -822,6 +915,10 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
 
   // 5. the result, sorted; pads below every live composite (whose key bits are not 0), and
   //    distinct. The result's pointers are made after the sort (registers).
+  if (tid == 0) {
+    sh.sort_hi = sh.sort_lo_inv = 0u;
+    sh.sort_full = 0;
+  }
   for (int i = sh.n_sel + tid; i < KS; i += kBlock) sel[i] = static_cast<uint64_t>(KS - i);
   __syncthreads();
 #define CPPLAN_RESULT \
@@ -846,7 +943,21 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
 #else
   constexpr int kMergeFrom = kMergeItems;
 #endif
-  if (kMerge && KS == 2048) {
+#if defined(CPPLAN_ROW_TOPK_NO_BUCKET_SORT)  // a variant: no buckets (the form before)
+  constexpr bool kBuckets = false;
+#else
+  constexpr bool kBuckets = true;
+#endif
+  const bool bucketed = kBuckets && KS <= kSortMaxKS &&
+                        bucket_sort(sel, sh.n_sel, max(KS, kBlock),
+                                    reinterpret_cast<uint32_t*>(cand), cand + kSortMaxKS / 2, sh);
+#ifdef CPPLAN_HOST_EMULATION
+  if (tid == 0 && kBuckets && KS <= kSortMaxKS) ++host_paths[bucketed ? 3 : 4];
+#endif
+  if (bucketed) {
+    CPPLAN_RESULT;
+    for (int i = tid; i < K; i += kBlock) out.put(i, sel[i]);
+  } else if (kMerge && KS == 2048) {
     uint64_t e[kMergeItems];
     merge_sort_registers<2048, kMergeItems, kMergeFrom>(sel, e);
     CPPLAN_RESULT;
@@ -903,7 +1014,8 @@ extern "C" int cpplan_row_topk_host(const int32_t* keys, int64_t stride_k, const
 }
 
 // The rows the one pass took since the library loaded: [every live key, the sample's
-// threshold, fell back to the two passes].
+// threshold, fell back to the two passes], then the rows step 5 sorted by buckets and those
+// it fell back from (a bucket over kBucketMax).
 extern "C" const long long* cpplan_row_topk_host_paths() { return host_paths; }
 
 #else

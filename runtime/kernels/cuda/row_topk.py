@@ -50,6 +50,8 @@ MERGE_SORT = ("CPPLAN_ROW_TOPK_MERGE_SORT",)
 SHORT_ROWS_MERGE = (*SHORT_ROWS, *MERGE_SORT, "CPPLAN_ROW_TOPK_MERGE_FROM=128")
 # step 3's appends by two ballots a key (the form before the warp scan; a bench variant)
 BALLOT_APPEND = ("CPPLAN_ROW_TOPK_BALLOT_APPEND",)
+# results of up to 2048 sorted without buckets (the form before: the network or merges alone)
+NO_BUCKETS = ("CPPLAN_ROW_TOPK_NO_BUCKET_SORT",)
 VARIANTS = {
     "sort in shared memory only": ("CPPLAN_ROW_TOPK_SMEM_SORT",),
     "1024 threads a CTA (the long rows' build)": (),
@@ -68,6 +70,11 @@ VARIANTS = {
     "two passes over the row (the form before), 1024 threads": TWO_PASS,
     "two passes over the row (the form before), the short rows' build": (*SHORT_ROWS_MERGE,
                                                                         *TWO_PASS),
+    "sorts without buckets (the form before), 1024 threads": NO_BUCKETS,
+    "sorts without buckets (the form before), the short rows' build": (*SHORT_ROWS_MERGE,
+                                                                      *NO_BUCKETS),
+    "buckets of at most 32, 1024 threads": ("CPPLAN_ROW_TOPK_BUCKET_MAX=32",),
+    "buckets of at most 128, 1024 threads": ("CPPLAN_ROW_TOPK_BUCKET_MAX=128",),
 }
 
 
@@ -197,6 +204,13 @@ def host_paths(block: int = 64, defines: tuple[str, ...] = ()) -> tuple[int, int
     threshold; falling back to the two passes)."""
     p = _host_library(block, tuple(defines)).cpplan_row_topk_host_paths()
     return p[0], p[1], p[2]
+
+
+def host_sorts(block: int = 64, defines: tuple[str, ...] = ()) -> tuple[int, int]:
+    """The results of at most 2048 ``host_select`` (``block`` threads, ``defines``) sorted
+    since its library loaded: (by buckets; falling back from them: a bucket too full)."""
+    p = _host_library(block, tuple(defines)).cpplan_row_topk_host_paths()
+    return p[3], p[4]
 
 
 @functools.cache
