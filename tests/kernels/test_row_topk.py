@@ -37,6 +37,8 @@ def _scores(kind, R, L, g):
     (1.0 .. 1.0 + 2**-4): more than CAP keys in the K-th key's first bin."""
     if kind == "narrow":
         return 1.0 + torch.randint(0, 1 << 19, (R, L), generator=g).float() * 2.0 ** -23
+    if kind == "normal":
+        return torch.randn(R, L, generator=g)
     return _select_scores(kind, R, L, g)
 
 
@@ -160,20 +162,22 @@ def test_row_topk_one_pass_on_the_host(kind, path):
 
 @needs_cxx
 @pytest.mark.parametrize("build", ["long", "short"])
-@pytest.mark.parametrize("kind,bucketed", [("spread", True), ("narrow", True), ("ties", False),
-                                           ("equal", False)])
+@pytest.mark.parametrize("kind,bucketed", [("normal", 3), ("narrow", 3), ("spread", 2),
+                                           ("ties", 0), ("equal", 0)])
 def test_row_topk_sorts_on_the_host(kind, bucketed, build):
     """Step 5 in the GPU's builds (1024 threads, cap 8192; the short rows': 512, 4096, merges):
-    results of distinct keys (spread; narrow: under one 12-bit prefix) sorted by buckets, those
-    of ties (a bucket over its bound) by the network or merges; the host build counts the rows
-    each way took (``row_topk.host_sorts``)."""
+    the results of rows of 6000, 6000 and 3000 keys sorted by buckets (normal: the third's of
+    both signs, by the score; narrow: under one 12-bit prefix; spread over 60 decades: the full
+    rows' positive, by the key's bits) or by the network or merges (a bucket over its bound:
+    ties; spread's third, of both signs); the host build counts the rows each way took
+    (``row_topk.host_sorts``)."""
     block, cap, defines = (1024, row_topk.CAP, ()) if build == "long" else \
         (512, 4096, row_topk.SHORT_ROWS_MERGE)
     keys, lens, want = _case(kind, 3, 6000, 2048, 6, dev="cpu", lens=[6000, 6000, 3000])
     before = row_topk.host_sorts(block, defines)
     _check(_run(keys, lens, 2048, host=(block, cap), defines=defines), want)
     took = [a - b for a, b in zip(row_topk.host_sorts(block, defines), before)]
-    assert took == ([3, 0] if bucketed else [0, 3])
+    assert took == [bucketed, 3 - bucketed]
 
 
 @needs_cxx

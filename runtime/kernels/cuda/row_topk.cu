@@ -576,9 +576,16 @@ __device__ void warp_finish(const uint64_t* cand, int held, uint64_t prefix, int
   __syncthreads();
 }
 
-// Sorts sel[0, m) descending by buckets: each composite's key mapped linearly onto nb
-// buckets (a multiple of kBlock) between the smallest and the largest key, through a float
-// (so the map is monotone), the largest keys in bucket 0; the buckets counted (a shared atomic
+// The score of an unsigned key u (the inverse of the logits kernels' key map).
+__device__ __forceinline__ float score_of(uint32_t u) {
+  const int32_t key = static_cast<int32_t>(u ^ 0x80000000u);
+  return __int_as_float(key < 0 ? key ^ 0x7fffffff : key);
+}
+
+// Sorts sel[0, m) descending by buckets: each composite mapped onto nb buckets (a multiple
+// of kBlock), linearly between the smallest and the largest key's bits or score (below; float
+// arithmetic rounds monotonically, so larger keys never land in a lower bucket), the largest
+// in bucket 0; the buckets counted (a shared atomic
 // a composite, which also gives its place in the bucket), their starts by one scan, the
 // composites scattered by bucket to `buf`, and each placed in sel by its rank among its
 // bucket's. Returns false with sel untouched where a bucket holds more than kBucketMax (ties,
@@ -614,10 +621,26 @@ __device__ bool bucket_sort(uint64_t* sel, int m, int nb, uint32_t* count, uint6
   }
   __syncthreads();
   lo = ~sh.sort_lo_inv;
-  const float scale = static_cast<float>(nb) / (static_cast<float>(sh.sort_hi - lo) + 1.0f);
-  auto bucket = [&](uint64_t x) {  // (found again where needed: fewer registers)
-    const int k = static_cast<int>(static_cast<float>(static_cast<uint32_t>(x >> 32) - lo) * scale);
-    return nb - 1 - min(k, nb - 1);
+  // keys of one sign: linear in the key's bits (in each exponent, linear in the score: about
+  // logarithmic, so scores spread over decades spread over the buckets); of both signs, whose
+  // bits leave the exponents of the tiny magnitudes empty between them: linear in the score
+#if defined(CPPLAN_ROW_TOPK_BUCKET_BY_KEY)  // a variant: by the key's bits always
+  const bool by_key = true;
+#else
+  const bool by_key = ((lo ^ sh.sort_hi) & 0x80000000u) == 0u;
+#endif
+  const float low = by_key ? 0.0f : score_of(lo);
+  const float scale = static_cast<float>(nb) /
+                      (by_key ? static_cast<float>(sh.sort_hi - lo) + 1.0f : score_of(sh.sort_hi) - low);
+  auto place_of = [&](uint32_t u) {
+    return (by_key ? static_cast<float>(u - lo) : score_of(u) - low) * scale;
+  };
+  // (found again where needed: fewer registers). NaN (inf * 0, 0 * inf: a range of 0 or not
+  // finite) goes to the top bucket with every other key, where the ranks still order them.
+  auto bucket = [&](uint64_t x) {
+    const float at = place_of(static_cast<uint32_t>(x >> 32));
+    const int k = at >= static_cast<float>(nb - 1) ? nb - 1 : at > 0.0f ? static_cast<int>(at) : 0;
+    return nb - 1 - k;
   };
 #pragma unroll
   for (int r = 0; r < kItems; ++r)
@@ -644,15 +667,13 @@ __device__ bool bucket_sort(uint64_t* sel, int m, int nb, uint32_t* count, uint6
   for (int r = 0; r < kItems; ++r)
     if (tid + r * kBlock < m) buf[count[bucket(v[r])] + place[r]] = v[r];
   __syncthreads();
-#pragma unroll
-  for (int r = 0; r < kItems; ++r) {
-    if (tid + r * kBlock < m) {
-      const int b = bucket(v[r]), first = static_cast<int>(count[b]);
-      const int end = b + 1 < nb ? static_cast<int>(count[b + 1]) : m;
-      int rank = 0;
-      for (int j = first; j < end; ++j) rank += buf[j] > v[r];
-      sel[first + rank] = v[r];
-    }
+  for (int i = tid; i < m; i += kBlock) {  // (from buf: nothing held across the barrier)
+    const uint64_t x = buf[i];
+    const int b = bucket(x), first = static_cast<int>(count[b]);
+    const int end = b + 1 < nb ? static_cast<int>(count[b + 1]) : m;
+    int rank = 0;
+    for (int j = first; j < end; ++j) rank += buf[j] > x;
+    sel[first + rank] = x;
   }
   __syncthreads();
   return true;
@@ -667,11 +688,9 @@ struct Result {
   __device__ __forceinline__ void put(int p, uint64_t v) const {
     if (p >= K) return;
     if (p < m) {
-      const int32_t key = static_cast<int32_t>(static_cast<uint32_t>(v >> 32) ^ 0x80000000u);
-      const int32_t bits_f = key < 0 ? key ^ 0x7fffffff : key;
       int32_t c = static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(v));
       if (decode_ids) c = (c / I) * (W * I) + rank * I + c % I;
-      s[p] = __int_as_float(bits_f);
+      s[p] = score_of(static_cast<uint32_t>(v >> 32));
       i[p] = c;
     } else {
       s[p] = __int_as_float(0xff800000);  // -inf

@@ -75,6 +75,10 @@ VARIANTS = {
                                                                       *NO_BUCKETS),
     "buckets of at most 32, 1024 threads": ("CPPLAN_ROW_TOPK_BUCKET_MAX=32",),
     "buckets of at most 128, 1024 threads": ("CPPLAN_ROW_TOPK_BUCKET_MAX=128",),
+    "buckets by the key's bits also across signs, 1024 threads": (
+        "CPPLAN_ROW_TOPK_BUCKET_BY_KEY",),
+    "buckets by the key's bits also across signs, the short rows' build": (
+        *SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_BUCKET_BY_KEY"),
 }
 
 
