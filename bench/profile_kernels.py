@@ -6,7 +6,8 @@ bench/RESULTS.md).
 
 Each attention case builds the inputs of bench/kernels.py, each indexer case (``INDEXER_CASES``)
 those of bench/indexer.py's first prefill case (T 4096 x N 32768: the whole prefill indexer, its
-logits and select kernels; or the logits alone, with TMA or per-thread key copies); each runs
+logits and select kernels (the select in the build the indexer takes for these rows); or the
+logits alone, with TMA or per-thread key copies; ``--inputs normal``: normal draws); each runs
 twice outside the profiled range (compilation, caches), then once between ``cudaProfilerStart``
 and ``cudaProfilerStop``.
 ``--list`` prints the cases; ``--time`` times every attention case with do_bench instead (no ncu
@@ -66,7 +67,9 @@ def build_indexer(case: str):
         lens = key_len.int()
         top_s = torch.empty(q.shape[0], 2048, device="cuda")
         top_i = torch.empty(q.shape[0], 2048, dtype=torch.int32, device="cuda")
-        return lambda: row_topk.select(out, lens, 2048, top_s, top_i)
+        defines = row_topk.select_defines(N, 2048, t.cuda_select_short_keys,
+                                          t.cuda_select_merge)  # the build the indexer takes
+        return lambda: row_topk.select(out, lens, 2048, top_s, top_i, defines=defines)
     if case == "indexer_logits_ws":
         from cpplan.runtime.kernels.gluon import indexer_logits as ws
 
@@ -102,7 +105,13 @@ def main(argv=None) -> int:
     ap.add_argument("--case", choices=sorted([*CASES, *INDEXER_CASES]))
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--time", action="store_true", help="time every case (median, do_bench)")
+    ap.add_argument("--inputs", choices=["integer", "normal"], default="integer",
+                    help="the indexer cases' inputs, as bench/indexer.py's --inputs")
     a = ap.parse_args(argv)
+    if a.inputs != "integer":
+        import indexer  # bench/indexer.py: its prefill_inputs read this
+
+        indexer.INPUTS = a.inputs
     if a.list:
         print("\n".join([*CASES, *INDEXER_CASES]))
         return 0

@@ -24,23 +24,31 @@
 //      the column's constant top bits are skipped), moving those above it to `sel` at each
 //      level, then the bin's own; a bin of at most 32 is finished by one warp, each composite
 //      ranked against the others;
-//   5. the K composites sorted by a bitonic network, written out (at K 2048 from registers:
-//      its stages unrolled, those of stride <= 32 on registers and warp shuffles, the others
-//      in shared memory); or, built with CPPLAN_ROW_TOPK_MERGE_SORT (K 2048; the short rows'
-//      build), by merges: a thread's own composites sorted in registers (with _MERGE_FROM,
-//      each warp's runs of that many by the network's register and shuffle stages), then
-//      rounds that merge pairs of sorted runs in shared memory, each thread finding its
-//      outputs' start on the merge path by a binary search. From runs of 128 this is 9-15%
-//      faster a row than the network alone (bench/RESULTS.md).
+//   5. the K composites sorted and written out. Up to K 2048 by buckets (bucket_sort): each
+//      composite's key mapped linearly onto as many buckets as K's power of two (at least the
+//      CTA's threads) between the result's smallest and largest (by the key's bits where they have
+//      one sign, else by the score), counted, scattered by bucket and each placed by its rank
+//      within its bucket: a shared atomic and a few compares a composite and eight barriers
+//      (against the network's 15 shared-memory stages at K 2048; measured 10-35% faster a row than
+//      the network or merges: bench/RESULTS.md). Where a bucket holds more than
+//      CPPLAN_ROW_TOPK_BUCKET_MAX (64; ties, keys packed together), and for larger K: a bitonic
+//      network (at K 2048 from registers: its stages unrolled, those of stride <= 32 on registers
+//      and warp shuffles, the others in shared memory); or, built with CPPLAN_ROW_TOPK_MERGE_SORT
+//      (K 2048; the short rows' build), by merges: a thread's own composites sorted in registers
+//      (with _MERGE_FROM, each warp's runs of that many by the network's register and shuffle
+//      stages), then rounds that merge pairs of sorted runs in shared memory, each thread finding
+//      its outputs' start on the merge path by a binary search.
 //
 // Built with -DCPPLAN_HOST_EMULATION (a C++20 compiler, no CUDA) the same kernel runs on the
 // host, a CTA's threads as std::threads (host_emulation.h): the CPU tests check it against the
 // reference there, with CPPLAN_ROW_TOPK_BLOCK threads a CTA (512 with _CAP 4096: the short
 // rows' build). Other defines are the bench's variants (row_topk.VARIANTS):
-// CPPLAN_ROW_TOPK_SMEM_SORT (every sort stage in shared memory), _MERGE_SORT with or without
-// _MERGE_FROM (the merge sort in the 1024-thread build; from a thread's own in the 512-thread
-// one), _BALLOT_APPEND (step 3's form before), _PROBE_NO_SORT (the result left unordered: a
-// timing probe).
+// CPPLAN_ROW_TOPK_SMEM_SORT (every network stage in shared memory), _MERGE_SORT with or
+// without _MERGE_FROM (the merge sort in the 1024-thread build; from a thread's own in the
+// 512-thread one), _BALLOT_APPEND (step 3's form before), _TWO_PASS (no step 0), _ONE_LOAD
+// (step 0's pass with one load in flight a thread, the form before), _NO_BUCKET_SORT (step 5
+// without buckets, the form before), _BUCKET_BY_KEY (buckets by the key's bits also across
+// signs), _BUCKET_MAX, _PROBE_NO_SORT (the result left unordered: a timing probe).
 
 #include <cstdint>
 
@@ -630,13 +638,15 @@ __device__ bool bucket_sort(uint64_t* sel, int m, int nb, uint32_t* count, uint6
   const bool by_key = ((lo ^ sh.sort_hi) & 0x80000000u) == 0u;
 #endif
   const float low = by_key ? 0.0f : score_of(lo);
-  const float scale = static_cast<float>(nb) /
-                      (by_key ? static_cast<float>(sh.sort_hi - lo) + 1.0f : score_of(sh.sort_hi) - low);
+  const float range = by_key ? static_cast<float>(sh.sort_hi - lo) + 1.0f
+                             : score_of(sh.sort_hi) - low;
+  const float scale = static_cast<float>(nb) / range;
   auto place_of = [&](uint32_t u) {
     return (by_key ? static_cast<float>(u - lo) : score_of(u) - low) * scale;
   };
-  // (found again where needed: fewer registers). NaN (inf * 0, 0 * inf: a range of 0 or not
-  // finite) goes to the top bucket with every other key, where the ranks still order them.
+  // (found again where needed: fewer registers). A place is NaN only where the range is 0
+  // or not finite (0 * inf, inf * 0), where every other place is 0, inf or NaN too: NaN
+  // counts as 0 (the last bucket), so the map stays monotone and the ranks order them.
   auto bucket = [&](uint64_t x) {
     const float at = place_of(static_cast<uint32_t>(x >> 32));
     const int k = at >= static_cast<float>(nb - 1) ? nb - 1 : at > 0.0f ? static_cast<int>(at) : 0;
@@ -747,12 +757,23 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
     const uint32_t t = sample_threshold<VEC>(p, n, K, sample, first, hist, sh);
     __syncthreads();
     uint32_t umax = 0u;
+#if defined(CPPLAN_ROW_TOPK_ONE_LOAD)  // a variant: one load in flight a thread (the form before)
     for (int c0 = 0; c0 < n; c0 += kTile) {
       int32_t a[VEC];
       const int c = c0 + tid * VEC;
       Loads<VEC>::at(p, c, n, a);
       warp_append_from(cand, cap, sh, a, c, t, umax);
     }
+#else
+    for (int c0 = 0; c0 < n; c0 += 2 * kTile) {  // two loads in flight a thread
+      int32_t a[VEC], b[VEC];
+      const int c = c0 + tid * VEC;
+      Loads<VEC>::at(p, c, n, a);
+      Loads<VEC>::at(p, c + kTile, n, b);
+      warp_append_from(cand, cap, sh, a, c, t, umax);
+      warp_append_from(cand, cap, sh, b, c + kTile, t, umax);
+    }
+#endif
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) umax = max(umax, __shfl_xor_sync(0xffffffffu, umax, o));
     if ((tid & 31) == 0) atomicMax(&sh.umax, umax);

@@ -1,18 +1,21 @@
 """The prefill indexer's exact top-k as one CUDA kernel: a CTA (1024 threads, or 512 in the
-short rows' build) a row, in shared memory (source and the algorithm: ``row_topk.cu``). Per row a 12-bit histogram pass over its
-int32 keys finds the bin of the K-th key, a second pass gathers the keys above the bin and
-those in it into shared memory (a warp's places taken with one atomic), histograms of 10 more
-bits refine the bin (ties by the columns' bits; a bin of at most 32 ranked by one warp), and
-a bitonic network sorts the K composites (score descending, column ascending, as the
-reference order; at K 2048 unrolled, its stages of stride <= 32 in registers and shuffles), or
-in the short rows' build each warp's runs of 128 by the network, then rounds of merges along
-each thread's merge path.
+short rows' build) a row, in shared memory (source and the algorithm: ``row_topk.cu``). Per
+row a 12-bit histogram pass over its int32 keys finds the bin of the K-th key, a second pass
+gathers the keys above the bin and those in it into shared memory (a warp's places taken with
+one atomic), histograms of 10 more bits refine the bin (ties by the columns' bits; a bin of at
+most 32 ranked by one warp), and the K composites (score descending, column ascending, as the
+reference order) are sorted: up to K 2048 by buckets (each key mapped linearly between the
+result's smallest and largest, counted, scattered and ranked within its bucket; 10-35% faster
+a row than the network or merges), or where a bucket holds more than 64 (ties) and for larger
+K by a bitonic network (at K 2048 unrolled, its stages of stride <= 32 in registers and
+shuffles), or in the short rows' build by each warp's runs of 128 by the network, then rounds
+of merges along each thread's merge path.
 About two reads of the row's keys (the second mostly from L2) against the Triton filter path's
 threshold, counting, gathering, trim, run sorts and ranks (bench/RESULTS.md). Rows wider than
 16384 keys read once: a sample of the row (up to 4096 keys, whole 128-byte lines) sets a
-threshold expected to keep K to about 1.3 K keys, one pass gathers those at or above it, and
-the refinement runs over them (where they are too many or too few, the two passes after it):
-20% faster at 65536 keys a row.
+threshold expected to keep K to about 1.3 K keys, one pass gathers those at or above it (two
+loads in flight a thread), and the refinement runs over them (where they are too many or too
+few, the two passes after it): 20% faster at 65536 keys a row.
 
 ``indexer_select._select`` calls ``select`` for at least ``IndexerTiles.cuda_select_rows``
 rows of ``topk <= MAX_TOPK`` where ``unavailable_reason`` is None, with the build
@@ -67,6 +70,8 @@ VARIANTS = {
     "ballot appends, the short rows' build": (*SHORT_ROWS, *BALLOT_APPEND),
     "ballot appends, the short rows' build, merge sort": (*SHORT_ROWS_MERGE, *BALLOT_APPEND),
     "probe: no sort (the result unordered, not equal)": ("CPPLAN_ROW_TOPK_PROBE_NO_SORT",),
+    "probe: no sort, the short rows' build (the result unordered, not equal)": (
+        *SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_PROBE_NO_SORT"),
     "two passes over the row (the form before), 1024 threads": TWO_PASS,
     "two passes over the row (the form before), the short rows' build": (*SHORT_ROWS_MERGE,
                                                                         *TWO_PASS),
@@ -75,6 +80,10 @@ VARIANTS = {
                                                                       *NO_BUCKETS),
     "buckets of at most 32, 1024 threads": ("CPPLAN_ROW_TOPK_BUCKET_MAX=32",),
     "buckets of at most 128, 1024 threads": ("CPPLAN_ROW_TOPK_BUCKET_MAX=128",),
+    "one pass with one load in flight (the form before), 1024 threads": (
+        "CPPLAN_ROW_TOPK_ONE_LOAD",),
+    "one pass with one load in flight (the form before), the short rows' build": (
+        *SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_ONE_LOAD"),
     "buckets by the key's bits also across signs, 1024 threads": (
         "CPPLAN_ROW_TOPK_BUCKET_BY_KEY",),
     "buckets by the key's bits also across signs, the short rows' build": (
