@@ -190,9 +190,14 @@ def prefill_parts(args, tiles, ceil, flops, label):
     for name, defines in row_topk.VARIANTS.items():  # the CUDA row top-k's variants
         parts.append((f"select CUDA, {name}", lambda d=defines: row_topk.select(
             keys, lens32, TOPK, top_s, top_i, defines=d), None))
-    if CUDA_BASELINE:  # --cuda-baseline: another source of the kernel, e.g. an earlier commit's
-        parts.append((f"select CUDA, baseline {CUDA_BASELINE}", lambda: row_topk.select(
-            keys, lens32, TOPK, top_s, top_i, source=CUDA_BASELINE), None))
+    if CUDA_BASELINE:  # --cuda-baseline: another source of the kernel, e.g. an earlier commit's,
+        # in the build the default select takes for these rows
+        build = row_topk.select_defines(N, TOPK, tiles.cuda_select_short_keys,
+                                        tiles.cuda_select_merge)
+        kind = "the short rows' build" if build else "the 1024-thread build"
+        parts.append((f"select CUDA, baseline {os.path.basename(CUDA_BASELINE)}, {kind}",
+                      lambda: row_topk.select(keys, lens32, TOPK, top_s, top_i, defines=build,
+                                              source=CUDA_BASELINE), None))
     parts.append(("select Triton filter path (the default before)", lambda: it._select(
         keys, key_len, TOPK, top_s, top_i, dataclasses.replace(tiles, cuda_select=False)), None))
     if label == "parts":
@@ -825,8 +830,9 @@ def main():
                     help="prefill inputs: integer-valued (exact, tied scores; the default) or "
                          "normal draws (continuous scores)")
     ap.add_argument("--cuda-baseline", metavar="FILE",
-                    help="each prefill case also times the CUDA select built from FILE, e.g. "
-                         "an earlier commit's (git show REV:runtime/kernels/cuda/row_topk.cu)")
+                    help="each prefill case also times the CUDA select built from FILE (in the "
+                         "build the default takes for its rows), e.g. an earlier commit's "
+                         "(git show REV:runtime/kernels/cuda/row_topk.cu)")
     ap.add_argument("--deepgemm", action="store_true",
                     help="each prefill case also times DeepGEMM's fp8_mqa_logits (+ torch.topk) "
                          "on the same inputs (bench/deepgemm_build.sh builds it; one line and "

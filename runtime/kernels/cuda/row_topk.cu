@@ -603,15 +603,12 @@ __device__ bool bucket_sort(uint64_t* sel, int m, int nb, uint32_t* count, uint6
                             Shared& sh) {
   constexpr int kItems = kSortMaxKS / kBlock > 0 ? kSortMaxKS / kBlock : 1;
   const int tid = threadIdx.x;
-  uint64_t v[kItems];
-  int place[kItems];
   uint32_t lo = 0xffffffffu, hi = 0u;
 #pragma unroll
   for (int r = 0; r < kItems; ++r) {
     const int i = tid + r * kBlock;
-    v[r] = i < m ? sel[i] : 0u;
-    const uint32_t u = static_cast<uint32_t>(v[r] >> 32);
     if (i < m) {
+      const uint32_t u = static_cast<uint32_t>(sel[i] >> 32);
       lo = min(lo, u);
       hi = max(hi, u);
     }
@@ -641,20 +638,23 @@ __device__ bool bucket_sort(uint64_t* sel, int m, int nb, uint32_t* count, uint6
   const float range = by_key ? static_cast<float>(sh.sort_hi - lo) + 1.0f
                              : score_of(sh.sort_hi) - low;
   const float scale = static_cast<float>(nb) / range;
-  auto place_of = [&](uint32_t u) {
-    return (by_key ? static_cast<float>(u - lo) : score_of(u) - low) * scale;
-  };
-  // (found again where needed: fewer registers). A place is NaN only where the range is 0
-  // or not finite (0 * inf, inf * 0), where every other place is 0, inf or NaN too: NaN
-  // counts as 0 (the last bucket), so the map stays monotone and the ranks order them.
-  auto bucket = [&](uint64_t x) {
-    const float at = place_of(static_cast<uint32_t>(x >> 32));
-    const int k = at >= static_cast<float>(nb - 1) ? nb - 1 : at > 0.0f ? static_cast<int>(at) : 0;
-    return nb - 1 - k;
-  };
+  // A place is NaN only where the range is 0 or not finite (0 * inf, inf * 0), where every
+  // other place is 0, inf or NaN too: NaN counts as 0 (the last bucket), so the map stays
+  // monotone and the ranks order them. Each composite's bucket and its place in it are kept
+  // in one register (bucket << 16 | place: nb <= 2048, places < m <= 2048); the composite
+  // is read again where needed (fewer registers across the barriers).
+  int at[kItems];
 #pragma unroll
-  for (int r = 0; r < kItems; ++r)
-    if (tid + r * kBlock < m) place[r] = static_cast<int>(atomicAdd(&count[bucket(v[r])], 1u));
+  for (int r = 0; r < kItems; ++r) {
+    const int i = tid + r * kBlock;
+    if (i < m) {
+      const uint32_t u = static_cast<uint32_t>(sel[i] >> 32);
+      const float f = (by_key ? static_cast<float>(u - lo) : score_of(u) - low) * scale;
+      const int k = f >= static_cast<float>(nb - 1) ? nb - 1 : f > 0.0f ? static_cast<int>(f) : 0;
+      const int b = nb - 1 - k;
+      at[r] = b << 16 | static_cast<int>(atomicAdd(&count[b], 1u));
+    }
+  }
   __syncthreads();
   const int per = nb / kBlock;  // a thread's consecutive buckets
   int sum = 0, most = 0;
@@ -674,16 +674,21 @@ __device__ bool bucket_sort(uint64_t* sel, int m, int nb, uint32_t* count, uint6
   __syncthreads();
   if (sh.sort_full) return false;
 #pragma unroll
-  for (int r = 0; r < kItems; ++r)
-    if (tid + r * kBlock < m) buf[count[bucket(v[r])] + place[r]] = v[r];
+  for (int r = 0; r < kItems; ++r) {
+    const int i = tid + r * kBlock;
+    if (i < m) buf[count[at[r] >> 16] + (at[r] & 0xffff)] = sel[i];
+  }
   __syncthreads();
-  for (int i = tid; i < m; i += kBlock) {  // (from buf: nothing held across the barrier)
-    const uint64_t x = buf[i];
-    const int b = bucket(x), first = static_cast<int>(count[b]);
-    const int end = b + 1 < nb ? static_cast<int>(count[b + 1]) : m;
-    int rank = 0;
-    for (int j = first; j < end; ++j) rank += buf[j] > x;
-    sel[first + rank] = x;
+#pragma unroll
+  for (int r = 0; r < kItems; ++r) {
+    if (tid + r * kBlock < m) {
+      const int b = at[r] >> 16, first = static_cast<int>(count[b]);
+      const int end = b + 1 < nb ? static_cast<int>(count[b + 1]) : m;
+      const uint64_t x = buf[first + (at[r] & 0xffff)];
+      int rank = 0;
+      for (int j = first; j < end; ++j) rank += buf[j] > x;
+      sel[first + rank] = x;
+    }
   }
   __syncthreads();
   return true;
