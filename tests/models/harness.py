@@ -134,13 +134,14 @@ def compare(model, served: list[Served], **numerics) -> Agreement:
         ours = torch.stack(r.logits).to(ref.device)
         picked = ref.gather(1, ours.argmax(-1, keepdim=True))[:, 0]
         equal = picked >= ref.amax(-1) - TOL
-        near = (ref - ours).abs().amax(-1) <= TOL
+        d = (ref - ours).abs().amax(-1)
+        near = d <= TOL
         agree += int(equal.sum())
         close_agree += int((equal & near).sum())
         exact += int((ours.argmax(-1) == ref.argmax(-1)).sum())
         close += int(near.sum())
         total += n
-        worst = max(worst, float((ref - ours).abs().max()))
+        worst = max(worst, float(d.max()))
     return Agreement(agree, total, worst, close, exact, close_agree)
 
 

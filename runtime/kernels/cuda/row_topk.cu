@@ -593,8 +593,8 @@ __device__ __forceinline__ float score_of(uint32_t u) {
 // Sorts sel[0, m) descending by buckets: each composite mapped onto nb buckets (a multiple
 // of kBlock), linearly between the smallest and the largest key's bits or score (below; float
 // arithmetic rounds monotonically, so larger keys never land in a lower bucket), the largest
-// in bucket 0; the buckets counted (a shared atomic
-// a composite, which also gives its place in the bucket), their starts by one scan, the
+// in bucket 0; the buckets counted (a shared atomic a composite, which also gives its place
+// in the bucket), their starts by one scan, the
 // composites scattered by bucket to `buf`, and each placed in sel by its rank among its
 // bucket's. Returns false with sel untouched where a bucket holds more than kBucketMax (ties,
 // keys packed together): the caller sorts another way. `count` (nb) and `buf` (m) are free
