@@ -27,9 +27,9 @@
 //   5. the K composites sorted and written out. Up to K 2048 by buckets (bucket_sort): each
 //      composite's key mapped linearly onto as many buckets as K's power of two (at least the
 //      CTA's threads) between the result's smallest and largest (by the key's bits where they have
-//      one sign, else by the score), counted, scattered by bucket and each placed by its rank
-//      within its bucket: a shared atomic and a few compares a composite and eight barriers
-//      (against the network's 15 shared-memory stages at K 2048; measured 10-35% faster a row than
+//      one sign, else by the score), counted, scattered by bucket and each written out at its
+//      bucket's start plus its rank within the bucket: a shared atomic and a few compares a
+//      composite and seven barriers (against the network's 15 shared-memory stages at K 2048; measured 10-35% faster a row than
 //      the network or merges: bench/RESULTS.md). Where a bucket holds more than
 //      CPPLAN_ROW_TOPK_BUCKET_MAX (64; ties, keys packed together), and for larger K: a bitonic
 //      network (at K 2048 from registers: its stages unrolled, those of stride <= 32 on registers
@@ -590,17 +590,20 @@ __device__ __forceinline__ float score_of(uint32_t u) {
   return __int_as_float(key < 0 ? key ^ 0x7fffffff : key);
 }
 
-// Sorts sel[0, m) descending by buckets: each composite mapped onto nb buckets (a multiple
-// of kBlock), linearly between the smallest and the largest key's bits or score (below; float
-// arithmetic rounds monotonically, so larger keys never land in a lower bucket), the largest
-// in bucket 0; the buckets counted (a shared atomic a composite, which also gives its place
-// in the bucket), their starts by one scan, the
-// composites scattered by bucket to `buf`, and each placed in sel by its rank among its
-// bucket's. Returns false with sel untouched where a bucket holds more than kBucketMax (ties,
-// keys packed together): the caller sorts another way. `count` (nb) and `buf` (m) are free
-// shared memory; sh.sort_hi, sort_lo_inv and sort_full 0 on entry. The whole CTA calls it.
-__device__ bool bucket_sort(uint64_t* sel, int m, int nb, uint32_t* count, uint64_t* buf,
-                            Shared& sh) {
+// Sorts sel[0, m) descending by buckets and hands each composite to emit(place, composite):
+// each composite mapped onto nb buckets (a multiple of kBlock), linearly between the smallest
+// and the largest key's bits or score (below; float arithmetic rounds monotonically, so larger
+// keys never land in a lower bucket), the largest in bucket 0; the buckets counted (a shared
+// atomic a composite, which also gives its place in the bucket), their starts by one scan, the
+// composites scattered by bucket to `buf`, and each composite of buf placed by its rank among
+// its bucket's (its bucket found again from its key: a thread's places lie close together, so
+// the caller's stores stay nearly coalesced). Returns false with sel untouched and nothing
+// emitted where a bucket holds more than kBucketMax (ties, keys packed together): the caller
+// sorts another way. `count` (nb) and `buf` (m) are free shared memory; sh.sort_hi,
+// sort_lo_inv and sort_full 0 on entry. The whole CTA calls it.
+template <class Emit>
+__device__ bool bucket_sort(const uint64_t* sel, int m, int nb, uint32_t* count, uint64_t* buf,
+                            Shared& sh, Emit emit) {
   constexpr int kItems = kSortMaxKS / kBlock > 0 ? kSortMaxKS / kBlock : 1;
   const int tid = threadIdx.x;
   uint32_t lo = 0xffffffffu, hi = 0u;
@@ -640,18 +643,20 @@ __device__ bool bucket_sort(uint64_t* sel, int m, int nb, uint32_t* count, uint6
   const float scale = static_cast<float>(nb) / range;
   // A place is NaN only where the range is 0 or not finite (0 * inf, inf * 0), where every
   // other place is 0, inf or NaN too: NaN counts as 0 (the last bucket), so the map stays
-  // monotone and the ranks order them. Each composite's bucket and its place in it are kept
-  // in one register (bucket << 16 | place: nb <= 2048, places < m <= 2048); the composite
-  // is read again where needed (fewer registers across the barriers).
+  // monotone and the ranks order them. The same map twice gives the same bucket.
+  const auto bucket_of = [&](uint64_t v) {
+    const uint32_t u = static_cast<uint32_t>(v >> 32);
+    const float f = (by_key ? static_cast<float>(u - lo) : score_of(u) - low) * scale;
+    return nb - 1 - (f >= static_cast<float>(nb - 1) ? nb - 1 : f > 0.0f ? static_cast<int>(f) : 0);
+  };
+  // each composite's bucket and its place in it in one register (bucket << 16 | place:
+  // nb <= 2048, places < m <= 2048)
   int at[kItems];
 #pragma unroll
   for (int r = 0; r < kItems; ++r) {
     const int i = tid + r * kBlock;
     if (i < m) {
-      const uint32_t u = static_cast<uint32_t>(sel[i] >> 32);
-      const float f = (by_key ? static_cast<float>(u - lo) : score_of(u) - low) * scale;
-      const int k = f >= static_cast<float>(nb - 1) ? nb - 1 : f > 0.0f ? static_cast<int>(f) : 0;
-      const int b = nb - 1 - k;
+      const int b = bucket_of(sel[i]);
       at[r] = b << 16 | static_cast<int>(atomicAdd(&count[b], 1u));
     }
   }
@@ -681,16 +686,16 @@ __device__ bool bucket_sort(uint64_t* sel, int m, int nb, uint32_t* count, uint6
   __syncthreads();
 #pragma unroll
   for (int r = 0; r < kItems; ++r) {
-    if (tid + r * kBlock < m) {
-      const int b = at[r] >> 16, first = static_cast<int>(count[b]);
+    const int j = tid + r * kBlock;
+    if (j < m) {
+      const uint64_t x = buf[j];
+      const int b = bucket_of(x), first = static_cast<int>(count[b]);
       const int end = b + 1 < nb ? static_cast<int>(count[b + 1]) : m;
-      const uint64_t x = buf[first + (at[r] & 0xffff)];
       int rank = 0;
-      for (int j = first; j < end; ++j) rank += buf[j] > x;
-      sel[first + rank] = x;
+      for (int i = first; i < end; ++i) rank += buf[i] > x;
+      emit(first + rank, x);
     }
   }
-  __syncthreads();
   return true;
 }
 
@@ -964,11 +969,14 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
     sh.sort_hi = sh.sort_lo_inv = 0u;
     sh.sort_full = 0;
   }
-  for (int i = sh.n_sel + tid; i < KS; i += kBlock) sel[i] = static_cast<uint64_t>(KS - i);
-  __syncthreads();
+  const auto fill_pads = [&] {  // the sorts but the buckets' read sel[0, KS)
+    for (int i = sh.n_sel + tid; i < KS; i += kBlock) sel[i] = static_cast<uint64_t>(KS - i);
+    __syncthreads();
+  };
 #define CPPLAN_RESULT \
   const Result out{out_s + row * stride_o, out_i + row * stride_o, K, sh.n_sel, decode_ids, W, I, rank}
 #if defined(CPPLAN_ROW_TOPK_PROBE_NO_SORT)  // a probe (bench only): the result unordered
+  fill_pads();
   CPPLAN_RESULT;
   for (int i = tid; i < K; i += kBlock) out.put(i, sel[i]);
 #else
@@ -993,16 +1001,24 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
 #else
   constexpr bool kBuckets = true;
 #endif
-  const bool bucketed = kBuckets && KS <= kSortMaxKS &&
-                        bucket_sort(sel, sh.n_sel, max(KS, kBlock),
-                                    reinterpret_cast<uint32_t*>(cand), cand + kSortMaxKS / 2, sh);
+  __syncthreads();  // sh.sort_*
+  const bool bucketed =
+      kBuckets && KS <= kSortMaxKS &&
+      bucket_sort(sel, sh.n_sel, max(KS, kBlock), reinterpret_cast<uint32_t*>(cand),
+                  cand + kSortMaxKS / 2, sh, [&](int p, uint64_t v) {
+                    CPPLAN_RESULT;
+                    out.put(p, v);
+                  });
 #ifdef CPPLAN_HOST_EMULATION
   if (tid == 0 && kBuckets && KS <= kSortMaxKS) ++host_paths[bucketed ? 3 : 4];
 #endif
-  if (bucketed) {
+  if (bucketed) {  // the pads
     CPPLAN_RESULT;
-    for (int i = tid; i < K; i += kBlock) out.put(i, sel[i]);
-  } else if (kMerge && KS == 2048) {
+    for (int i = sh.n_sel + tid; i < K; i += kBlock) out.put(i, 0u);
+    return;
+  }
+  fill_pads();
+  if (kMerge && KS == 2048) {
     uint64_t e[kMergeItems];
     merge_sort_registers<2048, kMergeItems, kMergeFrom>(sel, e);
     CPPLAN_RESULT;
