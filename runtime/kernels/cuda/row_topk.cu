@@ -29,15 +29,15 @@
 //      CTA's threads) between the result's smallest and largest (by the key's bits where they have
 //      one sign, else by the score), counted, scattered by bucket and each written out at its
 //      bucket's start plus its rank within the bucket: a shared atomic and a few compares a
-//      composite and seven barriers (against the network's 15 shared-memory stages at K 2048; measured 10-35% faster a row than
-//      the network or merges: bench/RESULTS.md). Where a bucket holds more than
-//      CPPLAN_ROW_TOPK_BUCKET_MAX (64; ties, keys packed together), and for larger K: a bitonic
-//      network (at K 2048 from registers: its stages unrolled, those of stride <= 32 on registers
-//      and warp shuffles, the others in shared memory); or, built with CPPLAN_ROW_TOPK_MERGE_SORT
-//      (K 2048; the short rows' build), by merges: a thread's own composites sorted in registers
-//      (with _MERGE_FROM, each warp's runs of that many by the network's register and shuffle
-//      stages), then rounds that merge pairs of sorted runs in shared memory, each thread finding
-//      its outputs' start on the merge path by a binary search.
+//      composite and seven barriers (against the network's 15 shared-memory stages at K 2048;
+//      measured 10-35% faster a row than the network or merges: bench/RESULTS.md). Where a
+//      bucket holds more than CPPLAN_ROW_TOPK_BUCKET_MAX (64; ties, keys packed together), and
+//      for larger K: a bitonic network (at K 2048 from registers: its stages unrolled, those of
+//      stride <= 32 on registers and warp shuffles, the others in shared memory); or, built with
+//      CPPLAN_ROW_TOPK_MERGE_SORT (K 2048; the short rows' build), by merges: a thread's own
+//      composites sorted in registers (with _MERGE_FROM, each warp's runs of that many by the
+//      network's register and shuffle stages), then rounds that merge pairs of sorted runs in
+//      shared memory, each thread finding its outputs' start on the merge path by a binary search.
 //
 // Built with -DCPPLAN_HOST_EMULATION (a C++20 compiler, no CUDA) the same kernel runs on the
 // host, a CTA's threads as std::threads (host_emulation.h): the CPU tests check it against the
@@ -964,12 +964,13 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
   }
 
   // 5. the result, sorted; pads below every live composite (whose key bits are not 0), and
-  //    distinct. The result's pointers are made after the sort (registers).
+  //    distinct. The result's pointers are made where it is written, after the sort's
+  //    barriers (registers).
   if (tid == 0) {
     sh.sort_hi = sh.sort_lo_inv = 0u;
     sh.sort_full = 0;
   }
-  const auto fill_pads = [&] {  // the sorts but the buckets' read sel[0, KS)
+  const auto fill_pads = [&] {  // sel[n_sel, KS): the other sorts read all KS
     for (int i = sh.n_sel + tid; i < KS; i += kBlock) sel[i] = static_cast<uint64_t>(KS - i);
     __syncthreads();
   };
