@@ -78,7 +78,8 @@ def register(sub) -> None:
                         "graph size and replayed as captured graphs)")
     p.add_argument("--check", action="store_true",
                    help="compare with the model's own teacher-forced forward (exit 1 on a "
-                        "difference)")
+                        "token differing where the logits agree, or too few positions "
+                        "agreeing: docs/serving.md)")
     p.add_argument("--timeout", type=float, default=60.0, metavar="S",
                    help="seconds before a silent rank is declared lost (default 60)")
     p.add_argument("--json", action="store_true",
@@ -239,7 +240,10 @@ def _print(prep, values, elapsed: float, check, as_json: bool) -> None:
         summary["check"] = {"ok": check.ok, "positions": check.positions,
                             "tokens_equal": check.equal + check.ties, "near_ties": check.ties,
                             "max_dlogit": check.max_dlogit, "tolerance": check.tol,
-                            "within_tolerance": check.close}
+                            "within_tolerance": check.close,
+                            "differing_beyond_tolerance": check.far_differ,
+                            "differing_within_tolerance": check.close_differ,
+                            "min_share_within_tolerance": check.min_close}
     if as_json:
         out = "".join(json.dumps(r) + "\n" for r in rows) + json.dumps(summary) + "\n"
         sys.stdout.write(out)
