@@ -555,6 +555,55 @@ __device__ __forceinline__ void warp_append_from(uint64_t* cand, int cap, Shared
   }
 }
 
+// The same append of a lane's two loads' keys (a: columns ca .., b: cb ..) at once: the lane
+// counts both groups' keys at or above t in one word (16 bits each: at most 32 x VEC a warp),
+// the warp scans the words once and one lane reserves both groups' places with one atomic;
+// each key's store predicated, not branched around. (One scan and one atomic a load before:
+// twice the shuffles and atomics, and a branch a key; bench/RESULTS.md.)
+template <int VEC>
+__device__ __forceinline__ void warp_append_from2(uint64_t* cand, int cap, Shared& sh,
+                                                  const int32_t (&a)[VEC], int ca,
+                                                  const int32_t (&b)[VEC], int cb, uint32_t t,
+                                                  uint32_t& umax) {
+  const int lane = threadIdx.x & 31;
+  uint32_t ua[VEC], ub[VEC];
+  unsigned mine = 0;  // a's count | b's << 16
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    ua[j] = ukey(a[j]);
+    ub[j] = ukey(b[j]);
+    mine += (ua[j] >= t ? 1u : 0u) + (ub[j] >= t ? 0x10000u : 0u);
+    umax = max(umax, max(ua[j], ub[j]));
+  }
+  unsigned incl = mine;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const unsigned y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  const unsigned total = __shfl_sync(0xffffffffu, incl, 31);
+  if (total == 0u) return;
+  const int na = static_cast<int>(total & 0xffffu);
+  int base = 0;
+  if (lane == 31) base = atomicAdd(&sh.n_cand, na + static_cast<int>(total >> 16));
+  base = __shfl_sync(0xffffffffu, base, 31);
+  const unsigned before = incl - mine;
+  int ea = base + static_cast<int>(before & 0xffffu);
+  int eb = base + na + static_cast<int>(before >> 16);
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    const bool take = ua[j] >= t;
+    if (take && ea < cap) cand[ea] = composite(ua[j], ca + j);
+    ea += take ? 1 : 0;
+  }
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {
+    const bool take = ub[j] >= t;
+    if (take && eb < cap) cand[eb] = composite(ub[j], cb + j);
+    eb += take ? 1 : 0;
+  }
+}
+
 // A bin of at most 32 composites (those of cand[0, held) under `prefix`): warp 0 gathers them
 // into lanes, ranks each against the others (composites are distinct) and appends the `need`
 // largest to sel. The whole CTA calls it (one barrier).
@@ -780,8 +829,15 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
       const int c = c0 + tid * VEC;
       Loads<VEC>::at(p, c, n, a);
       Loads<VEC>::at(p, c + kTile, n, b);
-      warp_append_from(cand, cap, sh, a, c, t, umax);
-      warp_append_from(cand, cap, sh, b, c + kTile, t, umax);
+      // both loads' keys in one append (warp_append_from2), but with one key a load two
+      // appends are fewer instructions, and in the 1024-thread build ptxas then spills 20
+      // bytes (4 before) and lengthens other loops (nvcc 13.0 sm_90 SASS)
+      if constexpr (VEC == 1 || kBlock > 512) {
+        warp_append_from(cand, cap, sh, a, c, t, umax);
+        warp_append_from(cand, cap, sh, b, c + kTile, t, umax);
+      } else {
+        warp_append_from2(cand, cap, sh, a, c, b, c + kTile, t, umax);
+      }
     }
 #endif
 #pragma unroll
