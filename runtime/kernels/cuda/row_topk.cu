@@ -124,25 +124,27 @@ struct Shared {
   uint64_t small_bin[32];                    // a bin of at most 32 composites (warp_finish)
 };
 
+// Inclusive sum of v over a warp's lanes up to `lane` (five shuffles; every lane calls it).
+template <class T>
+__device__ __forceinline__ T warp_inclusive_sum(T v, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const T y = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += y;
+  }
+  return v;
+}
+
 // Exclusive prefix of `v` over the block's threads; `total` the sum. Three barriers; `sh.warp`
 // is free again on return.
 __device__ __forceinline__ int block_scan(int v, Shared& sh, int& total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int x = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
-  }
+  const int x = warp_inclusive_sum(v, lane);
   if (lane == 31) sh.warp[warp] = x;
   __syncthreads();
   if (warp == 0) {
     int w = lane < kWarps ? sh.warp[lane] : 0;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, w, o);
-      if (lane >= o) w += y;
-    }
+    w = warp_inclusive_sum(w, lane);
     if (lane < kWarps) sh.warp[lane] = w;
   }
   __syncthreads();
@@ -446,12 +448,7 @@ __device__ __forceinline__ void warp_append_scan(uint64_t* sel, uint64_t* cand, 
     u[j] = ukey(a[j]);
     mine += u[j] > hi_u ? 1u : (u[j] >= lo_u ? 0x10000u : 0u);
   }
-  unsigned incl = mine;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const unsigned y = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += y;
-  }
+  const unsigned incl = warp_inclusive_sum(mine, lane);
   const unsigned total = __shfl_sync(0xffffffffu, incl, 31);
   if (total == 0u) return;
   unsigned base = 0;
@@ -536,12 +533,7 @@ __device__ __forceinline__ void warp_append_from(uint64_t* cand, int cap, Shared
     mine += u[j] >= t;
     umax = max(umax, u[j]);
   }
-  int incl = mine;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += y;
-  }
+  const int incl = warp_inclusive_sum(mine, lane);
   const int total = __shfl_sync(0xffffffffu, incl, 31);
   if (total == 0) return;
   int base = 0;
@@ -576,12 +568,7 @@ __device__ __forceinline__ void warp_append_from2(uint64_t* cand, int cap, Share
     mine += (ua[j] >= t ? 1u : 0u) + (ub[j] >= t ? 0x10000u : 0u);
     umax = max(umax, max(ua[j], ub[j]));
   }
-  unsigned incl = mine;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const unsigned y = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += y;
-  }
+  const unsigned incl = warp_inclusive_sum(mine, lane);
   const unsigned total = __shfl_sync(0xffffffffu, incl, 31);
   if (total == 0u) return;
   const int na = static_cast<int>(total & 0xffffu);
