@@ -30,7 +30,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
     bench.INPUTS = a.inputs
-    (T, N), = a.case[:1]
+    T, N = a.case[0]
     args, _ = bench.prefill_inputs(T, N)
     q, w, k, key_len, pcu, N = args[:6]
     tiles = bench.it.IndexerTiles()
