@@ -180,6 +180,42 @@ def test_row_topk_sorts_on_the_host(kind, bucketed, build):
     assert took == [bucketed, 3 - bucketed]
 
 
+def _two_ties(L: int, g) -> torch.Tensor:
+    """A row's scores for step 4's paths at K 2048: 100 distinct large scores, 2000 copies of A
+    and 1000 of B (A > B; the same 12-bit prefix, different next 10 bits), the rest below, all
+    at shuffled columns. The K-th key is an A: its 12-bit bin holds 3000 candidates, of which
+    the next level's bin keeps 2000 (in the short rows' build, 3000 + 2000 more than the 4096
+    places: no copy); the key's last bits leave it whole; the columns' bits split it."""
+    a, b = 1.0 + 2.0 ** -4, 1.0 + 2.0 ** -5
+    s = torch.cat([100.0 + torch.arange(100.0), torch.full((2000,), a), torch.full((1000,), b),
+                   torch.rand(L - 3100, generator=g) * 0.5])
+    return s[torch.randperm(L, generator=g)]
+
+
+@needs_cxx
+@pytest.mark.parametrize("build", ["long", "short"])
+def test_row_topk_refinement_on_the_host(build):
+    """Step 4 in the GPU's builds (row_topk.host_refines): each level copies its new bin alone
+    to free candidates' places (in the short rows' build the first cannot: the bin refined
+    among the others), a level whose digit keeps the whole bin (the tied key's last bits), and
+    a small bin finished by ranks; the rows of 6000 keys, two-tie ones and normal ones."""
+    block, cap, defines = (1024, row_topk.CAP, ()) if build == "long" else \
+        (512, 4096, row_topk.SHORT_ROWS_MERGE)
+    g = torch.Generator().manual_seed(8)
+    L, topk = 6000, 2048
+    scores = torch.stack([_two_ties(L, g), _two_ties(L, g), torch.randn(L, generator=g)])
+    lens = torch.full((3,), L)
+    ids = torch.arange(L)[None, :].expand(3, L)
+    want = ref.topk_reference_order(scores.double(), ids, topk)
+    keys = score_keys(scores).contiguous()
+    before = row_topk.host_refines(block, defines)
+    _check(_run(keys, lens.int(), topk, host=(block, cap), defines=defines), want)
+    ranked, copied, not_copied, whole = (a - b for a, b in
+                                          zip(row_topk.host_refines(block, defines), before))
+    assert ranked >= 1 and copied >= 2 and whole == 2  # (the two-tie rows' A: one level each)
+    assert not_copied == (2 if build == "short" else 0)
+
+
 @needs_cxx
 def test_row_topk_on_the_host_decode_ids():
     kw = {"decode_ids": True, "W": 4, "I": 64, "rank": 3}

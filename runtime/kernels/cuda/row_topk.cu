@@ -21,9 +21,10 @@
 //      atomic, so no barrier inside the pass and no order kept);
 //   4. 10-bit histograms over `cand` refine the bin until it holds exactly the composites still
 //      needed (composites are distinct, so this ends by the 64th bit; past the key's 32 bits
-//      the column's constant top bits are skipped), moving those above it to `sel` at each
-//      level, then the bin's own; a bin of at most 32 is finished by one warp, each composite
-//      ranked against the others;
+//      the column's constant top bits are skipped), moving those above it to `sel` and
+//      copying those in it alone to free places of `cand` at each level (the next level reads
+//      the bin only), then the bin's own; a bin of at most 128 held alone is finished by
+//      ranking each composite against the others (a thread each);
 //   5. the K composites sorted and written out. Up to K 2048 by buckets (bucket_sort): each
 //      composite's key mapped linearly onto as many buckets as K's power of two (at least the
 //      CTA's threads) between the result's smallest and largest (by the key's bits where they have
@@ -62,8 +63,10 @@
 namespace {
 // rows the host build's one pass took with every live key (a sample too small), with the
 // sample's threshold, and fell back from; then rows step 5 sorted by buckets, and fell back
-// from them (the CPU tests check that their cases take each; cpplan_row_topk_host_paths)
-long long host_paths[5];
+// from them; then step 4's bins finished by rank_finish, and its levels that copied the new
+// bin alone, that could not, and whose digit left the bin whole (the CPU tests
+// check that their cases take each; cpplan_row_topk_host_paths)
+long long host_paths[9];
 }  // namespace
 #endif
 
@@ -104,6 +107,12 @@ constexpr int kOnePassFrom = CPPLAN_ROW_TOPK_ONE_PASS_FROM;
 // composites (bucket_sort); else, and for larger results, by the network or merges.
 constexpr int kSortMaxKS = 2048;
 constexpr int kBucketMax = CPPLAN_ROW_TOPK_BUCKET_MAX;
+#ifndef CPPLAN_ROW_TOPK_RANK_MAX
+#define CPPLAN_ROW_TOPK_RANK_MAX 128
+#endif
+// Step 4 ranks a bin held alone of at most this many composites (rank_finish; 0: never, the
+// bin refined by 10-bit levels to the end; a bench variant).
+constexpr int kRankMax = CPPLAN_ROW_TOPK_RANK_MAX < kBlock ? CPPLAN_ROW_TOPK_RANK_MAX : kBlock;
 // Shared memory's candidates' area, in composites: step 1's histogram and the sample (past
 // it) lie over it too.
 __host__ __device__ constexpr int cand_area(int cap) {
@@ -120,8 +129,7 @@ struct Shared {
   unsigned umax;                             // the one pass's largest unsigned key
   unsigned sort_hi, sort_lo_inv;             // step 5's largest key and ~ its smallest
   int sort_full;                             // step 5: a bucket over kBucketMax
-  int n_small;                               // places taken in small_bin
-  uint64_t small_bin[32];                    // a bin of at most 32 composites (warp_finish)
+  int n_next;                                // step 4: places taken by the next bin's copy
 };
 
 // Inclusive sum of v over a warp's lanes up to `lane` (five shuffles; every lane calls it).
@@ -592,31 +600,19 @@ __device__ __forceinline__ void warp_append_from2(uint64_t* cand, int cap, Share
   }
 }
 
-// A bin of at most 32 composites (those of cand[0, held) under `prefix`): the CTA gathers them
-// into sh.small_bin, a warp's places by one atomic (held reaches a few thousand after the one
-// pass; warp 0 walked them alone before, and the barrier after it held 19% of the select's
-// warp samples at T 4096 x N 32768: ncu on one H100), then warp 0 ranks each against the
-// others (composites are distinct) and appends the `need` largest to sel. The whole CTA calls
-// it (three barriers).
-__device__ void warp_finish(const uint64_t* cand, int held, uint64_t prefix, int bits, int in_bin,
-                            int need, uint64_t* sel, Shared& sh) {
-  const int lane = threadIdx.x & 31;
-  if (threadIdx.x == 0) sh.n_small = 0;
-  __syncthreads();
-  for (int i0 = 0; i0 < held; i0 += kBlock) {
-    const int i = i0 + static_cast<int>(threadIdx.x);
-    const uint64_t v = i < held ? cand[i] : 0u;
-    warp_append(sh.small_bin, &sh.n_small, i < held && in_prefix(v, prefix, bits), v);
-  }
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    const uint64_t x = lane < in_bin ? sh.small_bin[lane] : 0u;
+// A bin held alone in bin[0, in_bin), in_bin <= kRankMax: each of its composites ranked
+// against the others by one thread (composites are distinct; only the warps holding one loop),
+// the `need` largest appended to sel: one barrier, against a 10-bit level's seven and more
+// (and, before, a warp's finish of a bin of at most 32 after them, each scanning all of
+// cand again). The whole CTA calls it.
+__device__ void rank_finish(const uint64_t* bin, int in_bin, int need, uint64_t* sel,
+                            Shared& sh) {
+  if ((threadIdx.x & ~31) < in_bin) {  // (warp-uniform)
+    const int t = threadIdx.x;
+    const uint64_t x = t < in_bin ? bin[t] : 0u;
     int rank = 0;
-    for (int o = 0; o < 32; ++o) {
-      const uint64_t y = __shfl_sync(0xffffffffu, x, o);
-      rank += (o < in_bin) & (y > x);
-    }
-    warp_append(sel, &sh.n_sel, lane < in_bin && rank < need, x);
+    for (int j = 0; j < in_bin; ++j) rank += bin[j] > x;
+    warp_append(sel, &sh.n_sel, t < in_bin && rank < need, x);
   }
   __syncthreads();
 }
@@ -959,48 +955,75 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
     held = in_bin;
   }
 
-  // 4. refine the bin inside cand until it holds exactly the composites still needed; a bin
-  //    of at most 32 is finished by one warp; cand[0, held) holds it (and other composites),
-  //    scanned again at each level
+  // 4. refine the bin inside cand until it holds exactly the composites still needed.
+  //    cand[base, base + held) holds the bin (and, where held > in_bin, other composites);
+  //    each level copies its new bin alone to free places of cand (below the region, or above
+  //    it, where it fits), so that the next level reads the bin only; a level whose digit
+  //    leaves the bin whole only extends the prefix. A bin held alone of at most kRankMax is
+  //    ranked (rank_finish); one among others (its copy did not fit: rare) refined on, which
+  //    ends by the 64th bit (composites are distinct).
   if (!all) {
+    const int area = cand_area(cap);
+    int base = 0;
     bool finished = false;
     while (in_bin > need) {
-      if (in_bin <= 32) {
-        warp_finish(cand, held, prefix, bits, in_bin, need, sel, sh);
+      if (held == in_bin && in_bin <= kRankMax) {
+        rank_finish(cand + base, in_bin, need, sel, sh);
+#ifdef CPPLAN_HOST_EMULATION
+        if (tid == 0) ++host_paths[5];
+#endif
         finished = true;
         break;
       }
       // (digits stop at the key's end, where skip_column_ones applies)
       const int d = min(kNextBits, bits < 32 ? 32 - bits : 64 - bits);
       const int shift = 64 - bits - d;  // the digit's place
+      const uint64_t* region = cand + base;
       for (int b = tid; b < kNextBins; b += kBlock) hist[b] = 0;
+      if (tid == 0) sh.n_next = 0;
       __syncthreads();
       for (int i = tid; i < held; i += kBlock) {
-        const uint64_t v = cand[i];
+        const uint64_t v = region[i];
         if (in_prefix(v, prefix, bits)) atomicAdd(&hist[(v >> shift) & ((1u << d) - 1)], 1u);
       }
       __syncthreads();
       int unused;
       find_bin(hist, kNextBins, need, sh, unused);
       const uint64_t b = sh.found_bin;
-      for (int i0 = 0; i0 < held; i0 += kBlock) {  // the bin's composites above the new bin
-        const int i = i0 + tid;
-        const uint64_t v = i < held ? cand[i] : 0u;
-        const bool up = i < held && in_prefix(v, prefix, bits) &&
-                        ((v >> shift) & ((1u << d) - 1)) > b;
-        warp_append(sel, &sh.n_sel, up, v);
+      const int next = sh.found_count;
+      if (next < in_bin) {  // else the new bin is the bin: nothing above it, none below
+        // the new bin's copy: below the region, else above it, else none (ties of many keys)
+        const int to = next <= base ? 0 : base + held + next <= area ? area - next : -1;
+        for (int i0 = 0; i0 < held; i0 += kBlock) {  // the composites above the new bin
+          const int i = i0 + tid;
+          const uint64_t v = i < held ? region[i] : 0u;
+          const bool mine = i < held && in_prefix(v, prefix, bits);
+          const uint64_t digit = (v >> shift) & ((1u << d) - 1);
+          warp_append(sel, &sh.n_sel, mine && digit > b, v);
+          if (to >= 0) warp_append(cand + to, &sh.n_next, mine && digit == b, v);
+        }
+        if (to >= 0) {
+          base = to;
+          held = next;
+        }
+#ifdef CPPLAN_HOST_EMULATION
+        if (tid == 0) ++host_paths[to >= 0 ? 6 : 7];
+#endif
       }
+#ifdef CPPLAN_HOST_EMULATION
+      else if (tid == 0) ++host_paths[8];
+#endif
       prefix = (prefix << d) | b;
       bits += d;
       need -= sh.found_before;
-      in_bin = sh.found_count;
+      in_bin = next;
       skip_column_ones(prefix, bits, L);
       __syncthreads();
     }
     if (!finished) {
       for (int i0 = 0; i0 < held; i0 += kBlock) {  // the bin's own: all needed
         const int i = i0 + tid;
-        const uint64_t v = i < held ? cand[i] : 0u;
+        const uint64_t v = i < held ? cand[base + i] : 0u;
         warp_append(sel, &sh.n_sel, i < held && in_prefix(v, prefix, bits), v);
       }
       __syncthreads();

@@ -2,8 +2,9 @@
 short rows' build) a row, in shared memory (source and the algorithm: ``row_topk.cu``). Per
 row a 12-bit histogram pass over its int32 keys finds the bin of the K-th key, a second pass
 gathers the keys above the bin and those in it into shared memory (a warp's places taken with
-one atomic), histograms of 10 more bits refine the bin (ties by the columns' bits; a bin of at
-most 32 ranked by one warp), and the K composites (score descending, column ascending, as the
+one atomic), histograms of 10 more bits refine the bin (ties by the columns' bits; each level
+copies its new bin alone, and a bin of at most 128 is finished by ranking each of its keys
+against the others), and the K composites (score descending, column ascending, as the
 reference order) are sorted: up to K 2048 by buckets (each key mapped linearly between the
 result's smallest and largest, counted, scattered and ranked within its bucket; 10-35% faster
 a row than the network or merges), or where a bucket holds more than 64 (ties) and for larger
@@ -88,6 +89,12 @@ VARIANTS = {
         "CPPLAN_ROW_TOPK_BUCKET_BY_KEY",),
     "buckets by the key's bits also across signs, the short rows' build": (
         *SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_BUCKET_BY_KEY"),
+    "bins of at most 64 ranked, the short rows' build": (*SHORT_ROWS_MERGE,
+                                                         "CPPLAN_ROW_TOPK_RANK_MAX=64"),
+    "bins of at most 256 ranked, the short rows' build": (*SHORT_ROWS_MERGE,
+                                                          "CPPLAN_ROW_TOPK_RANK_MAX=256"),
+    "no bin ranked (10-bit levels to the end), the short rows' build": (
+        *SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_RANK_MAX=0"),
 }
 
 
@@ -224,6 +231,14 @@ def host_sorts(block: int = 64, defines: tuple[str, ...] = ()) -> tuple[int, int
     since its library loaded: (by buckets; falling back from them: a bucket too full)."""
     p = _host_library(block, tuple(defines)).cpplan_row_topk_host_paths()
     return p[3], p[4]
+
+
+def host_refines(block: int = 64, defines: tuple[str, ...] = ()) -> tuple[int, ...]:
+    """Step 4 in ``host_select`` (``block`` threads, ``defines``) since its library loaded:
+    (bins finished by ranks, levels that copied the new bin alone, levels that could not, levels
+    whose digit left the bin whole)."""
+    p = _host_library(block, tuple(defines)).cpplan_row_topk_host_paths()
+    return tuple(p[j] for j in range(5, 9))
 
 
 @functools.cache
