@@ -691,10 +691,6 @@ def run_prefill(cases, ceil, kernels, planar_sweep=False, dg=None):
 PREFILL_WHOLE = {
     "Gluon logits, Triton filter path (the default before)": {"cuda_select": False},
     "Triton logits, filter path": {"logits_ws": False, "cuda_select": False},
-    # each chunk's select on a side stream while the next chunk's logits run
-    "selects overlapped, chunks of 512": {"select_overlap_rows": 512},
-    "selects overlapped, chunks of 1024": {"select_overlap_rows": 1024},
-    "selects overlapped, chunks of 2048": {"select_overlap_rows": 2048},
 }
 
 

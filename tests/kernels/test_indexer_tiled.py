@@ -103,48 +103,6 @@ def test_prefill(env, W, I, block_q, nreq, sms):
                                          pcu.cpu(), PT, W, I, topk, max_keys=PT))
 
 
-
-@pytest.mark.parametrize("env", ENVS)
-def test_prefill_selects_overlapped(env):
-    """``select_overlap_rows``: chunks in two key buffers, each reused (more than two chunks),
-    the selects on a side stream on a GPU (the CUDA row select there), on a caller's stream
-    other than the default: equal to the reference; the caller's stream waits for them."""
-    it = _it()
-    T, Hi, PT, topk, rows = (9, 4, 240, 24, 2) if env == "interp" else (1024, 64, 8192, 2048, 256)
-    q, w, k = _inputs(env, T, Hi, PT, 13)
-    key_len, pcu = _prefill_case(env, T, PT, topk, 1, 4, 2)
-    tiles = _tiles(env, select_overlap_rows=rows)
-    assert it.prefill_chunks(T, PT, 1 << 29, tiles) == (rows, 2)
-    want = ref.indexer_topk_prefill(q.cpu().double(), w.cpu(), k.cpu(), key_len.cpu(), pcu.cpu(),
-                                    PT, 1, 1, topk, max_keys=PT)
-    if env == "interp":
-        _check(it.indexer_topk_prefill(q, w, k, key_len, pcu, PT, 1, 1, topk, max_keys=PT,
-                                       tiles=tiles), want)
-        return
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        got = it.indexer_topk_prefill(q, w, k, key_len, pcu, PT, 1, 1, topk, max_keys=PT,
-                                      tiles=tiles)
-        got = (got[0].cpu(), got[1].cpu())  # read on the caller's stream, no device-wide sync
-    _check(got, want)
-
-
-def test_prefill_chunks():
-    """Chunk rows and buffers against the budget arithmetic: one buffer of budget / (4 L)
-    queries; with select_overlap_rows, two of at most that many and half the budget's rows
-    each, where the prefill has more than one such chunk."""
-    it = _it()
-    t = it.IndexerTiles()
-    assert it.prefill_chunks(32768, 32768, 1 << 29, t) == (4096, 1)
-    assert it.prefill_chunks(100, 0, 1 << 29, t) == (1 << 27, 1)  # no keys: one chunk
-    o = it.IndexerTiles(select_overlap_rows=1024)
-    assert it.prefill_chunks(32768, 32768, 1 << 29, o) == (1024, 2)
-    assert it.prefill_chunks(4096, 131072, 1 << 29, o) == (512, 2)  # half of 1024 budget rows
-    assert it.prefill_chunks(1024, 32768, 1 << 29, o) == (4096, 1)  # one chunk: one stream
-    assert it.prefill_chunks(1025, 32768, 1 << 29, o) == (1024, 2)
-    assert it.prefill_chunks(5, 1 << 30, 1 << 29, o) == (1, 2)  # at least a query a chunk
-
 @pytest.mark.parametrize("env", ENVS)
 @pytest.mark.parametrize("backend", ["tiled", "reference"])
 def test_prefill_out_rows_of_a_larger_buffer(env, backend):

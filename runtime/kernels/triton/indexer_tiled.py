@@ -138,10 +138,6 @@ class IndexerTiles:
     filter_budget_bytes: int = 1 << 28  # candidate slots of one launch (rows in batches)
     filter_sample: int = 1024  # keys sampled a row for its threshold, taken at the sample
     filter_margin: float = 4.0  # rank m + margin * sqrt(m), m = topk x samples / keys
-    # prefill chunks (``indexer_topk_prefill``): where > 0 on a GPU, chunks of at most this
-    # many queries in two key buffers, each chunk's select on a side stream while the next
-    # chunk's logits run; 0: one stream, chunks as large as the logits budget allows
-    select_overlap_rows: int = 0
 
     def ws_launch_options(self) -> dict:
         """The warp-specialised logits' ``launch`` keywords these tiles give (the quad sums
@@ -346,9 +342,7 @@ def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_loc
     """Tiled ``indexer_topk_prefill`` (contract in ``reference/indexer.py``); scores float32.
 
     max_keys: the widest key_len (from the plan; default ``max(key_len)``, which syncs).
-    Queries run in chunks whose int32 keys fit ``logits_budget_bytes`` (``prefill_chunks``:
-    with ``tiles.select_overlap_rows`` two buffers share it, each chunk's select on a side
-    stream while the next chunk's logits run).
+    Queries run in chunks whose int32 keys fit ``logits_budget_bytes``.
     """
     tiles = tiles or IndexerTiles()
     T = q.shape[0]
@@ -370,51 +364,16 @@ def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_loc
     if not gpu:
         kp = kp.view(torch.uint8)  # the interpreter takes no fp8 tensor: bytes, cast in-kernel
     key_len, region_pcu = key_len.contiguous(), region_pcu.contiguous()
-    step, buffers = prefill_chunks(T, L, logits_budget_bytes, tiles)
-    keys = [_keys_buffer(min(step, T), L, q.device) for _ in range(buffers)]
-    side = _side_stream(q.device) if gpu and buffers > 1 else None
-    main = torch.cuda.current_stream(q.device) if side is not None else None
-    freed = [None] * buffers  # the event after the select that last read each buffer
+    step = max(1, logits_budget_bytes // (4 * L))
+    keys = _keys_buffer(min(step, T), L, q.device)
     # the last chunk first: a causal prefill's later queries have the most keys, so the
     # longest launches are queued first and the host runs ahead of the device sooner
-    for j, t0 in enumerate(reversed(range(0, T, step))):
+    for t0 in reversed(range(0, T, step)):
         t1 = min(T, t0 + step)
-        b = j % buffers
-        chunk = keys[b][: t1 - t0]
-        if freed[b] is not None:  # the buffer's last select done before the logits overwrite it
-            main.wait_event(freed[b])
-        prefill_logits(q8[t0:t1], w8[t0:t1], kp, ks, chunk, L, key_len[t0:t1],
+        prefill_logits(q8[t0:t1], w8[t0:t1], kp, ks, keys[: t1 - t0], L, key_len[t0:t1],
                        region_pcu[t0:t1], padded_local_total, dcp_size, interleave, tiles)
-        if side is None:
-            _select(chunk, key_len[t0:t1], topk, top_s[t0:t1], top_i[t0:t1], tiles)
-            continue
-        side.wait_stream(main)  # the chunk's keys written
-        with torch.cuda.stream(side):
-            _select(chunk, key_len[t0:t1], topk, top_s[t0:t1], top_i[t0:t1], tiles)
-        freed[b] = torch.cuda.Event()
-        freed[b].record(side)
-    if side is not None:
-        main.wait_stream(side)  # every select done before the caller's stream reads the results
+        _select(keys[: t1 - t0], key_len[t0:t1], topk, top_s[t0:t1], top_i[t0:t1], tiles)
     return top_s, top_i
-
-
-def prefill_chunks(T: int, L: int, budget_bytes: int, tiles: IndexerTiles) -> tuple[int, int]:
-    """(queries a chunk, key buffers) of a prefill of T queries over at most L keys: one
-    buffer of as many queries as ``budget_bytes`` of int32 keys holds; or, with
-    ``tiles.select_overlap_rows`` and more than one chunk, two buffers within the same budget,
-    chunks of at most that many queries (the selects overlapped with the next logits)."""
-    step = max(1, budget_bytes // (4 * max(L, 1)))
-    if tiles.select_overlap_rows > 0:
-        half = max(1, min(step // 2, tiles.select_overlap_rows))
-        if T > half:
-            return half, 2
-    return step, 1
-
-
-@functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream a device's overlapped prefill selects run on (one a device and process)."""
-    return torch.cuda.Stream(device)
 
 
 def indexer_topk_decode(q, weights, k_cache, local_len, block_table, block_size: int,
