@@ -160,6 +160,27 @@ def test_row_topk_one_pass_on_the_host(kind, path):
     assert took == [0, 2 if path == 1 else 0, 2 if path == 2 else 0]
 
 
+ONE_PASS_VARIANTS = [v for v, d in row_topk.VARIANTS.items()
+                     if any(x.startswith(("CPPLAN_ROW_TOPK_FOUR_LOADS", "CPPLAN_ROW_TOPK_PREFETCH",
+                                          "CPPLAN_ROW_TOPK_SAMPLE_LINES")) for x in d)]
+
+
+@needs_cxx
+@pytest.mark.parametrize("kind", ["normal", "ties"])
+@pytest.mark.parametrize("variant", ONE_PASS_VARIANTS)
+def test_row_topk_one_pass_variants_on_the_host(variant, kind):
+    """The one pass's bench variants (four loads a thread, prefetches, a smaller sample) in
+    their build (512 threads, cap 4096): rows wider than 16384 keys, the last loads of each
+    past the row's end, equal to the reference; continuous scores take the one pass in every
+    row (``row_topk.host_paths``)."""
+    defines = row_topk.VARIANTS[variant]
+    keys, lens, want = _case(kind, 3, 20000, 2048, 6, dev="cpu", lens=[20000, 17001, 18433])
+    before = row_topk.host_paths(512, defines)
+    _check(_run(keys, lens, 2048, host=(512, 4096), defines=defines), want)
+    took = [a - b for a, b in zip(row_topk.host_paths(512, defines), before)]
+    assert sum(took) == 3 and (kind != "normal" or took[1] == 3), took
+
+
 @needs_cxx
 @pytest.mark.parametrize("build", ["long", "short"])
 @pytest.mark.parametrize("kind,bucketed", [("normal", 3), ("narrow", 3), ("spread", 2),

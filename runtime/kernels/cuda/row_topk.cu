@@ -47,7 +47,9 @@
 // CPPLAN_ROW_TOPK_SMEM_SORT (every network stage in shared memory), _MERGE_SORT with or
 // without _MERGE_FROM (the merge sort in the 1024-thread build; from a thread's own in the
 // 512-thread one), _BALLOT_APPEND (step 3's form before), _TWO_PASS (no step 0), _ONE_LOAD
-// (step 0's pass with one load in flight a thread, the form before), _NO_BUCKET_SORT (step 5
+// (step 0's pass with one load in flight a thread, the form before), _FOUR_LOADS (four),
+// _PREFETCH=D (its lines D iterations ahead asked of L2 first), _SAMPLE_LINES (the sample's
+// lines at most; 128), _NO_BUCKET_SORT (step 5
 // without buckets, the form before), _BUCKET_BY_KEY (buckets by the key's bits also across
 // signs), _BUCKET_MAX, _PROBE_NO_SORT (the result left unordered: a timing probe).
 
@@ -92,7 +94,10 @@ static_assert(kCap < 65536, "step 3 counts a bin's candidates in 16 bits");
 // The one pass's sample of a row wider than cap: up to kChunks lines of kChunk keys spread
 // evenly over it, at most one key in kSampleRate (sample_threshold).
 constexpr int kChunk = 32;       // keys a sampled chunk: one 128-byte line
-constexpr int kChunks = 128;     // chunks a sample at most: 4096 keys, 16 KB
+#ifndef CPPLAN_ROW_TOPK_SAMPLE_LINES
+#define CPPLAN_ROW_TOPK_SAMPLE_LINES 128
+#endif
+constexpr int kChunks = CPPLAN_ROW_TOPK_SAMPLE_LINES;  // chunks a sample at most (128: 4096 keys, 16 KB)
 constexpr int kSampleRate = 8;
 #ifndef CPPLAN_ROW_TOPK_ONE_PASS_FROM
 #define CPPLAN_ROW_TOPK_ONE_PASS_FROM 16384
@@ -390,6 +395,15 @@ struct Loads<1> {
 };
 
 __device__ __forceinline__ uint32_t ukey(int32_t k) { return static_cast<uint32_t>(k) ^ 0x80000000u; }
+
+// Asks L2 for the 128-byte line at p (no register holds it; the host build: nothing).
+__device__ __forceinline__ void prefetch_l2(const int32_t* p) {
+#ifndef CPPLAN_HOST_EMULATION
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#else
+  (void)p;
+#endif
+}
 
 __device__ __forceinline__ uint64_t composite(uint32_t u, int c) {
   return (static_cast<uint64_t>(u) << 32) | (0xffffffffu - static_cast<uint32_t>(c));
@@ -807,10 +821,36 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
       Loads<VEC>::at(p, c, n, a);
       warp_append_from(cand, cap, sh, a, c, t, umax);
     }
+#elif defined(CPPLAN_ROW_TOPK_FOUR_LOADS)  // a variant: four loads in flight a thread
+    for (int c0 = 0; c0 < n; c0 += 4 * kTile) {
+      int32_t a[VEC], b[VEC], d[VEC], e[VEC];
+      const int c = c0 + tid * VEC;
+      Loads<VEC>::at(p, c, n, a);
+      Loads<VEC>::at(p, c + kTile, n, b);
+      Loads<VEC>::at(p, c + 2 * kTile, n, d);
+      Loads<VEC>::at(p, c + 3 * kTile, n, e);
+      if constexpr (VEC == 1 || kBlock > 512) {
+        warp_append_from(cand, cap, sh, a, c, t, umax);
+        warp_append_from(cand, cap, sh, b, c + kTile, t, umax);
+        warp_append_from(cand, cap, sh, d, c + 2 * kTile, t, umax);
+        warp_append_from(cand, cap, sh, e, c + 3 * kTile, t, umax);
+      } else {
+        warp_append_from2(cand, cap, sh, a, c, b, c + kTile, t, umax);
+        warp_append_from2(cand, cap, sh, d, c + 2 * kTile, e, c + 3 * kTile, t, umax);
+      }
+    }
 #else
     for (int c0 = 0; c0 < n; c0 += 2 * kTile) {  // two loads in flight a thread
       int32_t a[VEC], b[VEC];
       const int c = c0 + tid * VEC;
+#if defined(CPPLAN_ROW_TOPK_PREFETCH)  // a variant: the lines this many iterations ahead asked
+      // of L2 first, by one lane a line (the loads then wait on L2, not DRAM)
+      if (VEC == 4 && (tid & 7) == 0) {
+        const int ahead = c + 2 * kTile * CPPLAN_ROW_TOPK_PREFETCH;
+        if (ahead < n) prefetch_l2(p + ahead);
+        if (ahead + kTile < n) prefetch_l2(p + ahead + kTile);
+      }
+#endif
       Loads<VEC>::at(p, c, n, a);
       Loads<VEC>::at(p, c + kTile, n, b);
       // both loads' keys in one append (warp_append_from2), but with one key a load two

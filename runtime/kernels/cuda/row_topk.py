@@ -95,6 +95,17 @@ VARIANTS = {
                                                           "CPPLAN_ROW_TOPK_RANK_MAX=256"),
     "no bin ranked (10-bit levels to the end), the short rows' build": (
         *SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_RANK_MAX=0"),
+    # the one pass's loads and sample (not yet timed on a GPU: bench/RESULTS.md, "after step
+    # 4's change"; nvcc 13.0's sm_90 build spills 92 bytes with four loads a thread, 8 with
+    # the others as with the default; fewer than 64 lines leave step 5 too little room)
+    "one pass with four loads in flight, the short rows' build": (
+        *SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_FOUR_LOADS"),
+    "one pass prefetching to L2 an iteration ahead, the short rows' build": (
+        *SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_PREFETCH=1"),
+    "one pass prefetching to L2 two iterations ahead, the short rows' build": (
+        *SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_PREFETCH=2"),
+    "a sample of at most 64 lines, the short rows' build": (
+        *SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_SAMPLE_LINES=64"),
 }
 
 
