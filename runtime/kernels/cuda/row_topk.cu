@@ -97,7 +97,8 @@ constexpr int kChunk = 32;       // keys a sampled chunk: one 128-byte line
 #ifndef CPPLAN_ROW_TOPK_SAMPLE_LINES
 #define CPPLAN_ROW_TOPK_SAMPLE_LINES 128
 #endif
-constexpr int kChunks = CPPLAN_ROW_TOPK_SAMPLE_LINES;  // chunks a sample at most (128: 4096 keys, 16 KB)
+// chunks a sample at most (128: 4096 keys, 16 KB)
+constexpr int kChunks = CPPLAN_ROW_TOPK_SAMPLE_LINES;
 constexpr int kSampleRate = 8;
 #ifndef CPPLAN_ROW_TOPK_ONE_PASS_FROM
 #define CPPLAN_ROW_TOPK_ONE_PASS_FROM 16384
