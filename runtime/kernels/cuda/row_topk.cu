@@ -100,6 +100,19 @@ constexpr int kChunk = 32;       // keys a sampled chunk: one 128-byte line
 // chunks a sample at most (128: 4096 keys, 16 KB)
 constexpr int kChunks = CPPLAN_ROW_TOPK_SAMPLE_LINES;
 constexpr int kSampleRate = 8;
+// The one pass's loads in flight a thread (a variant each: one, the form before; four) and
+// how many of its iterations ahead it asks L2 for their lines (0: none; a variant).
+#if defined(CPPLAN_ROW_TOPK_ONE_LOAD)
+constexpr int kLoads = 1;
+#elif defined(CPPLAN_ROW_TOPK_FOUR_LOADS)
+constexpr int kLoads = 4;
+#else
+constexpr int kLoads = 2;
+#endif
+#ifndef CPPLAN_ROW_TOPK_PREFETCH
+#define CPPLAN_ROW_TOPK_PREFETCH 0
+#endif
+constexpr int kPrefetch = CPPLAN_ROW_TOPK_PREFETCH;
 #ifndef CPPLAN_ROW_TOPK_ONE_PASS_FROM
 #define CPPLAN_ROW_TOPK_ONE_PASS_FROM 16384
 #endif
@@ -815,56 +828,35 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
     const uint32_t t = sample_threshold<VEC>(p, n, K, sample, first, hist, sh);
     __syncthreads();
     uint32_t umax = 0u;
-#if defined(CPPLAN_ROW_TOPK_ONE_LOAD)  // a variant: one load in flight a thread (the form before)
-    for (int c0 = 0; c0 < n; c0 += kTile) {
-      int32_t a[VEC];
+    for (int c0 = 0; c0 < n; c0 += kLoads * kTile) {  // kLoads loads in flight a thread
       const int c = c0 + tid * VEC;
-      Loads<VEC>::at(p, c, n, a);
-      warp_append_from(cand, cap, sh, a, c, t, umax);
-    }
-#elif defined(CPPLAN_ROW_TOPK_FOUR_LOADS)  // a variant: four loads in flight a thread
-    for (int c0 = 0; c0 < n; c0 += 4 * kTile) {
-      int32_t a[VEC], b[VEC], d[VEC], e[VEC];
-      const int c = c0 + tid * VEC;
-      Loads<VEC>::at(p, c, n, a);
-      Loads<VEC>::at(p, c + kTile, n, b);
-      Loads<VEC>::at(p, c + 2 * kTile, n, d);
-      Loads<VEC>::at(p, c + 3 * kTile, n, e);
-      if constexpr (VEC == 1 || kBlock > 512) {
-        warp_append_from(cand, cap, sh, a, c, t, umax);
-        warp_append_from(cand, cap, sh, b, c + kTile, t, umax);
-        warp_append_from(cand, cap, sh, d, c + 2 * kTile, t, umax);
-        warp_append_from(cand, cap, sh, e, c + 3 * kTile, t, umax);
-      } else {
-        warp_append_from2(cand, cap, sh, a, c, b, c + kTile, t, umax);
-        warp_append_from2(cand, cap, sh, d, c + 2 * kTile, e, c + 3 * kTile, t, umax);
+      if constexpr (kPrefetch > 0 && VEC == 4) {  // a variant: the lines kPrefetch iterations
+        // ahead asked of L2 first, one lane a line (the loads then wait on L2, not DRAM)
+        if ((tid & 7) == 0) {
+#pragma unroll
+          for (int j = 0; j < kLoads; ++j) {
+            const int at = c + (kPrefetch * kLoads + j) * kTile;
+            if (at < n) prefetch_l2(p + at);
+          }
+        }
       }
-    }
-#else
-    for (int c0 = 0; c0 < n; c0 += 2 * kTile) {  // two loads in flight a thread
-      int32_t a[VEC], b[VEC];
-      const int c = c0 + tid * VEC;
-#if defined(CPPLAN_ROW_TOPK_PREFETCH)  // a variant: the lines this many iterations ahead asked
-      // of L2 first, by one lane a line (the loads then wait on L2, not DRAM)
-      if (VEC == 4 && (tid & 7) == 0) {
-        const int ahead = c + 2 * kTile * CPPLAN_ROW_TOPK_PREFETCH;
-        if (ahead < n) prefetch_l2(p + ahead);
-        if (ahead + kTile < n) prefetch_l2(p + ahead + kTile);
-      }
-#endif
-      Loads<VEC>::at(p, c, n, a);
-      Loads<VEC>::at(p, c + kTile, n, b);
-      // both loads' keys in one append (warp_append_from2), but with one key a load two
+      int32_t v[kLoads][VEC];
+#pragma unroll
+      for (int j = 0; j < kLoads; ++j) Loads<VEC>::at(p, c + j * kTile, n, v[j]);
+      // two loads' keys in one append (warp_append_from2), but with one key a load two
       // appends are fewer instructions, and in the 1024-thread build ptxas then spills 20
       // bytes (4 before) and lengthens other loops (nvcc 13.0 sm_90 SASS)
-      if constexpr (VEC == 1 || kBlock > 512) {
-        warp_append_from(cand, cap, sh, a, c, t, umax);
-        warp_append_from(cand, cap, sh, b, c + kTile, t, umax);
+      if constexpr (kLoads == 1 || VEC == 1 || kBlock > 512) {
+#pragma unroll
+        for (int j = 0; j < kLoads; ++j)
+          warp_append_from(cand, cap, sh, v[j], c + j * kTile, t, umax);
       } else {
-        warp_append_from2(cand, cap, sh, a, c, b, c + kTile, t, umax);
+#pragma unroll
+        for (int j = 0; j < kLoads; j += 2)
+          warp_append_from2(cand, cap, sh, v[j], c + j * kTile, v[j + 1], c + (j + 1) * kTile, t,
+                            umax);
       }
     }
-#endif
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) umax = max(umax, __shfl_xor_sync(0xffffffffu, umax, o));
     if ((tid & 31) == 0) atomicMax(&sh.umax, umax);
