@@ -48,10 +48,11 @@
 // without _MERGE_FROM (the merge sort in the 1024-thread build; from a thread's own in the
 // 512-thread one), _BALLOT_APPEND (step 3's form before), _TWO_PASS (no step 0), _ONE_LOAD
 // (step 0's pass with one load in flight a thread, the form before), _FOUR_LOADS (four),
-// _PREFETCH=D (its lines D iterations ahead asked of L2 first), _SAMPLE_LINES (the sample's
-// lines at most; 128), _NO_BUCKET_SORT (step 5
-// without buckets, the form before), _BUCKET_BY_KEY (buckets by the key's bits also across
-// signs), _BUCKET_MAX, _PROBE_NO_SORT (the result left unordered: a timing probe).
+// _PREFETCH=D (its lines D iterations ahead asked of L2 first; 1, 0: none), _SAMPLE_LINES (the
+// sample's lines at most; 128), _SAMPLE_RATE (one key in how many sampled; 16), _SAMPLE_SIGMAS
+// (its margin; 3), _NO_BUCKET_SORT (step 5 without buckets, the form before), _BUCKET_BY_KEY
+// (buckets by the key's bits also across signs), _BUCKET_MAX, _PROBE_NO_SORT (the result left
+// unordered: a timing probe).
 
 #include <cstdint>
 
@@ -92,16 +93,28 @@ constexpr int kMinBlocks = 2048 / kBlock < 16 ? 2048 / kBlock : 16;  // CTAs an 
 constexpr int kCap = CPPLAN_ROW_TOPK_CAP;  // the launcher's `cap` (cpplan_row_topk_cap)
 static_assert(kCap < 65536, "step 3 counts a bin's candidates in 16 bits");
 // The one pass's sample of a row wider than cap: up to kChunks lines of kChunk keys spread
-// evenly over it, at most one key in kSampleRate (sample_threshold).
+// evenly over it, at most one key in kSampleRate (sample_threshold): 64 lines at 32768 keys,
+// 128 at 65536 (one key in 8 before: 128 lines at both, measured 1-4% slower at 32768 keys and
+// as fast at 65536; at most 64 lines: 7-8% slower at 65536; bench/RESULTS.md).
 constexpr int kChunk = 32;       // keys a sampled chunk: one 128-byte line
 #ifndef CPPLAN_ROW_TOPK_SAMPLE_LINES
 #define CPPLAN_ROW_TOPK_SAMPLE_LINES 128
 #endif
 // chunks a sample at most (128: 4096 keys, 16 KB)
 constexpr int kChunks = CPPLAN_ROW_TOPK_SAMPLE_LINES;
-constexpr int kSampleRate = 8;
+#ifndef CPPLAN_ROW_TOPK_SAMPLE_RATE
+#define CPPLAN_ROW_TOPK_SAMPLE_RATE 16
+#endif
+constexpr int kSampleRate = CPPLAN_ROW_TOPK_SAMPLE_RATE;
+#ifndef CPPLAN_ROW_TOPK_SAMPLE_SIGMAS
+#define CPPLAN_ROW_TOPK_SAMPLE_SIGMAS 3
+#endif
+// The sample's margin past the expected rank of the row's K-th key, in standard deviations
+// (4 before: 2% slower at 32768 and 65536 keys; 2: 5% slower at 65536; bench/RESULTS.md).
+constexpr float kSampleSigmas = CPPLAN_ROW_TOPK_SAMPLE_SIGMAS;
 // The one pass's loads in flight a thread (a variant each: one, the form before; four) and
-// how many of its iterations ahead it asks L2 for their lines (0: none; a variant).
+// how many of its iterations ahead it asks L2 for their lines (0: none, the form before; 1
+// measured 1-3% faster at 65536 keys, within 1% at 32768; 2 no faster; bench/RESULTS.md).
 #if defined(CPPLAN_ROW_TOPK_ONE_LOAD)
 constexpr int kLoads = 1;
 #elif defined(CPPLAN_ROW_TOPK_FOUR_LOADS)
@@ -110,7 +123,7 @@ constexpr int kLoads = 4;
 constexpr int kLoads = 2;
 #endif
 #ifndef CPPLAN_ROW_TOPK_PREFETCH
-#define CPPLAN_ROW_TOPK_PREFETCH 0
+#define CPPLAN_ROW_TOPK_PREFETCH 1
 #endif
 constexpr int kPrefetch = CPPLAN_ROW_TOPK_PREFETCH;
 #ifndef CPPLAN_ROW_TOPK_ONE_PASS_FROM
@@ -507,10 +520,10 @@ __device__ __forceinline__ bool in_prefix(uint64_t v, uint64_t prefix, int bits)
 // of it: kChunk-key lines spread evenly (n / (kSampleRate kChunk) of them, at most kChunks),
 // their unsigned keys in `sample`, then the sample's `want`-th largest key's 22-bit prefix (a
 // 12-bit histogram over `first`, a 10-bit one of its bin over `hist`), `want` the sample's
-// expected count above the row's K-th key plus four standard deviations and 8. So the keys at
-// or above t number K to about K (1 + 4 / sqrt(want)) + 8 n / S, mostly; where they do not
-// the caller falls back to the two passes. 1 (every live key) where the sample is too small.
-// The whole CTA calls it; every thread gets t.
+// expected count above the row's K-th key plus kSampleSigmas (3) standard deviations and 8.
+// So the keys at or above t number K to about K (1 + 3 / sqrt(want)) + 8 n / S, mostly; where
+// they do not the caller falls back to the two passes. 1 (every live key) where the sample is
+// too small. The whole CTA calls it; every thread gets t.
 template <int VEC>
 __device__ uint32_t sample_threshold(const int32_t* p, int n, int K, uint32_t* sample,
                                      uint32_t* first, uint32_t* hist, Shared& sh) {
@@ -535,7 +548,7 @@ __device__ uint32_t sample_threshold(const int32_t* p, int n, int K, uint32_t* s
   }
   __syncthreads();
   const float expect = static_cast<float>(K) * static_cast<float>(S) / static_cast<float>(n);
-  const int want = min(S, static_cast<int>(ceilf(expect + 4.0f * sqrtf(expect))) + 8);
+  const int want = min(S, static_cast<int>(ceilf(expect + kSampleSigmas * sqrtf(expect))) + 8);
   int live;
   find_bin(first, kBins, want, sh, live);
   if (live < want) return 1u;  // (uniform: `live` is the block's sum)
@@ -830,8 +843,8 @@ row_topk_kernel(const int32_t* __restrict__ keys, int64_t stride_k,
     uint32_t umax = 0u;
     for (int c0 = 0; c0 < n; c0 += kLoads * kTile) {  // kLoads loads in flight a thread
       const int c = c0 + tid * VEC;
-      if constexpr (kPrefetch > 0 && VEC == 4) {  // a variant: the lines kPrefetch iterations
-        // ahead asked of L2 first, one lane a line (the loads then wait on L2, not DRAM)
+      if constexpr (kPrefetch > 0 && VEC == 4) {  // the lines kPrefetch iterations ahead
+        // asked of L2 first, one lane a line (the loads then wait on L2, not DRAM)
         if ((tid & 7) == 0) {
 #pragma unroll
           for (int j = 0; j < kLoads; ++j) {

@@ -13,10 +13,11 @@ shuffles), or in the short rows' build by each warp's runs of 128 by the network
 of merges along each thread's merge path.
 About two reads of the row's keys (the second mostly from L2) against the Triton filter path's
 threshold, counting, gathering, trim, run sorts and ranks (bench/RESULTS.md). Rows wider than
-16384 keys read once: a sample of the row (up to 4096 keys, whole 128-byte lines) sets a
-threshold expected to keep K to about 1.3 K keys, one pass gathers those at or above it (two
-loads in flight a thread), and the refinement runs over them (where they are too many or too
-few, the two passes after it): 20% faster at 65536 keys a row.
+16384 keys read once: a sample of the row (one key in 16, up to 4096 keys, whole 128-byte
+lines) sets a threshold expected to keep K to about 1.3 K keys, one pass gathers those at or
+above it (two loads in flight a thread, the lines of the next iteration asked of L2), and the
+refinement runs over them (where they are too many or too few, the two passes after it): 20%
+faster at 65536 keys a row.
 
 ``indexer_select._select`` calls ``select`` for at least ``IndexerTiles.cuda_select_rows``
 rows of ``topk <= MAX_TOPK`` where ``unavailable_reason`` is None, with the build
@@ -95,17 +96,21 @@ VARIANTS = {
                                                           "CPPLAN_ROW_TOPK_RANK_MAX=256"),
     "no bin ranked (10-bit levels to the end), the short rows' build": (
         *SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_RANK_MAX=0"),
-    # the one pass's loads and sample (not yet timed on a GPU: bench/RESULTS.md, "after step
-    # 4's change"; nvcc 13.0's sm_90 build spills 92 bytes with four loads a thread, 8 with
-    # the others as with the default; fewer than 64 lines leave step 5 too little room)
+    # the one pass's loads, prefetch and sample (bench/RESULTS.md, thirty-third session; nvcc
+    # 13.0's sm_90 build spills 92 bytes with four loads a thread)
     "one pass with four loads in flight, the short rows' build": (
         *SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_FOUR_LOADS"),
-    "one pass prefetching to L2 an iteration ahead, the short rows' build": (
-        *SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_PREFETCH=1"),
     "one pass prefetching to L2 two iterations ahead, the short rows' build": (
         *SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_PREFETCH=2"),
-    "a sample of at most 64 lines, the short rows' build": (
-        *SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_SAMPLE_LINES=64"),
+    "one pass without an L2 prefetch, the short rows' build": (
+        *SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_PREFETCH=0"),
+    "a sample of one key in 8, the short rows' build": (
+        *SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_SAMPLE_RATE=8"),
+    "one pass as before (one key in 8 sampled, a margin of 4, no prefetch), the short rows' "
+    "build": (*SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_SAMPLE_RATE=8", "CPPLAN_ROW_TOPK_SAMPLE_SIGMAS=4",
+              "CPPLAN_ROW_TOPK_PREFETCH=0"),
+    "a sample's margin of 4 standard deviations (the form before), the short rows' build": (
+        *SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_SAMPLE_SIGMAS=4"),
 }
 
 
