@@ -132,11 +132,13 @@ def test_row_topk_on_the_host_equals_reference(kind, shape, one_pass):
 
 
 @needs_cxx
-@pytest.mark.parametrize("variant", ["default", *(v for v, d in row_topk.VARIANTS.items()
-                                                  if d and v not in ONE_PASS_VARIANTS)])
+@pytest.mark.parametrize("variant", ["default", *(
+    v for v, d in row_topk.VARIANTS.items()
+    if d and v not in ONE_PASS_VARIANTS and "CPPLAN_ROW_TOPK_RANK_PAIRS" not in d)])
 def test_row_topk_on_the_host_in_the_gpu_shape(variant):
     """1024 threads, cap 8192, K 2048 (the sort's register form), and each bench variant but
-    the one pass's (its rows are narrower; the no-sort probe: the same set of results,
+    the one pass's (its rows are narrower) and the bucket rank's (normal scores:
+    test_row_topk_rank_pairs_on_the_host; the no-sort probe: the same set of results,
     unordered)."""
     defines = row_topk.VARIANTS.get(variant, ())
     # full rows before rows of fewer live keys than K (pads in the sort, stale candidates of
@@ -203,6 +205,24 @@ def test_row_topk_sorts_on_the_host(kind, bucketed, build):
     _check(_run(keys, lens, 2048, host=(block, cap), defines=defines), want)
     took = [a - b for a, b in zip(row_topk.host_sorts(block, defines), before)]
     assert took == [bucketed, 3 - bucketed]
+
+
+@needs_cxx
+@pytest.mark.parametrize("build", ["long", "short"])
+@pytest.mark.parametrize("topk", [2048, 1])
+def test_row_topk_rank_pairs_on_the_host(build, topk):
+    """The bench variant that ranks a composite within its bucket from pairs of composites
+    (16-byte loads from the boundary at or below the bucket's first): rows of normal scores
+    sorted by buckets, equal to the reference; at K 1 the buckets' buffer lies one composite
+    off a 16-byte boundary."""
+    block, cap, defines = (1024, row_topk.CAP, ()) if build == "long" else \
+        (512, 4096, row_topk.SHORT_ROWS_MERGE)
+    defines = (*defines, "CPPLAN_ROW_TOPK_RANK_PAIRS")
+    keys, lens, want = _case("normal", 3, 6000, topk, 6, dev="cpu", lens=[6000, 5999, 3000])
+    before = row_topk.host_sorts(block, defines)
+    _check(_run(keys, lens, topk, host=(block, cap), defines=defines), want)
+    took = [a - b for a, b in zip(row_topk.host_sorts(block, defines), before)]
+    assert took == [3, 0]
 
 
 def _two_ties(L: int, g) -> torch.Tensor:

@@ -27,6 +27,9 @@
 struct int4 {
   int x, y, z, w;
 };
+struct alignas(16) ulonglong2 {
+  unsigned long long x, y;
+};
 
 namespace emu {
 

@@ -51,7 +51,8 @@
 // _PREFETCH=D (its lines D iterations ahead asked of L2 first; 1, 0: none), _SAMPLE_LINES (the
 // sample's lines at most; 128), _SAMPLE_RATE (one key in how many sampled; 16), _SAMPLE_SIGMAS
 // (its margin; 3), _NO_BUCKET_SORT (step 5 without buckets, the form before), _BUCKET_BY_KEY
-// (buckets by the key's bits also across signs), _BUCKET_MAX, _PROBE_NO_SORT (the result left
+// (buckets by the key's bits also across signs), _BUCKET_MAX, _RANK_PAIRS (the rank within a
+// bucket from two composites a shared load), _PROBE_NO_SORT (the result left
 // unordered: a timing probe).
 
 #include <cstdint>
@@ -766,7 +767,18 @@ __device__ bool bucket_sort(const uint64_t* sel, int m, int nb, uint32_t* count,
       const int b = bucket_of(x), first = static_cast<int>(count[b]);
       const int end = b + 1 < nb ? static_cast<int>(count[b + 1]) : m;
       int rank = 0;
+#if defined(CPPLAN_ROW_TOPK_RANK_PAIRS)  // a variant: two composites a 16-byte shared load
+      // (pairs at 16-byte boundaries: buf is 8-byte aligned, off by one composite where KS
+      // is 1; members outside [first, end) not counted: buf[first - 1] and buf[end] lie
+      // inside cand's area, m <= kSortMaxKS)
+      const int skew = static_cast<int>(reinterpret_cast<uintptr_t>(buf) >> 3) & 1;
+      for (int i = first - ((first + skew) & 1); i < end; i += 2) {
+        const ulonglong2 two = *reinterpret_cast<const ulonglong2*>(buf + i);
+        rank += (i >= first && two.x > x ? 1 : 0) + (i + 1 < end && two.y > x ? 1 : 0);
+      }
+#else
       for (int i = first; i < end; ++i) rank += buf[i] > x;
+#endif
       emit(first + rank, x);
     }
   }

@@ -111,6 +111,11 @@ VARIANTS = {
               "CPPLAN_ROW_TOPK_PREFETCH=0"),
     "a sample's margin of 4 standard deviations (the form before), the short rows' build": (
         *SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_SAMPLE_SIGMAS=4"),
+    # (not yet timed: bench/RESULTS.md, thirty-third session)
+    "the rank within a bucket from pairs of composites, the short rows' build": (
+        *SHORT_ROWS_MERGE, "CPPLAN_ROW_TOPK_RANK_PAIRS"),
+    "the rank within a bucket from pairs of composites, 1024 threads": (
+        "CPPLAN_ROW_TOPK_RANK_PAIRS",),
 }
 
 
