@@ -90,8 +90,7 @@ KINDS = ["ties", "equal", "signs", "spread", "narrow"]
 ONE_PASS_VARIANTS = [v for v, d in row_topk.VARIANTS.items()
                      if len(d) == len(row_topk.SHORT_ROWS_MERGE) + 1 and d[-1].startswith((
                          "CPPLAN_ROW_TOPK_FOUR_LOADS", "CPPLAN_ROW_TOPK_PREFETCH",
-                         "CPPLAN_ROW_TOPK_SAMPLE_LINES", "CPPLAN_ROW_TOPK_SAMPLE_RATE",
-                         "CPPLAN_ROW_TOPK_SAMPLE_SIGMAS"))]
+                         "CPPLAN_ROW_TOPK_SAMPLE_RATE", "CPPLAN_ROW_TOPK_SAMPLE_SIGMAS"))]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -175,10 +174,10 @@ def test_row_topk_one_pass_on_the_host(kind, path):
 @pytest.mark.parametrize("kind", ["normal", "ties"])
 @pytest.mark.parametrize("variant", ONE_PASS_VARIANTS)
 def test_row_topk_one_pass_variants_on_the_host(variant, kind):
-    """The one pass's bench variants (four loads a thread, prefetches, a smaller sample) in
-    their build (512 threads, cap 4096): rows wider than 16384 keys, the last loads of each
-    past the row's end, equal to the reference; continuous scores take the one pass in every
-    row (``row_topk.host_paths``)."""
+    """The one pass's bench variants (four loads a thread, prefetches, the sample's rate and
+    margin) in their build (512 threads, cap 4096): rows wider than 16384 keys, the last loads
+    of each past the row's end, equal to the reference; continuous scores take the one pass in
+    every row (``row_topk.host_paths``)."""
     defines = row_topk.VARIANTS[variant]
     keys, lens, want = _case(kind, 3, 20000, 2048, 6, dev="cpu", lens=[20000, 17001, 18433])
     before = row_topk.host_paths(512, defines)
@@ -388,7 +387,8 @@ def test_build_compiles_and_caches(tmp_path):
     so.cpplan_row_topk_smem.restype = ctypes.c_size_t
     so.cpplan_row_topk_smem.argtypes = [ctypes.c_int, ctypes.c_int]
     # the result's and the candidates' composites, the 10-bit histogram (step 1's 12-bit one
-    # and the one pass's sample, up to 4096 keys, lie over the candidates: 4096 composites at least)
+    # and the one pass's sample, up to 4096 keys, lie over the candidates: 4096 composites at
+    # least)
     assert so.cpplan_row_topk_smem(4096, 8192) == (4096 + 8192) * 8 + 1024 * 4
     assert so.cpplan_row_topk_smem(2048, 4096) == (2048 + 4096) * 8 + 1024 * 4
     assert so.cpplan_row_topk_smem(2048, 64) == (2048 + 4096) * 8 + 1024 * 4

@@ -48,12 +48,11 @@
 // without _MERGE_FROM (the merge sort in the 1024-thread build; from a thread's own in the
 // 512-thread one), _BALLOT_APPEND (step 3's form before), _TWO_PASS (no step 0), _ONE_LOAD
 // (step 0's pass with one load in flight a thread, the form before), _FOUR_LOADS (four),
-// _PREFETCH=D (its lines D iterations ahead asked of L2 first; 1, 0: none), _SAMPLE_LINES (the
-// sample's lines at most; 128), _SAMPLE_RATE (one key in how many sampled; 16), _SAMPLE_SIGMAS
-// (its margin; 3), _NO_BUCKET_SORT (step 5 without buckets, the form before), _BUCKET_BY_KEY
-// (buckets by the key's bits also across signs), _BUCKET_MAX, _RANK_PAIRS (the rank within a
-// bucket from two composites a shared load), _PROBE_NO_SORT (the result left
-// unordered: a timing probe).
+// _PREFETCH=D (its lines D iterations ahead asked of L2 first; 1, 0: none), _SAMPLE_RATE (one
+// key in how many sampled; 16), _SAMPLE_SIGMAS (its margin; 3), _NO_BUCKET_SORT (step 5
+// without buckets, the form before), _BUCKET_BY_KEY (buckets by the key's bits also across
+// signs), _BUCKET_MAX, _RANK_PAIRS (the rank within a bucket from two composites a shared
+// load), _PROBE_NO_SORT (the result left unordered: a timing probe).
 
 #include <cstdint>
 
@@ -98,11 +97,7 @@ static_assert(kCap < 65536, "step 3 counts a bin's candidates in 16 bits");
 // 128 at 65536 (one key in 8 before: 128 lines at both, measured 1-4% slower at 32768 keys and
 // as fast at 65536; at most 64 lines: 7-8% slower at 65536; bench/RESULTS.md).
 constexpr int kChunk = 32;       // keys a sampled chunk: one 128-byte line
-#ifndef CPPLAN_ROW_TOPK_SAMPLE_LINES
-#define CPPLAN_ROW_TOPK_SAMPLE_LINES 128
-#endif
-// chunks a sample at most (128: 4096 keys, 16 KB)
-constexpr int kChunks = CPPLAN_ROW_TOPK_SAMPLE_LINES;
+constexpr int kChunks = 128;     // chunks a sample at most: 4096 keys, 16 KB
 #ifndef CPPLAN_ROW_TOPK_SAMPLE_RATE
 #define CPPLAN_ROW_TOPK_SAMPLE_RATE 16
 #endif
