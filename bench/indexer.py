@@ -440,7 +440,8 @@ def planar_logits(args, ceil, flops, sweep_tiles=False):
     valid = torch.arange(N, device="cuda")[None, :] < key_len[:, None]
     row("  quantise q (torch reference)", bench(lambda: ref.quantize_indexer_q(q, w)))
     row("  quantise q (Triton, the default)", bench(lambda: pack.quantize_indexer_q(q, w)))
-    row("  split planes (torch)", bench(lambda: it.split_planes(k)))
+    row("  split planes (two torch copies)", bench(lambda: it.split_planes(k, kernel=False)))
+    row("  split planes (one Triton launch, the default)", bench(lambda: it.split_planes(k)))
     ok = True
     chosen = PLANAR_DEFAULT_TILES or [(tiles.block_q, tiles.block_k, tiles.logits_warps,
                                        tiles.logits_stages, tiles.logits_maxnreg),

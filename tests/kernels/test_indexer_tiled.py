@@ -322,6 +322,29 @@ def test_gpu_prefill_full_shape():
 
 
 @pytest.mark.parametrize("env", ENVS)
+@pytest.mark.parametrize("R", [1, 67, 3001])
+def test_split_planes_kernel(env, R):
+    """The one-launch split of packed keys into planes equals the two planes read off the
+    packed bytes (values: bytes 0-127 as fp8; scales: bytes 128-131 as float32) for every key,
+    across the kernel's blocks (3001 keys: 99,033 words, 49 blocks, the last partial); a
+    strided view (not flat) takes the copies and gives the same."""
+    it = _it()
+    g = torch.Generator().manual_seed(R)
+    packed = ref.quantize_indexer_k(torch.randn(R, 128, generator=g) * 100).to(_dev(env))
+    vals, scales = it.split_planes(packed, kernel=True)
+    raw = packed.cpu().numpy()
+    want_vals = torch.from_numpy(raw[:, :128].copy())
+    want_scales = torch.from_numpy(raw[:, 128:].copy().view("<f4").reshape(-1))
+    assert vals.dtype == torch.float8_e4m3fn and vals.shape == (R, 128)
+    assert torch.equal(vals.cpu().view(torch.uint8), want_vals)
+    assert torch.equal(scales.cpu(), want_scales) and scales.shape == (R,)
+    wide = torch.zeros(R, 2 * 132, dtype=torch.uint8, device=packed.device)
+    wide[:, :132] = packed
+    v2, s2 = it.split_planes(wide[:, :132], kernel=True)
+    assert torch.equal(v2.cpu().view(torch.uint8), want_vals) and torch.equal(s2.cpu(), want_scales)
+
+
+@pytest.mark.parametrize("env", ENVS)
 def test_zero_queries(env):
     """No query (a rank whose step has no token of that kind): [0, topk] results from every
     backend, without max_keys (no reduction over an empty tensor)."""

@@ -51,6 +51,7 @@ from .indexer_select import (  # noqa: F401 (filter_slots re-exported: tests use
     filter_slots,
     score_keys,
 )
+from .pack_jit import split_planes_kernel
 
 LOGITS_BUDGET_BYTES = 1 << 29  # int32 keys of a prefill chunk: 4096 queries x 32k keys
 _DOT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -206,9 +207,25 @@ def decode_splits(T: int, L: int, tiles: IndexerTiles, sms: int) -> int:
     return max(1, min(triton.cdiv(L, decode_block_k(T, tiles)), per_row))
 
 
-def split_planes(k_packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def split_planes(k_packed: torch.Tensor, *, kernel: bool | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed indexer keys ``[R, 132]`` uint8 -> (fp8 values ``[R, 128]`` float8_e4m3fn, scales
-    ``[R]`` float32): the planar layout of the fp8 logits kernel (two copies, 264 B per key)."""
+    ``[R]`` float32): the planar layout of the fp8 logits kernel (264 B per key). kernel: one
+    Triton launch (``pack_jit.split_planes_kernel``; default on CUDA, for packed rows that are
+    contiguous and 4-byte aligned), else two torch copies (strided; at 32k keys on an H100,
+    18.7 us a call against the launch's 8.0, bench/RESULTS.md)."""
+    R = k_packed.shape[0]
+    flat = (k_packed.dim() == 2 and k_packed.shape[1] == INDEXER_K_BYTES
+            and k_packed.is_contiguous() and k_packed.data_ptr() % 4 == 0)
+    if (k_packed.is_cuda if kernel is None else kernel) and flat and R:
+        vals = torch.empty(R, 128, dtype=torch.uint8, device=k_packed.device)
+        scales = torch.empty(R, dtype=torch.float32, device=k_packed.device)
+        words = R * (INDEXER_K_BYTES // 4)
+        block = 2048
+        split_planes_kernel[(triton.cdiv(words, block),)](
+            k_packed.view(torch.int32), vals.view(torch.int32), scales.view(torch.int32), words,
+            BLOCK=block, num_warps=4)
+        return vals.view(torch.float8_e4m3fn), scales
     vals = k_packed[:, :128].contiguous().view(torch.float8_e4m3fn)
     return vals, k_packed[:, 128:].contiguous().view(torch.float32).reshape(-1)
 

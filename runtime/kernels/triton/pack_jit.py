@@ -122,3 +122,17 @@ def unpack_fp8_ds_mla(packed_ptr, out_ptr, n, stride_p, stride_o, BLOCK_R: tl.co
     tl.store(dst + tl.arange(0, 512)[None, :], lat.to(out_ptr.dtype.element_ty), mask=m)
     rope = tl.load((src + 528).to(tl.pointer_type(tl.bfloat16)) + tl.arange(0, 64)[None, :], mask=m, other=0.0)
     tl.store(dst + 512 + tl.arange(0, 64)[None, :], rope.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def split_planes_kernel(src, vals, scales, n_words, BLOCK: tl.constexpr):
+    """Packed indexer keys (33 int32 words a key: 32 of fp8 values, then the float32 scale's
+    bits) into the two planes, ``vals`` 32 words a key and ``scales`` one: the source read
+    flat (coalesced), each word stored to its plane."""
+    w = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = w < n_words
+    x = tl.load(src + w, mask=live)
+    r = w // 33
+    c = w - r * 33
+    tl.store(vals + r * 32 + c, x, mask=live & (c < 32))
+    tl.store(scales + r, x, mask=live & (c == 32))
