@@ -213,7 +213,7 @@ def split_planes(k_packed: torch.Tensor, *, kernel: bool | None = None
     ``[R]`` float32): the planar layout of the fp8 logits kernel (264 B per key). kernel: one
     Triton launch (``pack_jit.split_planes_kernel``; default on CUDA, for packed rows that are
     contiguous and 4-byte aligned), else two torch copies (strided; at 32k keys on an H100,
-    18.7 us a call against the launch's 8.0, bench/RESULTS.md)."""
+    10.4 us of device time against the launch's 3.3, bench/RESULTS.md)."""
     R = k_packed.shape[0]
     flat = (k_packed.dim() == 2 and k_packed.shape[1] == INDEXER_K_BYTES
             and k_packed.is_contiguous() and k_packed.data_ptr() % 4 == 0)
