@@ -186,6 +186,11 @@ def prefill_parts(args, tiles, ceil, flops, label):
                    dataclasses.replace(tiles, select_attempts=0, **SEGMENT_PATH))
 
     parts = [("planar logits", logits, flops), ("select", select, None)]
+    ws = it.ws_logits(q, 1, 1, N, tiles)
+    if ws is not None:  # the whole's logits: the query quantised in the Gluon kernel's prologue
+        parts.append(("logits, the query quantised in the kernel", lambda: ws.launch(
+            q, w, kp, ks, keys, key_len, pcu, N, 1, 1, quantise=True,
+            **tiles.ws_launch_options()), flops))
     lens32 = key_len.int()
     for name, defines in row_topk.VARIANTS.items():  # the CUDA row top-k's variants
         parts.append((f"select CUDA, {name}", lambda d=defines: row_topk.select(
@@ -690,6 +695,7 @@ def run_prefill(cases, ceil, kernels, planar_sweep=False, dg=None):
 
 # whole prefill indexers beside the default (its logits by the Gluon kernel on Hopper)
 PREFILL_WHOLE = {
+    "the query quantised in the Gluon kernel": {"ws_quantise": True},
     "Gluon logits, Triton filter path (the default before)": {"cuda_select": False},
     "Triton logits, filter path": {"logits_ws": False, "cuda_select": False},
 }

@@ -3,6 +3,7 @@
     python bench/sass.py [--bk 64] [--warps 4] [--stages 3] [--maxnreg 128] [--copies] [--bq 2]
                          [--sass FILE]
     python bench/sass.py --ws [--bq 4] [--math-warpgroups 2] [--stages 4] [--pipelined] [--split]
+                         [--scatter] [--quant]
                          [--ptx FILE]
 
 ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` with the installed Triton (install the
@@ -54,9 +55,9 @@ def compile_logits(bq: int, bk: int, warps: int, stages: int, maxnreg: int, tma:
 
 
 def compile_ws(bq: int, math_warpgroups: int, stages: int, pipelined: bool = False,
-               split: bool = False, epilogue: int = 1):
+               split: bool = False, epilogue: int = 1, quant: bool = False):
     """The compiled kernel (sm_90) of the warp-specialised Gluon logits, at the launcher's
-    register budget."""
+    register budget (quant: a bf16 query quantised in the kernel)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -66,9 +67,9 @@ def compile_ws(bq: int, math_warpgroups: int, stages: int, pipelined: bool = Fal
     layout = gl.NVMMASharedLayout.get_default_for([ws.BOX, 128], gl.float8e4nv)
     cap, regs = ws._REGISTERS[math_warpgroups]
     const = {"W": 1, "I": 1, "BQ": bq, "HP": 64, "NM": math_warpgroups, "NS": stages,
-             "MATH_REGS": regs, "EPI": epilogue, "PIPE": pipelined, "SPLIT": split,
+             "MATH_REGS": regs, "EPI": epilogue, "PIPE": pipelined, "SPLIT": split, "QUANT": quant,
              "CQP": triton.next_power_of_2(bq * (math_warpgroups if split else 1))}
-    ptrs = {**POINTERS, "q_ptr": "*fp8e4nv"}
+    ptrs = {**POINTERS, "q_ptr": "*bf16" if quant else "*fp8e4nv"}
     sig = {n: "constexpr" if n in const else f"tensordesc<fp8e4nv[{ws.BOX}, 128],{layout!r}>"
            if n == "kdesc" else ptrs.get(n, "i32") for n in fn.arg_names}
     aligned = [i for i, n in enumerate(fn.arg_names) if sig[n].startswith("*") or n == "stride_ot"]
@@ -119,6 +120,8 @@ def main(argv=None) -> int:
                     help="--ws: the math warpgroups split the CTA's queries, not its keys")
     ap.add_argument("--scatter", action="store_true",
                     help="--ws: the epilogue's quad sums scattered (EPI 2), not all-reduced")
+    ap.add_argument("--quant", action="store_true",
+                    help="--ws: the bf16 query quantised in the kernel's prologue")
     ap.add_argument("--ptx", help="write the PTX here")
     a = ap.parse_args(argv)
     if a.ws:  # its own defaults: the launcher's
@@ -126,7 +129,7 @@ def main(argv=None) -> int:
         a.stages = a.stages if "--stages" in given else 4
         a.bq = a.bq if "--bq" in given else 4
         k = compile_ws(a.bq, a.math_warpgroups, a.stages, a.pipelined, a.split,
-                       2 if a.scatter else 1)
+                       2 if a.scatter else 1, a.quant)
     else:
         k = compile_logits(a.bq, a.bk, a.warps, a.stages, a.maxnreg, not a.copies)
     with tempfile.TemporaryDirectory() as tmp:
@@ -150,7 +153,8 @@ def main(argv=None) -> int:
         nreg = sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", k.asm["ptx"])))
         print(f"ws_logits_kernel, Triton {triton.__version__}, sm_90: BQ {a.bq}, "
               f"{a.math_warpgroups} math warpgroups, {a.stages} stages"
-              f"{', pipelined' * a.pipelined}{', queries split' * a.split}; products "
+              f"{', pipelined' * a.pipelined}{', queries split' * a.split}"
+              f"{', query quantised in the kernel' * a.quant}; products "
               f"{', '.join(gmma)}; setmaxnreg {', '.join(f'{d} {r}' for d, r in nreg)}")
         # a wait for all products but one: two in flight (ptxas serialising the wgmmas leaves
         # only waits for none, one after each product)

@@ -120,6 +120,62 @@ def test_ws_logits_scatter_sums_normal_inputs():
     assert (a != b).float().mean().item() < 0.5  # most keys bit for bit
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("T,HI,PT,W,I,nreq", [
+    (257, 64, 4096, 1, 1, 1), (130, 64, 2048, 1, 1, 5), (67, 4, 1024, 1, 1, 2),
+    (96, 64, 2048, 2, 64, 3)])
+@pytest.mark.parametrize("bq,nm,split,scatter,dtype", [
+    (2, 3, True, True, torch.bfloat16), (4, 2, False, False, torch.bfloat16),
+    (2, 3, True, True, torch.float32), (2, 2, False, False, torch.float16)])
+def test_ws_logits_quantise_in_the_kernel_equals_the_quantised_launch(T, HI, PT, W, I, nreq,
+                                                                     bq, nm, split, scatter,
+                                                                     dtype):
+    """``quantise=True`` (the unquantised query and weights, quantised in each CTA's
+    prologue) writes the same int32 keys, bit for bit, as the launch given
+    ``pack.quantize_indexer_q``'s fp8 query and scaled weights, on normal draws whose heads
+    span magnitudes from 2**-30 to 2**20 (2**-8 to 2**8 in float16: scales far from 1, fp8
+    subnormals) and a zero head each;
+    nothing past a row's keys written."""
+    from cpplan.runtime.kernels.triton import indexer_tiled as it
+    from cpplan.runtime.kernels.triton import pack
+
+    ws = _gluon()
+    g = torch.Generator().manual_seed(T + HI + nm)
+    lo, hi = (-8, 8) if dtype == torch.float16 else (-30, 20)  # float16: finite, normal
+    mag = 2.0 ** torch.randint(lo, hi + 1, (T, HI, 1), generator=g)
+    mag[:, :1] = 0.0  # a zero head: the smallest scale
+    q = (torch.randn(T, HI, 128, generator=g) * mag).to(dtype).cuda()
+    w = torch.randn(T, HI, generator=g).cuda()
+    k = ref.quantize_indexer_k(torch.randn(W * PT, 128, generator=g)).cuda()
+    _, _, _, key_len, pcu = _case(T, HI, PT, W, nreq, seed=T + HI + W)
+    q8, w8 = pack.quantize_indexer_q(q, w)
+    kp, ks = it.split_planes(k)
+    opts = dict(block_q=bq, math_warpgroups=nm, split=split, scatter=scatter)
+    got = torch.full((T, PT), 0x5A5A5A5A, dtype=torch.int32, device="cuda")  # poison
+    want = torch.full_like(got, 0x5A5A5A5A)
+    ws.launch(q, w, kp, ks, got, key_len, pcu, PT, W, I, quantise=True, **opts)
+    ws.launch(q8, w8, kp, ks, want, key_len, pcu, PT, W, I, **opts)
+    valid = torch.arange(PT, device="cuda")[None, :] < key_len[:, None]
+    assert torch.equal(got[valid], want[valid])
+    assert (got[~valid] == 0x5A5A5A5A).all()
+    assert (want[valid] != 0).any()  # scores that are not all zero
+
+
+def test_ws_logits_quantise_refuses_a_quantised_query():
+    """``quantise=True`` takes the unquantised query: an fp8 one, or a strided last dim, is
+    refused with one line (before any device work)."""
+    ws = _gluon()
+    w = torch.zeros(4, 64)
+    with pytest.raises(ValueError, match=r"quantise: got q torch.float8_e4m3fn.*expected an "
+                                         r"unquantised float query"):
+        ws.launch(torch.zeros(4, 64, 128).to(torch.float8_e4m3fn), w, None, None, None, None,
+                  None, 16, 1, 1, block_q=2, math_warpgroups=3, split=True, quantise=True)
+    with pytest.raises(ValueError, match=r"strides \(1, 4, 256\)"):
+        ws.launch(torch.zeros(128, 64, 4).permute(2, 1, 0), w, None, None, None, None, None, 16,
+                  1, 1, block_q=2, math_warpgroups=3, split=True, quantise=True)
+
+
 def _check_ws(T, HI, PT, W, I, nreq, **launch):
     """The ws kernel's keys (``launch``'s knobs) equal the Triton planar kernel's and the
     float64 reference's, nothing written past a row's keys."""
@@ -151,8 +207,8 @@ def _check_ws(T, HI, PT, W, I, nreq, **launch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
 def test_prefill_indexer_takes_the_ws_logits_and_equals_the_reference():
-    """The whole prefill indexer with the Gluon logits and with the Triton logits: both equal
-    the reference bit for bit."""
+    """The whole prefill indexer with the Gluon logits (the query quantised in the kernel or
+    before it) and with the Triton logits: each equals the reference bit for bit."""
     from cpplan.runtime.kernels.triton import indexer_tiled as it
 
     T, HI, N, topk = 512, 64, 8192, 2048
@@ -163,7 +219,9 @@ def test_prefill_indexer_takes_the_ws_logits_and_equals_the_reference():
     assert it.ws_logits(q, 1, 1, N, on) is not None
     assert it.ws_logits(q, 1, 1, N - 1, on) is None and it.ws_logits(q, 2, 1, N, on) is None
     want = ref.indexer_topk_prefill(q.float(), w, k, key_len, pcu, N, 1, 1, topk, max_keys=N)
-    for tiles in (on, it.IndexerTiles(logits_ws=False)):
+    # the query quantised by its own launch (the default), in the Gluon kernel, or Triton's
+    for tiles in (on, it.IndexerTiles(ws_min_keys=N, ws_quantise=True),
+                  it.IndexerTiles(logits_ws=False)):
         s, ids = it.indexer_topk_prefill(q, w, k, key_len, pcu, N, 1, 1, topk, max_keys=N,
                                          tiles=tiles)
         assert torch.equal(ids.cpu(), want[1].cpu()) and torch.equal(s.cpu(), want[0].cpu())
@@ -240,17 +298,19 @@ def test_ws_logits_layouts_and_refusals():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bq,nm,no_spill,pipe,split,scatter", [
-    (4, 2, True, False, False, False), (2, 4, False, False, False, False),
-    (2, 2, True, True, False, False), (2, 3, True, False, True, False),
-    (2, 3, True, False, True, True)])
-def test_ws_logits_compile_for_sm90_without_spills(bq, nm, no_spill, pipe, split, scatter):
+@pytest.mark.parametrize("bq,nm,no_spill,pipe,split,scatter,quant", [
+    (4, 2, True, False, False, False, False), (2, 4, False, False, False, False, False),
+    (2, 2, True, True, False, False, False), (2, 3, True, False, True, False, False),
+    (2, 3, True, False, True, True, False), (2, 3, True, False, True, True, True)])
+def test_ws_logits_compile_for_sm90_without_spills(bq, nm, no_spill, pipe, split, scatter,
+                                                   quant):
     """``bench/sass.py --ws`` (an offline sm_90 compile with this Triton; a process without
     the interpreter): the products m64n{64 bq}k32 on fp8, the math warpgroups raised to their
     register budget and, for the default configuration, no spill in the math loop (at 4 math
     warpgroups of 112 registers Triton 3.9 leaves one reload in it, 3.6 none) and for three
     warpgroups splitting the queries. Pipelined, some waits leave a product in flight: ptxas
-    did not serialise the wgmmas."""
+    did not serialise the wgmmas. With the query quantised in the prologue (the default
+    configuration's launch), no spill anywhere in the kernel."""
     import sys
     from pathlib import Path
 
@@ -264,7 +324,8 @@ def test_ws_logits_compile_for_sm90_without_spills(bq, nm, no_spill, pipe, split
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9 warns while it is unset
     out = subprocess.run([sys.executable, str(root / "bench" / "sass.py"), "--ws", "--bq", str(bq),
                           "--math-warpgroups", str(nm), *["--pipelined"] * pipe,
-                          *["--split"] * split, *["--scatter"] * scatter],
+                          *["--split"] * split, *["--scatter"] * scatter,
+                          *["--quant"] * quant],
                          capture_output=True, text=True, env=env, cwd=root, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout
@@ -276,3 +337,5 @@ def test_ws_logits_compile_for_sm90_without_spills(bq, nm, no_spill, pipe, split
     assert loop and int(loop.group(1)) > 0, text
     if no_spill:
         assert " LDL" not in loop.group(2) and " STL" not in loop.group(2), text
+    if quant:
+        assert "query quantised in the kernel" in text and "spill instructions 0," in text, text

@@ -44,7 +44,7 @@ def _columns_fit(columns: int, math_warpgroups: int) -> bool:
 def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, block_q: int = 4,
            math_warpgroups: int = 2, stages: int = 4, pipelined: bool = False,
            split: bool = False, scatter: bool = False, last_wave_parts: int | None = None,
-           _probe: bool = False) -> None:
+           quantise: bool = False, _probe: bool = False) -> None:
     """Prefill int32 keys ``out [T, >= max lens]`` (``indexer_tiled._logits_planar``'s
     contract): q8 ``[T, HI, 128]`` float8_e4m3fn, weights ``[T, HI]`` float32 (the query's
     scales folded in), the key planes ``kp [R, 128]`` float8_e4m3fn (contiguous) and ``ks [R]``
@@ -59,7 +59,10 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
     stores one (key, query) instead of all four lanes holding four. The blocks that would make
     the grid's last, partial wave are cut into ``last_wave_parts`` CTAs each (a part of the key
     tiles each; None: the count ``last_wave_split`` picks for this device's SMs, 1: none).
-    ``_probe`` (bench only): the epilogue left out, so the time is the products' and the
+    ``quantise``: q8 is the unquantised query ``[T, HI, 128]`` (a float dtype, unit last
+    stride) and weights the raw head weights ``[T, HI]``; each CTA quantises its queries as it
+    loads them, as ``triton.pack.quantize_indexer_q`` would (the same fp8 values and weights
+    times scales, bit for bit), so no quantisation launch precedes this one. ``_probe`` (bench only): the epilogue left out, so the time is the products' and the
     pipeline's (keys not written)."""
     T, HI, _ = q8.shape
     columns = block_q * padded_heads(HI)
@@ -78,6 +81,11 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
                          f"warpgroups, {columns} columns (block_q {block_q}); expected 2 math "
                          f"warpgroups and at most {MAX_COLUMNS // 2} columns (two accumulators "
                          f"a thread)")
+    if quantise and (not q8.dtype.is_floating_point or q8.element_size() < 2
+                     or q8.stride(-1) != 1 or weights.stride(-1) != 1):
+        raise ValueError(f"warp-specialised logits, quantise: got q {q8.dtype} strides "
+                         f"{tuple(q8.stride())}, weights strides {tuple(weights.stride())}; "
+                         f"expected an unquantised float query and weights of unit last stride")
     if T == 0:
         return
     layout = gl.NVMMASharedLayout.get_default_for([BOX, 128], gl.float8e4nv)
@@ -90,7 +98,8 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
         q8, weights, kdesc, ks, out, lens, pcu, q8.stride(0), q8.stride(1), weights.stride(0),
         out.stride(0), T, HI, PT, whole, parts, W=W, I=I, BQ=block_q, HP=padded_heads(HI),
         NM=math_warpgroups, NS=stages, MATH_REGS=regs, EPI=0 if _probe else 2 if scatter else 1,
-        PIPE=pipelined, SPLIT=split, CQP=triton.next_power_of_2(cta_queries), num_warps=4, maxnreg=cap)
+        PIPE=pipelined, SPLIT=split, QUANT=quantise, CQP=triton.next_power_of_2(cta_queries),
+        num_warps=4, maxnreg=cap)
 
 
 def last_wave_split(blocks: int, sms: int, parts: int | None = None,

@@ -33,7 +33,12 @@ queries (N 128). Here, one CTA a SM at a time:
   ``last_wave_split``), so that a chunk does not end on a nearly empty wave;
 - register budget: the math warpgroups take ``MATH_REGS`` registers a thread, the loader what
   is left (``gl.warp_specialize``'s ``setmaxnreg``; the launcher caps the kernel so that they
-  add up).
+  add up);
+- ``QUANT``: the CTA's queries arrive unquantised and are quantised as they are copied into
+  shared memory, 32 rows (query, head) at a time (the maximum over each row, its power-of-two
+  exponent, the fp8 values by the hardware's round-to-nearest-even conversion), each row's
+  weight times its scale kept in shared memory for the math warpgroups: what
+  ``triton/pack_jit.quantize_q_fp8`` writes, bit for bit, without that launch.
 
 Measured on the H200 (bench/RESULTS.md, "the warp-specialised Gluon prefill logits", "the
 math warpgroups split the queries" and "the quad sums scattered"): with the epilogue replaced
@@ -62,6 +67,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+
+from ..triton.pack_jit import _group_exponent, _scale_bits, _scale_by_pow2
 
 # a TMA copy into shared memory: ``async_load`` in Triton 3.9, ``async_copy_global_to_shared``
 # before (3.6, the GPU image's)
@@ -164,13 +171,15 @@ def _finish(acc, w, scale, c, n, mine, optr, BQ: gl.constexpr, HP: gl.constexpr,
 
 
 @gluon.jit
-def _math(q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T, HI, PT,
-          stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W: gl.constexpr, I: gl.constexpr,
-          BQ: gl.constexpr, HP: gl.constexpr, NM: gl.constexpr, NS: gl.constexpr,
-          EPI: gl.constexpr, PIPE: gl.constexpr, SPLIT: gl.constexpr, WG: gl.constexpr):
+def _math(q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T, HI,
+          PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W: gl.constexpr,
+          I: gl.constexpr, BQ: gl.constexpr, HP: gl.constexpr, NM: gl.constexpr,
+          NS: gl.constexpr, EPI: gl.constexpr, PIPE: gl.constexpr, SPLIT: gl.constexpr,
+          QUANT: gl.constexpr, WG: gl.constexpr):
     """Math warpgroup WG: keys WG x 64 .. WG x 64 + 63 of every tile and all BQ queries, or
     with SPLIT all 64 keys of every tile and queries WG x BQ .. WG x BQ + BQ - 1; a pass a
-    request (``_pass_waited``, or with PIPE ``_pass_pipelined``)."""
+    request (``_pass_waited``, or with PIPE ``_pass_pipelined``). Its head weights from
+    ``w_ptr``, or with QUANT the prologue's (scales folded in) from ``w_smem``."""
     N: gl.constexpr = BQ * HP
     NB: gl.constexpr = 1 if SPLIT else NM  # boxes a tile
     BX: gl.constexpr = 0 if SPLIT else WG  # the warpgroup's box
@@ -187,10 +196,14 @@ def _math(q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j
         if EPI == 2 else gl.sum(gl.reshape(zero, [SUB, BQ, HP]), 2).type.layout
     KEY: gl.constexpr = gl.SliceLayout(1, S_L)
     LQ: gl.constexpr = gl.SliceLayout(0, S_L)
-    rw = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
-    jw = j0 + Q0 + rw // HP
-    hw = rw % HP
-    w = gl.load(w_ptr + jw.to(gl.int64) * stride_wt + hw, mask=(hw < HI) & (jw < T), other=0.0)
+    if QUANT:
+        w = w_smem.index(WG if SPLIT else 0).load(gl.SliceLayout(0, MMA))
+    else:
+        rw = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
+        jw = j0 + Q0 + rw // HP
+        hw = rw % HP
+        w = gl.load(w_ptr + jw.to(gl.int64) * stride_wt + hw, mask=(hw < HI) & (jw < T),
+                    other=0.0)
     jb = Q0 + gl.arange(0, BQ, layout=LQ)  # the warpgroup's queries in the CTA
     n = gl.load(len_ptr + j0 + jb, mask=j0 + jb < T, other=0).to(gl.int32)
     optr = out_ptr + (j0 + jb).to(gl.int64)[None, :] * stride_ot
@@ -280,11 +293,14 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
                      W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr, HP: gl.constexpr,
                      NM: gl.constexpr, NS: gl.constexpr, MATH_REGS: gl.constexpr,
                      CQP: gl.constexpr, EPI: gl.constexpr = True, PIPE: gl.constexpr = False,
-                     SPLIT: gl.constexpr = False):
+                     SPLIT: gl.constexpr = False, QUANT: gl.constexpr = False):
     """One CTA a block of BQ queries, or with SPLIT NM x BQ (the last blocks first: a
     prefill's later queries have the most keys, longest processing time first). kdesc: a TMA
     descriptor over the value plane ``[R, 128]`` fp8 with boxes of ``[64, 128]``; CQP: the
-    CTA's queries rounded up to a power of two."""
+    CTA's queries rounded up to a power of two. QUANT: q and w are the unquantised query (any
+    float dtype) and head weights, quantised here as ``triton/pack.quantize_indexer_q`` does
+    (fp8 e4m3 with one power-of-two scale per (query, head), folded into the weight), bit for
+    bit; else q is that fp8 query and w the weights with the scales folded in."""
     N: gl.constexpr = BQ * HP  # a product's columns
     NB: gl.constexpr = 1 if SPLIT else NM  # boxes of 64 keys a tile
     CQ: gl.constexpr = NM * BQ if SPLIT else BQ  # the CTA's queries
@@ -302,16 +318,29 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [CQ // BQ, N, 128],
                                        gl.NVMMASharedLayout.get_default_for([N, 128],
                                                                             gl.float8e4nv))
+    # with QUANT, the weights times the scales, a math warpgroup's N columns a row
+    w_smem = gl.allocate_shared_memory(gl.float32, [CQ // BQ, N],
+                                       gl.SwizzledSharedLayout(1, 1, 1, [0]))
     d = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
+    QR: gl.constexpr = 32 if QUANT else N  # rows a copy (QUANT: 32 float32 values a thread)
     for g in gl.static_range(CQ // BQ):
-        r = g * N + gl.arange(0, N, layout=gl.SliceLayout(1, QL))
-        jr = j0 + r // HP
-        hr = r % HP
-        q = gl.load(q_ptr + jr.to(gl.int64)[:, None] * stride_qt + hr[:, None] * stride_qh
-                    + d[None, :], mask=((hr < HI) & (jr < T))[:, None], other=0.0)
-        q_smem.index(g).store(q)
-        if g + 1 < CQ // BQ:  # one block's copy in registers at a time
-            _cta_barrier()
+        for sl in gl.static_range(N // QR):
+            r = g * N + sl * QR + gl.arange(0, QR, layout=gl.SliceLayout(1, QL))
+            jr = j0 + r // HP
+            hr = r % HP
+            live = (hr < HI) & (jr < T)
+            q = gl.load(q_ptr + jr.to(gl.int64)[:, None] * stride_qt + hr[:, None] * stride_qh
+                        + d[None, :], mask=live[:, None], other=0.0)
+            if QUANT:  # the fp8 values and the weight times 2**e (pack_jit.quantize_q_fp8's)
+                x = q.to(gl.float32)
+                e = _group_exponent(gl.max(gl.abs(x), 1))
+                q = _scale_by_pow2(x, -e[:, None]).to(gl.float8e4nv)
+                wr = gl.load(w_ptr + jr.to(gl.int64) * stride_wt + hr, mask=live, other=0.0)
+                w_smem.index(g).slice(sl * QR, QR).store(
+                    wr.to(gl.float32) * _scale_bits(e).to(gl.float32, bitcast=True))
+            q_smem.index(g).slice(sl * QR, QR).store(q)
+            if g * (N // QR) + sl + 1 < (CQ // BQ) * (N // QR):  # one copy in registers
+                _cta_barrier()
     ring = gl.allocate_shared_memory(gl.float8e4nv, [NS * NB, SUB, 128], kdesc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
@@ -337,42 +366,42 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
         gl.warp_specialize([
             (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, t_lo, t_hi, p_lo, shared, W,
                        I, CQ, NB, NS)),
-            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM,
-                     NS, EPI, PIPE, SPLIT, 0)),
-            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM,
-                     NS, EPI, PIPE, SPLIT, 1)),
+            (_math, (q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
+                     j0, T, HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ,
+                     HP, NM, NS, EPI, PIPE, SPLIT, QUANT, 0)),
+            (_math, (q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
+                     j0, T, HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ,
+                     HP, NM, NS, EPI, PIPE, SPLIT, QUANT, 1)),
         ], [4, 4], [MATH_REGS, MATH_REGS])
     elif NM == 3:
         gl.warp_specialize([
             (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, t_lo, t_hi, p_lo, shared, W,
                        I, CQ, NB, NS)),
-            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM,
-                     NS, EPI, PIPE, SPLIT, 0)),
-            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM,
-                     NS, EPI, PIPE, SPLIT, 1)),
-            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM,
-                     NS, EPI, PIPE, SPLIT, 2)),
+            (_math, (q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
+                     j0, T, HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ,
+                     HP, NM, NS, EPI, PIPE, SPLIT, QUANT, 0)),
+            (_math, (q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
+                     j0, T, HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ,
+                     HP, NM, NS, EPI, PIPE, SPLIT, QUANT, 1)),
+            (_math, (q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
+                     j0, T, HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ,
+                     HP, NM, NS, EPI, PIPE, SPLIT, QUANT, 2)),
         ], [4, 4, 4], [MATH_REGS, MATH_REGS, MATH_REGS])
     else:
         gl.static_assert(NM == 4, "NM: 2, 3 or 4 math warpgroups")
         gl.warp_specialize([
             (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, t_lo, t_hi, p_lo, shared, W,
                        I, CQ, NB, NS)),
-            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM,
-                     NS, EPI, PIPE, SPLIT, 0)),
-            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM,
-                     NS, EPI, PIPE, SPLIT, 1)),
-            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM,
-                     NS, EPI, PIPE, SPLIT, 2)),
-            (_math, (q_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T,
-                     HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM,
-                     NS, EPI, PIPE, SPLIT, 3)),
+            (_math, (q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
+                     j0, T, HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ,
+                     HP, NM, NS, EPI, PIPE, SPLIT, QUANT, 0)),
+            (_math, (q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
+                     j0, T, HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ,
+                     HP, NM, NS, EPI, PIPE, SPLIT, QUANT, 1)),
+            (_math, (q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
+                     j0, T, HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ,
+                     HP, NM, NS, EPI, PIPE, SPLIT, QUANT, 2)),
+            (_math, (q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
+                     j0, T, HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ,
+                     HP, NM, NS, EPI, PIPE, SPLIT, QUANT, 3)),
         ], [4, 4, 4, 4], [MATH_REGS, MATH_REGS, MATH_REGS, MATH_REGS])

@@ -5,7 +5,9 @@ the reference's (``reference/indexer.py``; docs/design.md §4.3, §3.6); jitted 
 bench/RESULTS.md (``bench/indexer.py``, ``bench/decode_logits.py``, ``bench/step_gpu.py``).
 
 The query is quantised first (``pack.quantize_indexer_q``: fp8 with one power-of-two scale per
-head, folded into the weights), as in every backend.
+head, folded into the weights), as in every backend; where the prefill's logits take the Gluon
+kernel and ``IndexerTiles.ws_quantise`` is set, its CTAs quantise their queries as they load
+them instead, the same bits without the launch.
 
 Logits. Prefill (``prefill_logits``): on a Hopper GPU, for chunks at least ``ws_min_keys``
 wide whose gather layout makes every 64 keys one run of rows, the warp-specialised Gluon kernel
@@ -74,6 +76,9 @@ class IndexerTiles:
     ws_split: bool = True  # ... or (False) each 64 keys of a tile, all block_q queries
     ws_stages: int = 4  # key tiles in the ring
     ws_scatter: bool = True  # block_q 2: each quad's head sums transposed, a lane stores one
+    ws_quantise: bool = False  # the prefill's query quantised in the Gluon kernel's prologue
+    # (no ``quantize_indexer_q`` launch; the same fp8 values and weights, bit for bit; not yet
+    # timed on a GPU)
     ws_min_keys: int = 4096  # narrower chunks take Triton's (with the quad sums scattered the
     # Gluon kernel is 5% faster at T 8192 x N 8192, and the 32k step's first chunks gain)
     block_q: int = 2  # Triton's: queries per program (N = block_q * padded heads)
@@ -376,7 +381,12 @@ def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_loc
     top_s, top_i = out if out is not None else _outputs(T, topk, q.device, fill=False)
     # fp8 products on the GPU; the interpreter multiplies the same fp8 values in q's dtype
     gpu = q.is_cuda
-    q8, w8 = _query(q, weights, torch.float8_e4m3fn if gpu else None)
+    ws = ws_logits(q, dcp_size, interleave, L, tiles) if tiles.ws_quantise else None
+    if ws is not None:  # the Gluon kernel quantises each CTA's queries as it loads them
+        q8 = q if q.stride(-1) == 1 else q.contiguous()
+        w8 = weights if weights.stride(-1) == 1 else weights.contiguous()
+    else:
+        q8, w8 = _query(q, weights, torch.float8_e4m3fn if gpu else None)
     kp, ks = split_planes(k_gathered)
     if not gpu:
         kp = kp.view(torch.uint8)  # the interpreter takes no fp8 tensor: bytes, cast in-kernel
@@ -387,8 +397,13 @@ def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_loc
     # longest launches are queued first and the host runs ahead of the device sooner
     for t0 in reversed(range(0, T, step)):
         t1 = min(T, t0 + step)
-        prefill_logits(q8[t0:t1], w8[t0:t1], kp, ks, keys[: t1 - t0], L, key_len[t0:t1],
-                       region_pcu[t0:t1], padded_local_total, dcp_size, interleave, tiles)
+        if ws is not None:
+            ws.launch(q8[t0:t1], w8[t0:t1], kp, ks, keys[: t1 - t0], key_len[t0:t1],
+                      region_pcu[t0:t1], padded_local_total, dcp_size, interleave,
+                      quantise=True, **tiles.ws_launch_options())
+        else:
+            prefill_logits(q8[t0:t1], w8[t0:t1], kp, ks, keys[: t1 - t0], L, key_len[t0:t1],
+                           region_pcu[t0:t1], padded_local_total, dcp_size, interleave, tiles)
         _select(keys[: t1 - t0], key_len[t0:t1], topk, top_s[t0:t1], top_i[t0:t1], tiles)
     return top_s, top_i
 
