@@ -68,7 +68,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..triton.pack_jit import _group_exponent, _scale_bits, _scale_by_pow2
+from ..fp8_jit import group_exponent, scale_bits, scale_by_pow2
 
 # a TMA copy into shared memory: ``async_load`` in Triton 3.9, ``async_copy_global_to_shared``
 # before (3.6, the GPU image's)
@@ -333,11 +333,11 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
                         + d[None, :], mask=live[:, None], other=0.0)
             if QUANT:  # the fp8 values and the weight times 2**e (pack_jit.quantize_q_fp8's)
                 x = q.to(gl.float32)
-                e = _group_exponent(gl.max(gl.abs(x), 1))
-                q = _scale_by_pow2(x, -e[:, None]).to(gl.float8e4nv)
+                e = group_exponent(gl.max(gl.abs(x), 1))
+                q = scale_by_pow2(x, -e[:, None]).to(gl.float8e4nv)
                 wr = gl.load(w_ptr + jr.to(gl.int64) * stride_wt + hr, mask=live, other=0.0)
                 w_smem.index(g).slice(sl * QR, QR).store(
-                    wr.to(gl.float32) * _scale_bits(e).to(gl.float32, bitcast=True))
+                    wr.to(gl.float32) * scale_bits(e).to(gl.float32, bitcast=True))
             q_smem.index(g).slice(sl * QR, QR).store(q)
             if g * (N // QR) + sl + 1 < (CQ // BQ) * (N // QR):  # one copy in registers
                 _cta_barrier()

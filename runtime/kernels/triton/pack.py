@@ -3,7 +3,7 @@
 Bit-identical to ``reference.quantize_fp8_ds_mla`` / ``quantize_indexer_k``: the scale exponent
 comes from the float32 bits of the group's amax (``reference.fp8_scale_exponent``), values are
 scaled by 2**-e in two exact power-of-two steps (no subnormal scale is ever formed in the
-multiply), cast to fp8 e4m3 with round-to-nearest-even (integer bit arithmetic, ``_to_e4m3_bits``), RoPE cast to bf16 (RNE).
+multiply), cast to fp8 e4m3 with round-to-nearest-even (integer bit arithmetic, ``fp8_jit.to_e4m3_bits``), RoPE cast to bf16 (RNE).
 One program per token; slots < 0 are skipped. Jitted bodies: ``pack_jit.py``.
 """
 

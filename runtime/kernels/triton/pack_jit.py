@@ -5,54 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _pow2(e):
-    """2**e as float32 for int32 e in [-126, 127] (normal range), from the bits."""
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _to_e4m3_bits(y):
-    """float32 -> fp8 e4m3fn bits (uint8), round to nearest even, saturating at 448.
-
-    Written out in integer arithmetic rather than ``.to(tl.float8e4nv)`` because Triton's
-    interpreter rounds that cast wrongly (31.0 -> 16.0); one code path for the GPU and the
-    interpreter keeps the CPU tests meaningful.
-    """
-    bits = y.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    a = bits & 0x7FFFFFFF
-    # normal e4m3 (|y| >= 2**-6): drop 20 mantissa bits with round-to-nearest-even
-    lsb = (a >> 20) & 1
-    code_n = ((a + 0x7FFFF + lsb) >> 20) - (120 << 3)
-    # subnormal e4m3: multiples of 2**-9, RNE through the float32 add-and-subtract trick
-    mag = a.to(tl.float32, bitcast=True)
-    code_s = ((mag * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
-    code = tl.where(a >= (121 << 23), code_n, code_s)
-    code = tl.minimum(code, 0x7E)
-    return (code | sign).to(tl.uint8)
-
-
-@triton.jit
-def _group_exponent(amax):
-    """``reference.fp8_scale_exponent`` from the float32 bits: ceil(log2(max(amax, 2**-126)
-    / 448)) as int32."""
-    bits = tl.maximum(amax, 1.1754943508222875e-38).to(tl.int32, bitcast=True)
-    return ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-
-
-@triton.jit
-def _scale_by_pow2(x, ne):
-    """x * 2**ne, exact, in two power-of-two steps (no factor outside the normal range)."""
-    a = ne // 2
-    return x * _pow2(a) * _pow2(ne - a)
-
-
-@triton.jit
-def _scale_bits(e):
-    """float32 bits of 2**e (subnormal below 2**-126)."""
-    return tl.where(e >= -126, (e + 127) << 23, 1 << tl.maximum(e + 149, 0))
+from ..fp8_jit import group_exponent, scale_bits, scale_by_pow2, to_e4m3_bits
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -67,14 +20,14 @@ def quantize_q_fp8(q_ptr, w_ptr, q8_ptr, w8_ptr, T, stride_qt, stride_qh, stride
     tq = t.to(tl.int64)[:, None, None] * stride_qt + h[None, :, None] * stride_qh
     d = tl.arange(0, 128)[None, None, :]
     x = tl.load(q_ptr + tq + d, mask=m[:, :, None], other=0.0).to(tl.float32)
-    e = _group_exponent(tl.max(tl.abs(x), 2))  # [BT, HP]
-    f8 = _to_e4m3_bits(_scale_by_pow2(x, -e[:, :, None]))
+    e = group_exponent(tl.max(tl.abs(x), 2))  # [BT, HP]
+    f8 = to_e4m3_bits(scale_by_pow2(x, -e[:, :, None]))
     q8 = t.to(tl.int64)[:, None, None] * (HI * 128) + h[None, :, None] * 128
     if q8_ptr.dtype.element_ty != tl.uint8:  # the fp8 values in a wider dtype (exact)
         f8 = f8.to(tl.float8e4nv, bitcast=True).to(q8_ptr.dtype.element_ty)
     tl.store(q8_ptr + q8 + d, f8, mask=m[:, :, None])
     w = tl.load(w_ptr + t.to(tl.int64)[:, None] * stride_wt + h[None, :], mask=m, other=0.0)
-    scale = _scale_bits(e).to(tl.float32, bitcast=True)
+    scale = scale_bits(e).to(tl.float32, bitcast=True)
     tl.store(w8_ptr + t.to(tl.int64)[:, None] * HI + h[None, :], w.to(tl.float32) * scale, mask=m)
 
 
@@ -86,8 +39,8 @@ def pack_fp8(x_ptr, slots_ptr, cache_ptr, stride_x, stride_c,
     if slot >= 0:
         x = tl.load(x_ptr + i.to(tl.int64) * stride_x + tl.arange(0, GROUPS * 128)).to(tl.float32)
         xg = tl.reshape(x, (GROUPS, 128))
-        e = _group_exponent(tl.max(tl.abs(xg), 1))
-        f8 = _to_e4m3_bits(_scale_by_pow2(xg, -e[:, None]))
+        e = group_exponent(tl.max(tl.abs(xg), 1))
+        f8 = to_e4m3_bits(scale_by_pow2(xg, -e[:, None]))
         if PLANAR_BLOCK > 0:  # block-planar indexer K cache (GROUPS 1): values, then scales
             base = cache_ptr + (slot // PLANAR_BLOCK) * stride_c
             row = base + (slot % PLANAR_BLOCK) * 128
@@ -97,7 +50,7 @@ def pack_fp8(x_ptr, slots_ptr, cache_ptr, stride_x, stride_c,
             scale_ptr = row + GROUPS * 128
         tl.store(row + tl.arange(0, GROUPS * 128), tl.reshape(f8, (GROUPS * 128,)))
         # scale 2**e as float32 bits; subnormal below 2**-126
-        tl.store(scale_ptr.to(tl.pointer_type(tl.int32)) + tl.arange(0, GROUPS), _scale_bits(e))
+        tl.store(scale_ptr.to(tl.pointer_type(tl.int32)) + tl.arange(0, GROUPS), scale_bits(e))
         if HAS_ROPE:
             r = tl.load(x_ptr + i.to(tl.int64) * stride_x + GROUPS * 128 + tl.arange(0, 64))
             # bf16 RNE from the bits (the interpreter's float32 -> bf16 cast truncates)
