@@ -72,7 +72,10 @@ def compile_ws(bq: int, math_warpgroups: int, stages: int, pipelined: bool = Fal
     ptrs = {**POINTERS, "q_ptr": "*bf16" if quant else "*fp8e4nv"}
     sig = {n: "constexpr" if n in const else f"tensordesc<fp8e4nv[{ws.BOX}, 128],{layout!r}>"
            if n == "kdesc" else ptrs.get(n, "i32") for n in fn.arg_names}
-    aligned = [i for i, n in enumerate(fn.arg_names) if sig[n].startswith("*") or n == "stride_ot"]
+    # 16-byte aligned pointers and strides that 16 divides, as the launcher's tensors give
+    # (Triton specialises such ints at run time)
+    aligned = [i for i, n in enumerate(fn.arg_names) if sig[n].startswith("*") or n in
+               ("stride_qt", "stride_qh", "stride_wt", "stride_ot")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     return triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 4, "maxnreg": cap})

@@ -35,8 +35,9 @@ queries (N 128). Here, one CTA a SM at a time:
   is left (``gl.warp_specialize``'s ``setmaxnreg``; the launcher caps the kernel so that they
   add up);
 - ``QUANT``: the CTA's queries arrive unquantised and are quantised as they are copied into
-  shared memory, 32 rows (query, head) at a time (the maximum over each row, its power-of-two
-  exponent, the fp8 values by the hardware's round-to-nearest-even conversion), each row's
+  shared memory, a block's rows (query, head) at a time (the maximum over each row, its
+  power-of-two exponent, the fp8 values by the hardware's round-to-nearest-even conversion;
+  128 registers, no spills), each row's
   weight times its scale kept in shared memory for the math warpgroups: what
   ``triton/pack_jit.quantize_q_fp8`` writes, bit for bit, without that launch.
 
@@ -322,25 +323,22 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
     w_smem = gl.allocate_shared_memory(gl.float32, [CQ // BQ, N],
                                        gl.SwizzledSharedLayout(1, 1, 1, [0]))
     d = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
-    QR: gl.constexpr = 32 if QUANT else N  # rows a copy (QUANT: 32 float32 values a thread)
     for g in gl.static_range(CQ // BQ):
-        for sl in gl.static_range(N // QR):
-            r = g * N + sl * QR + gl.arange(0, QR, layout=gl.SliceLayout(1, QL))
-            jr = j0 + r // HP
-            hr = r % HP
-            live = (hr < HI) & (jr < T)
-            q = gl.load(q_ptr + jr.to(gl.int64)[:, None] * stride_qt + hr[:, None] * stride_qh
-                        + d[None, :], mask=live[:, None], other=0.0)
-            if QUANT:  # the fp8 values and the weight times 2**e (pack_jit.quantize_q_fp8's)
-                x = q.to(gl.float32)
-                e = group_exponent(gl.max(gl.abs(x), 1))
-                q = scale_by_pow2(x, -e[:, None]).to(gl.float8e4nv)
-                wr = gl.load(w_ptr + jr.to(gl.int64) * stride_wt + hr, mask=live, other=0.0)
-                w_smem.index(g).slice(sl * QR, QR).store(
-                    wr.to(gl.float32) * scale_bits(e).to(gl.float32, bitcast=True))
-            q_smem.index(g).slice(sl * QR, QR).store(q)
-            if g * (N // QR) + sl + 1 < (CQ // BQ) * (N // QR):  # one copy in registers
-                _cta_barrier()
+        r = g * N + gl.arange(0, N, layout=gl.SliceLayout(1, QL))
+        jr = j0 + r // HP
+        hr = r % HP
+        live = (hr < HI) & (jr < T)
+        q = gl.load(q_ptr + jr.to(gl.int64)[:, None] * stride_qt + hr[:, None] * stride_qh
+                    + d[None, :], mask=live[:, None], other=0.0)
+        if QUANT:  # the fp8 values and the weight times 2**e (pack_jit.quantize_q_fp8's)
+            x = q.to(gl.float32)
+            e = group_exponent(gl.max(gl.abs(x), 1))
+            q = scale_by_pow2(x, -e[:, None]).to(gl.float8e4nv)
+            wr = gl.load(w_ptr + jr.to(gl.int64) * stride_wt + hr, mask=live, other=0.0)
+            w_smem.index(g).store(wr.to(gl.float32) * scale_bits(e).to(gl.float32, bitcast=True))
+        q_smem.index(g).store(q)
+        if g + 1 < CQ // BQ:  # one block's copy in registers at a time
+            _cta_barrier()
     ring = gl.allocate_shared_memory(gl.float8e4nv, [NS * NB, SUB, 128], kdesc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
