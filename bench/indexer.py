@@ -186,11 +186,9 @@ def prefill_parts(args, tiles, ceil, flops, label):
                    dataclasses.replace(tiles, select_attempts=0, **SEGMENT_PATH))
 
     parts = [("planar logits", logits, flops), ("select", select, None)]
-    ws = it.ws_logits(q, 1, 1, N, tiles)
-    if ws is not None:  # the whole's logits: the query quantised in the Gluon kernel's prologue
-        parts.append(("logits, the query quantised in the kernel", lambda: ws.launch(
-            q, w, kp, ks, keys, key_len, pcu, N, 1, 1, quantise=True,
-            **tiles.ws_launch_options()), flops))
+    if it.ws_logits(q, 1, 1, N, tiles) is not None:  # the query quantised in the Gluon kernel
+        parts.append(("logits, the query quantised in the kernel", lambda: it.prefill_logits(
+            q, w, kp, ks, keys, N, key_len, pcu, N, 1, 1, tiles, quantise=True), flops))
     lens32 = key_len.int()
     for name, defines in row_topk.VARIANTS.items():  # the CUDA row top-k's variants
         parts.append((f"select CUDA, {name}", lambda d=defines: row_topk.select(

@@ -176,6 +176,18 @@ def test_ws_logits_quantise_refuses_a_quantised_query():
                   1, 1, block_q=2, math_warpgroups=3, split=True, quantise=True)
 
 
+def test_prefill_logits_quantise_needs_the_gluon_kernel():
+    """``prefill_logits(quantise=True)`` where the Gluon kernel does not run (here: a CPU
+    tensor) is refused with one line: the Triton kernel takes only the quantised query."""
+    from cpplan.runtime.kernels.triton import indexer_tiled as it
+
+    q, w = torch.zeros(4, 64, 128), torch.zeros(4, 64)
+    with pytest.raises(ValueError, match=r"quantise: got W 1, interleave 1, 8192 keys, 64 heads "
+                                         r"on cpu; expected a chunk the Gluon kernel takes"):
+        it.prefill_logits(q, w, None, None, None, 8192, None, None, 8192, 1, 1,
+                          it.IndexerTiles(), quantise=True)
+
+
 def _check_ws(T, HI, PT, W, I, nreq, **launch):
     """The ws kernel's keys (``launch``'s knobs) equal the Triton planar kernel's and the
     float64 reference's, nothing written past a row's keys."""

@@ -62,8 +62,9 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
     ``quantise``: q8 is the unquantised query ``[T, HI, 128]`` (a float dtype, unit last
     stride) and weights the raw head weights ``[T, HI]``; each CTA quantises its queries as it
     loads them, as ``triton.pack.quantize_indexer_q`` would (the same fp8 values and weights
-    times scales, bit for bit), so no quantisation launch precedes this one. ``_probe`` (bench only): the epilogue left out, so the time is the products' and the
-    pipeline's (keys not written)."""
+    times scales, bit for bit), so no quantisation launch precedes this one. ``_probe`` (bench
+    only): the epilogue left out, so the time is the products' and the pipeline's (keys not
+    written)."""
     T, HI, _ = q8.shape
     columns = block_q * padded_heads(HI)
     if not supported(W, I, HI, block_q, math_warpgroups) or math_warpgroups not in _REGISTERS \

@@ -37,9 +37,9 @@ queries (N 128). Here, one CTA a SM at a time:
 - ``QUANT``: the CTA's queries arrive unquantised and are quantised as they are copied into
   shared memory, a block's rows (query, head) at a time (the maximum over each row, its
   power-of-two exponent, the fp8 values by the hardware's round-to-nearest-even conversion;
-  128 registers, no spills), each row's
-  weight times its scale kept in shared memory for the math warpgroups: what
-  ``triton/pack_jit.quantize_q_fp8`` writes, bit for bit, without that launch.
+  no spills at any shape's register cap), each row's weight times its scale kept in shared
+  memory for the math warpgroups: what ``triton/pack_jit.quantize_q_fp8`` writes, bit for
+  bit, without that launch.
 
 Measured on the H200 (bench/RESULTS.md, "the warp-specialised Gluon prefill logits", "the
 math warpgroups split the queries" and "the quad sums scattered"): with the epilogue replaced

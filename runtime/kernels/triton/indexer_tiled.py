@@ -293,13 +293,21 @@ def ws_logits(q, W: int, I: int, L: int, tiles: IndexerTiles):
     return indexer_logits if ok else None
 
 
-def prefill_logits(q8, w8, kp, ks, out, L, lens, pcu, PT, W, I, tiles: IndexerTiles):
+def prefill_logits(q8, w8, kp, ks, out, L, lens, pcu, PT, W, I, tiles: IndexerTiles,
+                   quantise: bool = False):
     """Prefill int32 keys ``out [T, L]`` (``_logits_planar``'s contract) by the warp-specialised
-    Gluon kernel where ``ws_logits`` allows, else by the Triton kernel."""
+    Gluon kernel where ``ws_logits`` allows, else by the Triton kernel. quantise: q8 and w8 are
+    the unquantised query and weights, which the Gluon kernel quantises as it loads them (only
+    where it runs)."""
     ws = ws_logits(q8, W, I, L, tiles)
     if ws is not None:
-        ws.launch(q8, w8, kp, ks, out, lens, pcu, PT, W, I, **tiles.ws_launch_options())
+        ws.launch(q8, w8, kp, ks, out, lens, pcu, PT, W, I, quantise=quantise,
+                  **tiles.ws_launch_options())
         return
+    if quantise:
+        raise ValueError(f"prefill logits, quantise: got W {W}, interleave {I}, {L} keys, "
+                         f"{q8.shape[1]} heads on {q8.device}; expected a chunk the Gluon "
+                         f"kernel takes (ws_logits), the only one that quantises the query")
     _logits_planar(q8, w8, kp, ks, out, L, lens, pcu, PT, W, I, bq=tiles.block_q,
                    bk=tiles.block_k, warps=tiles.logits_warps, stages=tiles.logits_stages,
                    maxnreg=tiles.logits_maxnreg)
@@ -323,12 +331,14 @@ def _keys_buffer(rows: int, L: int, device) -> torch.Tensor:
     return torch.empty(rows, -(-L // 16) * 16, dtype=torch.int32, device=device)[:, :L]
 
 
-def _query(q, weights, dtype=None):
+def _query(q, weights, dtype=None, *, quantise: bool = True):
     """The fp8 indexer query (``reference.quantize_indexer_q``; one launch): q8 as
-    float8_e4m3fn or its values in ``dtype`` (default q's), and the weights times the scales."""
+    float8_e4m3fn or its values in ``dtype`` (default q's), and the weights times the scales;
+    quantise False: q and weights as given (unit last stride), for a kernel that quantises
+    them itself."""
     q = q if q.stride(-1) == 1 else q.contiguous()
     weights = weights if weights.stride(-1) == 1 else weights.contiguous()
-    return pack.quantize_indexer_q(q, weights, dtype=dtype or q.dtype)
+    return pack.quantize_indexer_q(q, weights, dtype=dtype or q.dtype) if quantise else (q, weights)
 
 
 def indexer_scores(q, weights, k_packed, key_rows, *, tiles: IndexerTiles | None = None):
@@ -381,12 +391,9 @@ def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_loc
     top_s, top_i = out if out is not None else _outputs(T, topk, q.device, fill=False)
     # fp8 products on the GPU; the interpreter multiplies the same fp8 values in q's dtype
     gpu = q.is_cuda
-    ws = ws_logits(q, dcp_size, interleave, L, tiles) if tiles.ws_quantise else None
-    if ws is not None:  # the Gluon kernel quantises each CTA's queries as it loads them
-        q8 = q if q.stride(-1) == 1 else q.contiguous()
-        w8 = weights if weights.stride(-1) == 1 else weights.contiguous()
-    else:
-        q8, w8 = _query(q, weights, torch.float8_e4m3fn if gpu else None)
+    # the Gluon kernel quantises each CTA's queries as it loads them, else one launch first
+    in_kernel = tiles.ws_quantise and ws_logits(q, dcp_size, interleave, L, tiles) is not None
+    q8, w8 = _query(q, weights, torch.float8_e4m3fn if gpu else None, quantise=not in_kernel)
     kp, ks = split_planes(k_gathered)
     if not gpu:
         kp = kp.view(torch.uint8)  # the interpreter takes no fp8 tensor: bytes, cast in-kernel
@@ -397,13 +404,9 @@ def indexer_topk_prefill(q, weights, k_gathered, key_len, region_pcu, padded_loc
     # longest launches are queued first and the host runs ahead of the device sooner
     for t0 in reversed(range(0, T, step)):
         t1 = min(T, t0 + step)
-        if ws is not None:
-            ws.launch(q8[t0:t1], w8[t0:t1], kp, ks, keys[: t1 - t0], key_len[t0:t1],
-                      region_pcu[t0:t1], padded_local_total, dcp_size, interleave,
-                      quantise=True, **tiles.ws_launch_options())
-        else:
-            prefill_logits(q8[t0:t1], w8[t0:t1], kp, ks, keys[: t1 - t0], L, key_len[t0:t1],
-                           region_pcu[t0:t1], padded_local_total, dcp_size, interleave, tiles)
+        prefill_logits(q8[t0:t1], w8[t0:t1], kp, ks, keys[: t1 - t0], L, key_len[t0:t1],
+                       region_pcu[t0:t1], padded_local_total, dcp_size, interleave, tiles,
+                       quantise=in_kernel)
         _select(keys[: t1 - t0], key_len[t0:t1], topk, top_s[t0:t1], top_i[t0:t1], tiles)
     return top_s, top_i
 
