@@ -478,11 +478,13 @@ def planar_logits(args, ceil, flops, sweep_tiles=False):
 # query) (block_q 2); "whole": no block cut into parts (the grid's last wave as it falls; the
 # default cuts it);
 # "probe": the epilogue replaced by a per-column maximum stored nowhere (the products' and the
-# pipeline's time, no keys written)
-WS_TILES = ((2, 3, 4, "scatter,split"), (2, 3, 4, "split"), (2, 3, 4, "scatter,split,whole"),
+# pipeline's time, no keys written); "stage" (with split): each math warpgroup copies its own
+# queries, under the loader's first key copies
+WS_TILES = ((2, 3, 4, "scatter,split"), (2, 3, 4, "scatter,split,stage"), (2, 3, 4, "split"),
+            (2, 3, 4, "scatter,split,whole"),
             (4, 2, 4, ""), (2, 2, 4, "pipe"), (2, 3, 4, "probe,split"),
             (4, 2, 4, "probe"))  # the first: IndexerTiles' default
-WS_WORDS = ("pipe", "probe", "scatter", "split", "whole")
+WS_WORDS = ("pipe", "probe", "scatter", "split", "stage", "whole")
 WS_ROUNDS = 1  # --ws-rounds
 
 
@@ -519,16 +521,18 @@ def ws_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops):
     runs = []  # (name, fn, note) of the configurations that ran
     for bq, nm, ns, mode in WS_TILES:
         probe, pipe, split = "probe" in mode, "pipe" in mode, "split" in mode
-        whole, scatter = "whole" in mode, "scatter" in mode
+        whole, scatter, stage = "whole" in mode, "scatter" in mode, "stage" in mode
 
         def fn(bq=bq, nm=nm, ns=ns, probe=probe, pipe=pipe, split=split, whole=whole,
-               scatter=scatter):
+               scatter=scatter, stage=stage):
             ws.launch(q8, w8, kp, ks, got, key_len, pcu, N, 1, 1, block_q=bq,
                       math_warpgroups=nm, stages=ns, pipelined=pipe, split=split,
-                      scatter=scatter, last_wave_parts=1 if whole else None, _probe=probe)
+                      scatter=scatter, last_wave_parts=1 if whole else None, _probe=probe,
+                      math_stage=stage)
         name = (f"  ws fp8 logits bq {bq}{' a warpgroup' * split}, {nm} math warpgroups"
                 f"{' splitting queries' * split}, {ns} stages"
                 f"{', quad sums scattered' * scatter}{', last wave whole' * whole}"
+                f"{', queries copied by the math warpgroups' * stage}"
                 f"{', pipelined' * pipe}{', PROBE: no epilogue' * probe}")
         try:
             got.fill_(0)
@@ -694,6 +698,8 @@ def run_prefill(cases, ceil, kernels, planar_sweep=False, dg=None):
 # whole prefill indexers beside the default (its logits by the Gluon kernel on Hopper)
 PREFILL_WHOLE = {
     "the query quantised in the Gluon kernel": {"ws_quantise": True},
+    "the queries copied by the math warpgroups": {"ws_math_stage": True},
+    "the query quantised by the math warpgroups": {"ws_math_stage": True, "ws_quantise": True},
     "Gluon logits, Triton filter path (the default before)": {"cuda_select": False},
     "Triton logits, filter path": {"logits_ws": False, "cuda_select": False},
 }

@@ -3,7 +3,7 @@
     python bench/sass.py [--bk 64] [--warps 4] [--stages 3] [--maxnreg 128] [--copies] [--bq 2]
                          [--sass FILE]
     python bench/sass.py --ws [--bq 4] [--math-warpgroups 2] [--stages 4] [--pipelined] [--split]
-                         [--scatter] [--quant]
+                         [--scatter] [--quant] [--math-stage]
                          [--ptx FILE]
 
 ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` with the installed Triton (install the
@@ -55,9 +55,11 @@ def compile_logits(bq: int, bk: int, warps: int, stages: int, maxnreg: int, tma:
 
 
 def compile_ws(bq: int, math_warpgroups: int, stages: int, pipelined: bool = False,
-               split: bool = False, epilogue: int = 1, quant: bool = False):
+               split: bool = False, epilogue: int = 1, quant: bool = False,
+               math_stage: bool = False):
     """The compiled kernel (sm_90) of the warp-specialised Gluon logits, at the launcher's
-    register budget (quant: a bf16 query quantised in the kernel)."""
+    register budget (quant: a bf16 query quantised in the kernel; math_stage: each math
+    warpgroup copies its own queries)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -68,6 +70,7 @@ def compile_ws(bq: int, math_warpgroups: int, stages: int, pipelined: bool = Fal
     cap, regs = ws._REGISTERS[math_warpgroups]
     const = {"W": 1, "I": 1, "BQ": bq, "HP": 64, "NM": math_warpgroups, "NS": stages,
              "MATH_REGS": regs, "EPI": epilogue, "PIPE": pipelined, "SPLIT": split, "QUANT": quant,
+             "STAGE": math_stage,
              "CQP": triton.next_power_of_2(bq * (math_warpgroups if split else 1))}
     ptrs = {**POINTERS, "q_ptr": "*bf16" if quant else "*fp8e4nv"}
     sig = {n: "constexpr" if n in const else f"tensordesc<fp8e4nv[{ws.BOX}, 128],{layout!r}>"
@@ -125,6 +128,8 @@ def main(argv=None) -> int:
                     help="--ws: the epilogue's quad sums scattered (EPI 2), not all-reduced")
     ap.add_argument("--quant", action="store_true",
                     help="--ws: the bf16 query quantised in the kernel's prologue")
+    ap.add_argument("--math-stage", action="store_true",
+                    help="--ws --split: each math warpgroup copies its own queries")
     ap.add_argument("--ptx", help="write the PTX here")
     a = ap.parse_args(argv)
     if a.ws:  # its own defaults: the launcher's
@@ -132,7 +137,7 @@ def main(argv=None) -> int:
         a.stages = a.stages if "--stages" in given else 4
         a.bq = a.bq if "--bq" in given else 4
         k = compile_ws(a.bq, a.math_warpgroups, a.stages, a.pipelined, a.split,
-                       2 if a.scatter else 1, a.quant)
+                       2 if a.scatter else 1, a.quant, a.math_stage)
     else:
         k = compile_logits(a.bq, a.bk, a.warps, a.stages, a.maxnreg, not a.copies)
     with tempfile.TemporaryDirectory() as tmp:
@@ -157,7 +162,8 @@ def main(argv=None) -> int:
         print(f"ws_logits_kernel, Triton {triton.__version__}, sm_90: BQ {a.bq}, "
               f"{a.math_warpgroups} math warpgroups, {a.stages} stages"
               f"{', pipelined' * a.pipelined}{', queries split' * a.split}"
-              f"{', query quantised in the kernel' * a.quant}; products "
+              f"{', query quantised in the kernel' * a.quant}"
+              f"{', queries copied by the math warpgroups' * a.math_stage}; products "
               f"{', '.join(gmma)}; setmaxnreg {', '.join(f'{d} {r}' for d, r in nreg)}")
         # a wait for all products but one: two in flight (ptxas serialising the wgmmas leaves
         # only waits for none, one after each product)

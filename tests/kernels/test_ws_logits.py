@@ -85,6 +85,23 @@ def test_ws_logits_scatter_equal_the_triton_kernel_and_the_reference(T, HI, PT, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("T,HI,PT,W,I,nreq", [
+    (257, 64, 4096, 1, 1, 1), (130, 64, 2048, 1, 1, 5), (67, 4, 1024, 1, 1, 2),
+    (96, 64, 2048, 2, 64, 3), (64, 32, 2048, 4, 128, 1)])
+@pytest.mark.parametrize("bq,nm,ns,scatter,parts", [
+    (2, 3, 4, True, None), (2, 3, 4, True, 8), (4, 2, 3, False, None), (1, 3, 2, False, None),
+    (2, 4, 4, False, 1)])
+def test_ws_logits_math_stage_equal_the_triton_kernel_and_the_reference(T, HI, PT, W, I, nreq,
+                                                                        bq, nm, ns, scatter,
+                                                                        parts):
+    """Each math warpgroup copying its own queries (``math_stage``, queries split), in every
+    split shape: the same keys as the Triton kernel and the reference."""
+    _check_ws(T, HI, PT, W, I, nreq, block_q=bq, math_warpgroups=nm, stages=ns, split=True,
+              scatter=scatter, last_wave_parts=parts, math_stage=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
 def test_ws_logits_scatter_sums_normal_inputs():
     """Normal inputs (sums rounded): the scattered epilogue's scores within rounding of the
     all-reduced one's (the same additions in the same order, but which of a thread's first
@@ -125,18 +142,19 @@ def test_ws_logits_scatter_sums_normal_inputs():
 @pytest.mark.parametrize("T,HI,PT,W,I,nreq", [
     (257, 64, 4096, 1, 1, 1), (130, 64, 2048, 1, 1, 5), (67, 4, 1024, 1, 1, 2),
     (96, 64, 2048, 2, 64, 3)])
-@pytest.mark.parametrize("bq,nm,split,scatter,dtype", [
-    (2, 3, True, True, torch.bfloat16), (4, 2, False, False, torch.bfloat16),
-    (2, 3, True, True, torch.float32), (2, 2, False, False, torch.float16)])
+@pytest.mark.parametrize("bq,nm,split,scatter,dtype,stage", [
+    (2, 3, True, True, torch.bfloat16, False), (4, 2, False, False, torch.bfloat16, False),
+    (2, 3, True, True, torch.float32, False), (2, 2, False, False, torch.float16, False),
+    (2, 3, True, True, torch.bfloat16, True), (4, 2, True, False, torch.float16, True)])
 def test_ws_logits_quantise_in_the_kernel_equals_the_quantised_launch(T, HI, PT, W, I, nreq,
                                                                      bq, nm, split, scatter,
-                                                                     dtype):
+                                                                     dtype, stage):
     """``quantise=True`` (the unquantised query and weights, quantised in each CTA's
     prologue) writes the same int32 keys, bit for bit, as the launch given
     ``pack.quantize_indexer_q``'s fp8 query and scaled weights, on normal draws whose heads
     span magnitudes from 2**-30 to 2**20 (2**-8 to 2**8 in float16: scales far from 1, fp8
-    subnormals) and a zero head each;
-    nothing past a row's keys written."""
+    subnormals) and a zero head each; quantised by the loader's warpgroup or (``stage``) by
+    each math warpgroup; nothing past a row's keys written."""
     from cpplan.runtime.kernels.triton import indexer_tiled as it
     from cpplan.runtime.kernels.triton import pack
 
@@ -154,7 +172,7 @@ def test_ws_logits_quantise_in_the_kernel_equals_the_quantised_launch(T, HI, PT,
     opts = dict(block_q=bq, math_warpgroups=nm, split=split, scatter=scatter)
     got = torch.full((T, PT), 0x5A5A5A5A, dtype=torch.int32, device="cuda")  # poison
     want = torch.full_like(got, 0x5A5A5A5A)
-    ws.launch(q, w, kp, ks, got, key_len, pcu, PT, W, I, quantise=True, **opts)
+    ws.launch(q, w, kp, ks, got, key_len, pcu, PT, W, I, quantise=True, math_stage=stage, **opts)
     ws.launch(q8, w8, kp, ks, want, key_len, pcu, PT, W, I, **opts)
     valid = torch.arange(PT, device="cuda")[None, :] < key_len[:, None]
     assert torch.equal(got[valid], want[valid])
@@ -231,8 +249,11 @@ def test_prefill_indexer_takes_the_ws_logits_and_equals_the_reference():
     assert it.ws_logits(q, 1, 1, N, on) is not None
     assert it.ws_logits(q, 1, 1, N - 1, on) is None and it.ws_logits(q, 2, 1, N, on) is None
     want = ref.indexer_topk_prefill(q.float(), w, k, key_len, pcu, N, 1, 1, topk, max_keys=N)
-    # the query quantised by its own launch (the default), in the Gluon kernel, or Triton's
+    # the query quantised by its own launch (the default), in the Gluon kernel (by the loader's
+    # warpgroup or by each math warpgroup, as it copies the fp8 query too), or Triton's
     for tiles in (on, it.IndexerTiles(ws_min_keys=N, ws_quantise=True),
+                  it.IndexerTiles(ws_min_keys=N, ws_math_stage=True),
+                  it.IndexerTiles(ws_min_keys=N, ws_quantise=True, ws_math_stage=True),
                   it.IndexerTiles(logits_ws=False)):
         s, ids = it.indexer_topk_prefill(q, w, k, key_len, pcu, N, 1, 1, topk, max_keys=N,
                                          tiles=tiles)
@@ -271,16 +292,19 @@ def test_last_wave_split_ends_soonest(sms):
 
 def test_tiles_give_the_launch_its_knobs():
     """``IndexerTiles.ws_launch_options``: the tiles' knobs as ``launch``'s keywords, the
-    quad sums scattered only at 2 queries a math warpgroup (``launch`` refuses other shapes)."""
+    quad sums scattered only at 2 queries a math warpgroup and the math warpgroups copying
+    their own queries only where they split them (``launch`` refuses other shapes)."""
     from cpplan.runtime.kernels.triton import indexer_tiled as it
 
     ws = _gluon()
     opts = it.IndexerTiles().ws_launch_options()
     assert opts == {"block_q": 2, "math_warpgroups": 3, "stages": 4, "split": True,
-                    "scatter": True}
+                    "scatter": True, "math_stage": False}
     assert set(opts) <= set(ws.launch.__kwdefaults__)
-    wide = it.IndexerTiles(ws_block_q=4, ws_math_warpgroups=2, ws_split=False)
+    wide = it.IndexerTiles(ws_block_q=4, ws_math_warpgroups=2, ws_split=False,
+                           ws_math_stage=True)
     assert wide.ws_launch_options()["scatter"] is False
+    assert wide.ws_launch_options()["math_stage"] is False  # only where the queries are split
 
 
 def test_ws_logits_layouts_and_refusals():
@@ -307,22 +331,26 @@ def test_ws_logits_layouts_and_refusals():
         ws.launch(q8, None, None, None, None, None, None, 16, 1, 1, scatter=True)
     with pytest.raises(ValueError, match=">= 2 stages"):
         ws.launch(q8, None, None, None, None, None, None, 16, 1, 1, stages=1)
+    with pytest.raises(ValueError, match=r"math_stage: got split False; expected split"):
+        ws.launch(q8, None, None, None, None, None, None, 16, 1, 1, math_stage=True)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bq,nm,no_spill,pipe,split,scatter,quant", [
-    (4, 2, True, False, False, False, False), (2, 4, False, False, False, False, False),
-    (2, 2, True, True, False, False, False), (2, 3, True, False, True, False, False),
-    (2, 3, True, False, True, True, False), (2, 3, True, False, True, True, True)])
+@pytest.mark.parametrize("bq,nm,no_spill,pipe,split,scatter,quant,stage", [
+    (4, 2, True, False, False, False, False, False), (2, 4, False, False, False, False, False, False),
+    (2, 2, True, True, False, False, False, False), (2, 3, True, False, True, False, False, False),
+    (2, 3, True, False, True, True, False, False), (2, 3, True, False, True, True, True, False),
+    (2, 3, True, False, True, True, True, True)])
 def test_ws_logits_compile_for_sm90_without_spills(bq, nm, no_spill, pipe, split, scatter,
-                                                   quant):
+                                                   quant, stage):
     """``bench/sass.py --ws`` (an offline sm_90 compile with this Triton; a process without
     the interpreter): the products m64n{64 bq}k32 on fp8, the math warpgroups raised to their
     register budget and, for the default configuration, no spill in the math loop (at 4 math
     warpgroups of 112 registers Triton 3.9 leaves one reload in it, 3.6 none) and for three
     warpgroups splitting the queries. Pipelined, some waits leave a product in flight: ptxas
     did not serialise the wgmmas. With the query quantised in the prologue (the default
-    configuration's launch), no spill anywhere in the kernel."""
+    configuration's launch), no spill anywhere in the kernel, also where each math warpgroup
+    quantises its own queries (``--math-stage``)."""
     import sys
     from pathlib import Path
 
@@ -337,7 +365,7 @@ def test_ws_logits_compile_for_sm90_without_spills(bq, nm, no_spill, pipe, split
     out = subprocess.run([sys.executable, str(root / "bench" / "sass.py"), "--ws", "--bq", str(bq),
                           "--math-warpgroups", str(nm), *["--pipelined"] * pipe,
                           *["--split"] * split, *["--scatter"] * scatter,
-                          *["--quant"] * quant],
+                          *["--quant"] * quant, *["--math-stage"] * stage],
                          capture_output=True, text=True, env=env, cwd=root, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout
@@ -351,3 +379,4 @@ def test_ws_logits_compile_for_sm90_without_spills(bq, nm, no_spill, pipe, split
         assert " LDL" not in loop.group(2) and " STL" not in loop.group(2), text
     if quant:
         assert "query quantised in the kernel" in text and "spill instructions 0," in text, text
+    assert ("queries copied by the math warpgroups" in text) == stage, text

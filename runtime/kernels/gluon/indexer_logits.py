@@ -44,7 +44,7 @@ def _columns_fit(columns: int, math_warpgroups: int) -> bool:
 def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, block_q: int = 4,
            math_warpgroups: int = 2, stages: int = 4, pipelined: bool = False,
            split: bool = False, scatter: bool = False, last_wave_parts: int | None = None,
-           quantise: bool = False, _probe: bool = False) -> None:
+           quantise: bool = False, math_stage: bool = False, _probe: bool = False) -> None:
     """Prefill int32 keys ``out [T, >= max lens]`` (``indexer_tiled._logits_planar``'s
     contract): q8 ``[T, HI, 128]`` float8_e4m3fn, weights ``[T, HI]`` float32 (the query's
     scales folded in), the key planes ``kp [R, 128]`` float8_e4m3fn (contiguous) and ``ks [R]``
@@ -62,7 +62,10 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
     ``quantise``: q8 is the unquantised query ``[T, HI, 128]`` (a float dtype, unit last
     stride) and weights the raw head weights ``[T, HI]``; each CTA quantises its queries as it
     loads them, as ``triton.pack.quantize_indexer_q`` would (the same fp8 values and weights
-    times scales, bit for bit), so no quantisation launch precedes this one. ``_probe`` (bench
+    times scales, bit for bit), so no quantisation launch precedes this one. ``math_stage``
+    (``split`` only): each math warpgroup copies (and with ``quantise`` quantises) its own
+    queries into shared memory as it starts, under the loader's first key copies, instead of
+    the loader's warpgroup copying the CTA's queries before the partitions start. ``_probe`` (bench
     only): the epilogue left out, so the time is the products' and the pipeline's (keys not
     written)."""
     T, HI, _ = q8.shape
@@ -87,6 +90,9 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
         raise ValueError(f"warp-specialised logits, quantise: got q {q8.dtype} strides "
                          f"{tuple(q8.stride())}, weights strides {tuple(weights.stride())}; "
                          f"expected an unquantised float query and weights of unit last stride")
+    if math_stage and not split:
+        raise ValueError(f"warp-specialised logits, math_stage: got split {split}; expected "
+                         f"split (each math warpgroup owns the queries it copies)")
     if T == 0:
         return
     layout = gl.NVMMASharedLayout.get_default_for([BOX, 128], gl.float8e4nv)
@@ -99,8 +105,8 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
         q8, weights, kdesc, ks, out, lens, pcu, q8.stride(0), q8.stride(1), weights.stride(0),
         out.stride(0), T, HI, PT, whole, parts, W=W, I=I, BQ=block_q, HP=padded_heads(HI),
         NM=math_warpgroups, NS=stages, MATH_REGS=regs, EPI=0 if _probe else 2 if scatter else 1,
-        PIPE=pipelined, SPLIT=split, QUANT=quantise, CQP=triton.next_power_of_2(cta_queries),
-        num_warps=4, maxnreg=cap)
+        PIPE=pipelined, SPLIT=split, QUANT=quantise, STAGE=math_stage,
+        CQP=triton.next_power_of_2(cta_queries), num_warps=4, maxnreg=cap)
 
 
 def last_wave_split(blocks: int, sms: int, parts: int | None = None,

@@ -76,6 +76,8 @@ from ..fp8_jit import group_exponent, scale_bits, scale_by_pow2
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 # a barrier of the CTA's threads: ``thread_barrier`` in Triton 3.6, ``barrier`` in 3.9
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+QL = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))  # a warpgroup's
+# copy of query rows: 16 bytes of fp8 (32 of bf16) a load
 SUB = gl.constexpr(64)  # keys a math warpgroup multiplies a tile: the M of one wgmma
 # EPI 2's layout of a tile's [64 keys, 2 queries, 4] partial sums over heads after the
 # transpose within each quad: a thread's 4 registers hold the 4 partials of one (key, query),
@@ -172,11 +174,36 @@ def _finish(acc, w, scale, c, n, mine, optr, BQ: gl.constexpr, HP: gl.constexpr,
 
 
 @gluon.jit
-def _math(q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0, T, HI,
-          PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W: gl.constexpr,
-          I: gl.constexpr, BQ: gl.constexpr, HP: gl.constexpr, NM: gl.constexpr,
-          NS: gl.constexpr, EPI: gl.constexpr, PIPE: gl.constexpr, SPLIT: gl.constexpr,
-          QUANT: gl.constexpr, WG: gl.constexpr):
+def _stage_queries(q_ptr, w_ptr, q_dst, w_dst, j, T, HI, stride_qt, stride_qh, stride_wt,
+                   BQ: gl.constexpr, HP: gl.constexpr, QUANT: gl.constexpr):
+    """Queries j .. j + BQ - 1 into ``q_dst [BQ x HP, 128]`` (query-major; padded heads and
+    queries past T: 0) by one warpgroup; with QUANT the unquantised rows quantised on the way
+    (each row's maximum, its power-of-two exponent, the hardware's round-to-nearest-even fp8)
+    and each row's weight times its scale into ``w_dst [BQ x HP]``, as
+    ``triton/pack_jit.quantize_q_fp8`` writes them."""
+    N: gl.constexpr = BQ * HP
+    r = gl.arange(0, N, layout=gl.SliceLayout(1, QL))
+    d = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
+    jr = j + r // HP
+    hr = r % HP
+    live = (hr < HI) & (jr < T)
+    q = gl.load(q_ptr + jr.to(gl.int64)[:, None] * stride_qt + hr[:, None] * stride_qh
+                + d[None, :], mask=live[:, None], other=0.0)
+    if QUANT:  # the fp8 values and the weight times 2**e (pack_jit.quantize_q_fp8's)
+        x = q.to(gl.float32)
+        e = group_exponent(gl.max(gl.abs(x), 1))
+        q = scale_by_pow2(x, -e[:, None]).to(gl.float8e4nv)
+        wr = gl.load(w_ptr + jr.to(gl.int64) * stride_wt + hr, mask=live, other=0.0)
+        w_dst.store(wr.to(gl.float32) * scale_bits(e).to(gl.float32, bitcast=True))
+    q_dst.store(q)
+
+
+@gluon.jit
+def _math(q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0,
+          T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared,
+          W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr, HP: gl.constexpr,
+          NM: gl.constexpr, NS: gl.constexpr, EPI: gl.constexpr, PIPE: gl.constexpr,
+          SPLIT: gl.constexpr, QUANT: gl.constexpr, STAGE: gl.constexpr, WG: gl.constexpr):
     """Math warpgroup WG: keys WG x 64 .. WG x 64 + 63 of every tile and all BQ queries, or
     with SPLIT all 64 keys of every tile and queries WG x BQ .. WG x BQ + BQ - 1; a pass a
     request (``_pass_waited``, or with PIPE ``_pass_pipelined``). Its head weights from
@@ -187,6 +214,11 @@ def _math(q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pc
     Q0: gl.constexpr = WG * BQ if SPLIT else 0  # its first query in the CTA
     CQ: gl.constexpr = NM * BQ if SPLIT else BQ  # the CTA's queries
     q_mine = q_smem.index(WG if SPLIT else 0)
+    if STAGE:  # its own queries into its B operand, while the loader's first copies fly
+        _stage_queries(q_ptr, w_ptr, q_mine, w_smem.index(WG), j0 + Q0, T, HI, stride_qt,
+                       stride_qh, stride_wt, BQ, HP, QUANT)
+        fence_async_shared()  # the stores, seen by the products' async proxy ...
+        _cta_barrier()  # ... once all 4 warps made them (in a partition: its named barrier)
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, N, 32])
     zero = gl.zeros([SUB, N], gl.float32, layout=MMA)
@@ -294,14 +326,18 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
                      W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr, HP: gl.constexpr,
                      NM: gl.constexpr, NS: gl.constexpr, MATH_REGS: gl.constexpr,
                      CQP: gl.constexpr, EPI: gl.constexpr = True, PIPE: gl.constexpr = False,
-                     SPLIT: gl.constexpr = False, QUANT: gl.constexpr = False):
+                     SPLIT: gl.constexpr = False, QUANT: gl.constexpr = False,
+                     STAGE: gl.constexpr = False):
     """One CTA a block of BQ queries, or with SPLIT NM x BQ (the last blocks first: a
     prefill's later queries have the most keys, longest processing time first). kdesc: a TMA
     descriptor over the value plane ``[R, 128]`` fp8 with boxes of ``[64, 128]``; CQP: the
     CTA's queries rounded up to a power of two. QUANT: q and w are the unquantised query (any
     float dtype) and head weights, quantised here as ``triton/pack.quantize_indexer_q`` does
     (fp8 e4m3 with one power-of-two scale per (query, head), folded into the weight), bit for
-    bit; else q is that fp8 query and w the weights with the scales folded in."""
+    bit; else q is that fp8 query and w the weights with the scales folded in. STAGE (SPLIT
+    only): each math warpgroup copies its own queries as it starts, under the loader's first
+    key copies, instead of the loader's warpgroup copying them all before the partitions."""
+    gl.static_assert(SPLIT or not STAGE, "STAGE: the math warpgroups own their queries (SPLIT)")
     N: gl.constexpr = BQ * HP  # a product's columns
     NB: gl.constexpr = 1 if SPLIT else NM  # boxes of 64 keys a tile
     CQ: gl.constexpr = NM * BQ if SPLIT else BQ  # the CTA's queries
@@ -315,30 +351,18 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
     nparts = gl.where(in_parts, P, 1)
     # the CTA's queries, query-major (padded heads and queries past T: 0), as the B operands
     # (one a math warpgroup with SPLIT), copied N rows at a time
-    QL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])  # 4 warps
     q_smem = gl.allocate_shared_memory(gl.float8e4nv, [CQ // BQ, N, 128],
                                        gl.NVMMASharedLayout.get_default_for([N, 128],
                                                                             gl.float8e4nv))
     # with QUANT, the weights times the scales, a math warpgroup's N columns a row
     w_smem = gl.allocate_shared_memory(gl.float32, [CQ // BQ, N],
                                        gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    d = gl.arange(0, 128, layout=gl.SliceLayout(0, QL))
-    for g in gl.static_range(CQ // BQ):
-        r = g * N + gl.arange(0, N, layout=gl.SliceLayout(1, QL))
-        jr = j0 + r // HP
-        hr = r % HP
-        live = (hr < HI) & (jr < T)
-        q = gl.load(q_ptr + jr.to(gl.int64)[:, None] * stride_qt + hr[:, None] * stride_qh
-                    + d[None, :], mask=live[:, None], other=0.0)
-        if QUANT:  # the fp8 values and the weight times 2**e (pack_jit.quantize_q_fp8's)
-            x = q.to(gl.float32)
-            e = group_exponent(gl.max(gl.abs(x), 1))
-            q = scale_by_pow2(x, -e[:, None]).to(gl.float8e4nv)
-            wr = gl.load(w_ptr + jr.to(gl.int64) * stride_wt + hr, mask=live, other=0.0)
-            w_smem.index(g).store(wr.to(gl.float32) * scale_bits(e).to(gl.float32, bitcast=True))
-        q_smem.index(g).store(q)
-        if g + 1 < CQ // BQ:  # one block's copy in registers at a time
-            _cta_barrier()
+    if not STAGE:  # the loader's warpgroup copies every block's rows, one block at a time
+        for g in gl.static_range(CQ // BQ):
+            _stage_queries(q_ptr, w_ptr, q_smem.index(g), w_smem.index(g), j0 + g * BQ, T, HI,
+                           stride_qt, stride_qh, stride_wt, BQ, HP, QUANT)
+            if g + 1 < CQ // BQ:  # one block's copy in registers at a time
+                _cta_barrier()
     ring = gl.allocate_shared_memory(gl.float8e4nv, [NS * NB, SUB, 128], kdesc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
@@ -364,42 +388,51 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
         gl.warp_specialize([
             (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, t_lo, t_hi, p_lo, shared, W,
                        I, CQ, NB, NS)),
-            (_math, (q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
-                     j0, T, HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ,
-                     HP, NM, NS, EPI, PIPE, SPLIT, QUANT, 0)),
-            (_math, (q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
-                     j0, T, HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ,
-                     HP, NM, NS, EPI, PIPE, SPLIT, QUANT, 1)),
+            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
+                     pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
+                     t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
+                     STAGE, 0)),
+            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
+                     pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
+                     t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
+                     STAGE, 1)),
         ], [4, 4], [MATH_REGS, MATH_REGS])
     elif NM == 3:
         gl.warp_specialize([
             (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, t_lo, t_hi, p_lo, shared, W,
                        I, CQ, NB, NS)),
-            (_math, (q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
-                     j0, T, HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ,
-                     HP, NM, NS, EPI, PIPE, SPLIT, QUANT, 0)),
-            (_math, (q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
-                     j0, T, HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ,
-                     HP, NM, NS, EPI, PIPE, SPLIT, QUANT, 1)),
-            (_math, (q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
-                     j0, T, HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ,
-                     HP, NM, NS, EPI, PIPE, SPLIT, QUANT, 2)),
+            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
+                     pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
+                     t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
+                     STAGE, 0)),
+            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
+                     pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
+                     t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
+                     STAGE, 1)),
+            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
+                     pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
+                     t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
+                     STAGE, 2)),
         ], [4, 4, 4], [MATH_REGS, MATH_REGS, MATH_REGS])
     else:
         gl.static_assert(NM == 4, "NM: 2, 3 or 4 math warpgroups")
         gl.warp_specialize([
             (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, t_lo, t_hi, p_lo, shared, W,
                        I, CQ, NB, NS)),
-            (_math, (q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
-                     j0, T, HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ,
-                     HP, NM, NS, EPI, PIPE, SPLIT, QUANT, 0)),
-            (_math, (q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
-                     j0, T, HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ,
-                     HP, NM, NS, EPI, PIPE, SPLIT, QUANT, 1)),
-            (_math, (q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
-                     j0, T, HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ,
-                     HP, NM, NS, EPI, PIPE, SPLIT, QUANT, 2)),
-            (_math, (q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr,
-                     j0, T, HI, PT, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ,
-                     HP, NM, NS, EPI, PIPE, SPLIT, QUANT, 3)),
+            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
+                     pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
+                     t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
+                     STAGE, 0)),
+            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
+                     pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
+                     t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
+                     STAGE, 1)),
+            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
+                     pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
+                     t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
+                     STAGE, 2)),
+            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
+                     pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
+                     t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
+                     STAGE, 3)),
         ], [4, 4, 4, 4], [MATH_REGS, MATH_REGS, MATH_REGS, MATH_REGS])

@@ -79,6 +79,8 @@ class IndexerTiles:
     ws_quantise: bool = False  # the prefill's query quantised in the Gluon kernel's prologue
     # (no ``quantize_indexer_q`` launch; the same fp8 values and weights, bit for bit; not yet
     # timed on a GPU)
+    ws_math_stage: bool = False  # with ws_split: each math warpgroup copies its own queries,
+    # under the loader's first key copies (not yet timed on a GPU)
     ws_min_keys: int = 4096  # narrower chunks take Triton's (with the quad sums scattered the
     # Gluon kernel is 5% faster at T 8192 x N 8192, and the 32k step's first chunks gain)
     block_q: int = 2  # Triton's: queries per program (N = block_q * padded heads)
@@ -150,7 +152,8 @@ class IndexerTiles:
         scattered where a math warpgroup takes 2 queries, the only shape that allows it)."""
         return {"block_q": self.ws_block_q, "math_warpgroups": self.ws_math_warpgroups,
                 "stages": self.ws_stages, "split": self.ws_split,
-                "scatter": self.ws_scatter and self.ws_block_q == 2}
+                "scatter": self.ws_scatter and self.ws_block_q == 2,
+                "math_stage": self.ws_math_stage and self.ws_split}
 
 
 def _logits(q, weights, k, out, mode, out_keys, L, *, bk, warps, stages, splits=1, rows=None,
