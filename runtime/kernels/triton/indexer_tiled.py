@@ -77,8 +77,9 @@ class IndexerTiles:
     ws_stages: int = 4  # key tiles in the ring
     ws_scatter: bool = True  # block_q 2: each quad's head sums transposed, a lane stores one
     ws_quantise: bool = False  # the prefill's query quantised in the Gluon kernel's prologue
-    # (no ``quantize_indexer_q`` launch; the same fp8 values and weights, bit for bit; not yet
-    # timed on a GPU)
+    # (no ``quantize_indexer_q`` launch; the same fp8 values and weights, bit for bit; by the
+    # loader's warpgroup alone before the partitions, 27 us slower at T 4096 x N 32768 on an
+    # H100 and 2.9 ms in the 32k step: bench/RESULTS.md, thirty-sixth session)
     ws_math_stage: bool = False  # with ws_split: each math warpgroup copies its own queries,
     # under the loader's first key copies (not yet timed on a GPU)
     ws_min_keys: int = 4096  # narrower chunks take Triton's (with the quad sums scattered the
