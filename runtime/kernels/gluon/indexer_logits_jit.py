@@ -39,7 +39,12 @@ queries (N 128). Here, one CTA a SM at a time:
   power-of-two exponent, the fp8 values by the hardware's round-to-nearest-even conversion;
   no spills at any shape's register cap), each row's weight times its scale kept in shared
   memory for the math warpgroups: what ``triton/pack_jit.quantize_q_fp8`` writes, bit for
-  bit, without that launch.
+  bit, without that launch;
+- ``STAGE`` (with SPLIT): each math warpgroup copies (with QUANT quantises) its own queries as
+  it starts, then waits on its partition's named barrier, under the loader's first key copies;
+  without it the loader's warpgroup copies every block's rows before the partitions start.
+  Neither QUANT nor STAGE is a clear gain at T 4096 x N 32768 (bench/RESULTS.md, "thirty-sixth
+  session"): the copy is not where the kernel's time goes.
 
 Measured on the H200 (bench/RESULTS.md, "the warp-specialised Gluon prefill logits", "the
 math warpgroups split the queries" and "the quad sums scattered"): with the epilogue replaced

@@ -78,10 +78,13 @@ class IndexerTiles:
     ws_scatter: bool = True  # block_q 2: each quad's head sums transposed, a lane stores one
     ws_quantise: bool = False  # the prefill's query quantised in the Gluon kernel's prologue
     # (no ``quantize_indexer_q`` launch; the same fp8 values and weights, bit for bit; by the
-    # loader's warpgroup alone before the partitions, 27 us slower at T 4096 x N 32768 on an
-    # H100 and 2.9 ms in the 32k step: bench/RESULTS.md, thirty-sixth session)
-    ws_math_stage: bool = False  # with ws_split: each math warpgroup copies its own queries,
-    # under the loader's first key copies (not yet timed on a GPU)
+    # loader's warpgroup alone before the partitions, or with ws_math_stage by each math
+    # warpgroup: 1-2% slower at T 4096 x N 32768 on an H100, bench/RESULTS.md, thirty-sixth
+    # session)
+    ws_math_stage: bool = False  # with ws_split: each math warpgroup copies (and with
+    # ws_quantise quantises) its own queries under the loader's first key copies; within the
+    # noise at T 4096 x N 32768, with ws_quantise 2.9% faster at T 8192 x N 8192 (H100,
+    # bench/query_staging.py; bench/RESULTS.md, thirty-sixth session)
     ws_min_keys: int = 4096  # narrower chunks take Triton's (with the quad sums scattered the
     # Gluon kernel is 5% faster at T 8192 x N 8192, and the 32k step's first chunks gain)
     block_q: int = 2  # Triton's: queries per program (N = block_q * padded heads)
