@@ -20,6 +20,12 @@ from cpplan.runtime.kernels import reference as ref
 CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
 
+# (queries, heads, keys a rank, ranks, interleave, requests): one request (every block shared;
+# T odd), request boundaries inside blocks, 4 heads padded to 16, DCP interleaves of one box,
+# 32 heads over four ranks
+SHAPES = [(257, 64, 4096, 1, 1, 1), (130, 64, 2048, 1, 1, 5), (67, 4, 1024, 1, 1, 2),
+          (96, 64, 2048, 2, 64, 3), (64, 32, 2048, 4, 128, 1)]
+
 
 def _gluon():
     try:
@@ -70,9 +76,7 @@ def test_ws_logits_equal_the_triton_kernel_and_the_reference(T, HI, PT, W, I, nr
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("T,HI,PT,W,I,nreq", [
-    (257, 64, 4096, 1, 1, 1), (130, 64, 2048, 1, 1, 5), (67, 4, 1024, 1, 1, 2),
-    (96, 64, 2048, 2, 64, 3), (64, 32, 2048, 4, 128, 1)])
+@pytest.mark.parametrize("T,HI,PT,W,I,nreq", SHAPES)
 @pytest.mark.parametrize("nm,ns,pipe,split,parts", [
     (3, 4, False, True, None), (3, 4, False, True, 8), (2, 4, False, False, None),
     (2, 3, True, False, None), (4, 4, False, True, 1)])
@@ -85,9 +89,7 @@ def test_ws_logits_scatter_equal_the_triton_kernel_and_the_reference(T, HI, PT, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("T,HI,PT,W,I,nreq", [
-    (257, 64, 4096, 1, 1, 1), (130, 64, 2048, 1, 1, 5), (67, 4, 1024, 1, 1, 2),
-    (96, 64, 2048, 2, 64, 3), (64, 32, 2048, 4, 128, 1)])
+@pytest.mark.parametrize("T,HI,PT,W,I,nreq", SHAPES)
 @pytest.mark.parametrize("bq,nm,ns,scatter,parts", [
     (2, 3, 4, True, None), (2, 3, 4, True, 8), (4, 2, 3, False, None), (1, 3, 2, False, None),
     (2, 4, 4, False, 1)])
