@@ -480,8 +480,7 @@ def planar_logits(args, ceil, flops, sweep_tiles=False):
 # "probe": the epilogue replaced by a per-column maximum stored nowhere (the products' and the
 # pipeline's time, no keys written); "stage" (with split): each math warpgroup copies its own
 # queries, under the loader's first key copies
-WS_TILES = ((2, 3, 4, "scatter,split"), (2, 3, 4, "scatter,split,stage"), (2, 3, 4, "split"),
-            (2, 3, 4, "scatter,split,whole"),
+WS_TILES = ((2, 3, 4, "scatter,split"), (2, 3, 4, "split"), (2, 3, 4, "scatter,split,whole"),
             (4, 2, 4, ""), (2, 2, 4, "pipe"), (2, 3, 4, "probe,split"),
             (4, 2, 4, "probe"))  # the first: IndexerTiles' default
 WS_WORDS = ("pipe", "probe", "scatter", "split", "stage", "whole")
@@ -695,11 +694,10 @@ def run_prefill(cases, ceil, kernels, planar_sweep=False, dg=None):
     return ok
 
 
-# whole prefill indexers beside the default (its logits by the Gluon kernel on Hopper)
+# whole prefill indexers beside the default (its logits by the Gluon kernel on Hopper); where
+# the query is copied and quantised (ws_math_stage, ws_quantise): bench/query_staging.py, by turns
 PREFILL_WHOLE = {
     "the query quantised in the Gluon kernel": {"ws_quantise": True},
-    "the queries copied by the math warpgroups": {"ws_math_stage": True},
-    "the query quantised by the math warpgroups": {"ws_math_stage": True, "ws_quantise": True},
     "Gluon logits, Triton filter path (the default before)": {"cuda_select": False},
     "Triton logits, filter path": {"logits_ws": False, "cuda_select": False},
 }
