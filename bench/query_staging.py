@@ -1,18 +1,23 @@
-"""Where the warp-specialised prefill logits copy and quantise the query, timed by turns.
+"""Where the warp-specialised prefill logits copy and quantise the query, and how their loop
+is built, timed by turns.
 
-    python bench/query_staging.py [--rounds 5] [--cases 4096x32768,8192x8192]   # a CUDA machine
+    python bench/query_staging.py [--rounds 5] [--cases 4096x32768,8192x8192]
+                                  [--variants math_stage,unroll,...]   # a CUDA machine
 
-Four ``IndexerTiles`` on the prefill cases of ``bench/indexer.py`` (integer inputs): the
+``IndexerTiles`` on the prefill cases of ``bench/indexer.py`` (integer inputs). By default four: the
 default (``quantize_indexer_q`` launched first, the loader's warpgroup copying the fp8 query
 before the partitions start), ``ws_math_stage`` (each math warpgroup copies its own queries
 under the loader's first key copies), ``ws_quantise`` (the loader's warpgroup quantises the
 query in the kernel, no launch) and both. Each is first checked equal to the default's ids and
 scores; then the whole indexer (``indexer_topk_prefill``) and the logits alone
 (``prefill_logits``: the fp8 query given, or the raw one where the kernel quantises) are timed
-``--rounds`` times with the four by turns (``triton.testing.do_bench`` medians; a card that
+``--rounds`` times with all of them by turns (``triton.testing.do_bench`` medians; a card that
 drifts weighs on each alike), and the table gives each median and its ratio to the default's.
 The logits rows of the default and ``ws_math_stage`` leave out the quantisation launch that the
-whole includes. Figures: bench/RESULTS.md, "thirty-sixth session".
+whole includes. ``--variants`` names others of ``VARIANTS`` instead (the default always
+first): ``unroll`` (the math warpgroups' loop a ring's stages a trip), ``tma_scales`` (the key
+scales copied by TMA with the keys) and both. Figures: bench/RESULTS.md, "thirty-sixth
+session" and "thirty-seventh session".
 """
 
 from __future__ import annotations
@@ -29,7 +34,10 @@ from cpplan.runtime.kernels.triton import pack
 
 VARIANTS = {"default": {}, "math_stage": {"ws_math_stage": True},
             "quantise": {"ws_quantise": True},
-            "math_stage + quantise": {"ws_math_stage": True, "ws_quantise": True}}
+            "math_stage + quantise": {"ws_math_stage": True, "ws_quantise": True},
+            "unroll": {"ws_unroll": True}, "tma_scales": {"ws_tma_scales": True},
+            "unroll + tma_scales": {"ws_unroll": True, "ws_tma_scales": True}}
+STAGING = ("default", "math_stage", "quantise", "math_stage + quantise")
 
 
 def by_turns(fns: dict, rounds: int) -> dict[str, float]:
@@ -41,7 +49,7 @@ def by_turns(fns: dict, rounds: int) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def case(T: int, N: int, rounds: int) -> bool:
+def case(T: int, N: int, rounds: int, names=STAGING) -> bool:
     """Prints the case's rows; returns whether every variant equals the default."""
     args, flops = bi.prefill_inputs(T, N)
     q, w, k, key_len, pcu = args[:5]
@@ -50,8 +58,8 @@ def case(T: int, N: int, rounds: int) -> bool:
     q8, w8 = pack.quantize_indexer_q(q, w)
     kp, ks = it.split_planes(k)
     keys = torch.empty(T, N, dtype=torch.int32, device="cuda")
-    for name, kw in VARIANTS.items():
-        tiles = it.IndexerTiles(**kw)
+    for name in names:
+        tiles = it.IndexerTiles(**VARIANTS[name])
         whole[name] = lambda tiles=tiles: it.indexer_topk_prefill(*args, max_keys=N, tiles=tiles)
         ok &= all(torch.equal(a, b) for a, b in zip(whole[name](), want))
         quant = tiles.ws_quantise
@@ -59,7 +67,7 @@ def case(T: int, N: int, rounds: int) -> bool:
             q if quant else q8, w if quant else w8, kp, ks, keys, N, key_len, pcu, N, 1, 1,
             tiles, quantise=quant)
     w_med, l_med = by_turns(whole, rounds), by_turns(logits, rounds)
-    for name in VARIANTS:
+    for name in names:
         print(f"| T {T} x N {N} | {name} | {w_med[name]:.1f} | "
               f"{w_med[name] / w_med['default']:.4f} | {l_med[name]:.1f} | "
               f"{flops / l_med[name] / 1e6:.0f} |", flush=True)
@@ -70,7 +78,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=5, help="rounds, each variant once a round")
     ap.add_argument("--cases", default="4096x32768,2048x65536,8192x8192", metavar="TxN,...")
+    ap.add_argument("--variants", default=",".join(STAGING[1:]), metavar="NAME,...",
+                    help=f"timed against the default: {', '.join(list(VARIANTS)[1:])}")
     a = ap.parse_args()
+    names = ["default", *(v.strip() for v in a.variants.split(",") if v.strip())]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants: got {', '.join(unknown)}; expected names among "
+                 f"{', '.join(list(VARIANTS)[1:])}")
     try:
         cases = [tuple(int(x) for x in c.split("x")) for c in a.cases.split(",")]
         if any(len(c) != 2 or min(c) < 1 for c in cases):
@@ -86,7 +101,7 @@ def main():
     print("| case | tiles | whole us | whole / default | logits us | logits TFLOP/s-eq |")
     print("|---|---|---:|---:|---:|---:|")
     bi.INPUTS = "integer"
-    ok = all([case(T, N, a.rounds) for T, N in cases])
+    ok = all([case(T, N, a.rounds, names) for T, N in cases])
     print(f"every variant equals the default: {ok}")
     raise SystemExit(0 if ok else 1)
 

@@ -56,10 +56,11 @@ def compile_logits(bq: int, bk: int, warps: int, stages: int, maxnreg: int, tma:
 
 def compile_ws(bq: int, math_warpgroups: int, stages: int, pipelined: bool = False,
                split: bool = False, epilogue: int = 1, quant: bool = False,
-               math_stage: bool = False):
+               math_stage: bool = False, unroll: bool = False, tma_scales: bool = False):
     """The compiled kernel (sm_90) of the warp-specialised Gluon logits, at the launcher's
     register budget (quant: a bf16 query quantised in the kernel; math_stage: each math
-    warpgroup copies its own queries)."""
+    warpgroup copies its own queries; unroll: the waited pass NS tiles a trip; tma_scales: the
+    key scales copied by TMA into the ring)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -70,11 +71,14 @@ def compile_ws(bq: int, math_warpgroups: int, stages: int, pipelined: bool = Fal
     cap, regs = ws._REGISTERS[math_warpgroups]
     const = {"W": 1, "I": 1, "BQ": bq, "HP": 64, "NM": math_warpgroups, "NS": stages,
              "MATH_REGS": regs, "EPI": epilogue, "PIPE": pipelined, "SPLIT": split, "QUANT": quant,
-             "STAGE": math_stage,
+             "STAGE": math_stage, "UNROLL": unroll, "TSC": tma_scales,
              "CQP": triton.next_power_of_2(bq * (math_warpgroups if split else 1))}
     ptrs = {**POINTERS, "q_ptr": "*bf16" if quant else "*fp8e4nv"}
-    sig = {n: "constexpr" if n in const else f"tensordesc<fp8e4nv[{ws.BOX}, 128],{layout!r}>"
-           if n == "kdesc" else ptrs.get(n, "i32") for n in fn.arg_names}
+    descs = {"kdesc": f"tensordesc<fp8e4nv[{ws.BOX}, 128],{layout!r}>",
+             "sdesc": f"tensordesc<fp32[{ws.BOX}],{ws.SCALE_LAYOUT!r}>" if tma_scales else
+             f"tensordesc<fp8e4nv[{ws.BOX}, 128],{layout!r}>"}
+    sig = {n: "constexpr" if n in const else descs.get(n) or ptrs.get(n, "i32")
+           for n in fn.arg_names}
     # 16-byte aligned pointers and strides that 16 divides, as the launcher's tensors give
     # (Triton specialises such ints at run time)
     aligned = [i for i, n in enumerate(fn.arg_names) if sig[n].startswith("*") or n in
@@ -92,21 +96,32 @@ def _tool(name: str) -> str:
     return path
 
 
-def loop_mix(sass: str) -> tuple[int, collections.Counter]:
-    """(lines, opcode counts) of the loop around the first tensor-core product: from the label
-    before it to the first branch after it."""
+def loop_mix(sass: str, per_tile: bool = False) -> tuple[float, collections.Counter]:
+    """(instructions, opcode counts) of the loop that holds the most tensor-core products:
+    from its label to the branch back to it; per_tile: divided by its key tiles (an unrolled
+    trip holds several; a tile's product is four 32-deep k-steps)."""
     lines = sass.splitlines()
-    first = next((i for i, s in enumerate(lines) if "GMMA" in s), None)
-    if first is None:
-        return 0, collections.Counter()
-    start = max(i for i in range(first) if re.match(r"^\.L_x_\d+:", lines[i]))
-    end = next(i for i in range(first, len(lines)) if "BRA" in lines[i])
-    ops = collections.Counter()
-    for s in lines[start:end + 1]:
-        m = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", s)
-        if m:
-            ops[m.group(1)] += 1
-    return sum(ops.values()), ops
+    loops = []  # (label's line, the branch back to it)
+    for i, s in enumerate(lines):
+        m = re.match(r"^(\.L_x_\d+):", s)
+        back = m and next((j for j in range(i + 1, len(lines))
+                           if "BRA" in lines[j] and f"`({m.group(1)})" in lines[j]), None)
+        if back:
+            loops.append((i, back))
+    best_ops = collections.Counter()
+    for i, j in loops:
+        if any(i <= a and b <= j and (a, b) != (i, j) for a, b in loops):
+            continue  # not an innermost loop
+        ops = collections.Counter()
+        for line in lines[i:j + 1]:
+            op = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+            if op:
+                ops[op.group(1)] += 1
+        if ops["QGMMA"] + ops["HGMMA"] > best_ops["QGMMA"] + best_ops["HGMMA"]:
+            best_ops = ops
+    tiles = max(1, (best_ops["QGMMA"] + best_ops["HGMMA"]) // 4) if per_tile else 1
+    per = collections.Counter({op: round(c / tiles, 2) for op, c in best_ops.items()})
+    return round(sum(best_ops.values()) / tiles, 2), per
 
 
 def main(argv=None) -> int:
@@ -130,6 +145,10 @@ def main(argv=None) -> int:
                     help="--ws: the bf16 query quantised in the kernel's prologue")
     ap.add_argument("--math-stage", action="store_true",
                     help="--ws --split: each math warpgroup copies its own queries")
+    ap.add_argument("--unroll", action="store_true",
+                    help="--ws: the waited pass unrolled by the ring's stages")
+    ap.add_argument("--tma-scales", action="store_true",
+                    help="--ws: the key scales copied by TMA with the keys")
     ap.add_argument("--ptx", help="write the PTX here")
     a = ap.parse_args(argv)
     if a.ws:  # its own defaults: the launcher's
@@ -137,7 +156,7 @@ def main(argv=None) -> int:
         a.stages = a.stages if "--stages" in given else 4
         a.bq = a.bq if "--bq" in given else 4
         k = compile_ws(a.bq, a.math_warpgroups, a.stages, a.pipelined, a.split,
-                       2 if a.scatter else 1, a.quant, a.math_stage)
+                       2 if a.scatter else 1, a.quant, a.math_stage, a.unroll, a.tma_scales)
     else:
         k = compile_logits(a.bq, a.bk, a.warps, a.stages, a.maxnreg, not a.copies)
     with tempfile.TemporaryDirectory() as tmp:
@@ -155,7 +174,7 @@ def main(argv=None) -> int:
         with open(a.ptx, "w") as f:
             f.write(k.asm["ptx"])
     usage = re.search(r"REG:(\d+) STACK:(\d+)", res)
-    n, ops = loop_mix(sass)
+    n, ops = loop_mix(sass, per_tile=a.ws)
     if a.ws:
         gmma = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", k.asm["ptx"])))
         nreg = sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", k.asm["ptx"])))
@@ -163,7 +182,9 @@ def main(argv=None) -> int:
               f"{a.math_warpgroups} math warpgroups, {a.stages} stages"
               f"{', pipelined' * a.pipelined}{', queries split' * a.split}"
               f"{', query quantised in the kernel' * a.quant}"
-              f"{', queries copied by the math warpgroups' * a.math_stage}; products "
+              f"{', queries copied by the math warpgroups' * a.math_stage}"
+              f"{', unrolled by stages' * a.unroll}"
+              f"{', scales by TMA' * a.tma_scales}; products "
               f"{', '.join(gmma)}; setmaxnreg {', '.join(f'{d} {r}' for d, r in nreg)}")
         # a wait for all products but one: two in flight (ptxas serialising the wgmmas leaves
         # only waits for none, one after each product)
@@ -178,7 +199,7 @@ def main(argv=None) -> int:
         loop = "key loop: {} instructions a thread a trip"
     print(f"registers {usage.group(1)}, stack {usage.group(2)} B, spill instructions "
           f"{len(re.findall(r'STL|LDL', sass))}, shared memory {k.metadata.shared} B")
-    print(loop.format(n) + ": " + ", ".join(f"{c} {op}" for op, c in ops.most_common()))
+    print(loop.format(f"{n:g}") + ": " + ", ".join(f"{c:g} {op}" for op, c in ops.most_common()))
     return 0
 
 if __name__ == "__main__":

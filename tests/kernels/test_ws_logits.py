@@ -104,6 +104,24 @@ def test_ws_logits_math_stage_equal_the_triton_kernel_and_the_reference(T, HI, P
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("T,HI,PT,W,I,nreq", SHAPES)
+@pytest.mark.parametrize("bq,nm,ns,split,scatter,parts,unroll,tsc", [
+    (2, 3, 4, True, True, None, True, True), (2, 3, 4, True, True, 8, True, False),
+    (2, 3, 3, True, True, None, False, True), (4, 2, 4, False, False, None, True, True),
+    (1, 3, 2, True, False, 5, True, True), (2, 4, 5, False, False, 1, True, False)])
+def test_ws_logits_unroll_and_tma_scales_equal_the_triton_kernel_and_the_reference(
+        T, HI, PT, W, I, nreq, bq, nm, ns, split, scatter, parts, unroll, tsc):
+    """The waited pass unrolled by the ring's stages (the tiles before its first stage 0 and
+    after its last whole trip one at a time: request boundaries start passes anywhere in the
+    ring) and the key scales copied by TMA with the keys: the same keys as the Triton kernel and
+    the reference, in split and key-split shapes, rings of 2 to 5 stages, cuts of the last
+    wave."""
+    _check_ws(T, HI, PT, W, I, nreq, block_q=bq, math_warpgroups=nm, stages=ns, split=split,
+              scatter=scatter, last_wave_parts=parts, unroll=unroll, tma_scales=tsc)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
 def test_ws_logits_scatter_sums_normal_inputs():
     """Normal inputs (sums rounded): the scattered epilogue's scores within rounding of the
     all-reduced one's (the same additions in the same order, but which of a thread's first
@@ -256,6 +274,7 @@ def test_prefill_indexer_takes_the_ws_logits_and_equals_the_reference():
     for tiles in (on, it.IndexerTiles(ws_min_keys=N, ws_quantise=True),
                   it.IndexerTiles(ws_min_keys=N, ws_math_stage=True),
                   it.IndexerTiles(ws_min_keys=N, ws_quantise=True, ws_math_stage=True),
+                  it.IndexerTiles(ws_min_keys=N, ws_unroll=True, ws_tma_scales=True),
                   it.IndexerTiles(logits_ws=False)):
         s, ids = it.indexer_topk_prefill(q, w, k, key_len, pcu, N, 1, 1, topk, max_keys=N,
                                          tiles=tiles)
@@ -301,7 +320,8 @@ def test_tiles_give_the_launch_its_knobs():
     ws = _gluon()
     opts = it.IndexerTiles().ws_launch_options()
     assert opts == {"block_q": 2, "math_warpgroups": 3, "stages": 4, "split": True,
-                    "scatter": True, "math_stage": False}
+                    "scatter": True, "math_stage": False, "unroll": False,
+                    "tma_scales": False}
     assert set(opts) <= set(ws.launch.__kwdefaults__)
     wide = it.IndexerTiles(ws_block_q=4, ws_math_warpgroups=2, ws_split=False,
                            ws_math_stage=True)
@@ -335,6 +355,14 @@ def test_ws_logits_layouts_and_refusals():
         ws.launch(q8, None, None, None, None, None, None, 16, 1, 1, stages=1)
     with pytest.raises(ValueError, match=r"math_stage: got split False; expected split"):
         ws.launch(q8, None, None, None, None, None, None, 16, 1, 1, math_stage=True)
+    with pytest.raises(ValueError, match=r"got pipelined with unroll True, tma_scales False; "
+                                         r"expected those with the waited pass only"):
+        ws.launch(q8, None, None, None, None, None, None, 16, 1, 1, block_q=2, pipelined=True,
+                  unroll=True)
+    with pytest.raises(ValueError, match=r"tma_scales: got key scales of shape \(8, 2\), "
+                                         r"strides \(2, 1\).*expected a contiguous 1-d"):
+        ws.launch(q8, None, None, torch.zeros(8, 2), None, None, None, 16, 1, 1,
+                  tma_scales=True)
 
 
 @pytest.mark.slow
@@ -375,10 +403,43 @@ def test_ws_logits_compile_for_sm90_without_spills(bq, nm, no_spill, pipe, split
     assert f"inc {ws._REGISTERS[nm][1]}" in text, text
     waits = re.search(r"wgmma waits: (\d+) for all products but one, (\d+) for all", text)
     assert waits and (int(waits.group(1)) > 0) == pipe, text
-    loop = re.search(r"math loop: (\d+) instructions a thread a tile: (.*)", text)
-    assert loop and int(loop.group(1)) > 0, text
+    loop = re.search(r"math loop: ([\d.]+) instructions a thread a tile: (.*)", text)
+    assert loop and float(loop.group(1)) > 0, text
     if no_spill:
         assert " LDL" not in loop.group(2) and " STL" not in loop.group(2), text
     if quant:
         assert "query quantised in the kernel" in text and "spill instructions 0," in text, text
     assert ("queries copied by the math warpgroups" in text) == stage, text
+
+
+@pytest.mark.slow
+def test_ws_logits_unroll_and_tma_scales_take_fewer_instructions_a_tile():
+    """``bench/sass.py --ws`` at the default configuration (3 x 2 split queries, quad sums
+    scattered) compiled for sm_90 offline as it is, unrolled by the ring's stages, with the key
+    scales copied by TMA, and both: no spills anywhere, and each knob takes fewer instructions
+    a thread a tile from the math loop than the default (both fewer than either alone): the
+    stage and phase arithmetic and the scale's global load and mask are what they remove."""
+    import sys
+    from pathlib import Path
+
+    _gluon()
+    try:
+        from triton.experimental.gluon._runtime import GluonASTSource  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"no Gluon AST source in this Triton: {e}")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    per_tile = {}
+    for flags in ((), ("--unroll",), ("--tma-scales",), ("--unroll", "--tma-scales")):
+        out = subprocess.run([sys.executable, str(root / "bench" / "sass.py"), "--ws", "--bq", "2",
+                              "--math-warpgroups", "3", "--split", "--scatter", *flags],
+                             capture_output=True, text=True, env=env, cwd=root, timeout=240)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "spill instructions 0," in out.stdout, out.stdout
+        loop = re.search(r"math loop: ([\d.]+) instructions a thread a tile", out.stdout)
+        assert loop, out.stdout
+        per_tile[flags] = float(loop.group(1))
+    base, both = per_tile[()], per_tile[("--unroll", "--tma-scales")]
+    assert per_tile[("--unroll",)] < base and per_tile[("--tma-scales",)] < base, per_tile
+    assert both < min(per_tile[("--unroll",)], per_tile[("--tma-scales",)]), per_tile
