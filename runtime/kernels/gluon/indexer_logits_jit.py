@@ -23,7 +23,9 @@ queries (N 128). Here, one CTA a SM at a time:
   reducing all four (8 shuffles and adds, then four stores a thread of which three masked),
   the partials go through a warp's 512 bytes of shared memory transposed (``QUAD_T``: one
   store, one ldmatrix) and each lane adds up one (key, query), scales and stores it: 174
-  instructions a thread a tile against 224 (ReLU and the weighted sums are 128 of them);
+  instructions a thread a tile against 224 as counted then, from the product to the branch
+  (189 with the ring wait's set-up, as ``bench/sass.py`` counts now; ReLU and the weighted
+  sums are 128 of them);
 - ``SPLIT`` (the default of ``indexer_tiled.IndexerTiles``, 3 x 2 queries): the math
   warpgroups split the CTA's queries instead of its keys: ``NM x BQ`` queries a CTA, tiles of
   one box of 64 keys that every math warpgroup multiplies by its own BQ queries (its slice of
@@ -45,6 +47,16 @@ queries (N 128). Here, one CTA a SM at a time:
   without it the loader's warpgroup copies every block's rows before the partitions start.
   Neither QUANT nor STAGE is a clear gain at T 4096 x N 32768 (bench/RESULTS.md, "thirty-sixth
   session"): the copy is not where the kernel's time goes.
+- ``UNROLL`` (the waited pass): a trip of NS tiles, one a ring stage, in straight-line code, so
+  each stage's barriers and shared-memory descriptors are compile-time constants instead of
+  computed from the ring's count every tile (the tiles before the pass's first stage 0 and
+  after its last whole trip one at a time);
+- ``TSC``: the loader copies each box's 64 key scales by TMA (a 1-d descriptor ``sdesc``, the
+  same ready barrier) into ``sring`` beside the keys, and the math warpgroups read them there
+  (before the stage's free arrive, which releases the read) instead of a masked global load a
+  tile ahead. Offline (Triton 3.6, ``bench/sass.py --ws``), the default's math loop takes 189
+  instructions a thread a tile, UNROLL 180, TSC 181, both 169 (132 of them the ReLU, weights,
+  sums and scale).
 
 Measured on the H200 (bench/RESULTS.md, "the warp-specialised Gluon prefill logits", "the
 math warpgroups split the queries" and "the quad sums scattered"): with the epilogue replaced
