@@ -323,20 +323,21 @@ def _pass_waited(ring, sring, ready, free, q_smem, zero, w, ks_ptr, optr, n, min
                                  HP, NB, EPI, BX, TSC, KEY)
             c = c + NB * SUB
             it += 1
-        for _ in range((t_hi - t_lo - head) // NS):
-            ph = (it // NS) & 1
-            for s in gl.static_range(NS):
+        if UNROLL:  # whole trips of NS tiles from stage 0, then the rest
+            for _ in range((t_hi - t_lo - head) // NS):
+                ph = (it // NS) & 1
+                for s in gl.static_range(NS):
+                    scale = _tile_waited(ring, sring, ready, free, q_smem, zero, w, ks_ptr, optr, n,
+                                         mine, c, s, ph, scale, pq, hi, PT, W, I, BQ, HP, NB, EPI,
+                                         BX, TSC, KEY)
+                    c = c + NB * SUB
+                it += NS
+            for _ in range((t_hi - t_lo - head) % NS):
                 scale = _tile_waited(ring, sring, ready, free, q_smem, zero, w, ks_ptr, optr, n,
-                                     mine, c, s, ph, scale, pq, hi, PT, W, I, BQ, HP, NB, EPI,
-                                     BX, TSC, KEY)
+                                     mine, c, it % NS, (it // NS) & 1, scale, pq, hi, PT, W, I, BQ,
+                                     HP, NB, EPI, BX, TSC, KEY)
                 c = c + NB * SUB
-            it += NS
-        for _ in range((t_hi - t_lo - head) % NS):
-            scale = _tile_waited(ring, sring, ready, free, q_smem, zero, w, ks_ptr, optr, n,
-                                 mine, c, it % NS, (it // NS) & 1, scale, pq, hi, PT, W, I, BQ,
-                                 HP, NB, EPI, BX, TSC, KEY)
-            c = c + NB * SUB
-            it += 1
+                it += 1
     else:
         for t in range(t_lo, t_hi):
             acc = _product(ring, ready, q_smem, zero, it, NB, NS, BX)
