@@ -105,19 +105,17 @@ def test_ws_logits_math_stage_equal_the_triton_kernel_and_the_reference(T, HI, P
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
 @pytest.mark.parametrize("T,HI,PT,W,I,nreq", SHAPES)
-@pytest.mark.parametrize("bq,nm,ns,split,scatter,parts,unroll,tsc", [
-    (2, 3, 4, True, True, None, True, True), (2, 3, 4, True, True, 8, True, False),
-    (2, 3, 3, True, True, None, False, True), (4, 2, 4, False, False, None, True, True),
-    (1, 3, 2, True, False, 5, True, True), (2, 4, 5, False, False, 1, True, False)])
-def test_ws_logits_unroll_and_tma_scales_equal_the_triton_kernel_and_the_reference(
-        T, HI, PT, W, I, nreq, bq, nm, ns, split, scatter, parts, unroll, tsc):
+@pytest.mark.parametrize("bq,nm,ns,split,scatter,parts", [
+    (2, 3, 4, True, True, None), (2, 3, 4, True, True, 8), (2, 3, 3, True, True, None),
+    (4, 2, 4, False, False, None), (1, 3, 2, True, False, 5), (2, 4, 5, False, False, 1)])
+def test_ws_logits_unroll_equal_the_triton_kernel_and_the_reference(T, HI, PT, W, I, nreq, bq, nm,
+                                                                    ns, split, scatter, parts):
     """The waited pass unrolled by the ring's stages (the tiles before its first stage 0 and
     after its last whole trip one at a time: request boundaries start passes anywhere in the
-    ring) and the key scales copied by TMA with the keys: the same keys as the Triton kernel and
-    the reference, in split and key-split shapes, rings of 2 to 5 stages, cuts of the last
-    wave."""
+    ring): the same keys as the Triton kernel and the reference, in split and key-split shapes,
+    rings of 2 to 5 stages, cuts of the last wave."""
     _check_ws(T, HI, PT, W, I, nreq, block_q=bq, math_warpgroups=nm, stages=ns, split=split,
-              scatter=scatter, last_wave_parts=parts, unroll=unroll, tma_scales=tsc)
+              scatter=scatter, last_wave_parts=parts, unroll=True)
 
 
 @pytest.mark.gpu
@@ -274,7 +272,7 @@ def test_prefill_indexer_takes_the_ws_logits_and_equals_the_reference():
     for tiles in (on, it.IndexerTiles(ws_min_keys=N, ws_quantise=True),
                   it.IndexerTiles(ws_min_keys=N, ws_math_stage=True),
                   it.IndexerTiles(ws_min_keys=N, ws_quantise=True, ws_math_stage=True),
-                  it.IndexerTiles(ws_min_keys=N, ws_unroll=True, ws_tma_scales=True),
+                  it.IndexerTiles(ws_min_keys=N, ws_unroll=True),
                   it.IndexerTiles(logits_ws=False)):
         s, ids = it.indexer_topk_prefill(q, w, k, key_len, pcu, N, 1, 1, topk, max_keys=N,
                                          tiles=tiles)
@@ -320,8 +318,7 @@ def test_tiles_give_the_launch_its_knobs():
     ws = _gluon()
     opts = it.IndexerTiles().ws_launch_options()
     assert opts == {"block_q": 2, "math_warpgroups": 3, "stages": 4, "split": True,
-                    "scatter": True, "math_stage": False, "unroll": False,
-                    "tma_scales": False}
+                    "scatter": True, "math_stage": False, "unroll": False}
     assert set(opts) <= set(ws.launch.__kwdefaults__)
     wide = it.IndexerTiles(ws_block_q=4, ws_math_warpgroups=2, ws_split=False,
                            ws_math_stage=True)
@@ -355,14 +352,10 @@ def test_ws_logits_layouts_and_refusals():
         ws.launch(q8, None, None, None, None, None, None, 16, 1, 1, stages=1)
     with pytest.raises(ValueError, match=r"math_stage: got split False; expected split"):
         ws.launch(q8, None, None, None, None, None, None, 16, 1, 1, math_stage=True)
-    with pytest.raises(ValueError, match=r"got pipelined with unroll True, tma_scales False; "
-                                         r"expected those with the waited pass only"):
+    with pytest.raises(ValueError, match=r"got pipelined and unroll; expected unroll with the "
+                                         r"waited pass only"):
         ws.launch(q8, None, None, None, None, None, None, 16, 1, 1, block_q=2, pipelined=True,
                   unroll=True)
-    with pytest.raises(ValueError, match=r"tma_scales: got key scales of shape \(8, 2\), "
-                                         r"strides \(2, 1\).*expected a contiguous 1-d"):
-        ws.launch(q8, None, None, torch.zeros(8, 2), None, None, None, 16, 1, 1,
-                  tma_scales=True)
 
 
 @pytest.mark.slow
@@ -413,12 +406,11 @@ def test_ws_logits_compile_for_sm90_without_spills(bq, nm, no_spill, pipe, split
 
 
 @pytest.mark.slow
-def test_ws_logits_unroll_and_tma_scales_take_fewer_instructions_a_tile():
+def test_ws_logits_unroll_takes_fewer_instructions_a_tile():
     """``bench/sass.py --ws`` at the default configuration (3 x 2 split queries, quad sums
-    scattered) compiled for sm_90 offline as it is, unrolled by the ring's stages, with the key
-    scales copied by TMA, and both: no spills anywhere, and each knob takes fewer instructions
-    a thread a tile from the math loop than the default (both fewer than either alone): the
-    stage and phase arithmetic and the scale's global load and mask are what they remove."""
+    scattered) compiled for sm_90 offline as it is and unrolled by the ring's stages: no
+    spills either way, and the unrolled math loop takes fewer instructions a thread a tile
+    (the stage and phase arithmetic a tile is what it removes)."""
     import sys
     from pathlib import Path
 
@@ -431,7 +423,7 @@ def test_ws_logits_unroll_and_tma_scales_take_fewer_instructions_a_tile():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     per_tile = {}
-    for flags in ((), ("--unroll",), ("--tma-scales",), ("--unroll", "--tma-scales")):
+    for flags in ((), ("--unroll",)):
         out = subprocess.run([sys.executable, str(root / "bench" / "sass.py"), "--ws", "--bq", "2",
                               "--math-warpgroups", "3", "--split", "--scatter", *flags],
                              capture_output=True, text=True, env=env, cwd=root, timeout=240)
@@ -440,6 +432,4 @@ def test_ws_logits_unroll_and_tma_scales_take_fewer_instructions_a_tile():
         loop = re.search(r"math loop: ([\d.]+) instructions a thread a tile", out.stdout)
         assert loop, out.stdout
         per_tile[flags] = float(loop.group(1))
-    base, both = per_tile[()], per_tile[("--unroll", "--tma-scales")]
-    assert per_tile[("--unroll",)] < base and per_tile[("--tma-scales",)] < base, per_tile
-    assert both < min(per_tile[("--unroll",)], per_tile[("--tma-scales",)]), per_tile
+    assert per_tile[("--unroll",)] < per_tile[()], per_tile

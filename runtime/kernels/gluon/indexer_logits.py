@@ -17,8 +17,6 @@ from . import indexer_logits_jit as ljit
 
 BOX = 64  # key rows a TMA box: the M of one math warpgroup's product
 MAX_COLUMNS = 256  # block_q x padded heads: the N of one wgmma
-# a box of 64 float32 key scales in shared memory (a TMA destination, no swizzle)
-SCALE_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 # (kernel register cap, registers of a math warpgroup) by math warpgroups: the CTA's warpgroups
 # (the loader's and the math ones) share the 64K registers; the loader keeps what is left
 _REGISTERS = {2: (168, 240), 3: (128, 152), 4: (96, 112)}
@@ -47,7 +45,7 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
            math_warpgroups: int = 2, stages: int = 4, pipelined: bool = False,
            split: bool = False, scatter: bool = False, last_wave_parts: int | None = None,
            quantise: bool = False, math_stage: bool = False, unroll: bool = False,
-           tma_scales: bool = False, _probe: bool = False) -> None:
+           _probe: bool = False) -> None:
     """Prefill int32 keys ``out [T, >= max lens]`` (``indexer_tiled._logits_planar``'s
     contract): q8 ``[T, HI, 128]`` float8_e4m3fn, weights ``[T, HI]`` float32 (the query's
     scales folded in), the key planes ``kp [R, 128]`` float8_e4m3fn (contiguous) and ``ks [R]``
@@ -71,9 +69,7 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
     the loader's warpgroup copying the CTA's queries before the partitions start. ``unroll``
     (not ``pipelined``): the math warpgroups' loop runs ``stages`` tiles a trip, each ring
     stage's barriers and descriptors fixed at compile time, instead of computed a tile.
-    ``tma_scales`` (not ``pipelined``; ``ks`` contiguous and 16-byte aligned): the loader copies
-    each box's 64 key scales by TMA with its keys, and the math warpgroups read them from the
-    ring instead of loading them from global memory a tile ahead. ``_probe`` (bench only): the
+    ``_probe`` (bench only): the
     epilogue left out, so the time is the products' and the pipeline's (keys not written)."""
     T, HI, _ = q8.shape
     columns = block_q * padded_heads(HI)
@@ -100,31 +96,22 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
     if math_stage and not split:
         raise ValueError(f"warp-specialised logits, math_stage: got split {split}; expected "
                          f"split (each math warpgroup owns the queries it copies)")
-    if pipelined and (unroll or tma_scales):
-        raise ValueError(f"warp-specialised logits: got pipelined with unroll {unroll}, "
-                         f"tma_scales {tma_scales}; expected those with the waited pass only")
-    if tma_scales and (ks.dim() != 1 or ks.stride(0) != 1 or ks.data_ptr() % 16):
-        raise ValueError(f"warp-specialised logits, tma_scales: got key scales of shape "
-                         f"{tuple(ks.shape)}, strides {tuple(ks.stride())}, address "
-                         f"{ks.data_ptr()} mod 16 = {ks.data_ptr() % 16}; expected a "
-                         f"contiguous 1-d float32 tensor at a 16-byte aligned address (a TMA "
-                         f"source)")
+    if pipelined and unroll:
+        raise ValueError("warp-specialised logits: got pipelined and unroll; expected unroll "
+                         "with the waited pass only")
     if T == 0:
         return
     layout = gl.NVMMASharedLayout.get_default_for([BOX, 128], gl.float8e4nv)
     kdesc = TensorDescriptor.from_tensor(kp, [BOX, 128], layout)
-    # the scales' boxes by TMA, or (unused) the keys' descriptor again
-    sdesc = TensorDescriptor.from_tensor(ks, [BOX], SCALE_LAYOUT) if tma_scales else kdesc
     cap, regs = _REGISTERS[math_warpgroups]
     cta_queries = block_q * (math_warpgroups if split else 1)
     blocks = triton.cdiv(T, cta_queries)
     whole, parts = last_wave_split(blocks, _sms(q8.device), last_wave_parts)
     ljit.ws_logits_kernel[(whole + (blocks - whole) * parts,)](
-        q8, weights, kdesc, sdesc, ks, out, lens, pcu, q8.stride(0), q8.stride(1), weights.stride(0),
+        q8, weights, kdesc, ks, out, lens, pcu, q8.stride(0), q8.stride(1), weights.stride(0),
         out.stride(0), T, HI, PT, whole, parts, W=W, I=I, BQ=block_q, HP=padded_heads(HI),
         NM=math_warpgroups, NS=stages, MATH_REGS=regs, EPI=0 if _probe else 2 if scatter else 1,
         PIPE=pipelined, SPLIT=split, QUANT=quantise, STAGE=math_stage, UNROLL=unroll,
-        TSC=tma_scales,
         CQP=triton.next_power_of_2(cta_queries), num_warps=4, maxnreg=cap)
 
 

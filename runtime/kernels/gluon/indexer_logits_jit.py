@@ -51,12 +51,8 @@ queries (N 128). Here, one CTA a SM at a time:
   each stage's barriers and shared-memory descriptors are compile-time constants instead of
   computed from the ring's count every tile (the tiles before the pass's first stage 0 and
   after its last whole trip one at a time);
-- ``TSC``: the loader copies each box's 64 key scales by TMA (a 1-d descriptor ``sdesc``, the
-  same ready barrier) into ``sring`` beside the keys, and the math warpgroups read them there
-  (before the stage's free arrive, which releases the read) instead of a masked global load a
-  tile ahead. Offline (Triton 3.6, ``bench/sass.py --ws``), the default's math loop takes 189
-  instructions a thread a tile, UNROLL 180, TSC 181, both 169 (132 of them the ReLU, weights,
-  sums and scale).
+  Offline (Triton 3.6, ``bench/sass.py --ws``) the default's math loop takes 189 instructions
+  a thread a tile, UNROLL's 180 (132 of them the ReLU, weights, sums and scale).
 
 Measured on the H200 (bench/RESULTS.md, "the warp-specialised Gluon prefill logits", "the
 math warpgroups split the queries" and "the quad sums scattered"): with the epilogue replaced
@@ -123,28 +119,23 @@ def _pass_start(qi, pcu_ptr, j0, T, p_lo, shared):
 
 
 @gluon.jit
-def _loader(kdesc, sdesc, ring, sring, ready, free, pcu_ptr, j0, T, PT, t_lo, t_hi, p_lo,
-            shared, W: gl.constexpr, I: gl.constexpr, CQ: gl.constexpr, NB: gl.constexpr,
-            NS: gl.constexpr, TSC: gl.constexpr):
+def _loader(kdesc, ring, ready, free, pcu_ptr, j0, T, PT, t_lo, t_hi, p_lo, shared,
+            W: gl.constexpr, I: gl.constexpr, CQ: gl.constexpr, NB: gl.constexpr,
+            NS: gl.constexpr):
     """The CTA's first warpgroup (one thread issues the copies): every tile's NB boxes of 64
     key rows into ring stage ``it % NS`` once the math warpgroups have freed it (the first NS
-    stages are free from the start), with TSC each box's 64 scales too (``sdesc`` into
-    ``sring``): the CTA's tiles t_lo .. t_hi - 1; CQ: the CTA's queries (a pass each where
-    they are not one request's)."""
-    NBYTES: gl.constexpr = NB * (kdesc.block_type.nbytes + (sdesc.block_type.nbytes if TSC
-                                                             else 0))
+    stages are free from the start): the CTA's tiles t_lo .. t_hi - 1; CQ: the CTA's queries
+    (a pass each where they are not one request's)."""
     it = 0
     for qi in range(gl.where(shared, 1, CQ)):
         pq = _pass_start(qi, pcu_ptr, j0, T, p_lo, shared)
         for t in range(t_lo, t_hi):
             s = it % NS
             mbarrier.wait(free.index(s), ((it // NS) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), NBYTES)
+            mbarrier.expect(ready.index(s), NB * kdesc.block_type.nbytes)
             for m in gl.static_range(NB):
-                r = _prefill_rows(t * (NB * SUB) + m * SUB, pq, PT, W, I).to(gl.int32)
-                _tma_load(kdesc, [r, 0], ready.index(s), ring.index(s * NB + m))
-                if TSC:
-                    _tma_load(sdesc, [r], ready.index(s), sring.index(s * NB + m))
+                r = _prefill_rows(t * (NB * SUB) + m * SUB, pq, PT, W, I)
+                _tma_load(kdesc, [r.to(gl.int32), 0], ready.index(s), ring.index(s * NB + m))
             it += 1
 
 
@@ -221,12 +212,12 @@ def _stage_queries(q_ptr, w_ptr, q_dst, w_dst, j, T, HI, stride_qt, stride_qh, s
 
 
 @gluon.jit
-def _math(q_ptr, q_smem, w_smem, ring, sring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
-          pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo,
-          shared, W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr, HP: gl.constexpr,
+def _math(q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0,
+          T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared,
+          W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr, HP: gl.constexpr,
           NM: gl.constexpr, NS: gl.constexpr, EPI: gl.constexpr, PIPE: gl.constexpr,
           SPLIT: gl.constexpr, QUANT: gl.constexpr, STAGE: gl.constexpr, UNROLL: gl.constexpr,
-          TSC: gl.constexpr, WG: gl.constexpr):
+          WG: gl.constexpr):
     """Math warpgroup WG: keys WG x 64 .. WG x 64 + 63 of every tile and all BQ queries, or
     with SPLIT all 64 keys of every tile and queries WG x BQ .. WG x BQ + BQ - 1; a pass a
     request (``_pass_waited``, or with PIPE ``_pass_pipelined``). Its head weights from
@@ -272,30 +263,22 @@ def _math(q_ptr, q_smem, w_smem, ring, sring, ready, free, w_ptr, ks_ptr, out_pt
             it = _pass_pipelined(ring, ready, free, q_mine, zero, w, ks_ptr, optr, n, mine, k0,
                                  t_lo, t_hi, it, pq, hi, PT, W, I, BQ, HP, NB, NS, EPI, BX)
         else:
-            it = _pass_waited(ring, sring, ready, free, q_mine, zero, w, ks_ptr, optr, n, mine,
-                              k0, t_lo, t_hi, it, pq, hi, PT, W, I, BQ, HP, NB, NS, EPI, BX,
-                              UNROLL, TSC, KEY)
+            it = _pass_waited(ring, ready, free, q_mine, zero, w, ks_ptr, optr, n, mine, k0,
+                              t_lo, t_hi, it, pq, hi, PT, W, I, BQ, HP, NB, NS, EPI, BX, UNROLL)
 
 
 @gluon.jit
-def _tile_waited(ring, sring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, c, s, ph,
-                 scale, pq, hi, PT, W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr,
-                 HP: gl.constexpr, NB: gl.constexpr, EPI: gl.constexpr, BX: gl.constexpr,
-                 TSC: gl.constexpr, KEY: gl.constexpr):
+def _tile_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, c, s, ph, scale, pq,
+                 hi, PT, W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr, HP: gl.constexpr,
+                 NB: gl.constexpr, EPI: gl.constexpr, BX: gl.constexpr):
     """One tile of a waited pass (keys c, ring stage s at phase ph): the product issued once
-    the tile has landed, the next tile's scales loaded under it (with TSC this tile's, from
-    the stage's copy in ``sring``: read before the stage is freed, whose arrive releases it),
-    the product waited on, the stage freed, the epilogue; returns the next tile's scales. s is
-    a constexpr in an unrolled trip (the stage's descriptors and barriers then fixed at compile
-    time)."""
+    the tile has landed, the next tile's scales loaded under it, the product waited on, the
+    stage freed, the epilogue; returns the next tile's scales. s is a constexpr in an unrolled
+    trip (the stage's descriptors and barriers then fixed at compile time)."""
     mbarrier.wait(ready.index(s), ph)
     acc = warpgroup_mma(ring.index(s * NB + BX), q_smem.permute((1, 0)), zero, use_acc=False,
                         is_async=True)
-    if TSC:
-        scale = sring.index(s * NB + BX).load(KEY)
-        scale_nxt = scale
-    else:
-        scale_nxt = _scales(ks_ptr, c + NB * SUB, hi, pq, PT, W, I)
+    scale_nxt = _scales(ks_ptr, c + NB * SUB, hi, pq, PT, W, I)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(free.index(s), count=1)
     _finish(acc, w, scale, c, n, mine, optr, BQ, HP, EPI)
@@ -303,39 +286,38 @@ def _tile_waited(ring, sring, ready, free, q_smem, zero, w, ks_ptr, optr, n, min
 
 
 @gluon.jit
-def _pass_waited(ring, sring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k0, t_lo,
-                 t_hi, it, pq, hi, PT, W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr,
+def _pass_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k0, t_lo, t_hi, it,
+                 pq, hi, PT, W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr,
                  HP: gl.constexpr, NB: gl.constexpr, NS: gl.constexpr, EPI: gl.constexpr,
-                 BX: gl.constexpr, UNROLL: gl.constexpr, TSC: gl.constexpr, KEY: gl.constexpr):
+                 BX: gl.constexpr, UNROLL: gl.constexpr):
     """One pass of a math warpgroup over its keys of tiles t_lo .. t_hi - 1, each product
     waited on before its epilogue (the next tile's scales loaded under it); returns the ring's
     count past the pass. UNROLL: the tiles from the first at ring stage 0 on run NS a trip,
     stage by stage in straight-line code (no stage or phase arithmetic a tile; the tiles
-    before and after it one at a time). TSC: each tile's scales from the ring (``sring``)."""
+    before and after it one at a time)."""
     scale = _scales(ks_ptr, t_lo * (NB * SUB) + k0, hi, pq, PT, W, I)
-    if UNROLL or TSC:
+    if UNROLL:
         c = t_lo * (NB * SUB) + k0
-        # the tiles up to the ring's stage 0 (all of them without UNROLL)
-        head = gl.minimum((NS - it % NS) % NS, t_hi - t_lo) if UNROLL else t_hi - t_lo
+        head = gl.minimum((NS - it % NS) % NS, t_hi - t_lo)  # the tiles up to ring stage 0
         for _ in range(head):
-            scale = _tile_waited(ring, sring, ready, free, q_smem, zero, w, ks_ptr, optr, n,
-                                 mine, c, it % NS, (it // NS) & 1, scale, pq, hi, PT, W, I, BQ,
-                                 HP, NB, EPI, BX, TSC, KEY)
+            scale = _tile_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, c,
+                                 it % NS, (it // NS) & 1, scale, pq, hi, PT, W, I, BQ, HP, NB,
+                                 EPI, BX)
             c = c + NB * SUB
             it += 1
         if UNROLL:  # whole trips of NS tiles from stage 0, then the rest
             for _ in range((t_hi - t_lo - head) // NS):
                 ph = (it // NS) & 1
                 for s in gl.static_range(NS):
-                    scale = _tile_waited(ring, sring, ready, free, q_smem, zero, w, ks_ptr, optr, n,
-                                         mine, c, s, ph, scale, pq, hi, PT, W, I, BQ, HP, NB, EPI,
-                                         BX, TSC, KEY)
+                    scale = _tile_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr,
+                                         n, mine, c, s, ph, scale, pq, hi, PT, W, I, BQ, HP, NB,
+                                         EPI, BX)
                     c = c + NB * SUB
                 it += NS
             for _ in range((t_hi - t_lo - head) % NS):
-                scale = _tile_waited(ring, sring, ready, free, q_smem, zero, w, ks_ptr, optr, n,
-                                     mine, c, it % NS, (it // NS) & 1, scale, pq, hi, PT, W, I, BQ,
-                                     HP, NB, EPI, BX, TSC, KEY)
+                scale = _tile_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine,
+                                     c, it % NS, (it // NS) & 1, scale, pq, hi, PT, W, I, BQ, HP,
+                                     NB, EPI, BX)
                 c = c + NB * SUB
                 it += 1
     else:
@@ -398,14 +380,13 @@ def _pass_pipelined(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k
 
 
 @gluon.jit(do_not_specialize=["len_ptr", "pcu_ptr", "T", "PT", "F", "P"])
-def ws_logits_kernel(q_ptr, w_ptr, kdesc, sdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
+def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
                      stride_qt, stride_qh, stride_wt, stride_ot, T, HI, PT, F, P,
                      W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr, HP: gl.constexpr,
                      NM: gl.constexpr, NS: gl.constexpr, MATH_REGS: gl.constexpr,
                      CQP: gl.constexpr, EPI: gl.constexpr = True, PIPE: gl.constexpr = False,
                      SPLIT: gl.constexpr = False, QUANT: gl.constexpr = False,
-                     STAGE: gl.constexpr = False, UNROLL: gl.constexpr = False,
-                     TSC: gl.constexpr = False):
+                     STAGE: gl.constexpr = False, UNROLL: gl.constexpr = False):
     """One CTA a block of BQ queries, or with SPLIT NM x BQ (the last blocks first: a
     prefill's later queries have the most keys, longest processing time first). kdesc: a TMA
     descriptor over the value plane ``[R, 128]`` fp8 with boxes of ``[64, 128]``; CQP: the
@@ -416,7 +397,7 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, sdesc, ks_ptr, out_ptr, len_ptr, pcu_p
     only): each math warpgroup copies its own queries as it starts, under the loader's first
     key copies, instead of the loader's warpgroup copying them all before the partitions."""
     gl.static_assert(SPLIT or not STAGE, "STAGE: the math warpgroups own their queries (SPLIT)")
-    gl.static_assert(not (PIPE and (UNROLL or TSC)), "UNROLL, TSC: the waited pass only")
+    gl.static_assert(not (PIPE and UNROLL), "UNROLL: the waited pass only")
     N: gl.constexpr = BQ * HP  # a product's columns
     NB: gl.constexpr = 1 if SPLIT else NM  # boxes of 64 keys a tile
     CQ: gl.constexpr = NM * BQ if SPLIT else BQ  # the CTA's queries
@@ -443,10 +424,6 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, sdesc, ks_ptr, out_ptr, len_ptr, pcu_p
             if g + 1 < CQ // BQ:  # one block's copy in registers at a time
                 _cta_barrier()
     ring = gl.allocate_shared_memory(gl.float8e4nv, [NS * NB, SUB, 128], kdesc.layout)
-    if TSC:  # each box's 64 key scales, copied with it
-        sring = gl.allocate_shared_memory(gl.float32, [NS * NB, SUB], sdesc.layout)
-    else:
-        sring = ring  # (unused)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NS):
@@ -469,53 +446,53 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, sdesc, ks_ptr, out_ptr, len_ptr, pcu_p
     # tuple held in a variable, or built by concatenation, turns its constexprs into tensors.
     if NM == 2:
         gl.warp_specialize([
-            (_loader, (kdesc, sdesc, ring, sring, ready, free, pcu_ptr, j0, T, PT, t_lo, t_hi,
-                       p_lo, shared, W, I, CQ, NB, NS, TSC)),
-            (_math, (q_ptr, q_smem, w_smem, ring, sring, ready, free, w_ptr, ks_ptr, out_ptr,
-                     len_ptr, pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot,
-                     hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
-                     STAGE, UNROLL, TSC, 0)),
-            (_math, (q_ptr, q_smem, w_smem, ring, sring, ready, free, w_ptr, ks_ptr, out_ptr,
-                     len_ptr, pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot,
-                     hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
-                     STAGE, UNROLL, TSC, 1)),
+            (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, t_lo, t_hi, p_lo, shared, W,
+                       I, CQ, NB, NS)),
+            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
+                     pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
+                     t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
+                     STAGE, UNROLL, 0)),
+            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
+                     pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
+                     t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
+                     STAGE, UNROLL, 1)),
         ], [4, 4], [MATH_REGS, MATH_REGS])
     elif NM == 3:
         gl.warp_specialize([
-            (_loader, (kdesc, sdesc, ring, sring, ready, free, pcu_ptr, j0, T, PT, t_lo, t_hi,
-                       p_lo, shared, W, I, CQ, NB, NS, TSC)),
-            (_math, (q_ptr, q_smem, w_smem, ring, sring, ready, free, w_ptr, ks_ptr, out_ptr,
-                     len_ptr, pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot,
-                     hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
-                     STAGE, UNROLL, TSC, 0)),
-            (_math, (q_ptr, q_smem, w_smem, ring, sring, ready, free, w_ptr, ks_ptr, out_ptr,
-                     len_ptr, pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot,
-                     hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
-                     STAGE, UNROLL, TSC, 1)),
-            (_math, (q_ptr, q_smem, w_smem, ring, sring, ready, free, w_ptr, ks_ptr, out_ptr,
-                     len_ptr, pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot,
-                     hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
-                     STAGE, UNROLL, TSC, 2)),
+            (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, t_lo, t_hi, p_lo, shared, W,
+                       I, CQ, NB, NS)),
+            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
+                     pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
+                     t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
+                     STAGE, UNROLL, 0)),
+            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
+                     pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
+                     t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
+                     STAGE, UNROLL, 1)),
+            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
+                     pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
+                     t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
+                     STAGE, UNROLL, 2)),
         ], [4, 4, 4], [MATH_REGS, MATH_REGS, MATH_REGS])
     else:
         gl.static_assert(NM == 4, "NM: 2, 3 or 4 math warpgroups")
         gl.warp_specialize([
-            (_loader, (kdesc, sdesc, ring, sring, ready, free, pcu_ptr, j0, T, PT, t_lo, t_hi,
-                       p_lo, shared, W, I, CQ, NB, NS, TSC)),
-            (_math, (q_ptr, q_smem, w_smem, ring, sring, ready, free, w_ptr, ks_ptr, out_ptr,
-                     len_ptr, pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot,
-                     hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
-                     STAGE, UNROLL, TSC, 0)),
-            (_math, (q_ptr, q_smem, w_smem, ring, sring, ready, free, w_ptr, ks_ptr, out_ptr,
-                     len_ptr, pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot,
-                     hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
-                     STAGE, UNROLL, TSC, 1)),
-            (_math, (q_ptr, q_smem, w_smem, ring, sring, ready, free, w_ptr, ks_ptr, out_ptr,
-                     len_ptr, pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot,
-                     hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
-                     STAGE, UNROLL, TSC, 2)),
-            (_math, (q_ptr, q_smem, w_smem, ring, sring, ready, free, w_ptr, ks_ptr, out_ptr,
-                     len_ptr, pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot,
-                     hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
-                     STAGE, UNROLL, TSC, 3)),
+            (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, t_lo, t_hi, p_lo, shared, W,
+                       I, CQ, NB, NS)),
+            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
+                     pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
+                     t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
+                     STAGE, UNROLL, 0)),
+            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
+                     pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
+                     t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
+                     STAGE, UNROLL, 1)),
+            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
+                     pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
+                     t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
+                     STAGE, UNROLL, 2)),
+            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
+                     pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
+                     t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
+                     STAGE, UNROLL, 3)),
         ], [4, 4, 4, 4], [MATH_REGS, MATH_REGS, MATH_REGS, MATH_REGS])

@@ -88,8 +88,6 @@ class IndexerTiles:
     ws_unroll: bool = False  # the math warpgroups' loop a ring's stages a trip (the stages'
     # barriers and descriptors fixed at compile time: 180 instructions a thread a tile offline
     # against 189)
-    ws_tma_scales: bool = False  # the key scales copied by TMA with their keys, read from the
-    # ring (no global load and mask a tile; with ws_unroll 169 instructions a tile)
     ws_min_keys: int = 4096  # narrower chunks take Triton's (with the quad sums scattered the
     # Gluon kernel is 5% faster at T 8192 x N 8192, and the 32k step's first chunks gain)
     block_q: int = 2  # Triton's: queries per program (N = block_q * padded heads)
@@ -163,7 +161,7 @@ class IndexerTiles:
                 "stages": self.ws_stages, "split": self.ws_split,
                 "scatter": self.ws_scatter and self.ws_block_q == 2,
                 "math_stage": self.ws_math_stage and self.ws_split,
-                "unroll": self.ws_unroll, "tma_scales": self.ws_tma_scales}
+                "unroll": self.ws_unroll}
 
 
 def _logits(q, weights, k, out, mode, out_keys, L, *, bk, warps, stages, splits=1, rows=None,
