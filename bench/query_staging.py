@@ -16,8 +16,7 @@ drifts weighs on each alike), and the table gives each median and its ratio to t
 The logits rows of the default and ``ws_math_stage`` leave out the quantisation launch that the
 whole includes. ``--variants`` names others of ``VARIANTS`` instead (the default always
 first): ``unroll`` (the math warpgroups' loop a ring's stages a trip) and ``all three`` knobs.
-Figures: bench/RESULTS.md, "thirty-sixth
-session" and "thirty-seventh session".
+Figures: bench/RESULTS.md, "thirty-sixth session" and "thirty-seventh session".
 """
 
 from __future__ import annotations

@@ -69,8 +69,8 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
     the loader's warpgroup copying the CTA's queries before the partitions start. ``unroll``
     (not ``pipelined``): the math warpgroups' loop runs ``stages`` tiles a trip, each ring
     stage's barriers and descriptors fixed at compile time, instead of computed a tile.
-    ``_probe`` (bench only): the
-    epilogue left out, so the time is the products' and the pipeline's (keys not written)."""
+    ``_probe`` (bench only): the epilogue left out, so the time is the products' and the
+    pipeline's (keys not written)."""
     T, HI, _ = q8.shape
     columns = block_q * padded_heads(HI)
     if not supported(W, I, HI, block_q, math_warpgroups) or math_warpgroups not in _REGISTERS \

@@ -50,8 +50,7 @@ queries (N 128). Here, one CTA a SM at a time:
 - ``UNROLL`` (the waited pass): a trip of NS tiles, one a ring stage, in straight-line code, so
   each stage's barriers and shared-memory descriptors are compile-time constants instead of
   computed from the ring's count every tile (the tiles before the pass's first stage 0 and
-  after its last whole trip one at a time);
-  Offline (Triton 3.6, ``bench/sass.py --ws``) the default's math loop takes 189 instructions
+  after its last whole trip one at a time). Offline (Triton 3.6, ``bench/sass.py --ws``) the default's math loop takes 189 instructions
   a thread a tile, UNROLL's 180 (132 of them the ReLU, weights, sums and scale).
 
 Measured on the H200 (bench/RESULTS.md, "the warp-specialised Gluon prefill logits", "the
@@ -305,22 +304,22 @@ def _pass_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k0, 
                                  EPI, BX)
             c = c + NB * SUB
             it += 1
-        if UNROLL:  # whole trips of NS tiles from stage 0, then the rest
-            for _ in range((t_hi - t_lo - head) // NS):
-                ph = (it // NS) & 1
-                for s in gl.static_range(NS):
-                    scale = _tile_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr,
-                                         n, mine, c, s, ph, scale, pq, hi, PT, W, I, BQ, HP, NB,
-                                         EPI, BX)
-                    c = c + NB * SUB
-                it += NS
-            for _ in range((t_hi - t_lo - head) % NS):
-                scale = _tile_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine,
-                                     c, it % NS, (it // NS) & 1, scale, pq, hi, PT, W, I, BQ, HP,
-                                     NB, EPI, BX)
+        # whole trips of NS tiles from stage 0, then the rest
+        for _ in range((t_hi - t_lo - head) // NS):
+            ph = (it // NS) & 1
+            for s in gl.static_range(NS):
+                scale = _tile_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr,
+                                     n, mine, c, s, ph, scale, pq, hi, PT, W, I, BQ, HP, NB,
+                                     EPI, BX)
                 c = c + NB * SUB
-                it += 1
-    else:
+            it += NS
+        for _ in range((t_hi - t_lo - head) % NS):
+            scale = _tile_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine,
+                                 c, it % NS, (it // NS) & 1, scale, pq, hi, PT, W, I, BQ, HP,
+                                 NB, EPI, BX)
+            c = c + NB * SUB
+            it += 1
+    else:  # (not _tile_waited with a computed stage: this is the loop timed as the default)
         for t in range(t_lo, t_hi):
             acc = _product(ring, ready, q_smem, zero, it, NB, NS, BX)
             c = t * (NB * SUB) + k0

@@ -346,8 +346,8 @@ def _keys_buffer(rows: int, L: int, device) -> torch.Tensor:
 def _query(q, weights, dtype=None, *, quantise: bool = True):
     """The fp8 indexer query (``reference.quantize_indexer_q``; one launch): q8 as
     float8_e4m3fn or its values in ``dtype`` (default q's), and the weights times the scales;
-    quantise False: q and weights as given (unit last stride), for a kernel that quantises
-    them itself."""
+    quantise False: q and weights, copied only where their last stride is not 1, for a kernel
+    that quantises them itself."""
     q = q if q.stride(-1) == 1 else q.contiguous()
     weights = weights if weights.stride(-1) == 1 else weights.contiguous()
     return pack.quantize_indexer_q(q, weights, dtype=dtype or q.dtype) if quantise else (q, weights)
