@@ -50,8 +50,15 @@ queries (N 128). Here, one CTA a SM at a time:
 - ``UNROLL`` (the waited pass): a trip of NS tiles, one a ring stage, in straight-line code, so
   each stage's barriers and shared-memory descriptors are compile-time constants instead of
   computed from the ring's count every tile (the tiles before the pass's first stage 0 and
-  after its last whole trip one at a time). Offline (Triton 3.6, ``bench/sass.py --ws``) the default's math loop takes 189 instructions
-  a thread a tile, UNROLL's 180 (132 of them the ReLU, weights, sums and scale).
+  after its last whole trip one at a time). Offline (Triton 3.6, ``bench/sass.py --ws``) the
+  default's math loop takes 189 instructions a thread a tile, UNROLL's 180 (132 of them the
+  ReLU, weights, sums and scale);
+- ``ASCALES`` (the waited pass): the loader's 128 threads copy each tile's key scales by
+  cp.async into a shared ring of 2 NS slots (any alignment: a TMA box of scales traps where it
+  starts off 16 bytes), each thread's copies arriving on the tile's ready barrier as they land
+  (counted 1 + 128), and the math warpgroups read a tile's scales from shared memory under its
+  product instead of loading the next tile's from global memory: 181 instructions a tile
+  offline, 169.5 with UNROLL.
 
 Measured on the H200 (bench/RESULTS.md, "the warp-specialised Gluon prefill logits", "the
 math warpgroups split the queries" and "the quad sums scattered"): with the epilogue replaced
