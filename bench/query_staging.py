@@ -15,10 +15,8 @@ scores; then the whole indexer (``indexer_topk_prefill``) and the logits alone
 drifts weighs on each alike), and the table gives each median and its ratio to the default's.
 The logits rows of the default and ``ws_math_stage`` leave out the quantisation launch that the
 whole includes. ``--variants`` names others of ``VARIANTS`` instead (the default always
-first): ``unroll`` (the math warpgroups' loop a ring's stages a trip), ``async_scales`` (the
-key scales copied into shared memory by the loader's threads), ``unroll + async_scales`` and
-``all three`` staging and loop knobs. Figures: bench/RESULTS.md, "thirty-sixth session" to
-"thirty-eighth session".
+first): ``unroll`` (the math warpgroups' loop a ring's stages a trip) and ``all three`` knobs.
+Figures: bench/RESULTS.md, "thirty-sixth session" and "thirty-seventh session".
 """
 
 from __future__ import annotations
@@ -36,8 +34,7 @@ from cpplan.runtime.kernels.triton import pack
 VARIANTS = {"default": {}, "math_stage": {"ws_math_stage": True},
             "quantise": {"ws_quantise": True},
             "math_stage + quantise": {"ws_math_stage": True, "ws_quantise": True},
-            "unroll": {"ws_unroll": True}, "async_scales": {"ws_async_scales": True},
-            "unroll + async_scales": {"ws_unroll": True, "ws_async_scales": True},
+            "unroll": {"ws_unroll": True},
             "all three": {"ws_unroll": True, "ws_math_stage": True, "ws_quantise": True}}
 STAGING = ("default", "math_stage", "quantise", "math_stage + quantise")
 

@@ -120,24 +120,6 @@ def test_ws_logits_unroll_equal_the_triton_kernel_and_the_reference(T, HI, PT, W
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
-@pytest.mark.parametrize("T,HI,PT,W,I,nreq", SHAPES)
-@pytest.mark.parametrize("bq,nm,ns,split,scatter,parts,unroll", [
-    (2, 3, 4, True, True, None, True), (2, 3, 4, True, True, 8, False),
-    (2, 3, 2, True, True, None, True), (4, 2, 4, False, False, None, False),
-    (2, 4, 3, False, False, 1, True), (1, 3, 5, True, False, 5, True)])
-def test_ws_logits_async_scales_equal_the_triton_kernel_and_the_reference(
-        T, HI, PT, W, I, nreq, bq, nm, ns, split, scatter, parts, unroll):
-    """The key scales copied into shared memory by the loader's threads (``async_scales``: a
-    ring of 2 x stages slots, each tile's copies landing on its ready barrier), unrolled or
-    not: the same keys as the Triton kernel and the reference, with one box a tile (split)
-    and several (keys split: a slot holds each math warpgroup's 64 scales), rings of 2 to 5
-    stages, passes that start anywhere in the ring, cuts of the last wave."""
-    _check_ws(T, HI, PT, W, I, nreq, block_q=bq, math_warpgroups=nm, stages=ns, split=split,
-              scatter=scatter, last_wave_parts=parts, unroll=unroll, async_scales=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
 def test_ws_logits_scatter_sums_normal_inputs():
     """Normal inputs (sums rounded): the scattered epilogue's scores within rounding of the
     all-reduced one's (the same additions in the same order, but which of a thread's first
@@ -291,8 +273,6 @@ def test_prefill_indexer_takes_the_ws_logits_and_equals_the_reference():
                   it.IndexerTiles(ws_min_keys=N, ws_math_stage=True),
                   it.IndexerTiles(ws_min_keys=N, ws_quantise=True, ws_math_stage=True),
                   it.IndexerTiles(ws_min_keys=N, ws_unroll=True),
-                  it.IndexerTiles(ws_min_keys=N, ws_async_scales=True),
-                  it.IndexerTiles(ws_min_keys=N, ws_unroll=True, ws_async_scales=True),
                   it.IndexerTiles(logits_ws=False)):
         s, ids = it.indexer_topk_prefill(q, w, k, key_len, pcu, N, 1, 1, topk, max_keys=N,
                                          tiles=tiles)
@@ -338,8 +318,7 @@ def test_tiles_give_the_launch_its_knobs():
     ws = _gluon()
     opts = it.IndexerTiles().ws_launch_options()
     assert opts == {"block_q": 2, "math_warpgroups": 3, "stages": 4, "split": True,
-                    "scatter": True, "math_stage": False, "unroll": False,
-                    "async_scales": False}
+                    "scatter": True, "math_stage": False, "unroll": False}
     assert set(opts) <= set(ws.launch.__kwdefaults__)
     wide = it.IndexerTiles(ws_block_q=4, ws_math_warpgroups=2, ws_split=False,
                            ws_math_stage=True)
@@ -373,14 +352,10 @@ def test_ws_logits_layouts_and_refusals():
         ws.launch(q8, None, None, None, None, None, None, 16, 1, 1, stages=1)
     with pytest.raises(ValueError, match=r"math_stage: got split False; expected split"):
         ws.launch(q8, None, None, None, None, None, None, 16, 1, 1, math_stage=True)
-    with pytest.raises(ValueError, match=r"got pipelined and unroll; expected unroll and "
-                                         r"async_scales with the waited pass only"):
+    with pytest.raises(ValueError, match=r"got pipelined and unroll; expected unroll with the "
+                                         r"waited pass only"):
         ws.launch(q8, None, None, None, None, None, None, 16, 1, 1, block_q=2, pipelined=True,
                   unroll=True)
-    with pytest.raises(ValueError, match=r"got pipelined and async_scales; expected unroll and "
-                                         r"async_scales with the waited pass only"):
-        ws.launch(q8, None, None, None, None, None, None, 16, 1, 1, block_q=2, pipelined=True,
-                  async_scales=True)
 
 
 @pytest.mark.slow
@@ -431,12 +406,11 @@ def test_ws_logits_compile_for_sm90_without_spills(bq, nm, no_spill, pipe, split
 
 
 @pytest.mark.slow
-def test_ws_logits_unroll_and_async_scales_take_fewer_instructions_a_tile():
+def test_ws_logits_unroll_takes_fewer_instructions_a_tile():
     """``bench/sass.py --ws`` at the default configuration (3 x 2 split queries, quad sums
-    scattered) compiled for sm_90 offline as it is, unrolled by the ring's stages, with the
-    key scales copied by the loader, and both: no spills, and each takes fewer instructions a
-    thread a tile in its math loop than the one without it (unrolling removes the stage and
-    phase arithmetic a tile, the copied scales their address arithmetic and global load)."""
+    scattered) compiled for sm_90 offline as it is and unrolled by the ring's stages: no
+    spills either way, and the unrolled math loop takes fewer instructions a thread a tile
+    (the stage and phase arithmetic a tile is what it removes)."""
     import sys
     from pathlib import Path
 
@@ -449,17 +423,13 @@ def test_ws_logits_unroll_and_async_scales_take_fewer_instructions_a_tile():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     per_tile = {}
-    for flags in ((), ("--unroll",), ("--async-scales",), ("--unroll", "--async-scales")):
+    for flags in ((), ("--unroll",)):
         out = subprocess.run([sys.executable, str(root / "bench" / "sass.py"), "--ws", "--bq", "2",
                               "--math-warpgroups", "3", "--split", "--scatter", *flags],
                              capture_output=True, text=True, env=env, cwd=root, timeout=240)
         assert out.returncode == 0, out.stderr[-2000:]
         assert "spill instructions 0," in out.stdout, out.stdout
-        loop = re.search(r"math loop: ([\d.]+) instructions a thread a tile: (.*)", out.stdout)
+        loop = re.search(r"math loop: ([\d.]+) instructions a thread a tile", out.stdout)
         assert loop, out.stdout
         per_tile[flags] = float(loop.group(1))
-        # the math loop reads its scales from global memory, or from shared memory only
-        assert (" LDG" in loop.group(2)) != ("--async-scales" in flags), out.stdout
     assert per_tile[("--unroll",)] < per_tile[()], per_tile
-    assert per_tile[("--async-scales",)] < per_tile[()], per_tile
-    assert per_tile[("--unroll", "--async-scales")] < per_tile[("--unroll",)], per_tile

@@ -45,7 +45,7 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
            math_warpgroups: int = 2, stages: int = 4, pipelined: bool = False,
            split: bool = False, scatter: bool = False, last_wave_parts: int | None = None,
            quantise: bool = False, math_stage: bool = False, unroll: bool = False,
-           async_scales: bool = False, _probe: bool = False) -> None:
+           _probe: bool = False) -> None:
     """Prefill int32 keys ``out [T, >= max lens]`` (``indexer_tiled._logits_planar``'s
     contract): q8 ``[T, HI, 128]`` float8_e4m3fn, weights ``[T, HI]`` float32 (the query's
     scales folded in), the key planes ``kp [R, 128]`` float8_e4m3fn (contiguous) and ``ks [R]``
@@ -69,9 +69,6 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
     the loader's warpgroup copying the CTA's queries before the partitions start. ``unroll``
     (not ``pipelined``): the math warpgroups' loop runs ``stages`` tiles a trip, each ring
     stage's barriers and descriptors fixed at compile time, instead of computed a tile.
-    ``async_scales`` (not ``pipelined``): the loader's threads copy each tile's key scales
-    into shared memory (cp.async, landing on the tile's ready barrier) beside its keys, and
-    the math warpgroups read them there, instead of loading them from ``ks`` a tile ahead.
     ``_probe`` (bench only): the epilogue left out, so the time is the products' and the
     pipeline's (keys not written)."""
     T, HI, _ = q8.shape
@@ -99,10 +96,9 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
     if math_stage and not split:
         raise ValueError(f"warp-specialised logits, math_stage: got split {split}; expected "
                          f"split (each math warpgroup owns the queries it copies)")
-    if pipelined and (unroll or async_scales):
-        raise ValueError(f"warp-specialised logits: got pipelined and "
-                         f"{'unroll' if unroll else 'async_scales'}; expected unroll and "
-                         f"async_scales with the waited pass only")
+    if pipelined and unroll:
+        raise ValueError("warp-specialised logits: got pipelined and unroll; expected unroll "
+                         "with the waited pass only")
     if T == 0:
         return
     layout = gl.NVMMASharedLayout.get_default_for([BOX, 128], gl.float8e4nv)
@@ -116,8 +112,7 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
         out.stride(0), T, HI, PT, whole, parts, W=W, I=I, BQ=block_q, HP=padded_heads(HI),
         NM=math_warpgroups, NS=stages, MATH_REGS=regs, EPI=0 if _probe else 2 if scatter else 1,
         PIPE=pipelined, SPLIT=split, QUANT=quantise, STAGE=math_stage, UNROLL=unroll,
-        ASCALES=async_scales, CQP=triton.next_power_of_2(cta_queries), num_warps=4,
-        maxnreg=cap)
+        CQP=triton.next_power_of_2(cta_queries), num_warps=4, maxnreg=cap)
 
 
 def last_wave_split(blocks: int, sms: int, parts: int | None = None,

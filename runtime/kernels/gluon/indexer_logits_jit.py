@@ -50,15 +50,8 @@ queries (N 128). Here, one CTA a SM at a time:
 - ``UNROLL`` (the waited pass): a trip of NS tiles, one a ring stage, in straight-line code, so
   each stage's barriers and shared-memory descriptors are compile-time constants instead of
   computed from the ring's count every tile (the tiles before the pass's first stage 0 and
-  after its last whole trip one at a time). Offline (Triton 3.6, ``bench/sass.py --ws``) the
-  default's math loop takes 189 instructions a thread a tile, UNROLL's 180 (132 of them the
-  ReLU, weights, sums and scale);
-- ``ASCALES`` (the waited pass): the loader's 128 threads copy each tile's key scales by
-  cp.async into a shared ring of 2 NS slots (any alignment: a TMA box of scales traps where it
-  starts off 16 bytes), each thread's copies arriving on the tile's ready barrier as they land
-  (counted 1 + 128), and the math warpgroups read a tile's scales from shared memory under its
-  product instead of loading the next tile's from global memory: 181 instructions a tile
-  offline, 169.5 with UNROLL.
+  after its last whole trip one at a time). Offline (Triton 3.6, ``bench/sass.py --ws``) the default's math loop takes 189 instructions
+  a thread a tile, UNROLL's 180 (132 of them the ReLU, weights, sums and scale).
 
 Measured on the H200 (bench/RESULTS.md, "the warp-specialised Gluon prefill logits", "the
 math warpgroups split the queries" and "the quad sums scattered"): with the epilogue replaced
@@ -80,7 +73,6 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -94,16 +86,11 @@ from ..fp8_jit import group_exponent, scale_bits, scale_by_pow2
 # a TMA copy into shared memory: ``async_load`` in Triton 3.9, ``async_copy_global_to_shared``
 # before (3.6, the GPU image's)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-# a thread's copy (cp.async) into shared memory: ``async_load`` in 3.9, the older name in 3.6
-_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 # a barrier of the CTA's threads: ``thread_barrier`` in Triton 3.6, ``barrier`` in 3.9
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 QL = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))  # a warpgroup's
 # copy of query rows: 16 bytes of fp8 (32 of bf16) a load
 SUB = gl.constexpr(64)  # keys a math warpgroup multiplies a tile: the M of one wgmma
-LOADER_THREADS = gl.constexpr(128)  # the loader partition: the kernel's 4 warps
-SCL = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))  # the loader's copy of a box's
-# 64 key scales (over its 128 threads: two a scale)
 # EPI 2's layout of a tile's [64 keys, 2 queries, 4] partial sums over heads after the
 # transpose within each quad: a thread's 4 registers hold the 4 partials of one (key, query),
 # whose accumulator columns the quad's lanes held; lane bit 0 picks the key of the pair
@@ -131,16 +118,13 @@ def _pass_start(qi, pcu_ptr, j0, T, p_lo, shared):
 
 
 @gluon.jit
-def _loader(kdesc, ring, ready, free, ks_ptr, sring, hi, pcu_ptr, j0, T, PT, t_lo, t_hi,
-            p_lo, shared, W: gl.constexpr, I: gl.constexpr, CQ: gl.constexpr, NB: gl.constexpr,
-            NS: gl.constexpr, ASCALES: gl.constexpr):
+def _loader(kdesc, ring, ready, free, pcu_ptr, j0, T, PT, t_lo, t_hi, p_lo, shared,
+            W: gl.constexpr, I: gl.constexpr, CQ: gl.constexpr, NB: gl.constexpr,
+            NS: gl.constexpr):
     """The CTA's first warpgroup (one thread issues the copies): every tile's NB boxes of 64
     key rows into ring stage ``it % NS`` once the math warpgroups have freed it (the first NS
     stages are free from the start): the CTA's tiles t_lo .. t_hi - 1; CQ: the CTA's queries
-    (a pass each where they are not one request's). ASCALES: the boxes' key scales too, by
-    every thread's cp.async into ``sring`` slot ``it % (2 NS)`` (0 past hi), each thread's
-    copies arriving on the stage's ready barrier as they land."""
-    kc = gl.arange(0, SUB, layout=SCL)
+    (a pass each where they are not one request's)."""
     it = 0
     for qi in range(gl.where(shared, 1, CQ)):
         pq = _pass_start(qi, pcu_ptr, j0, T, p_lo, shared)
@@ -151,14 +135,6 @@ def _loader(kdesc, ring, ready, free, ks_ptr, sring, hi, pcu_ptr, j0, T, PT, t_l
             for m in gl.static_range(NB):
                 r = _prefill_rows(t * (NB * SUB) + m * SUB, pq, PT, W, I)
                 _tma_load(kdesc, [r.to(gl.int32), 0], ready.index(s), ring.index(s * NB + m))
-            if ASCALES:
-                for m in gl.static_range(NB):
-                    c = t * (NB * SUB) + m * SUB + kc
-                    live = c < hi
-                    _cp_async(sring.index((it % (2 * NS)) * NB + m),
-                              ks_ptr + gl.where(live, _prefill_rows(c, pq, PT, W, I), 0),
-                              mask=live)
-                async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
             it += 1
 
 
@@ -235,17 +211,16 @@ def _stage_queries(q_ptr, w_ptr, q_dst, w_dst, j, T, HI, stride_qt, stride_qh, s
 
 
 @gluon.jit
-def _math(q_ptr, q_smem, w_smem, ring, ready, free, sring, w_ptr, ks_ptr, out_ptr, len_ptr,
-          pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi, t_lo, t_hi,
-          p_lo, shared, W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr, HP: gl.constexpr,
+def _math(q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr, pcu_ptr, j0,
+          T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi, t_lo, t_hi, p_lo, shared,
+          W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr, HP: gl.constexpr,
           NM: gl.constexpr, NS: gl.constexpr, EPI: gl.constexpr, PIPE: gl.constexpr,
           SPLIT: gl.constexpr, QUANT: gl.constexpr, STAGE: gl.constexpr, UNROLL: gl.constexpr,
-          ASCALES: gl.constexpr, WG: gl.constexpr):
+          WG: gl.constexpr):
     """Math warpgroup WG: keys WG x 64 .. WG x 64 + 63 of every tile and all BQ queries, or
     with SPLIT all 64 keys of every tile and queries WG x BQ .. WG x BQ + BQ - 1; a pass a
     request (``_pass_waited``, or with PIPE ``_pass_pipelined``). Its head weights from
-    ``w_ptr``, or with QUANT the prologue's (scales folded in) from ``w_smem``; its key
-    scales from ``ks_ptr`` a tile ahead, or with ASCALES from the loader's ``sring``."""
+    ``w_ptr``, or with QUANT the prologue's (scales folded in) from ``w_smem``."""
     N: gl.constexpr = BQ * HP
     NB: gl.constexpr = 1 if SPLIT else NM  # boxes a tile
     BX: gl.constexpr = 0 if SPLIT else WG  # the warpgroup's box
@@ -287,33 +262,22 @@ def _math(q_ptr, q_smem, w_smem, ring, ready, free, sring, w_ptr, ks_ptr, out_pt
             it = _pass_pipelined(ring, ready, free, q_mine, zero, w, ks_ptr, optr, n, mine, k0,
                                  t_lo, t_hi, it, pq, hi, PT, W, I, BQ, HP, NB, NS, EPI, BX)
         else:
-            it = _pass_waited(ring, ready, free, sring, q_mine, zero, w, ks_ptr, optr, n, mine,
-                              k0, t_lo, t_hi, it, pq, hi, PT, W, I, BQ, HP, NB, NS, EPI, BX,
-                              UNROLL, ASCALES)
+            it = _pass_waited(ring, ready, free, q_mine, zero, w, ks_ptr, optr, n, mine, k0,
+                              t_lo, t_hi, it, pq, hi, PT, W, I, BQ, HP, NB, NS, EPI, BX, UNROLL)
 
 
 @gluon.jit
-def _tile_waited(ring, ready, free, sring, q_smem, zero, w, ks_ptr, optr, n, mine, c, s, ph,
-                 scale, pq, hi, PT, W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr,
-                 HP: gl.constexpr, NB: gl.constexpr, NS: gl.constexpr, EPI: gl.constexpr,
-                 BX: gl.constexpr, ASCALES: gl.constexpr):
+def _tile_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, c, s, ph, scale, pq,
+                 hi, PT, W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr, HP: gl.constexpr,
+                 NB: gl.constexpr, EPI: gl.constexpr, BX: gl.constexpr):
     """One tile of a waited pass (keys c, ring stage s at phase ph): the product issued once
     the tile has landed, the next tile's scales loaded under it, the product waited on, the
     stage freed, the epilogue; returns the next tile's scales. s is a constexpr in an unrolled
-    trip (the stage's descriptors and barriers then fixed at compile time). ASCALES: this
-    tile's scales read from the loader's slot ``s + NS x ph`` under the product instead (and
-    returned). That slot is written again 2 NS tiles on, once the stage's next use is freed:
-    every thread of the warpgroup has issued that later product (a warpgroup's), so has
-    stored this tile's keys, which need the scales read."""
+    trip (the stage's descriptors and barriers then fixed at compile time)."""
     mbarrier.wait(ready.index(s), ph)
     acc = warpgroup_mma(ring.index(s * NB + BX), q_smem.permute((1, 0)), zero, use_acc=False,
                         is_async=True)
-    if ASCALES:
-        KEY: gl.constexpr = scale.type.layout
-        scale = sring.index((s + NS * ph) * NB + BX).load(KEY)
-        scale_nxt = scale
-    else:
-        scale_nxt = _scales(ks_ptr, c + NB * SUB, hi, pq, PT, W, I)
+    scale_nxt = _scales(ks_ptr, c + NB * SUB, hi, pq, PT, W, I)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(free.index(s), count=1)
     _finish(acc, w, scale, c, n, mine, optr, BQ, HP, EPI)
@@ -321,45 +285,40 @@ def _tile_waited(ring, ready, free, sring, q_smem, zero, w, ks_ptr, optr, n, min
 
 
 @gluon.jit
-def _pass_waited(ring, ready, free, sring, q_smem, zero, w, ks_ptr, optr, n, mine, k0, t_lo,
-                 t_hi, it, pq, hi, PT, W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr,
+def _pass_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k0, t_lo, t_hi, it,
+                 pq, hi, PT, W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr,
                  HP: gl.constexpr, NB: gl.constexpr, NS: gl.constexpr, EPI: gl.constexpr,
-                 BX: gl.constexpr, UNROLL: gl.constexpr, ASCALES: gl.constexpr):
+                 BX: gl.constexpr, UNROLL: gl.constexpr):
     """One pass of a math warpgroup over its keys of tiles t_lo .. t_hi - 1, each product
-    waited on before its epilogue (the next tile's scales loaded under it, or with ASCALES
-    this tile's read from shared memory); returns the ring's count past the pass. UNROLL: the
-    tiles from the first at ring stage 0 on run NS a trip, stage by stage in straight-line
-    code (no stage or phase arithmetic a tile; the tiles before and after it one at a time)."""
-    if ASCALES:
-        KEY: gl.constexpr = k0.type.layout
-        scale = gl.zeros([SUB], gl.float32, layout=KEY)
-    else:
-        scale = _scales(ks_ptr, t_lo * (NB * SUB) + k0, hi, pq, PT, W, I)
-    if UNROLL or ASCALES:
+    waited on before its epilogue (the next tile's scales loaded under it); returns the ring's
+    count past the pass. UNROLL: the tiles from the first at ring stage 0 on run NS a trip,
+    stage by stage in straight-line code (no stage or phase arithmetic a tile; the tiles
+    before and after it one at a time)."""
+    scale = _scales(ks_ptr, t_lo * (NB * SUB) + k0, hi, pq, PT, W, I)
+    if UNROLL:
         c = t_lo * (NB * SUB) + k0
-        # one at a time: the tiles up to ring stage 0 (unrolled), else all
-        head = gl.minimum((NS - it % NS) % NS, t_hi - t_lo) if UNROLL else t_hi - t_lo
+        head = gl.minimum((NS - it % NS) % NS, t_hi - t_lo)  # the tiles up to ring stage 0
         for _ in range(head):
-            scale = _tile_waited(ring, ready, free, sring, q_smem, zero, w, ks_ptr, optr, n,
-                                 mine, c, it % NS, (it // NS) & 1, scale, pq, hi, PT, W, I, BQ,
-                                 HP, NB, NS, EPI, BX, ASCALES)
+            scale = _tile_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, c,
+                                 it % NS, (it // NS) & 1, scale, pq, hi, PT, W, I, BQ, HP, NB,
+                                 EPI, BX)
             c = c + NB * SUB
             it += 1
-        if UNROLL:  # whole trips of NS tiles from stage 0, then the rest
-            for _ in range((t_hi - t_lo - head) // NS):
-                ph = (it // NS) & 1
-                for s in gl.static_range(NS):
-                    scale = _tile_waited(ring, ready, free, sring, q_smem, zero, w, ks_ptr,
-                                         optr, n, mine, c, s, ph, scale, pq, hi, PT, W, I, BQ,
-                                         HP, NB, NS, EPI, BX, ASCALES)
-                    c = c + NB * SUB
-                it += NS
-            for _ in range((t_hi - t_lo - head) % NS):
-                scale = _tile_waited(ring, ready, free, sring, q_smem, zero, w, ks_ptr, optr,
-                                     n, mine, c, it % NS, (it // NS) & 1, scale, pq, hi, PT, W,
-                                     I, BQ, HP, NB, NS, EPI, BX, ASCALES)
+        # whole trips of NS tiles from stage 0, then the rest
+        for _ in range((t_hi - t_lo - head) // NS):
+            ph = (it // NS) & 1
+            for s in gl.static_range(NS):
+                scale = _tile_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr,
+                                     n, mine, c, s, ph, scale, pq, hi, PT, W, I, BQ, HP, NB,
+                                     EPI, BX)
                 c = c + NB * SUB
-                it += 1
+            it += NS
+        for _ in range((t_hi - t_lo - head) % NS):
+            scale = _tile_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine,
+                                 c, it % NS, (it // NS) & 1, scale, pq, hi, PT, W, I, BQ, HP,
+                                 NB, EPI, BX)
+            c = c + NB * SUB
+            it += 1
     else:  # (not _tile_waited with a computed stage: this is the loop timed as the default)
         for t in range(t_lo, t_hi):
             acc = _product(ring, ready, q_smem, zero, it, NB, NS, BX)
@@ -426,8 +385,7 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
                      NM: gl.constexpr, NS: gl.constexpr, MATH_REGS: gl.constexpr,
                      CQP: gl.constexpr, EPI: gl.constexpr = True, PIPE: gl.constexpr = False,
                      SPLIT: gl.constexpr = False, QUANT: gl.constexpr = False,
-                     STAGE: gl.constexpr = False, UNROLL: gl.constexpr = False,
-                     ASCALES: gl.constexpr = False):
+                     STAGE: gl.constexpr = False, UNROLL: gl.constexpr = False):
     """One CTA a block of BQ queries, or with SPLIT NM x BQ (the last blocks first: a
     prefill's later queries have the most keys, longest processing time first). kdesc: a TMA
     descriptor over the value plane ``[R, 128]`` fp8 with boxes of ``[64, 128]``; CQP: the
@@ -439,7 +397,6 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
     key copies, instead of the loader's warpgroup copying them all before the partitions."""
     gl.static_assert(SPLIT or not STAGE, "STAGE: the math warpgroups own their queries (SPLIT)")
     gl.static_assert(not (PIPE and UNROLL), "UNROLL: the waited pass only")
-    gl.static_assert(not (PIPE and ASCALES), "ASCALES: the waited pass only")
     N: gl.constexpr = BQ * HP  # a product's columns
     NB: gl.constexpr = 1 if SPLIT else NM  # boxes of 64 keys a tile
     CQ: gl.constexpr = NM * BQ if SPLIT else BQ  # the CTA's queries
@@ -468,14 +425,8 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
     ring = gl.allocate_shared_memory(gl.float8e4nv, [NS * NB, SUB, 128], kdesc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    # with ASCALES the key scales of 2 NS tiles (a tile's slot is written again only once
-    # its stage's next use is freed, ``_tile_waited``); else one unused slot
-    sring = gl.allocate_shared_memory(gl.float32, [(2 * NS if ASCALES else 1) * NB, SUB],
-                                      gl.SwizzledSharedLayout(1, 1, 1, [0]))
     for s in gl.static_range(NS):
-        # ready: the expect's arrive (and the copies' bytes), with ASCALES each loader
-        # thread's once its scale copies land
-        mbarrier.init(ready.index(s), count=1 + LOADER_THREADS if ASCALES else 1)
+        mbarrier.init(ready.index(s), count=1)
         mbarrier.init(free.index(s), count=NM)
     fence_async_shared()
     jq = j0 + gl.arange(0, CQP, layout=gl.SliceLayout(1, QL))
@@ -494,53 +445,53 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
     # tuple held in a variable, or built by concatenation, turns its constexprs into tensors.
     if NM == 2:
         gl.warp_specialize([
-            (_loader, (kdesc, ring, ready, free, ks_ptr, sring, hi, pcu_ptr, j0, T, PT, t_lo,
-                       t_hi, p_lo, shared, W, I, CQ, NB, NS, ASCALES)),
-            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, sring, w_ptr, ks_ptr, out_ptr,
-                     len_ptr, pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt,
-                     stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE,
-                     SPLIT, QUANT, STAGE, UNROLL, ASCALES, 0)),
-            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, sring, w_ptr, ks_ptr, out_ptr,
-                     len_ptr, pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt,
-                     stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE,
-                     SPLIT, QUANT, STAGE, UNROLL, ASCALES, 1)),
+            (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, t_lo, t_hi, p_lo, shared, W,
+                       I, CQ, NB, NS)),
+            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
+                     pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
+                     t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
+                     STAGE, UNROLL, 0)),
+            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
+                     pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
+                     t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
+                     STAGE, UNROLL, 1)),
         ], [4, 4], [MATH_REGS, MATH_REGS])
     elif NM == 3:
         gl.warp_specialize([
-            (_loader, (kdesc, ring, ready, free, ks_ptr, sring, hi, pcu_ptr, j0, T, PT, t_lo,
-                       t_hi, p_lo, shared, W, I, CQ, NB, NS, ASCALES)),
-            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, sring, w_ptr, ks_ptr, out_ptr,
-                     len_ptr, pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt,
-                     stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE,
-                     SPLIT, QUANT, STAGE, UNROLL, ASCALES, 0)),
-            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, sring, w_ptr, ks_ptr, out_ptr,
-                     len_ptr, pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt,
-                     stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE,
-                     SPLIT, QUANT, STAGE, UNROLL, ASCALES, 1)),
-            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, sring, w_ptr, ks_ptr, out_ptr,
-                     len_ptr, pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt,
-                     stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE,
-                     SPLIT, QUANT, STAGE, UNROLL, ASCALES, 2)),
+            (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, t_lo, t_hi, p_lo, shared, W,
+                       I, CQ, NB, NS)),
+            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
+                     pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
+                     t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
+                     STAGE, UNROLL, 0)),
+            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
+                     pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
+                     t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
+                     STAGE, UNROLL, 1)),
+            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
+                     pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
+                     t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
+                     STAGE, UNROLL, 2)),
         ], [4, 4, 4], [MATH_REGS, MATH_REGS, MATH_REGS])
     else:
         gl.static_assert(NM == 4, "NM: 2, 3 or 4 math warpgroups")
         gl.warp_specialize([
-            (_loader, (kdesc, ring, ready, free, ks_ptr, sring, hi, pcu_ptr, j0, T, PT, t_lo,
-                       t_hi, p_lo, shared, W, I, CQ, NB, NS, ASCALES)),
-            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, sring, w_ptr, ks_ptr, out_ptr,
-                     len_ptr, pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt,
-                     stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE,
-                     SPLIT, QUANT, STAGE, UNROLL, ASCALES, 0)),
-            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, sring, w_ptr, ks_ptr, out_ptr,
-                     len_ptr, pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt,
-                     stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE,
-                     SPLIT, QUANT, STAGE, UNROLL, ASCALES, 1)),
-            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, sring, w_ptr, ks_ptr, out_ptr,
-                     len_ptr, pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt,
-                     stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE,
-                     SPLIT, QUANT, STAGE, UNROLL, ASCALES, 2)),
-            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, sring, w_ptr, ks_ptr, out_ptr,
-                     len_ptr, pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt,
-                     stride_ot, hi, t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE,
-                     SPLIT, QUANT, STAGE, UNROLL, ASCALES, 3)),
+            (_loader, (kdesc, ring, ready, free, pcu_ptr, j0, T, PT, t_lo, t_hi, p_lo, shared, W,
+                       I, CQ, NB, NS)),
+            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
+                     pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
+                     t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
+                     STAGE, UNROLL, 0)),
+            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
+                     pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
+                     t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
+                     STAGE, UNROLL, 1)),
+            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
+                     pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
+                     t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
+                     STAGE, UNROLL, 2)),
+            (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
+                     pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
+                     t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
+                     STAGE, UNROLL, 3)),
         ], [4, 4, 4, 4], [MATH_REGS, MATH_REGS, MATH_REGS, MATH_REGS])

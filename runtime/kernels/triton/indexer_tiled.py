@@ -89,9 +89,6 @@ class IndexerTiles:
     # barriers and descriptors fixed at compile time: 180 instructions a thread a tile offline
     # against 189); whole indexer 1.8-3.4% faster on one H100 (bench/query_staging.py;
     # bench/RESULTS.md, thirty-seventh session), off until its GPU tests run as a set
-    ws_async_scales: bool = False  # the key scales copied into shared memory by the loader's
-    # threads (cp.async, on the tiles' ready barriers) instead of loaded by the math
-    # warpgroups a tile ahead: 181 instructions a tile offline, 169.5 with ws_unroll; untimed
     ws_min_keys: int = 4096  # narrower chunks take Triton's (with the quad sums scattered the
     # Gluon kernel is 5% faster at T 8192 x N 8192, and the 32k step's first chunks gain)
     block_q: int = 2  # Triton's: queries per program (N = block_q * padded heads)
@@ -165,7 +162,7 @@ class IndexerTiles:
                 "stages": self.ws_stages, "split": self.ws_split,
                 "scatter": self.ws_scatter and self.ws_block_q == 2,
                 "math_stage": self.ws_math_stage and self.ws_split,
-                "unroll": self.ws_unroll, "async_scales": self.ws_async_scales}
+                "unroll": self.ws_unroll}
 
 
 def _logits(q, weights, k, out, mode, out_keys, L, *, bk, warps, stages, splits=1, rows=None,
