@@ -2,11 +2,11 @@
 is built, timed by turns.
 
     python bench/query_staging.py [--rounds 5] [--cases 4096x32768,8192x8192]
-                                  [--variants math_stage,unroll,...]   # a CUDA machine
+                                  [--variants math_stage,"no unroll",...]   # a CUDA machine
 
 ``IndexerTiles`` on the prefill cases of ``bench/indexer.py`` (integer inputs). By default four: the
 default (``quantize_indexer_q`` launched first, the loader's warpgroup copying the fp8 query
-before the partitions start), ``ws_math_stage`` (each math warpgroup copies its own queries
+before the partitions start, the math loop unrolled by the ring's stages), ``ws_math_stage`` (each math warpgroup copies its own queries
 under the loader's first key copies), ``ws_quantise`` (the loader's warpgroup quantises the
 query in the kernel, no launch) and both. Each is first checked equal to the default's ids and
 scores; then the whole indexer (``indexer_topk_prefill``) and the logits alone
@@ -15,8 +15,9 @@ scores; then the whole indexer (``indexer_topk_prefill``) and the logits alone
 drifts weighs on each alike), and the table gives each median and its ratio to the default's.
 The logits rows of the default and ``ws_math_stage`` leave out the quantisation launch that the
 whole includes. ``--variants`` names others of ``VARIANTS`` instead (the default always
-first): ``unroll`` (the math warpgroups' loop a ring's stages a trip) and ``all three`` knobs.
-Figures: bench/RESULTS.md, "thirty-sixth session" and "thirty-seventh session".
+first): ``no unroll`` (the math warpgroups' loop a tile a trip, the default before the
+thirty-eighth session). Figures: bench/RESULTS.md, "thirty-sixth session" to "thirty-eighth
+session" (before the thirty-eighth the default was not unrolled and ``unroll`` the variant).
 """
 
 from __future__ import annotations
@@ -34,8 +35,7 @@ from cpplan.runtime.kernels.triton import pack
 VARIANTS = {"default": {}, "math_stage": {"ws_math_stage": True},
             "quantise": {"ws_quantise": True},
             "math_stage + quantise": {"ws_math_stage": True, "ws_quantise": True},
-            "unroll": {"ws_unroll": True},
-            "all three": {"ws_unroll": True, "ws_math_stage": True, "ws_quantise": True}}
+            "no unroll": {"ws_unroll": False}}
 STAGING = ("default", "math_stage", "quantise", "math_stage + quantise")
 
 

@@ -50,8 +50,10 @@ queries (N 128). Here, one CTA a SM at a time:
 - ``UNROLL`` (the waited pass): a trip of NS tiles, one a ring stage, in straight-line code, so
   each stage's barriers and shared-memory descriptors are compile-time constants instead of
   computed from the ring's count every tile (the tiles before the pass's first stage 0 and
-  after its last whole trip one at a time). Offline (Triton 3.6, ``bench/sass.py --ws``) the default's math loop takes 189 instructions
-  a thread a tile, UNROLL's 180 (132 of them the ReLU, weights, sums and scale).
+  after its last whole trip one at a time; ``IndexerTiles.ws_unroll``, on by default).
+  Offline (Triton 3.6, ``bench/sass.py --ws``) the loop a tile a trip takes 189 instructions a
+  thread a tile, UNROLL's 180 (132 of them the ReLU, weights, sums and scale); the whole
+  indexer 1.3-3.4% faster on one H100 (bench/RESULTS.md, "thirty-eighth session").
 
 Measured on the H200 (bench/RESULTS.md, "the warp-specialised Gluon prefill logits", "the
 math warpgroups split the queries" and "the quad sums scattered"): with the epilogue replaced
@@ -319,7 +321,7 @@ def _pass_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k0, 
                                  NB, EPI, BX)
             c = c + NB * SUB
             it += 1
-    else:  # (not _tile_waited with a computed stage: this is the loop timed as the default)
+    else:  # (not _tile_waited with a computed stage: the loop as timed before UNROLL)
         for t in range(t_lo, t_hi):
             acc = _product(ring, ready, q_smem, zero, it, NB, NS, BX)
             c = t * (NB * SUB) + k0

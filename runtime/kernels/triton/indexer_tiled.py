@@ -85,10 +85,10 @@ class IndexerTiles:
     # ws_quantise quantises) its own queries under the loader's first key copies; within the
     # noise at T 4096 x N 32768, with ws_quantise 2.9% faster at T 8192 x N 8192 (H100,
     # bench/query_staging.py; bench/RESULTS.md, thirty-sixth session)
-    ws_unroll: bool = False  # the math warpgroups' loop a ring's stages a trip (the stages'
+    ws_unroll: bool = True  # the math warpgroups' loop a ring's stages a trip (the stages'
     # barriers and descriptors fixed at compile time: 180 instructions a thread a tile offline
-    # against 189); whole indexer 1.8-3.4% faster on one H100 (bench/query_staging.py;
-    # bench/RESULTS.md, thirty-seventh session), off until its GPU tests run as a set
+    # against 189); whole indexer 1.3-3.4% faster on one H100 (bench/query_staging.py;
+    # bench/RESULTS.md, thirty-seventh and thirty-eighth sessions)
     ws_min_keys: int = 4096  # narrower chunks take Triton's (with the quad sums scattered the
     # Gluon kernel is 5% faster at T 8192 x N 8192, and the 32k step's first chunks gain)
     block_q: int = 2  # Triton's: queries per program (N = block_q * padded heads)
