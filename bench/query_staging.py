@@ -4,11 +4,12 @@ is built, timed by turns.
     python bench/query_staging.py [--rounds 5] [--cases 4096x32768,8192x8192]
                                   [--variants math_stage,"no unroll",...]   # a CUDA machine
 
-``IndexerTiles`` on the prefill cases of ``bench/indexer.py`` (integer inputs). By default four: the
-default (``quantize_indexer_q`` launched first, the loader's warpgroup copying the fp8 query
-before the partitions start, the math loop unrolled by the ring's stages), ``ws_math_stage`` (each math warpgroup copies its own queries
-under the loader's first key copies), ``ws_quantise`` (the loader's warpgroup quantises the
-query in the kernel, no launch) and both. Each is first checked equal to the default's ids and
+``IndexerTiles`` on the prefill cases of ``bench/indexer.py`` (integer inputs). By default
+four: the default (``quantize_indexer_q`` launched first, the loader's warpgroup copying the
+fp8 query before the partitions start, the math loop unrolled by the ring's stages),
+``ws_math_stage`` (each math warpgroup copies its own queries under the loader's first key
+copies), ``ws_quantise`` (the loader's warpgroup quantises the query in the kernel, no launch)
+and both. Each is first checked equal to the default's ids and
 scores; then the whole indexer (``indexer_topk_prefill``) and the logits alone
 (``prefill_logits``: the fp8 query given, or the raw one where the kernel quantises) are timed
 ``--rounds`` times with all of them by turns (``triton.testing.do_bench`` medians; a card that
