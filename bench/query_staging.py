@@ -16,9 +16,9 @@ scores; then the whole indexer (``indexer_topk_prefill``) and the logits alone
 drifts weighs on each alike), and the table gives each median and its ratio to the default's.
 The logits rows of the default and ``ws_math_stage`` leave out the quantisation launch that the
 whole includes. ``--variants`` names others of ``VARIANTS`` instead (the default always
-first): ``no unroll`` (the math warpgroups' loop a tile a trip, the default before the
-thirty-eighth session). Figures: bench/RESULTS.md, "thirty-sixth session" to "thirty-eighth
-session" (before the thirty-eighth the default was not unrolled and ``unroll`` the variant).
+first): ``no unroll`` (the math warpgroups' loop a tile a trip). Figures: bench/RESULTS.md,
+"thirty-sixth session" to "thirty-eighth session" (each table says which loop its default
+ran).
 """
 
 from __future__ import annotations

@@ -358,6 +358,26 @@ def test_ws_logits_layouts_and_refusals():
                   unroll=True)
 
 
+def _sass_ws(*flags: str) -> str:
+    """``bench/sass.py --ws`` with these flags (an offline sm_90 compile with this Triton, in a
+    process without the interpreter): its stdout; skipped where Triton has no Gluon."""
+    import sys
+    from pathlib import Path
+
+    _gluon()
+    try:
+        from triton.experimental.gluon._runtime import GluonASTSource  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"no Gluon AST source in this Triton: {e}")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9 warns while it is unset
+    out = subprocess.run([sys.executable, str(root / "bench" / "sass.py"), "--ws", *flags],
+                         capture_output=True, text=True, env=env, cwd=root, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("bq,nm,no_spill,pipe,split,scatter,quant,stage", [
     (4, 2, True, False, False, False, False, False), (2, 4, False, False, False, False, False, False),
@@ -374,24 +394,10 @@ def test_ws_logits_compile_for_sm90_without_spills(bq, nm, no_spill, pipe, split
     did not serialise the wgmmas. With the query quantised in the prologue (the default
     configuration's launch), no spill anywhere in the kernel, also where each math warpgroup
     quantises its own queries (``--math-stage``)."""
-    import sys
-    from pathlib import Path
-
     ws = _gluon()
-    try:
-        from triton.experimental.gluon._runtime import GluonASTSource  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"no Gluon AST source in this Triton: {e}")
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.9 warns while it is unset
-    out = subprocess.run([sys.executable, str(root / "bench" / "sass.py"), "--ws", "--bq", str(bq),
-                          "--math-warpgroups", str(nm), *["--pipelined"] * pipe,
-                          *["--split"] * split, *["--scatter"] * scatter,
-                          *["--quant"] * quant, *["--math-stage"] * stage],
-                         capture_output=True, text=True, env=env, cwd=root, timeout=240)
-    assert out.returncode == 0, out.stderr[-2000:]
-    text = out.stdout
+    text = _sass_ws("--bq", str(bq), "--math-warpgroups", str(nm), *["--pipelined"] * pipe,
+                    *["--split"] * split, *["--scatter"] * scatter, *["--quant"] * quant,
+                    *["--math-stage"] * stage)
     assert f"products m64n{64 * bq}k32;" in text, text
     assert f"inc {ws._REGISTERS[nm][1]}" in text, text
     waits = re.search(r"wgmma waits: (\d+) for all products but one, (\d+) for all", text)
@@ -411,25 +417,11 @@ def test_ws_logits_unroll_takes_fewer_instructions_a_tile():
     scattered) compiled for sm_90 offline as it is and unrolled by the ring's stages: no
     spills either way, and the unrolled math loop takes fewer instructions a thread a tile
     (the stage and phase arithmetic a tile is what it removes)."""
-    import sys
-    from pathlib import Path
-
-    _gluon()
-    try:
-        from triton.experimental.gluon._runtime import GluonASTSource  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"no Gluon AST source in this Triton: {e}")
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
     per_tile = {}
     for flags in ((), ("--unroll",)):
-        out = subprocess.run([sys.executable, str(root / "bench" / "sass.py"), "--ws", "--bq", "2",
-                              "--math-warpgroups", "3", "--split", "--scatter", *flags],
-                             capture_output=True, text=True, env=env, cwd=root, timeout=240)
-        assert out.returncode == 0, out.stderr[-2000:]
-        assert "spill instructions 0," in out.stdout, out.stdout
-        loop = re.search(r"math loop: ([\d.]+) instructions a thread a tile", out.stdout)
-        assert loop, out.stdout
+        text = _sass_ws("--bq", "2", "--math-warpgroups", "3", "--split", "--scatter", *flags)
+        assert "spill instructions 0," in text, text
+        loop = re.search(r"math loop: ([\d.]+) instructions a thread a tile", text)
+        assert loop, text
         per_tile[flags] = float(loop.group(1))
     assert per_tile[("--unroll",)] < per_tile[()], per_tile

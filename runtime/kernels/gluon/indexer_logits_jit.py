@@ -22,10 +22,9 @@ queries (N 128). Here, one CTA a SM at a time:
   same two keys x two queries, each lane its own columns' partial sums; instead of all four
   reducing all four (8 shuffles and adds, then four stores a thread of which three masked),
   the partials go through a warp's 512 bytes of shared memory transposed (``QUAD_T``: one
-  store, one ldmatrix) and each lane adds up one (key, query), scales and stores it: 174
-  instructions a thread a tile against 224 as counted then, from the product to the branch
-  (189 with the ring wait's set-up, as ``bench/sass.py`` counts now; ReLU and the weighted
-  sums are 128 of them);
+  store, one ldmatrix) and each lane adds up one (key, query), scales and stores it: 50
+  instructions a thread a tile fewer (ReLU and the weighted sums are 128 of the 180 that
+  ``bench/sass.py --ws --unroll`` counts in the default's math loop);
 - ``SPLIT`` (the default of ``indexer_tiled.IndexerTiles``, 3 x 2 queries): the math
   warpgroups split the CTA's queries instead of its keys: ``NM x BQ`` queries a CTA, tiles of
   one box of 64 keys that every math warpgroup multiplies by its own BQ queries (its slice of
@@ -297,39 +296,28 @@ def _pass_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k0, 
     stage by stage in straight-line code (no stage or phase arithmetic a tile; the tiles
     before and after it one at a time)."""
     scale = _scales(ks_ptr, t_lo * (NB * SUB) + k0, hi, pq, PT, W, I)
-    if UNROLL:
-        c = t_lo * (NB * SUB) + k0
-        head = gl.minimum((NS - it % NS) % NS, t_hi - t_lo)  # the tiles up to ring stage 0
-        for _ in range(head):
+    c = t_lo * (NB * SUB) + k0
+    # one at a time: with UNROLL the tiles up to ring stage 0, else all of them
+    head = gl.minimum((NS - it % NS) % NS, t_hi - t_lo) if UNROLL else t_hi - t_lo
+    for _ in range(head):
+        scale = _tile_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, c,
+                             it % NS, (it // NS) & 1, scale, pq, hi, PT, W, I, BQ, HP, NB, EPI,
+                             BX)
+        c = c + NB * SUB
+        it += 1
+    if UNROLL:  # whole trips of NS tiles from stage 0, then the rest
+        for _ in range((t_hi - t_lo - head) // NS):
+            ph = (it // NS) & 1
+            for s in gl.static_range(NS):
+                scale = _tile_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine,
+                                     c, s, ph, scale, pq, hi, PT, W, I, BQ, HP, NB, EPI, BX)
+                c = c + NB * SUB
+            it += NS
+        for _ in range((t_hi - t_lo - head) % NS):
             scale = _tile_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, c,
                                  it % NS, (it // NS) & 1, scale, pq, hi, PT, W, I, BQ, HP, NB,
                                  EPI, BX)
             c = c + NB * SUB
-            it += 1
-        # whole trips of NS tiles from stage 0, then the rest
-        for _ in range((t_hi - t_lo - head) // NS):
-            ph = (it // NS) & 1
-            for s in gl.static_range(NS):
-                scale = _tile_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr,
-                                     n, mine, c, s, ph, scale, pq, hi, PT, W, I, BQ, HP, NB,
-                                     EPI, BX)
-                c = c + NB * SUB
-            it += NS
-        for _ in range((t_hi - t_lo - head) % NS):
-            scale = _tile_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine,
-                                 c, it % NS, (it // NS) & 1, scale, pq, hi, PT, W, I, BQ, HP,
-                                 NB, EPI, BX)
-            c = c + NB * SUB
-            it += 1
-    else:  # (not _tile_waited with a computed stage: the loop as timed before UNROLL)
-        for t in range(t_lo, t_hi):
-            acc = _product(ring, ready, q_smem, zero, it, NB, NS, BX)
-            c = t * (NB * SUB) + k0
-            scale_nxt = _scales(ks_ptr, c + NB * SUB, hi, pq, PT, W, I)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(free.index(it % NS), count=1)
-            _finish(acc, w, scale, c, n, mine, optr, BQ, HP, EPI)
-            scale = scale_nxt
             it += 1
     return it
 
