@@ -1,6 +1,6 @@
 """Indexer benchmark on one GPU: the old per-(query, key block) Triton kernel against the tiled
 one (``runtime/kernels/indexer_tiled.py``, the Triton set's default) in the same run, with the
-bf16 matmul ceiling.
+card's bf16 and fp8 matmul ceilings.
 
     python bench/indexer.py [--quick] [--only prefill,planar,decode,sort,decode-sweep,select-sweep]
                             [--prefill-cases 2048x65536,8192x8192]
@@ -104,6 +104,26 @@ def ceiling():
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     r = row("ceiling: bf16 matmul 8192^3", bench(lambda: a @ b), flops=2 * 8192**3)
+    fp8_ceiling(a, b, r["tflops"])
+    return r["tflops"]
+
+
+def fp8_ceiling(a, b, bf16_tflops):
+    """The card's fp8 matrix product rate (cuBLAS through ``torch._scaled_mm``, e4m3, unit
+    scales, bf16 out) on the same 8192^3 shape: the prefill logits' own anchor (their rows'
+    percentages stay against bf16); one line saying why where this torch has no fp8 product."""
+    try:
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # b column-major
+        one = torch.ones((), device="cuda")
+
+        def mm():
+            return torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        mm()
+    except (RuntimeError, AttributeError, TypeError) as e:
+        print(f"ceiling: fp8 matmul 8192^3: not available ({_first_line(e)[:100]})", flush=True)
+        return None
+    r = row("ceiling: fp8 matmul 8192^3 (cuBLAS)", bench(mm), 2 * 8192**3, bf16_tflops,
+            "(percent: of the bf16 rate)")
     return r["tflops"]
 
 
@@ -479,11 +499,13 @@ def planar_logits(args, ceil, flops, sweep_tiles=False):
 # default cuts it);
 # "probe": the epilogue replaced by a per-column maximum stored nowhere (the products' and the
 # pipeline's time, no keys written); "stage" (with split): each math warpgroup copies its own
-# queries, under the loader's first key copies
-WS_TILES = ((2, 3, 4, "scatter,split"), (2, 3, 4, "split"), (2, 3, 4, "scatter,split,whole"),
-            (4, 2, 4, ""), (2, 2, 4, "pipe"), (2, 3, 4, "probe,split"),
-            (4, 2, 4, "probe"))  # the first: IndexerTiles' default
-WS_WORDS = ("pipe", "probe", "scatter", "split", "stage", "whole")
+# queries, under the loader's first key copies; "unroll" (not with pipe): the math loop a
+# ring's stages a trip, each stage's barriers fixed at compile time
+WS_TILES = ((2, 3, 4, "scatter,split,unroll"), (2, 3, 4, "scatter,split"),
+            (2, 3, 4, "split,unroll"), (2, 3, 4, "scatter,split,unroll,whole"), (4, 2, 4, ""),
+            (2, 2, 4, "pipe"), (2, 3, 4, "probe,split,unroll"),
+            (4, 2, 4, "probe"))  # the first: IndexerTiles' default (a test checks)
+WS_WORDS = ("pipe", "probe", "scatter", "split", "stage", "unroll", "whole")
 WS_ROUNDS = 1  # --ws-rounds
 
 
@@ -505,6 +527,15 @@ def _ws_tiles(text: str) -> tuple[tuple, ...]:
     return tuple(tiles)
 
 
+def _ws_options(bq: int, nm: int, ns: int, mode: str) -> dict:
+    """``indexer_logits.launch``'s keyword arguments for a WS_TILES entry."""
+    words = set(mode.split(","))
+    return {"block_q": bq, "math_warpgroups": nm, "stages": ns, "pipelined": "pipe" in words,
+            "split": "split" in words, "scatter": "scatter" in words,
+            "last_wave_parts": 1 if "whole" in words else None, "_probe": "probe" in words,
+            "math_stage": "stage" in words, "unroll": "unroll" in words}
+
+
 def ws_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops):
     """The warp-specialised Gluon logits (runtime/kernels/gluon/indexer_logits.py) at each of
     WS_TILES, checked equal to the Triton kernel's keys, then timed WS_ROUNDS times in turn
@@ -518,21 +549,19 @@ def ws_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops):
         return True
     ok = True
     runs = []  # (name, fn, note) of the configurations that ran
-    for bq, nm, ns, mode in WS_TILES:
-        probe, pipe, split = "probe" in mode, "pipe" in mode, "split" in mode
-        whole, scatter, stage = "whole" in mode, "scatter" in mode, "stage" in mode
+    for tile in WS_TILES:
+        bq, nm, ns, mode = tile
+        probe, split = "probe" in mode, "split" in mode
 
-        def fn(bq=bq, nm=nm, ns=ns, probe=probe, pipe=pipe, split=split, whole=whole,
-               scatter=scatter, stage=stage):
-            ws.launch(q8, w8, kp, ks, got, key_len, pcu, N, 1, 1, block_q=bq,
-                      math_warpgroups=nm, stages=ns, pipelined=pipe, split=split,
-                      scatter=scatter, last_wave_parts=1 if whole else None, _probe=probe,
-                      math_stage=stage)
+        def fn(options=_ws_options(*tile)):
+            ws.launch(q8, w8, kp, ks, got, key_len, pcu, N, 1, 1, **options)
         name = (f"  ws fp8 logits bq {bq}{' a warpgroup' * split}, {nm} math warpgroups"
                 f"{' splitting queries' * split}, {ns} stages"
-                f"{', quad sums scattered' * scatter}{', last wave whole' * whole}"
-                f"{', queries copied by the math warpgroups' * stage}"
-                f"{', pipelined' * pipe}{', PROBE: no epilogue' * probe}")
+                f"{', quad sums scattered' * ('scatter' in mode)}"
+                f"{', last wave whole' * ('whole' in mode)}"
+                f"{', queries copied by the math warpgroups' * ('stage' in mode)}"
+                f"{', unrolled' * ('unroll' in mode)}{', pipelined' * ('pipe' in mode)}"
+                f"{', PROBE: no epilogue' * probe}")
         try:
             got.fill_(0)
             fn()

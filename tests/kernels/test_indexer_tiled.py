@@ -485,6 +485,14 @@ def test_bench_indexer_case_arguments(monkeypatch):
     assert mod._decode_cases("8x131072,64x65536-131072") == [(8, 131072), (64, 131072, 65536)]
     assert mod._ws_tiles("4:2:4,2:2:6:probe+pipe,2:3:4:split") == (
         (4, 2, 4, ""), (2, 2, 6, "pipe,probe"), (2, 3, 4, "split"))
+    # the first ws row times the default: its launch options are IndexerTiles' own
+    default = _it().IndexerTiles().ws_launch_options()
+    first = mod._ws_options(*mod.WS_TILES[0])
+    assert {k: first[k] for k in default} == default
+    assert mod._ws_options(2, 3, 4, "probe,split") == {
+        "block_q": 2, "math_warpgroups": 3, "stages": 4, "pipelined": False, "split": True,
+        "scatter": False, "last_wave_parts": None, "_probe": True, "math_stage": False,
+        "unroll": False}
     fields = {f.name for f in dataclasses.fields(_it().IndexerTiles)}  # no typo costs a GPU run
     for table in (mod.PREFILL_FILTERS, mod.DECODE_SELECTS, {"segment path": mod.SEGMENT_PATH}):
         for name, kw in table.items():
