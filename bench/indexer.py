@@ -500,12 +500,13 @@ def planar_logits(args, ceil, flops, sweep_tiles=False):
 # "probe": the epilogue replaced by a per-column maximum stored nowhere (the products' and the
 # pipeline's time, no keys written); "stage" (with split): each math warpgroup copies its own
 # queries, under the loader's first key copies; "unroll" (not with pipe): the math loop a
-# ring's stages a trip, each stage's barriers fixed at compile time
+# ring's stages a trip, each stage's barriers fixed at compile time; "arrive": every math
+# thread arrives on the free barriers (no barrier of a warpgroup's threads before)
 WS_TILES = ((2, 3, 4, "scatter,split,unroll"), (2, 3, 4, "scatter,split"),
             (2, 3, 4, "split,unroll"), (2, 3, 4, "scatter,split,unroll,whole"), (4, 2, 4, ""),
             (2, 2, 4, "pipe"), (2, 3, 4, "probe,split,unroll"),
             (4, 2, 4, "probe"))  # the first: IndexerTiles' default (a test checks)
-WS_WORDS = ("pipe", "probe", "scatter", "split", "stage", "unroll", "whole")
+WS_WORDS = ("arrive", "pipe", "probe", "scatter", "split", "stage", "unroll", "whole")
 WS_ROUNDS = 1  # --ws-rounds
 
 
@@ -533,7 +534,8 @@ def _ws_options(bq: int, nm: int, ns: int, mode: str) -> dict:
     return {"block_q": bq, "math_warpgroups": nm, "stages": ns, "pipelined": "pipe" in words,
             "split": "split" in words, "scatter": "scatter" in words,
             "last_wave_parts": 1 if "whole" in words else None, "_probe": "probe" in words,
-            "math_stage": "stage" in words, "unroll": "unroll" in words}
+            "math_stage": "stage" in words, "unroll": "unroll" in words,
+            "thread_arrive": "arrive" in words}
 
 
 def ws_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops):
@@ -561,6 +563,7 @@ def ws_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops):
                 f"{', last wave whole' * ('whole' in mode)}"
                 f"{', queries copied by the math warpgroups' * ('stage' in mode)}"
                 f"{', unrolled' * ('unroll' in mode)}{', pipelined' * ('pipe' in mode)}"
+                f"{', every thread arriving' * ('arrive' in mode)}"
                 f"{', PROBE: no epilogue' * probe}")
         try:
             got.fill_(0)

@@ -16,7 +16,8 @@ scores; then the whole indexer (``indexer_topk_prefill``) and the logits alone
 drifts weighs on each alike), and the table gives each median and its ratio to the default's.
 The logits rows of the default and ``ws_math_stage`` leave out the quantisation launch that the
 whole includes. ``--variants`` names others of ``VARIANTS`` instead (the default always
-first): ``no unroll`` (the math warpgroups' loop a tile a trip). Figures: bench/RESULTS.md,
+first): ``no unroll`` (the math warpgroups' loop a tile a trip), ``thread arrive`` (every
+math thread arrives on the free barriers). Figures: bench/RESULTS.md,
 "thirty-sixth session" to "thirty-eighth session" (each table says which loop its default
 ran).
 """
@@ -36,7 +37,7 @@ from cpplan.runtime.kernels.triton import pack
 VARIANTS = {"default": {}, "math_stage": {"ws_math_stage": True},
             "quantise": {"ws_quantise": True},
             "math_stage + quantise": {"ws_math_stage": True, "ws_quantise": True},
-            "no unroll": {"ws_unroll": False}}
+            "no unroll": {"ws_unroll": False}, "thread arrive": {"ws_thread_arrive": True}}
 STAGING = ("default", "math_stage", "quantise", "math_stage + quantise")
 
 

@@ -56,10 +56,11 @@ def compile_logits(bq: int, bk: int, warps: int, stages: int, maxnreg: int, tma:
 
 def compile_ws(bq: int, math_warpgroups: int, stages: int, pipelined: bool = False,
                split: bool = False, epilogue: int = 1, quant: bool = False,
-               math_stage: bool = False, unroll: bool = False):
+               math_stage: bool = False, unroll: bool = False, thread_arrive: bool = False):
     """The compiled kernel (sm_90) of the warp-specialised Gluon logits, at the launcher's
     register budget (quant: a bf16 query quantised in the kernel; math_stage: each math
-    warpgroup copies its own queries; unroll: the waited pass NS tiles a trip)."""
+    warpgroup copies its own queries; unroll: the waited pass NS tiles a trip; thread_arrive:
+    every math thread arrives on the free barriers)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -70,7 +71,7 @@ def compile_ws(bq: int, math_warpgroups: int, stages: int, pipelined: bool = Fal
     cap, regs = ws._REGISTERS[math_warpgroups]
     const = {"W": 1, "I": 1, "BQ": bq, "HP": 64, "NM": math_warpgroups, "NS": stages,
              "MATH_REGS": regs, "EPI": epilogue, "PIPE": pipelined, "SPLIT": split, "QUANT": quant,
-             "STAGE": math_stage, "UNROLL": unroll,
+             "STAGE": math_stage, "UNROLL": unroll, "TARRIVE": thread_arrive,
              "CQP": triton.next_power_of_2(bq * (math_warpgroups if split else 1))}
     ptrs = {**POINTERS, "q_ptr": "*bf16" if quant else "*fp8e4nv"}
     sig = {n: "constexpr" if n in const else f"tensordesc<fp8e4nv[{ws.BOX}, 128],{layout!r}>"
@@ -143,6 +144,8 @@ def main(argv=None) -> int:
                     help="--ws --split: each math warpgroup copies its own queries")
     ap.add_argument("--unroll", action="store_true",
                     help="--ws: the waited pass unrolled by the ring's stages")
+    ap.add_argument("--thread-arrive", action="store_true",
+                    help="--ws: every math thread arrives on the free barriers")
     ap.add_argument("--ptx", help="write the PTX here")
     a = ap.parse_args(argv)
     if a.ws:  # its own defaults: the launcher's
@@ -150,7 +153,8 @@ def main(argv=None) -> int:
         a.stages = a.stages if "--stages" in given else 4
         a.bq = a.bq if "--bq" in given else 4
         k = compile_ws(a.bq, a.math_warpgroups, a.stages, a.pipelined, a.split,
-                       2 if a.scatter else 1, a.quant, a.math_stage, a.unroll)
+                       2 if a.scatter else 1, a.quant, a.math_stage, a.unroll,
+                       a.thread_arrive)
     else:
         k = compile_logits(a.bq, a.bk, a.warps, a.stages, a.maxnreg, not a.copies)
     with tempfile.TemporaryDirectory() as tmp:
@@ -177,7 +181,8 @@ def main(argv=None) -> int:
               f"{', pipelined' * a.pipelined}{', queries split' * a.split}"
               f"{', query quantised in the kernel' * a.quant}"
               f"{', queries copied by the math warpgroups' * a.math_stage}"
-              f"{', unrolled by stages' * a.unroll}; products "
+              f"{', unrolled by stages' * a.unroll}"
+              f"{', every thread arriving' * a.thread_arrive}; products "
               f"{', '.join(gmma)}; setmaxnreg {', '.join(f'{d} {r}' for d, r in nreg)}")
         # a wait for all products but one: two in flight (ptxas serialising the wgmmas leaves
         # only waits for none, one after each product)

@@ -492,7 +492,7 @@ def test_bench_indexer_case_arguments(monkeypatch):
     assert mod._ws_options(2, 3, 4, "probe,split") == {
         "block_q": 2, "math_warpgroups": 3, "stages": 4, "pipelined": False, "split": True,
         "scatter": False, "last_wave_parts": None, "_probe": True, "math_stage": False,
-        "unroll": False}
+        "unroll": False, "thread_arrive": False}
     fields = {f.name for f in dataclasses.fields(_it().IndexerTiles)}  # no typo costs a GPU run
     for table in (mod.PREFILL_FILTERS, mod.DECODE_SELECTS, {"segment path": mod.SEGMENT_PATH}):
         for name, kw in table.items():

@@ -120,6 +120,22 @@ def test_ws_logits_unroll_equal_the_triton_kernel_and_the_reference(T, HI, PT, W
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("T,HI,PT,W,I,nreq", SHAPES)
+@pytest.mark.parametrize("bq,nm,ns,pipe,split,scatter,unroll", [
+    (2, 3, 4, False, True, True, True), (2, 3, 3, False, True, True, False),
+    (4, 2, 4, False, False, False, True), (2, 2, 4, True, False, False, False)])
+def test_ws_logits_thread_arrive_equal_the_triton_kernel_and_the_reference(T, HI, PT, W, I, nreq,
+                                                                          bq, nm, ns, pipe, split,
+                                                                          scatter, unroll):
+    """Every math thread arriving on the free barriers (their count 128 a math warpgroup):
+    the same keys as the Triton kernel and the reference, waited (unrolled or not) and
+    pipelined, splitting queries or keys."""
+    _check_ws(T, HI, PT, W, I, nreq, block_q=bq, math_warpgroups=nm, stages=ns,
+              pipelined=pipe, split=split, scatter=scatter, unroll=unroll, thread_arrive=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
 def test_ws_logits_scatter_sums_normal_inputs():
     """Normal inputs (sums rounded): the scattered epilogue's scores within rounding of the
     all-reduced one's (the same additions in the same order, but which of a thread's first
@@ -318,7 +334,8 @@ def test_tiles_give_the_launch_its_knobs():
     ws = _gluon()
     opts = it.IndexerTiles().ws_launch_options()
     assert opts == {"block_q": 2, "math_warpgroups": 3, "stages": 4, "split": True,
-                    "scatter": True, "math_stage": False, "unroll": True}
+                    "scatter": True, "math_stage": False, "unroll": True,
+                    "thread_arrive": False}
     assert set(opts) <= set(ws.launch.__kwdefaults__)
     wide = it.IndexerTiles(ws_block_q=4, ws_math_warpgroups=2, ws_split=False,
                            ws_math_stage=True)

@@ -45,7 +45,7 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
            math_warpgroups: int = 2, stages: int = 4, pipelined: bool = False,
            split: bool = False, scatter: bool = False, last_wave_parts: int | None = None,
            quantise: bool = False, math_stage: bool = False, unroll: bool = False,
-           _probe: bool = False) -> None:
+           thread_arrive: bool = False, _probe: bool = False) -> None:
     """Prefill int32 keys ``out [T, >= max lens]`` (``indexer_tiled._logits_planar``'s
     contract): q8 ``[T, HI, 128]`` float8_e4m3fn, weights ``[T, HI]`` float32 (the query's
     scales folded in), the key planes ``kp [R, 128]`` float8_e4m3fn (contiguous) and ``ks [R]``
@@ -69,6 +69,8 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
     the loader's warpgroup copying the CTA's queries before the partitions start. ``unroll``
     (not ``pipelined``): the math warpgroups' loop runs ``stages`` tiles a trip, each ring
     stage's barriers and descriptors fixed at compile time, instead of computed a tile.
+    ``thread_arrive``: each math thread arrives on a ring stage's free barrier once its
+    product is waited on, instead of thread 0 after a barrier of the warpgroup's 128 threads.
     ``_probe`` (bench only): the epilogue left out, so the time is the products' and the
     pipeline's (keys not written)."""
     T, HI, _ = q8.shape
@@ -112,7 +114,8 @@ def launch(q8, weights, kp, ks, out, lens, pcu, PT: int, W: int, I: int, *, bloc
         out.stride(0), T, HI, PT, whole, parts, W=W, I=I, BQ=block_q, HP=padded_heads(HI),
         NM=math_warpgroups, NS=stages, MATH_REGS=regs, EPI=0 if _probe else 2 if scatter else 1,
         PIPE=pipelined, SPLIT=split, QUANT=quantise, STAGE=math_stage, UNROLL=unroll,
-        CQP=triton.next_power_of_2(cta_queries), num_warps=4, maxnreg=cap)
+        TARRIVE=thread_arrive, CQP=triton.next_power_of_2(cta_queries), num_warps=4,
+        maxnreg=cap)
 
 
 def last_wave_split(blocks: int, sms: int, parts: int | None = None,

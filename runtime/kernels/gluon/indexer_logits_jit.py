@@ -74,6 +74,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -151,6 +152,19 @@ def _product(ring, ready, q_smem, zero, it, NB: gl.constexpr, NS: gl.constexpr,
 
 
 @gluon.jit
+def _release(bar, TARRIVE: gl.constexpr):
+    """A math warpgroup done reading a ring stage (its product waited on): one arrive by the
+    warpgroup's thread 0 after a barrier of its 128 threads (``mbarrier.arrive``'s lowering),
+    or with TARRIVE an arrive by every thread and no barrier (``cp.async.mbarrier.arrive
+    .noinc``: none of these threads has a copy in flight, so it arrives at once; the free
+    barriers then count 128 arrivals a math warpgroup)."""
+    if TARRIVE:
+        async_copy.mbarrier_arrive(bar, increment_count=False)
+    else:
+        mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
 def _scales(ks_ptr, c, hi, pq, PT, W: gl.constexpr, I: gl.constexpr):
     """The float32 scales of key positions c (0 past hi)."""
     live = c < hi
@@ -217,7 +231,7 @@ def _math(q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_
           W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr, HP: gl.constexpr,
           NM: gl.constexpr, NS: gl.constexpr, EPI: gl.constexpr, PIPE: gl.constexpr,
           SPLIT: gl.constexpr, QUANT: gl.constexpr, STAGE: gl.constexpr, UNROLL: gl.constexpr,
-          WG: gl.constexpr):
+          TARRIVE: gl.constexpr, WG: gl.constexpr):
     """Math warpgroup WG: keys WG x 64 .. WG x 64 + 63 of every tile and all BQ queries, or
     with SPLIT all 64 keys of every tile and queries WG x BQ .. WG x BQ + BQ - 1; a pass a
     request (``_pass_waited``, or with PIPE ``_pass_pipelined``). Its head weights from
@@ -261,16 +275,18 @@ def _math(q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_
         mine = (jb == qi) | shared  # the pass's queries: all if shared
         if PIPE:
             it = _pass_pipelined(ring, ready, free, q_mine, zero, w, ks_ptr, optr, n, mine, k0,
-                                 t_lo, t_hi, it, pq, hi, PT, W, I, BQ, HP, NB, NS, EPI, BX)
+                                 t_lo, t_hi, it, pq, hi, PT, W, I, BQ, HP, NB, NS, EPI, BX,
+                                 TARRIVE)
         else:
             it = _pass_waited(ring, ready, free, q_mine, zero, w, ks_ptr, optr, n, mine, k0,
-                              t_lo, t_hi, it, pq, hi, PT, W, I, BQ, HP, NB, NS, EPI, BX, UNROLL)
+                              t_lo, t_hi, it, pq, hi, PT, W, I, BQ, HP, NB, NS, EPI, BX, UNROLL,
+                              TARRIVE)
 
 
 @gluon.jit
 def _tile_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, c, s, ph, scale, pq,
                  hi, PT, W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr, HP: gl.constexpr,
-                 NB: gl.constexpr, EPI: gl.constexpr, BX: gl.constexpr):
+                 NB: gl.constexpr, EPI: gl.constexpr, BX: gl.constexpr, TARRIVE: gl.constexpr):
     """One tile of a waited pass (keys c, ring stage s at phase ph): the product issued once
     the tile has landed, the next tile's scales loaded under it, the product waited on, the
     stage freed, the epilogue; returns the next tile's scales. s is a constexpr in an unrolled
@@ -280,7 +296,7 @@ def _tile_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, c, s
                         is_async=True)
     scale_nxt = _scales(ks_ptr, c + NB * SUB, hi, pq, PT, W, I)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(free.index(s), count=1)
+    _release(free.index(s), TARRIVE)
     _finish(acc, w, scale, c, n, mine, optr, BQ, HP, EPI)
     return scale_nxt
 
@@ -289,7 +305,7 @@ def _tile_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, c, s
 def _pass_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k0, t_lo, t_hi, it,
                  pq, hi, PT, W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr,
                  HP: gl.constexpr, NB: gl.constexpr, NS: gl.constexpr, EPI: gl.constexpr,
-                 BX: gl.constexpr, UNROLL: gl.constexpr):
+                 BX: gl.constexpr, UNROLL: gl.constexpr, TARRIVE: gl.constexpr):
     """One pass of a math warpgroup over its keys of tiles t_lo .. t_hi - 1, each product
     waited on before its epilogue (the next tile's scales loaded under it); returns the ring's
     count past the pass. UNROLL: the tiles from the first at ring stage 0 on run NS a trip,
@@ -302,7 +318,7 @@ def _pass_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k0, 
     for _ in range(head):
         scale = _tile_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, c,
                              it % NS, (it // NS) & 1, scale, pq, hi, PT, W, I, BQ, HP, NB, EPI,
-                             BX)
+                             BX, TARRIVE)
         c = c + NB * SUB
         it += 1
     if UNROLL:  # whole trips of NS tiles from stage 0, then the rest
@@ -310,13 +326,14 @@ def _pass_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k0, 
             ph = (it // NS) & 1
             for s in gl.static_range(NS):
                 scale = _tile_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine,
-                                     c, s, ph, scale, pq, hi, PT, W, I, BQ, HP, NB, EPI, BX)
+                                     c, s, ph, scale, pq, hi, PT, W, I, BQ, HP, NB, EPI, BX,
+                                     TARRIVE)
                 c = c + NB * SUB
             it += NS
         for _ in range((t_hi - t_lo - head) % NS):
             scale = _tile_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, c,
                                  it % NS, (it // NS) & 1, scale, pq, hi, PT, W, I, BQ, HP, NB,
-                                 EPI, BX)
+                                 EPI, BX, TARRIVE)
             c = c + NB * SUB
             it += 1
     return it
@@ -326,7 +343,7 @@ def _pass_waited(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k0, 
 def _pass_pipelined(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k0, t_lo, t_hi,
                     it, pq, hi, PT, W: gl.constexpr, I: gl.constexpr, BQ: gl.constexpr,
                     HP: gl.constexpr, NB: gl.constexpr, NS: gl.constexpr, EPI: gl.constexpr,
-                    BX: gl.constexpr):
+                    BX: gl.constexpr, TARRIVE: gl.constexpr):
     """The same pass with two accumulators: four tiles a trip, each product but the trip's
     last issued before the epilogue of the one before it; then the rest one at a time. No
     product in flight crosses the loop's back edge: reading an accumulator that did (even
@@ -340,20 +357,20 @@ def _pass_pipelined(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k
         b = _product(ring, ready, q_smem, zero, it + 1, NB, NS, BX)
         sb = _scales(ks_ptr, c + NB * SUB, hi, pq, PT, W, I)
         a = warpgroup_mma_wait(num_outstanding=1, deps=(a,))
-        mbarrier.arrive(free.index(it % NS), count=1)
+        _release(free.index(it % NS), TARRIVE)
         _finish(a, w, sa, c, n, mine, optr, BQ, HP, EPI)
         a = _product(ring, ready, q_smem, zero, it + 2, NB, NS, BX)
         sa = _scales(ks_ptr, c + 2 * NB * SUB, hi, pq, PT, W, I)
         b = warpgroup_mma_wait(num_outstanding=1, deps=(b,))
-        mbarrier.arrive(free.index((it + 1) % NS), count=1)
+        _release(free.index((it + 1) % NS), TARRIVE)
         _finish(b, w, sb, c + NB * SUB, n, mine, optr, BQ, HP, EPI)
         b = _product(ring, ready, q_smem, zero, it + 3, NB, NS, BX)
         sb = _scales(ks_ptr, c + 3 * NB * SUB, hi, pq, PT, W, I)
         a = warpgroup_mma_wait(num_outstanding=1, deps=(a,))
-        mbarrier.arrive(free.index((it + 2) % NS), count=1)
+        _release(free.index((it + 2) % NS), TARRIVE)
         _finish(a, w, sa, c + 2 * NB * SUB, n, mine, optr, BQ, HP, EPI)
         b = warpgroup_mma_wait(num_outstanding=0, deps=(b,))
-        mbarrier.arrive(free.index((it + 3) % NS), count=1)
+        _release(free.index((it + 3) % NS), TARRIVE)
         _finish(b, w, sb, c + 3 * NB * SUB, n, mine, optr, BQ, HP, EPI)
         c = c + 4 * NB * SUB
         it += 4
@@ -361,7 +378,7 @@ def _pass_pipelined(ring, ready, free, q_smem, zero, w, ks_ptr, optr, n, mine, k
         a = _product(ring, ready, q_smem, zero, it, NB, NS, BX)
         sa = _scales(ks_ptr, c, hi, pq, PT, W, I)
         a = warpgroup_mma_wait(num_outstanding=0, deps=(a,))
-        mbarrier.arrive(free.index(it % NS), count=1)
+        _release(free.index(it % NS), TARRIVE)
         _finish(a, w, sa, c, n, mine, optr, BQ, HP, EPI)
         c = c + NB * SUB
         it += 1
@@ -375,7 +392,8 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
                      NM: gl.constexpr, NS: gl.constexpr, MATH_REGS: gl.constexpr,
                      CQP: gl.constexpr, EPI: gl.constexpr = True, PIPE: gl.constexpr = False,
                      SPLIT: gl.constexpr = False, QUANT: gl.constexpr = False,
-                     STAGE: gl.constexpr = False, UNROLL: gl.constexpr = False):
+                     STAGE: gl.constexpr = False, UNROLL: gl.constexpr = False,
+                     TARRIVE: gl.constexpr = False):
     """One CTA a block of BQ queries, or with SPLIT NM x BQ (the last blocks first: a
     prefill's later queries have the most keys, longest processing time first). kdesc: a TMA
     descriptor over the value plane ``[R, 128]`` fp8 with boxes of ``[64, 128]``; CQP: the
@@ -417,7 +435,7 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
     free = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NS):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(free.index(s), count=NM)
+        mbarrier.init(free.index(s), count=NM * 128 if TARRIVE else NM)
     fence_async_shared()
     jq = j0 + gl.arange(0, CQP, layout=gl.SliceLayout(1, QL))
     live = (jq < T) & (jq < j0 + CQ)
@@ -440,11 +458,11 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
             (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
                      pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
                      t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
-                     STAGE, UNROLL, 0)),
+                     STAGE, UNROLL, TARRIVE, 0)),
             (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
                      pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
                      t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
-                     STAGE, UNROLL, 1)),
+                     STAGE, UNROLL, TARRIVE, 1)),
         ], [4, 4], [MATH_REGS, MATH_REGS])
     elif NM == 3:
         gl.warp_specialize([
@@ -453,15 +471,15 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
             (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
                      pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
                      t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
-                     STAGE, UNROLL, 0)),
+                     STAGE, UNROLL, TARRIVE, 0)),
             (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
                      pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
                      t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
-                     STAGE, UNROLL, 1)),
+                     STAGE, UNROLL, TARRIVE, 1)),
             (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
                      pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
                      t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
-                     STAGE, UNROLL, 2)),
+                     STAGE, UNROLL, TARRIVE, 2)),
         ], [4, 4, 4], [MATH_REGS, MATH_REGS, MATH_REGS])
     else:
         gl.static_assert(NM == 4, "NM: 2, 3 or 4 math warpgroups")
@@ -471,17 +489,17 @@ def ws_logits_kernel(q_ptr, w_ptr, kdesc, ks_ptr, out_ptr, len_ptr, pcu_ptr,
             (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
                      pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
                      t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
-                     STAGE, UNROLL, 0)),
+                     STAGE, UNROLL, TARRIVE, 0)),
             (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
                      pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
                      t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
-                     STAGE, UNROLL, 1)),
+                     STAGE, UNROLL, TARRIVE, 1)),
             (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
                      pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
                      t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
-                     STAGE, UNROLL, 2)),
+                     STAGE, UNROLL, TARRIVE, 2)),
             (_math, (q_ptr, q_smem, w_smem, ring, ready, free, w_ptr, ks_ptr, out_ptr, len_ptr,
                      pcu_ptr, j0, T, HI, PT, stride_qt, stride_qh, stride_wt, stride_ot, hi,
                      t_lo, t_hi, p_lo, shared, W, I, BQ, HP, NM, NS, EPI, PIPE, SPLIT, QUANT,
-                     STAGE, UNROLL, 3)),
+                     STAGE, UNROLL, TARRIVE, 3)),
         ], [4, 4, 4, 4], [MATH_REGS, MATH_REGS, MATH_REGS, MATH_REGS])

@@ -89,6 +89,8 @@ class IndexerTiles:
     # barriers and descriptors fixed at compile time: 180 instructions a thread a tile offline
     # against 189); whole indexer 1.3-3.4% faster on one H100 (bench/query_staging.py;
     # bench/RESULTS.md, thirty-seventh and thirty-eighth sessions)
+    ws_thread_arrive: bool = False  # every math thread arrives on a ring stage's free
+    # barrier, no barrier of the warpgroup's threads before (one named barrier a tile fewer)
     ws_min_keys: int = 4096  # narrower chunks take Triton's (with the quad sums scattered the
     # Gluon kernel is 5% faster at T 8192 x N 8192, and the 32k step's first chunks gain)
     block_q: int = 2  # Triton's: queries per program (N = block_q * padded heads)
@@ -162,7 +164,7 @@ class IndexerTiles:
                 "stages": self.ws_stages, "split": self.ws_split,
                 "scatter": self.ws_scatter and self.ws_block_q == 2,
                 "math_stage": self.ws_math_stage and self.ws_split,
-                "unroll": self.ws_unroll}
+                "unroll": self.ws_unroll, "thread_arrive": self.ws_thread_arrive}
 
 
 def _logits(q, weights, k, out, mode, out_keys, L, *, bk, warps, stages, splits=1, rows=None,
