@@ -53,6 +53,11 @@ queries (N 128). Here, one CTA a SM at a time:
   Offline (Triton 3.6, ``bench/sass.py --ws``) the loop a tile a trip takes 189 instructions a
   thread a tile, UNROLL's 180 (132 of them the ReLU, weights, sums and scale); the whole
   indexer 1.3-3.4% faster on one H100 (bench/RESULTS.md, "thirty-eighth session").
+- ``TARRIVE``: a math warpgroup frees a ring stage by an arrive of each of its threads
+  (``cp.async.mbarrier.arrive.noinc``: nothing in flight, so at once; the free barriers count
+  128 a math warpgroup) instead of ``mbarrier.arrive``'s thread 0 after a barrier of the
+  warpgroup's 128 threads: one named barrier a tile fewer (``IndexerTiles.ws_thread_arrive``,
+  off until timed).
 
 Measured on the H200 (bench/RESULTS.md, "the warp-specialised Gluon prefill logits", "the
 math warpgroups split the queries" and "the quad sums scattered"): with the epilogue replaced
