@@ -506,7 +506,16 @@ WS_TILES = ((2, 3, 4, "scatter,split,unroll"), (2, 3, 4, "scatter,split"),
             (2, 3, 4, "split,unroll"), (2, 3, 4, "scatter,split,unroll,whole"), (4, 2, 4, ""),
             (2, 2, 4, "pipe"), (2, 3, 4, "probe,split,unroll"),
             (4, 2, 4, "probe"))  # the first: IndexerTiles' default (a test checks)
-WS_WORDS = ("arrive", "pipe", "probe", "scatter", "split", "stage", "unroll", "whole")
+# each mode word: the launch keyword it sets, its value on and off, and its part of a row's
+# name (split's is spelt beside the queries and warpgroups), in the names' order
+WS_WORDS = {"split": ("split", True, False, ""),
+            "scatter": ("scatter", True, False, "quad sums scattered"),
+            "whole": ("last_wave_parts", 1, None, "last wave whole"),
+            "stage": ("math_stage", True, False, "queries copied by the math warpgroups"),
+            "unroll": ("unroll", True, False, "unrolled"),
+            "pipe": ("pipelined", True, False, "pipelined"),
+            "arrive": ("thread_arrive", True, False, "every thread arriving"),
+            "probe": ("_probe", True, False, "PROBE: no epilogue")}
 WS_ROUNDS = 1  # --ws-rounds
 
 
@@ -531,11 +540,9 @@ def _ws_tiles(text: str) -> tuple[tuple, ...]:
 def _ws_options(bq: int, nm: int, ns: int, mode: str) -> dict:
     """``indexer_logits.launch``'s keyword arguments for a WS_TILES entry."""
     words = set(mode.split(","))
-    return {"block_q": bq, "math_warpgroups": nm, "stages": ns, "pipelined": "pipe" in words,
-            "split": "split" in words, "scatter": "scatter" in words,
-            "last_wave_parts": 1 if "whole" in words else None, "_probe": "probe" in words,
-            "math_stage": "stage" in words, "unroll": "unroll" in words,
-            "thread_arrive": "arrive" in words}
+    return {"block_q": bq, "math_warpgroups": nm, "stages": ns,
+            **{key: on if word in words else off
+               for word, (key, on, off, _) in WS_WORDS.items()}}
 
 
 def ws_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops):
@@ -551,20 +558,16 @@ def ws_logits(q8, w8, kp, ks, got, want, valid, N, key_len, pcu, ceil, flops):
         return True
     ok = True
     runs = []  # (name, fn, note) of the configurations that ran
-    for tile in WS_TILES:
-        bq, nm, ns, mode = tile
-        probe, split = "probe" in mode, "split" in mode
+    for bq, nm, ns, mode in WS_TILES:
+        options = _ws_options(bq, nm, ns, mode)
+        probe, split = options["_probe"], options["split"]
 
-        def fn(options=_ws_options(*tile)):
+        def fn(options=options):
             ws.launch(q8, w8, kp, ks, got, key_len, pcu, N, 1, 1, **options)
         name = (f"  ws fp8 logits bq {bq}{' a warpgroup' * split}, {nm} math warpgroups"
                 f"{' splitting queries' * split}, {ns} stages"
-                f"{', quad sums scattered' * ('scatter' in mode)}"
-                f"{', last wave whole' * ('whole' in mode)}"
-                f"{', queries copied by the math warpgroups' * ('stage' in mode)}"
-                f"{', unrolled' * ('unroll' in mode)}{', pipelined' * ('pipe' in mode)}"
-                f"{', every thread arriving' * ('arrive' in mode)}"
-                f"{', PROBE: no epilogue' * probe}")
+                + "".join(f", {label}" for word, (*_, label) in WS_WORDS.items()
+                          if label and word in mode.split(",")))
         try:
             got.fill_(0)
             fn()
