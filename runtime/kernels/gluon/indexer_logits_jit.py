@@ -57,7 +57,8 @@ queries (N 128). Here, one CTA a SM at a time:
   (``cp.async.mbarrier.arrive.noinc``: nothing in flight, so at once; the free barriers count
   128 a math warpgroup) instead of ``mbarrier.arrive``'s thread 0 after a barrier of the
   warpgroup's 128 threads: one named barrier a tile fewer (``IndexerTiles.ws_thread_arrive``,
-  off until timed).
+  off: no faster on one H100, the whole indexer 0.2-0.8% slower; bench/RESULTS.md, "fortieth
+  session").
 
 Measured on the H200 (bench/RESULTS.md, "the warp-specialised Gluon prefill logits", "the
 math warpgroups split the queries" and "the quad sums scattered"): with the epilogue replaced

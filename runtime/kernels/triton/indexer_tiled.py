@@ -90,7 +90,9 @@ class IndexerTiles:
     # against 189); whole indexer 1.3-3.4% faster on one H100 (bench/query_staging.py;
     # bench/RESULTS.md, thirty-seventh and thirty-eighth sessions)
     ws_thread_arrive: bool = False  # every math thread arrives on a ring stage's free
-    # barrier, no barrier of the warpgroup's threads before (one named barrier a tile fewer)
+    # barrier, no barrier of the warpgroup's threads before (one named barrier a tile fewer);
+    # off: the whole indexer 0.2-0.8% slower on one H100 (bench/query_staging.py;
+    # bench/RESULTS.md, fortieth session)
     ws_min_keys: int = 4096  # narrower chunks take Triton's (with the quad sums scattered the
     # Gluon kernel is 5% faster at T 8192 x N 8192, and the 32k step's first chunks gain)
     block_q: int = 2  # Triton's: queries per program (N = block_q * padded heads)
