@@ -8,7 +8,8 @@
 # SRC holds DeepGEMM's csrc/, deep_gemm/ (the Python package and its include/deep_gemm),
 # third-party/cutlass/include/{cute,cutlass} and third-party/fmt/include/fmt, as staged from
 # the DeepGEMM commit and the CUTLASS / fmt commits it pins as submodules (SRC/SOURCES.txt
-# names them); nothing of it is in this repository. The one C++ translation unit
+# names them; `bash bench/deepgemm_stage.sh` stages it, and a tarball of it, on a machine with
+# git); nothing of it is in this repository. The one C++ translation unit
 # (csrc/python_api.cpp) is compiled against the installed torch with its own ninja build
 # (torch.utils.cpp_extension, no setup.py: that one wants wheel, git and the network), the
 # package is copied to TARGET/deep_gemm with the CUTLASS headers under deep_gemm/include (where
@@ -92,7 +93,7 @@ STEP="check the staged source"
 for f in csrc/python_api.cpp deep_gemm/__init__.py deep_gemm/include/deep_gemm \
          third-party/cutlass/include/cute third-party/cutlass/include/cutlass \
          third-party/fmt/include/fmt; do
-    [[ -e "$SRC/$f" ]] || fail "$SRC/$f missing: stage DeepGEMM's source tree there first"
+    [[ -e "$SRC/$f" ]] || fail "$SRC/$f missing: stage DeepGEMM's source tree there first (bench/deepgemm_stage.sh)"
 done
 [[ -f "$SRC/SOURCES.txt" ]] && sed 's/^/source: /' "$SRC/SOURCES.txt"
 
