@@ -39,7 +39,8 @@ Hopper GPU, ``indexer_tiled.prefill_logits``); ``sort`` times
 planar tiles; ``--sweep`` tile variants of the first prefill case and of the decode cases.
 ``--deepgemm`` adds an outside anchor to each prefill case: DeepGEMM's ``fp8_mqa_logits`` (and
 ``torch.topk`` of its logits) on the same fp8 query, keys, scales and weights
-(``deepgemm_anchor``; build it with ``bench/deepgemm_build.sh``, then ``PYTHONPATH=/tmp/site``).
+(``deepgemm_anchor``; stage its sources with ``bench/deepgemm_stage.sh``, build them with
+``bench/deepgemm_build.sh``, then ``PYTHONPATH=/tmp/site``).
 """
 
 from __future__ import annotations
@@ -634,7 +635,8 @@ def load_deepgemm():
         with contextlib.redirect_stdout(out):  # its own import-time notes, shown on success only
             import deep_gemm
     except Exception as e:  # a build for another torch fails in many ways
-        print(f"deepgemm anchor: not available ({_first_line(e)})", flush=True)
+        print(f"deepgemm anchor: not available ({_first_line(e)}; bench/deepgemm_stage.sh and "
+              "bench/deepgemm_build.sh make it)", flush=True)
         return None
     print(f"{out.getvalue()}deepgemm anchor: deep_gemm {getattr(deep_gemm, '__version__', '?')} "
           f"from {deep_gemm.__file__}", flush=True)
