@@ -90,6 +90,16 @@ SLOW = (
     "tests/kernels/test_jit_variants.py::*",
     "tests/kernels/test_attention_plan.py::test_explicit_plans_run_as_given*",
     "tests/kernels/test_layout.py::test_every_module_imports_alone",  # a process per module
+    # the CUDA row top-k built for the host: a compile a variant (2-3 s) and CTAs of up to 1024
+    # std::threads (tests/kernels/test_row_topk.py); the one-pass half of the host cases
+    "tests/kernels/test_row_topk.py::test_row_topk_on_the_host_in_the_gpu_shape*",
+    "tests/kernels/test_row_topk.py::test_row_topk_one_pass_*on_the_host*",
+    "tests/kernels/test_row_topk.py::test_row_topk_sorts_on_the_host*",
+    "tests/kernels/test_row_topk.py::test_row_topk_rank_pairs_on_the_host*",
+    "tests/kernels/test_row_topk.py::test_row_topk_refinement_on_the_host*",
+    "tests/kernels/test_row_topk.py::test_row_topk_on_the_host_equals_reference[[]*-one-pass[]]",
+    "tests/kernels/test_row_topk.py::test_build_compiles_and_caches",
+    "tests/kernels/test_ws_logits.py::test_last_wave_split_ends_soonest*",
 )
 # the fast representative of an area that SLOW would otherwise leave out of the quick lane
 QUICK = (
@@ -106,6 +116,7 @@ QUICK = (
     "tests/kernels/test_indexer_tiled.py::test_zero_queries*",
     "tests/kernels/test_flashmla.py::test_flashmla_indices*",
     "tests/kernels/test_flashmla.py::test_pad_heads_zero_rows*",
+    "tests/kernels/test_row_topk.py::test_row_topk_on_the_host_in_the_gpu_shape[[]default[]]",
 )
 
 
