@@ -6,7 +6,7 @@ over 60 decades, keys packed under one 12-bit prefix (the bin of the K-th key la
 shared-memory candidates: refined over the row), rows of no key, fewer live keys than K, odd
 row strides (scalar loads), K not a power of two, K = 1 and K = MAX_TOPK, a DCP rank's decode
 ids, a CUDA graph replay. On the CPU the same kernel source built for the host
-(``row_topk.host_select``: a CTA's threads as std::threads, small CTAs and candidate caps so
+(``row_topk.host_select``: a CTA's threads as fibers, small CTAs and candidate caps so
 that every refinement runs on small rows, and one case in the GPU's shape), and the build's
 cache and one-line errors (nvcc's where installed).
 """
@@ -153,6 +153,23 @@ def test_row_topk_on_the_host_in_the_gpu_shape(variant):
                 sorted(zip(want[1][r].tolist(), want[0][r].tolist()))
     else:
         _check((s, i), want)
+
+
+@needs_cxx
+@pytest.mark.parametrize("shape", ["gpu", "k100-cap512"])
+def test_row_topk_with_os_threads_equals_reference(shape):
+    """The emulation's other mode, -DCPPLAN_HOST_THREADS (a CTA's threads as std::threads the OS
+    interleaves, where a missing barrier may show), on the default build, between two runs of
+    the fibers' build in the same process (each library keeps its own emulation state)."""
+    if shape == "gpu":
+        keys, lens, want = _case("ties", 5, 6000, 2048, 4, dev="cpu",
+                                 lens=[6000, 1000, 6000, 1500, 1])
+        topk, host = 2048, (1024, row_topk.CAP)
+    else:
+        R, L, topk, _, host = HOST_SHAPES[shape]
+        keys, lens, want = _case("narrow", R, L, topk, 3, dev="cpu")
+    for defines in [(), ("CPPLAN_HOST_THREADS",), ()]:
+        _check(_run(keys, lens, topk, host=host, defines=defines), want)
 
 
 @needs_cxx

@@ -78,11 +78,13 @@ def compile_library(source: str, arch: str, *, defines: tuple[str, ...] = (),
 def compile_host(source: str, block: int, *, defines: tuple[str, ...] = (),
                  cxx: str | None = None, out_dir: Path | None = None) -> Path:
     """``source`` built for the host with -DCPPLAN_HOST_EMULATION (``host_emulation.h``: a
-    CTA's ``block`` threads as std::threads) by a C++20 compiler (``cxx``, default ``$CXX`` or
-    g++), for the CPU tests. Raises ``CudaBuildError``."""
+    CTA's ``block`` threads as fibers of one OS thread, or as std::threads with
+    CPPLAN_HOST_THREADS among ``defines``) by a C++20 compiler (``cxx``, default ``$CXX`` or
+    g++), for the CPU tests: unoptimised (-O0), a compile a variant being most of a test's
+    time. Raises ``CudaBuildError``."""
     cxx = cxx or os.environ.get("CXX") or shutil.which("g++") or "c++"
     return _compile(source, f"host{block}",
-                    [cxx, "-std=c++20", "-O2", "-x", "c++", "-DCPPLAN_HOST_EMULATION",
+                    [cxx, "-std=c++20", "-O0", "-x", "c++", "-DCPPLAN_HOST_EMULATION",
                      f"-DCPPLAN_ROW_TOPK_BLOCK={block}", *(f"-D{d}" for d in defines),
                      f"-I{HERE}", "-fPIC", "-shared", "-pthread"], out_dir)
 

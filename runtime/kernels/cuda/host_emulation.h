@@ -1,20 +1,28 @@
 // The CUDA names a kernel of this folder uses, for running one CTA on the host (C++20, no
-// CUDA): each CUDA thread a std::thread, __syncthreads a std::barrier of the CTA, a warp's
-// shuffles through a buffer between two barriers of its 32 threads, shared variables static
-// (one CTA at a time), atomics the compiler's. Slow (a barrier wakes every thread), exact in
-// what it checks: the kernel's logic on small rows, in the CPU tests (build.compile_host).
+// CUDA), for the CPU tests (build.compile_host): the kernel's logic on small rows, checked
+// exactly. A CTA's threads are fibers of one OS thread by default (ucontext): each runs until it
+// waits at a barrier, then the next one does, in the order of their indices; __syncthreads is a
+// barrier of the CTA, a warp's shuffles go through a buffer between two barriers of its 32
+// threads, shared variables are static (one CTA at a time), atomics the compiler's. The order
+// is fixed, so a run repeats exactly. With -DCPPLAN_HOST_THREADS each CUDA thread is a
+// std::thread and the barriers std::barriers instead: the threads interleave as the OS
+// schedules them (a race may show), at about ten times the cost (a barrier wakes every thread).
 #pragma once
 
 #include <algorithm>
-#include <barrier>
 #include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <thread>
 #include <vector>
+#ifdef CPPLAN_HOST_THREADS
+#include <barrier>
+#include <thread>
+#else
+#include <ucontext.h>
+#endif
 
 #define __global__
 #define __device__
@@ -31,17 +39,97 @@ struct alignas(16) ulonglong2 {
   unsigned long long x, y;
 };
 
+// Internal linkage: inline variables are otherwise one object a process (GNU unique symbols),
+// shared by every build of a kernel that loads, whatever its defines.
 namespace emu {
+namespace {
 
 struct Index {
   unsigned x = 0;
 };
 
-inline thread_local Index thread_index, block_index;
 inline unsigned char* dynamic_smem = nullptr;
-inline std::barrier<>* cta_barrier = nullptr;
-inline std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
 inline std::vector<uint64_t> shuffle;
+
+#ifdef CPPLAN_HOST_THREADS
+inline thread_local Index thread_index, block_index;
+using Barrier = std::barrier<>;
+#else
+inline Index thread_index, block_index;  // the running fiber's (one OS thread runs them all)
+
+// The fibers of the CTA being run, `current` the running one.
+struct Fiber {
+  ucontext_t context;
+  std::unique_ptr<char[]> stack;
+  unsigned block = 0;
+  bool done = false;
+};
+inline std::vector<Fiber>* fibers = nullptr;
+inline int current = 0;
+inline int live = 0;
+inline ucontext_t caller;
+
+// Switches to the next fiber that has not finished (in index order, wrapping), or back to the
+// caller of Cta::run when none is left; `finished`: the running fiber does not come back.
+inline void switch_fiber(bool finished) {
+  auto& fs = *fibers;
+  const int n = static_cast<int>(fs.size()), from = current;
+  fs[from].block = block_index.x;
+  if (finished) {
+    fs[from].done = true;
+    if (--live == 0) setcontext(&caller);
+  }
+  int next = from;
+  do next = (next + 1) % n;
+  while (fs[next].done);
+  if (next == from) return;
+  current = next;
+  thread_index.x = static_cast<unsigned>(next);
+  block_index.x = fs[next].block;
+  if (finished)
+    setcontext(&fs[next].context);
+  else
+    swapcontext(&fs[from].context, &fs[next].context);
+}
+
+// A barrier of `count` fibers: the last to arrive moves the phase on; the others yield until it
+// has.
+class Barrier {
+ public:
+  explicit Barrier(int count) : count_(count) {}
+  void arrive_and_wait() {
+    const unsigned long phase = phase_;
+    if (++arrived_ == count_) {
+      arrived_ = 0;
+      ++phase_;
+      return;
+    }
+    while (phase_ == phase) switch_fiber(false);
+  }
+
+ private:
+  int count_, arrived_ = 0;
+  unsigned long phase_ = 0;
+};
+#endif
+
+inline Barrier* cta_barrier = nullptr;
+inline std::vector<std::unique_ptr<Barrier>> warp_barriers;
+
+#ifndef CPPLAN_HOST_THREADS
+inline constexpr size_t kFiberStack = 256 * 1024;  // bytes; pages are touched only as used
+inline const std::function<void()>* fiber_body = nullptr;
+inline int fiber_blocks = 0;
+
+inline void fiber_main() {
+  for (int b = 0; b < fiber_blocks; ++b) {
+    block_index.x = static_cast<unsigned>(b);
+    (*fiber_body)();
+    cta_barrier->arrive_and_wait();  // the next block reuses the shared variables
+  }
+  switch_fiber(true);
+}
+#endif
 
 // One CTA of `threads` threads, run over `blocks` block indices one after another.
 struct Cta {
@@ -50,10 +138,11 @@ struct Cta {
     dynamic_smem = smem;
     shuffle.assign(threads, 0);
     warp_barriers.clear();
-    for (int w = 0; w < threads / 32; ++w) warp_barriers.push_back(std::make_unique<std::barrier<>>(32));
+    for (int w = 0; w < threads / 32; ++w) warp_barriers.push_back(std::make_unique<Barrier>(32));
   }
+#ifdef CPPLAN_HOST_THREADS
   void run(int blocks, const std::function<void()>& body) {
-    std::barrier<> cta(threads);
+    Barrier cta(threads);
     cta_barrier = &cta;
     std::vector<std::thread> pool;
     for (int t = 0; t < threads; ++t) {
@@ -69,8 +158,36 @@ struct Cta {
     for (auto& th : pool) th.join();
     cta_barrier = nullptr;
   }
+#else
+  void run(int blocks, const std::function<void()>& body) {
+    if (blocks <= 0 || threads <= 0) return;
+    Barrier cta(threads);
+    cta_barrier = &cta;
+    std::vector<Fiber> fs(threads);
+    for (auto& f : fs) {
+      f.stack.reset(new char[kFiberStack]);
+      getcontext(&f.context);
+      f.context.uc_stack.ss_sp = f.stack.get();
+      f.context.uc_stack.ss_size = kFiberStack;
+      f.context.uc_link = nullptr;
+      makecontext(&f.context, fiber_main, 0);
+    }
+    fibers = &fs;
+    fiber_body = &body;
+    fiber_blocks = blocks;
+    current = 0;
+    live = threads;
+    thread_index.x = 0;
+    block_index.x = 0;
+    swapcontext(&caller, &fs[0].context);  // back when every fiber has finished
+    fibers = nullptr;
+    fiber_body = nullptr;
+    cta_barrier = nullptr;
+  }
+#endif
 };
 
+}  // namespace
 }  // namespace emu
 
 #define threadIdx emu::thread_index

@@ -41,7 +41,7 @@
 //      shared memory, each thread finding its outputs' start on the merge path by a binary search.
 //
 // Built with -DCPPLAN_HOST_EMULATION (a C++20 compiler, no CUDA) the same kernel runs on the
-// host, a CTA's threads as std::threads (host_emulation.h): the CPU tests check it against the
+// host, a CTA's threads as fibers (host_emulation.h): the CPU tests check it against the
 // reference there, with CPPLAN_ROW_TOPK_BLOCK threads a CTA (512 with _CAP 4096: the short
 // rows' build). Other defines are the bench's variants (row_topk.VARIANTS):
 // CPPLAN_ROW_TOPK_SMEM_SORT (every network stage in shared memory), _MERGE_SORT with or
@@ -1177,7 +1177,8 @@ size_t smem_bytes(int KS, int cap) {
 #ifdef CPPLAN_HOST_EMULATION
 }  // namespace
 
-// The kernel on the host: rows one after another, a CTA's threads as std::threads.
+// The kernel on the host: rows one after another, a CTA's threads as fibers (std::threads
+// with CPPLAN_HOST_THREADS).
 extern "C" int cpplan_row_topk_host(const int32_t* keys, int64_t stride_k, const int32_t* lens,
                                     int rows, int L, int K, int KS, int cap, float* out_s,
                                     int32_t* out_i, int64_t stride_o, int decode_ids, int W,

@@ -226,8 +226,9 @@ def select(keys, lens, topk: int, top_s, top_i, *, decode_ids=False, W=1, I=1, r
 def host_select(keys, lens, topk: int, top_s, top_i, *, cap: int = CAP, block: int = 64,
                 decode_ids=False, W=1, I=1, rank=0, defines: tuple[str, ...] = ()) -> None:
     """``select`` with CPU tensors: the same kernel built for the host
-    (``build.compile_host``: a CTA's ``block`` threads as std::threads, rows in turn; a variant
-    with ``defines``), with ``cap`` candidates; for the CPU tests (slow: small rows)."""
+    (``build.compile_host``: a CTA's ``block`` threads as fibers, or std::threads with
+    CPPLAN_HOST_THREADS; rows in turn; a variant with ``defines``), with ``cap`` candidates; for
+    the CPU tests (slow: small rows)."""
     _check(keys, lens, topk, top_s, top_i, cap)
     lib = _host_library(block, tuple(defines))
     lib.cpplan_row_topk_host(*_args(keys, lens, topk, top_s, top_i, cap, decode_ids, W, I, rank))
