@@ -100,6 +100,7 @@ SLOW = (
     "tests/kernels/test_row_topk.py::test_row_topk_on_the_host_equals_reference[[]*-one-pass[]]",
     "tests/kernels/test_row_topk.py::test_build_compiles_and_caches",
     "tests/kernels/test_row_topk.py::test_row_topk_with_os_threads_equals_reference*",
+    "tests/kernels/test_host_emulation.py::*",
     "tests/kernels/test_ws_logits.py::test_last_wave_split_ends_soonest*",
 )
 # the fast representative of an area that SLOW would otherwise leave out of the quick lane

@@ -68,6 +68,10 @@ inline std::vector<Fiber>* fibers = nullptr;
 inline int current = 0;
 inline int live = 0;
 inline ucontext_t caller;
+// switches since a fiber last arrived at a barrier or finished: past `live`, every fiber left
+// waits at a barrier that none of them can complete (a deadlock: Cta::run returns false)
+inline int idle_switches = 0;
+inline bool deadlocked = false;
 
 // Switches to the next fiber that has not finished (in index order, wrapping), or back to the
 // caller of Cta::run when none is left; `finished`: the running fiber does not come back.
@@ -77,7 +81,11 @@ inline void switch_fiber(bool finished) {
   fs[from].block = block_index.x;
   if (finished) {
     fs[from].done = true;
+    idle_switches = 0;
     if (--live == 0) setcontext(&caller);
+  } else if (++idle_switches > live) {
+    deadlocked = true;
+    setcontext(&caller);  // the waiting fibers are abandoned where they wait
   }
   int next = from;
   do next = (next + 1) % n;
@@ -99,6 +107,7 @@ class Barrier {
   explicit Barrier(int count) : count_(count) {}
   void arrive_and_wait() {
     const unsigned long phase = phase_;
+    idle_switches = 0;
     if (++arrived_ == count_) {
       arrived_ = 0;
       ++phase_;
@@ -131,7 +140,8 @@ inline void fiber_main() {
 }
 #endif
 
-// One CTA of `threads` threads, run over `blocks` block indices one after another.
+// One CTA of `threads` threads, run over `blocks` block indices one after another; run()
+// returns false where the threads deadlocked at a barrier (fibers only; std::threads hang).
 struct Cta {
   int threads;
   Cta(int threads_, unsigned char* smem) : threads(threads_) {
@@ -141,7 +151,7 @@ struct Cta {
     for (int w = 0; w < threads / 32; ++w) warp_barriers.push_back(std::make_unique<Barrier>(32));
   }
 #ifdef CPPLAN_HOST_THREADS
-  void run(int blocks, const std::function<void()>& body) {
+  bool run(int blocks, const std::function<void()>& body) {
     Barrier cta(threads);
     cta_barrier = &cta;
     std::vector<std::thread> pool;
@@ -157,10 +167,11 @@ struct Cta {
     }
     for (auto& th : pool) th.join();
     cta_barrier = nullptr;
+    return true;
   }
 #else
-  void run(int blocks, const std::function<void()>& body) {
-    if (blocks <= 0 || threads <= 0) return;
+  bool run(int blocks, const std::function<void()>& body) {
+    if (blocks <= 0 || threads <= 0) return true;
     Barrier cta(threads);
     cta_barrier = &cta;
     std::vector<Fiber> fs(threads);
@@ -177,12 +188,15 @@ struct Cta {
     fiber_blocks = blocks;
     current = 0;
     live = threads;
+    idle_switches = 0;
+    deadlocked = false;
     thread_index.x = 0;
     block_index.x = 0;
-    swapcontext(&caller, &fs[0].context);  // back when every fiber has finished
+    swapcontext(&caller, &fs[0].context);  // back when every fiber has finished, or none can
     fibers = nullptr;
     fiber_body = nullptr;
     cta_barrier = nullptr;
+    return !deadlocked;
   }
 #endif
 };

@@ -1185,7 +1185,7 @@ extern "C" int cpplan_row_topk_host(const int32_t* keys, int64_t stride_k, const
                                     int I, int rank, int vec4) {
   std::vector<uint64_t> smem((smem_bytes(KS, cap) + 7) / 8);
   emu::Cta cta(kBlock, reinterpret_cast<unsigned char*>(smem.data()));
-  cta.run(rows, [&] {
+  const bool finished = cta.run(rows, [&] {
     if (vec4)
       row_topk_kernel<4>(keys, stride_k, lens, L, K, KS, cap, out_s, out_i, stride_o,
                          decode_ids, W, I, rank);
@@ -1193,7 +1193,7 @@ extern "C" int cpplan_row_topk_host(const int32_t* keys, int64_t stride_k, const
       row_topk_kernel<1>(keys, stride_k, lens, L, K, KS, cap, out_s, out_i, stride_o,
                          decode_ids, W, I, rank);
   });
-  return 0;
+  return finished ? 0 : 1;  // 1: the CTA's threads deadlocked at a barrier
 }
 
 // The rows the one pass took since the library loaded: [every live key, the sample's

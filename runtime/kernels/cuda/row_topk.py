@@ -231,7 +231,11 @@ def host_select(keys, lens, topk: int, top_s, top_i, *, cap: int = CAP, block: i
     the CPU tests (slow: small rows)."""
     _check(keys, lens, topk, top_s, top_i, cap)
     lib = _host_library(block, tuple(defines))
-    lib.cpplan_row_topk_host(*_args(keys, lens, topk, top_s, top_i, cap, decode_ids, W, I, rank))
+    if lib.cpplan_row_topk_host(*_args(keys, lens, topk, top_s, top_i, cap, decode_ids, W, I,
+                                      rank)):
+        raise RuntimeError(f"row_topk on the host: the CTA's {block} threads deadlocked at a "
+                           f"barrier (defines {list(defines)}); top_s / top_i may be partly "
+                           "written")
 
 
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
