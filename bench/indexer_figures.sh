@@ -18,7 +18,6 @@ set -uo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/.." && pwd)
-OUT=$(mkdir -p "${OUT:-indexer-figures}" && cd "${OUT:-indexer-figures}" && pwd)
 fail() { echo "indexer_figures: FAILED: $*" >&2; exit 1; }
 command -v nvidia-smi >/dev/null || fail "no nvidia-smi: this runs on a GPU machine"
 card=$(nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader | head -1)
@@ -27,6 +26,8 @@ if [[ -n "${CARD:-}" && "$card" != *"$CARD"* ]]; then
     echo "indexer_figures: not a $CARD card: nothing run"
     exit 0
 fi
+OUT=$(mkdir -p "${OUT:-indexer-figures}" && cd "${OUT:-indexer-figures}" && pwd) \
+    || fail "cannot make the output folder ${OUT:-indexer-figures}"
 export PYTHONUNBUFFERED=1
 if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -125,17 +125,22 @@ class Barrier {
 inline Barrier* cta_barrier = nullptr;
 inline std::vector<std::unique_ptr<Barrier>> warp_barriers;
 
+// One thread's part of a launch: `body` for each block index in turn.
+inline void run_blocks(int blocks, const std::function<void()>& body) {
+  for (int b = 0; b < blocks; ++b) {
+    block_index.x = static_cast<unsigned>(b);
+    body();
+    cta_barrier->arrive_and_wait();  // the next block reuses the shared variables
+  }
+}
+
 #ifndef CPPLAN_HOST_THREADS
 inline constexpr size_t kFiberStack = 256 * 1024;  // bytes; pages are touched only as used
 inline const std::function<void()>* fiber_body = nullptr;
 inline int fiber_blocks = 0;
 
 inline void fiber_main() {
-  for (int b = 0; b < fiber_blocks; ++b) {
-    block_index.x = static_cast<unsigned>(b);
-    (*fiber_body)();
-    cta_barrier->arrive_and_wait();  // the next block reuses the shared variables
-  }
+  run_blocks(fiber_blocks, *fiber_body);
   switch_fiber(true);
 }
 #endif
@@ -158,11 +163,7 @@ struct Cta {
     for (int t = 0; t < threads; ++t) {
       pool.emplace_back([&, t] {
         thread_index.x = t;
-        for (int b = 0; b < blocks; ++b) {
-          block_index.x = b;
-          body();
-          cta.arrive_and_wait();  // the next block reuses the shared variables
-        }
+        run_blocks(blocks, body);
       });
     }
     for (auto& th : pool) th.join();
