@@ -11,7 +11,7 @@ import dataclasses
 import msgspec
 import numpy as np
 
-from cpplan.schemas import MODE_NAMES, SCHEMA_VERSION, CapacityError, StepPlan, digest
+from cpplan.schemas import MODE_NAMES, MODE_OWNED, SCHEMA_VERSION, CapacityError, StepPlan, digest
 
 
 def _cost_dict(plan: StepPlan) -> dict:
@@ -46,12 +46,26 @@ def requests_table(plan: StepPlan, limit: int | None = None) -> list[dict]:
     cs = plan.chunk_size.np()[:end].tolist()
     shard = plan.dcp_shard_rows.np()[:end].tolist()
     local = plan.dcp_local_lens.np()[:end].tolist()
-    return [
+    owners = owner_ranks(plan)
+    out = [
         {"index": i, "req_id": rid, "num_computed_tokens": c[i], "num_scheduled_tokens": q[i],
          "is_prefilling": bool(pre[i]), "mode": MODE_NAMES[mode[i]], "chunk_size": cs[i],
          "extent": c[i] + q[i], "dcp_shard_rows": shard[i], "dcp_local_lens": local[i]}
         for i, rid in enumerate(plan.req_ids[:end])
     ]
+    for i, rank in owners.items():
+        if i < end:
+            out[i]["owner_rank"] = rank
+    return out
+
+
+def owner_ranks(plan: StepPlan) -> dict[int, int]:
+    """Request index -> the PCP rank that computes it, for owned decodes (the only requests
+    one rank computes alone): the rank whose copy of the row is written."""
+    req = plan.row_request.np()
+    owned = np.nonzero(plan.mode.np()[req] == MODE_OWNED)[0]
+    ranks = plan.row_kv_write.np()[:, owned].argmax(axis=0)
+    return dict(zip(req[owned].tolist(), ranks.tolist()))
 
 
 def ranks_table(plan: StepPlan, limit: int | None = None) -> list[dict]:

@@ -15,15 +15,16 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from cpplan.schemas.plan import MODE_DECODE, MODE_REPLICATED, MODE_SPLIT
+from cpplan.schemas.plan import MODE_DECODE, MODE_OWNED, MODE_REPLICATED, MODE_SPLIT
 
 
 @njit(cache=True)
-def _request_table(c, q, pre, p_size, w_size, inter, mode, chunk, shard, local):
+def _request_table(c, q, pre, p_size, w_size, inter, owned, mode, chunk, shard, local):
     """Per request i (docs/design.md §3.1, §3.2, §3.4), written into the [N] / [N, W] outputs:
-    ``mode[i]`` (MODE_*), ``chunk[i]`` (cs = ceil(q/S) for split, q otherwise), ``local[i, r]``
-    (KV tokens of the extent on DCP rank r; the extent when W == 1) and ``shard[i]`` = local[i, 0]
-    (shard_rows). Returns (prefill requests, rows R, decode tokens nd)."""
+    ``mode[i]`` (MODE_*; decodes are MODE_OWNED when ``owned``), ``chunk[i]`` (cs = ceil(q/S)
+    for split, q otherwise), ``local[i, r]`` (KV tokens of the extent on DCP rank r; the extent
+    when W == 1) and ``shard[i]`` = local[i, 0] (shard_rows). Returns (prefill requests, rows R,
+    decode tokens nd: those of MODE_DECODE rows, which every rank computes)."""
     s = 2 * p_size
     period = w_size * inter
     n_pre = 0
@@ -31,7 +32,9 @@ def _request_table(c, q, pre, p_size, w_size, inter, mode, chunk, shard, local):
     nd_tokens = 0
     for i in range(q.shape[0]):
         qi = q[i]
-        if pre[i] == 0:
+        if pre[i] == 0 and owned:
+            m, cs = MODE_OWNED, qi
+        elif pre[i] == 0:
             m, cs = MODE_DECODE, qi
             nd_tokens += qi
         elif p_size == 1:
@@ -44,7 +47,7 @@ def _request_table(c, q, pre, p_size, w_size, inter, mode, chunk, shard, local):
                 m = MODE_SPLIT
         mode[i] = m
         chunk[i] = cs
-        n_pre += m != MODE_DECODE
+        n_pre += m == MODE_SPLIT or m == MODE_REPLICATED
         n_rows += 2 if m == MODE_SPLIT else 1
         e = c[i] + qi
         base = (e // period) * inter
@@ -58,20 +61,24 @@ def _request_table(c, q, pre, p_size, w_size, inter, mode, chunk, shard, local):
 @njit(cache=True)
 def _fill_rows(q, mode, chunk, p_size, row_req, off, length, kv_write):
     """Published rows (docs/design.md §3.3): decodes first, then prefills, both by request index; a split
-    request's two rows hold chunks p and S-1-p on rank p. Writes ``row_req`` [R] and, per rank,
-    ``off`` / ``length`` [P, R] (query offset, tokens) and ``kv_write`` [P, R]. Returns the
-    number of decode rows."""
+    request's two rows hold chunks p and S-1-p on rank p; an owned decode's row holds its tokens
+    on rank ``ordinal % P`` only (ordinal: its place among the decodes). Writes ``row_req`` [R]
+    and, per rank, ``off`` / ``length`` [P, R] (query offset, tokens) and ``kv_write`` [P, R].
+    Returns the number of MODE_DECODE rows."""
     s = 2 * p_size
     r = 0
+    nd_rows = 0
     for i in range(q.shape[0]):
-        if mode[i] == MODE_DECODE:
+        m = mode[i]
+        if m == MODE_DECODE or m == MODE_OWNED:
             row_req[r] = i
             for p in range(p_size):
+                mine = m == MODE_DECODE or p == r % p_size  # r: the decode's ordinal
                 off[p, r] = 0
-                length[p, r] = q[i]
-                kv_write[p, r] = 1
+                length[p, r] = q[i] if mine else 0
+                kv_write[p, r] = mine
             r += 1
-    nd_rows = r
+            nd_rows += m == MODE_DECODE
     for i in range(q.shape[0]):
         m = mode[i]
         if m == MODE_REPLICATED:
@@ -149,9 +156,9 @@ def _cut_chunks(c, q, mode, shard, w_size, budget, n_pre):
 
 
 @njit(cache=True)
-def plan_kernel(c, q, pre, p_size, w_size, inter, budget):
+def plan_kernel(c, q, pre, p_size, w_size, inter, budget, owned):
     """The whole per-step derivation. ``c``, ``q`` int64 [N], ``pre`` uint8 [N] (the step's
-    columns). Returns a tuple, in order: request table (``c32``, ``q32`` int32, ``mode`` uint8,
+    columns); ``owned``: the config's shard_decode_requests. Returns a tuple, in order: request table (``c32``, ``q32`` int32, ``mode`` uint8,
     ``chunk``, ``shard`` int32 [N], ``local`` int32 [N, W]); rows (``row_req`` int32 [R],
     ``off``, ``length``, ``start`` int32 [P, R], ``kv_write`` uint8 [P, R], ``num_tokens`` int64
     [P], ``nd_rows``, ``nd_tokens``); gather chunks (see :func:`_cut_chunks`, empty when
@@ -162,7 +169,7 @@ def plan_kernel(c, q, pre, p_size, w_size, inter, budget):
     shard = np.empty(n, np.int32)
     local = np.empty((n, w_size), np.int32)
     n_pre, n_rows, nd_tokens = _request_table(
-        c, q, pre, p_size, w_size, inter, mode, chunk, shard, local)
+        c, q, pre, p_size, w_size, inter, owned, mode, chunk, shard, local)
     row_req = np.empty(n_rows, np.int32)
     off = np.empty((p_size, n_rows), np.int32)
     length = np.empty((p_size, n_rows), np.int32)
@@ -184,4 +191,5 @@ def compile_planner_kernels() -> None:
     c = np.frombuffer(np.array([5, 0, 40], np.int64).tobytes(), np.int64)
     q = np.frombuffer(np.array([1, 9, 30], np.int64).tobytes(), np.int64)
     pre = np.frombuffer(np.array([0, 1, 1], np.uint8).tobytes(), np.uint8)
-    plan_kernel(c, q, pre, 2, 2, 1, 1 << 20)
+    for owned in (False, True):
+        plan_kernel(c, q, pre, 2, 2, 1, 1 << 20, owned)

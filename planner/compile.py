@@ -20,7 +20,7 @@ from cpplan.schemas.arrays import Array
 from cpplan.schemas.config import INDEXER_K_BYTES_PER_TOKEN, MAX_SUPPORTED_TOKENS, ParallelConfig
 from cpplan.schemas.errors import ConfigError, StepInputError
 from cpplan.schemas.names import TOPK_CANDIDATE_DTYPE
-from cpplan.schemas.plan import EAGER, MODE_SPLIT, Collective, GatherChunk, StepPlan
+from cpplan.schemas.plan import EAGER, PER_RANK_MODES, Collective, GatherChunk, StepPlan
 from cpplan.schemas.step import StepInput
 
 ACTIVATION_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -41,7 +41,7 @@ def compile(config: ParallelConfig, step: StepInput) -> StepPlan:  # noqa: A001 
     (c32, q32, mode, chunk, shard, local, row_req, off, length, start, kv_write, num_tokens,
      nd_rows, nd_tokens, creq, cpad, bounds, pcu, gcu) = plan_kernel(
         c, q, pre, config.pcp_size, config.dcp_size, config.interleave_size,
-        config.gather_workspace_tokens)
+        config.gather_workspace_tokens, bool(config.shard_decode_requests))
     counts = tuple(num_tokens.tolist())
     if max(counts) > MAX_SUPPORTED_TOKENS:
         raise StepInputError(
@@ -90,12 +90,13 @@ def compile(config: ParallelConfig, step: StepInput) -> StepPlan:  # noqa: A001 
 def sampled_source(sampled: np.ndarray, q: np.ndarray, mode: np.ndarray, row_req: np.ndarray,
                    off: np.ndarray, length: np.ndarray, start: np.ndarray) -> np.ndarray:
     """int32 [n_sampled, 2]: per sampled request (ascending index), the PCP rank holding its
-    last scheduled token and that token's index in the rank's order; split requests from the
-    rank whose row holds it, the others from rank 0 (their rows are the same on every rank).
+    last scheduled token and that token's index in the rank's order; split and owned requests
+    from the rank whose row holds it, the others from rank 0 (their rows are the same on every
+    rank).
     O(P * rows), vectorised."""
     last = q.astype(np.int64)[row_req] - 1  # [R] the request's last query offset
     holds = (off <= last) & (last < off + length) & (sampled[row_req] != 0)
-    holds[1:] &= (mode[row_req] == MODE_SPLIT)[None, :]
+    holds[1:] &= np.isin(mode[row_req], PER_RANK_MODES)[None, :]
     rank, row = np.nonzero(holds)
     order = np.argsort(row_req[row], kind="stable")
     rank, row = rank[order], row[order]

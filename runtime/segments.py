@@ -28,7 +28,7 @@ from cpplan.runtime.tables import (
     arena_overflow,
 )
 from cpplan.schemas.errors import CapacityError, PlanFormatError, StepInputError
-from cpplan.schemas.plan import MODE_SPLIT, StepPlan
+from cpplan.schemas.plan import MODE_DECODE, MODE_OWNED, MODE_SPLIT, StepPlan
 
 _I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)  # block-table dtypes used as they are
 _NO_WORDS = np.zeros(0, np.int64)  # ``out`` of build_tables' sizing call
@@ -254,8 +254,9 @@ def build_tables(plan: StepPlan, pcp_rank: int, dcp_rank: int, block_tables: np.
 
 def local_prefill_keys(plan: StepPlan) -> int:
     """W == 1: rows of the local prefill keys buffer (tables.local_prefill_rows): the extents of
-    the prefilling requests summed, which bounds what any rank's prefill tokens read."""
-    return int(plan.extent()[plan.is_prefilling.np().astype(bool)].sum())
+    the requests past the every-rank decodes (prefills, and owned decodes, which take the same
+    path) summed, which bounds what any rank's prefill tokens read."""
+    return int(plan.extent()[plan.mode.np() != MODE_DECODE].sum())
 
 
 def graph_key_of(plan: StepPlan) -> tuple[int, int] | None:
@@ -374,7 +375,8 @@ def _segment_kernel(start, lens, off, write, row_req, computed, scheduled, mode,
     restored = 0
     for p in range(n_ranks):
         for r in range(n_rows):
-            if lens[p, r] > 0 and (p == 0 or mode[row_req[r]] == MODE_SPLIT):
+            if lens[p, r] > 0 and (p == 0 or mode[row_req[r]] == MODE_SPLIT
+                                   or mode[row_req[r]] == MODE_OWNED):
                 restored += 1
     n_seg = n_win * (2 * n_rows + 1) + n_reg + restored
     segs = graph_segs if graph_segs > 0 else n_seg
@@ -479,7 +481,8 @@ def _restore_segments(start, lens, off, row_req, scheduled, mode, t_pad, ends, p
     j = 0
     for p in range(n_ranks):
         for r in range(n_rows):
-            if lens[p, r] > 0 and (p == 0 or mode[row_req[r]] == MODE_SPLIT):
+            if lens[p, r] > 0 and (p == 0 or mode[row_req[r]] == MODE_SPLIT
+                                   or mode[row_req[r]] == MODE_OWNED):
                 dst[j] = first[row_req[r]] + off[p, r]
                 src[j], length[j] = p * t_pad + start[p, r], lens[p, r]
                 j += 1

@@ -21,10 +21,10 @@ OK = 0
 
 
 @njit(cache=True)
-def _expected_mode(pre, q, p_size, w_size):
-    """(mode, chunk_size) of one request (decode 0, split 1, replicated 2)."""
+def _expected_mode(pre, q, p_size, w_size, owned):
+    """(mode, chunk_size) of one request (decode 0, split 1, replicated 2, owned decode 3)."""
     if pre == 0:
-        return 0, q
+        return (3 if owned else 0), q
     if p_size == 1:
         return 2, q
     s = 2 * p_size
@@ -35,7 +35,7 @@ def _expected_mode(pre, q, p_size, w_size):
 
 
 @njit(cache=True)
-def check_requests(c, q, pre, mode, cs, shard, local, p_size, w_size, inter, max_len):
+def check_requests(c, q, pre, mode, cs, shard, local, p_size, w_size, inter, max_len, owned):
     """Request columns. Returns (rule, flat index, value found), rule 0 when all hold."""
     period = w_size * inter
     for i in range(q.shape[0]):
@@ -49,7 +49,7 @@ def check_requests(c, q, pre, mode, cs, shard, local, p_size, w_size, inter, max
             return EXTENT, i, e
         if pre[i] > 1:
             return PRE, i, np.int64(pre[i])
-        m, chunk = _expected_mode(pre[i], qi, p_size, w_size)
+        m, chunk = _expected_mode(pre[i], qi, p_size, w_size, owned)
         if mode[i] != m:
             return MODE, i, np.int64(mode[i])
         if cs[i] != chunk:
@@ -66,7 +66,8 @@ def check_requests(c, q, pre, mode, cs, shard, local, p_size, w_size, inter, max
 
 @njit(cache=True)
 def _check_row(q, mode, cs, i, j, r, p_size, row_count, off, length, kv):
-    """Row r: request i's (j-th) row on every rank. Returns (rule, flat index, value)."""
+    """Row r: request i's (j-th) row on every rank (an owned decode's on rank r % P only: r is
+    its ordinal among the decodes, which come first). Returns (rule, flat index, value)."""
     s = 2 * p_size
     n_rows = row_count
     for p in range(p_size):
@@ -75,6 +76,10 @@ def _check_row(q, mode, cs, i, j, r, p_size, row_count, off, length, kv):
             a = min(k * np.int64(cs[i]), np.int64(q[i]))
             ln = min(a + cs[i], np.int64(q[i])) - a
             w = 1
+        elif mode[i] == 3:
+            mine = p == r % p_size
+            a, ln = 0, np.int64(q[i]) if mine else 0
+            w = 1 if mine else 0
         else:
             a, ln = 0, np.int64(q[i])
             w = 1 if mode[i] == 0 or p == 0 else 0
@@ -90,8 +95,9 @@ def _check_row(q, mode, cs, i, j, r, p_size, row_count, off, length, kv):
 @njit(cache=True)
 def check_rows(q, mode, cs, row_req, off, length, start, kv, num_tokens, nd_rows, nd_tokens):
     # off, length, start, kv: [P, R] flattened
-    """Row tables in published order (decodes, then prefills, a split request twice), token
-    starts, per-rank counts and the decode totals. Call after :func:`check_requests`."""
+    """Row tables in published order (decodes, owned or not, then prefills, a split request
+    twice), token starts, per-rank counts and the decode totals (of the every-rank decodes,
+    mode 0). Call after :func:`check_requests`."""
     n, p_size, n_rows = q.shape[0], num_tokens.shape[0], row_req.shape[0]
     expected = 0
     for i in range(n):
@@ -99,12 +105,13 @@ def check_rows(q, mode, cs, row_req, off, length, start, kv, num_tokens, nd_rows
     if expected != n_rows:
         return ROWS, 0, np.int64(n_rows)
     r = 0
+    dec_rows = 0
     dec_tokens = np.int64(0)
     for phase in range(2):
-        if phase == 1 and nd_rows != r:
+        if phase == 1 and nd_rows != dec_rows:
             return DEC_ROWS, 0, np.int64(nd_rows)
         for i in range(n):
-            if (mode[i] == 0) != (phase == 0):
+            if (mode[i] == 0 or mode[i] == 3) != (phase == 0):
                 continue
             for j in range(2 if mode[i] == 1 else 1):
                 if row_req[r] != i:
@@ -112,7 +119,8 @@ def check_rows(q, mode, cs, row_req, off, length, start, kv, num_tokens, nd_rows
                 rule, at, got = _check_row(q, mode, cs, i, j, r, p_size, n_rows, off, length, kv)
                 if rule != OK:
                     return rule, at, got
-                if phase == 0:
+                if mode[i] == 0:
+                    dec_rows += 1
                     dec_tokens += length[r]
                 r += 1
     if dec_tokens != nd_tokens:
@@ -140,7 +148,7 @@ def check_chunks(c, q, mode, shard, w_size, budget, sizes, creq, cpad, pcu, gcu,
     pt = np.int64(0)
     tot = np.int64(0)
     for i in range(q.shape[0]):
-        if mode[i] == 0:
+        if mode[i] == 0 or mode[i] == 3:
             continue
         pad = np.int64(shard[i])
         if k < 0 or w_size * (pt + pad) > budget:
@@ -193,11 +201,11 @@ def _close_chunk(k, count, pt, tot, sizes, pts, totals):
 @njit(cache=True)
 def check_tables(c, q, pre, mode, cs, shard, local, row_req, off, length, start, kv,
                  num_tokens, nd_rows, nd_tokens, p_size, w_size, inter, max_len, budget,
-                 sizes, creq, cpad, pcu, gcu, pts, totals):
+                 sizes, creq, cpad, pcu, gcu, pts, totals, owned):
     """All three checks in one call (a numba call costs microseconds); 2-D tables come
     flattened (local [N * W], the row tables [P * R])."""
     rule, at, got = check_requests(c, q, pre, mode, cs, shard, local, p_size, w_size, inter,
-                                   max_len)
+                                   max_len, owned)
     if rule != OK:
         return rule, at, got
     rule, at, got = check_rows(q, mode, cs, row_req, off, length, start, kv, num_tokens,

@@ -32,7 +32,9 @@ from cpplan.schemas.step import StepInput
 
 # 2: ParallelConfig.indexer_sources, Collective.layers, StepPlan.is_sampled / sampled_source
 # and the restore_sampled collective (files of version 1 decode with their defaults)
-SCHEMA_VERSION = 2
+# 3: ParallelConfig.shard_decode_requests and MODE_OWNED (vLLM's decode ownership); a config
+# without it encodes, fingerprints and digests exactly as under version 2
+SCHEMA_VERSION = 3
 KIND_PLAN = "cpplan.plan"
 KIND_STEP = "cpplan.step"
 KIND_CONFIG = "cpplan.config"

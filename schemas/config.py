@@ -63,6 +63,12 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # or an earlier full layer (a shared layer, GLM-5's "S": no indexer, no index keys); ()
     # means every layer is full (DeepSeek-V3.2). indexer_sources_from_types builds it.
     indexer_sources: tuple[int, ...] = ()
+    # schema 3: vLLM's decode ownership (its ``pcp_shard_decode_requests``): each decode runs on
+    # one PCP rank, ``ordinal % pcp_size`` over the decodes in request order (MODE_OWNED,
+    # docs/design.md §3.1). Only with pcp_size > 1 and dcp_size == 1, where every rank holds the
+    # whole KV. Off is stored as UNSET, so a config without it has the bytes and digests it had
+    # before the field existed; read it as a bool (UNSET is falsy).
+    shard_decode_requests: bool | msgspec.UnsetType = msgspec.UNSET
 
     def __post_init__(self) -> None:
         sizes = _POSITIVE_VALUES(self)
@@ -85,6 +91,7 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         self._check_graph_sizes()
         self._check_indexer_sources()
         p, w = self.pcp_size, self.dcp_size
+        self._check_shard_decode_requests(p, w)
         if not (w == 1 or p == 1 or w == p):
             raise ConfigError(
                 f"unsupported topology pcp_size={p} dcp_size={w}: expected dcp_size == 1, "
@@ -171,6 +178,24 @@ class ParallelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                     f"indexer_sources[{layer}]: got {src}; expected {layer} (a full indexer "
                     f"layer) or an earlier full layer, one of "
                     f"{[k for k in range(layer) if sources[k] == k]}")
+
+    def _check_shard_decode_requests(self, p: int, w: int) -> None:
+        shard = self.shard_decode_requests
+        if shard is msgspec.UNSET:
+            return
+        if isinstance(shard, np.bool_):
+            shard = bool(shard)
+        if type(shard) is not bool:
+            raise ConfigError(f"shard_decode_requests must be a bool: got "
+                              f"{type(shard).__name__} {shard!r}")
+        if not shard:  # off is UNSET: the bytes of a config that never named the field
+            msgspec.structs.force_setattr(self, "shard_decode_requests", msgspec.UNSET)
+            return
+        msgspec.structs.force_setattr(self, "shard_decode_requests", True)
+        if p == 1 or w != 1:
+            raise ConfigError(f"shard_decode_requests needs pcp_size > 1 and dcp_size == 1 (a "
+                              f"DCP-sharded KV needs every decode on every DCP rank): got "
+                              f"pcp_size={p} dcp_size={w}")
 
     def indexer_source(self, layer: int) -> int:
         """The layer whose indexer top-k ``layer`` attends with (itself when full)."""

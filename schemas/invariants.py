@@ -132,7 +132,8 @@ KERNEL_RULES = {
     K.Q_LOW: ("num_scheduled_tokens", "must be >= 1"),
     K.EXTENT: ("extent", "(c + q) must be <= max_model_len"),
     K.PRE: ("is_prefilling", "must be 0 or 1"),
-    K.MODE: ("mode", "must follow is_prefilling, q, pcp_size and dcp_size"),
+    K.MODE: ("mode", "must follow is_prefilling, q, pcp_size, dcp_size and "
+                     "shard_decode_requests"),
     K.CHUNK: ("chunk_size", "must be ceil(q / 2P) for a split request, q otherwise"),
     K.SHARD: ("dcp_shard_rows", "must be shard_rows(c + q)"),
     K.LOCAL: ("dcp_local_lens", "must be the KV tokens of the extent on each DCP rank"),
@@ -141,10 +142,11 @@ KERNEL_RULES = {
                                "in request order"),
     K.ROW_OFF: ("row_query_offset", "must be the row's chunk offset in its request"),
     K.ROW_LEN: ("row_num_tokens", "must be the row's chunk length"),
-    K.ROW_KV: ("row_kv_write", "must be 1, or 0 for a replicated row off PCP rank 0"),
+    K.ROW_KV: ("row_kv_write", "must be 1, or 0 for a replicated row off PCP rank 0 or an "
+                               "owned decode off its owner"),
     K.ROW_START: ("row_token_start", "must be the sum of the rank's earlier row lengths"),
     K.NUM_TOKENS: ("num_tokens", "must be the rank's row lengths summed"),
-    K.DEC_ROWS: ("num_decode_rows", "must be the number of decode requests"),
+    K.DEC_ROWS: ("num_decode_rows", "must be the number of decode requests (0 when owned)"),
     K.DEC_TOKENS: ("num_decode_tokens", "must be the decode rows' tokens"),
     K.N_CHUNKS: ("gather_chunks", "count must be the greedy cut's of the prefill requests"),
     K.CH_SIZE: ("gather chunk", "must hold the requests of the greedy cut within the workspace"),
@@ -202,7 +204,7 @@ def _check_tables(plan: StepPlan) -> None:
         _flat(plan.row_kv_write), np.array(plan.num_tokens, np.int64), plan.num_decode_rows,
         plan.num_decode_tokens, cfg.pcp_size, cfg.dcp_size, cfg.interleave_size,
         cfg.max_model_len, cfg.gather_workspace_tokens,
-        c_sizes, c_req, c_pad, c_pcu, c_gcu, c_pts, c_totals)
+        c_sizes, c_req, c_pad, c_pcu, c_gcu, c_pts, c_totals, bool(cfg.shard_decode_requests))
     if rule == K.OK:
         return
     name, words = KERNEL_RULES[rule]

@@ -18,7 +18,11 @@ from cpplan.schemas.sharding import local_index, owner
 MODE_DECODE = 0
 MODE_SPLIT = 1
 MODE_REPLICATED = 2
-MODE_NAMES = ("decode", "split", "replicated")
+MODE_OWNED = 3  # a decode computed by one PCP rank (ParallelConfig.shard_decode_requests)
+MODE_NAMES = ("decode", "split", "replicated", "owned")
+# modes whose rows hold different tokens on different PCP ranks: each rank's copy is its own
+# (restored, sampled and KV-written from the rank that holds it), not PCP rank 0's
+PER_RANK_MODES = (MODE_SPLIT, MODE_OWNED)
 
 EAGER = 0  # cudagraph_size of a step that runs eager
 
@@ -99,7 +103,10 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
     ``row_token_start`` (row's first token in the rank's token order) ``[P, R]`` int32;
     ``row_kv_write`` ``[P, R]`` uint8: 1 where rank p's copy of the row's new KV is written (a
     replicated prefill is written from PCP rank 0 only). The first ``num_decode_rows`` rows are
-    decodes, holding ``num_decode_tokens`` tokens on every rank.
+    decodes, holding ``num_decode_tokens`` tokens on every rank. Under
+    ``config.shard_decode_requests`` decodes are MODE_OWNED instead (both counts are then 0):
+    still the first rows, each holding its tokens on its owner rank only, whose copy alone is
+    written (``row_kv_write``).
 
     Shapes: ``num_tokens[p]`` real tokens of PCP rank p, ``padded_num_tokens`` T for all ranks,
     ``cudagraph_size`` the graph size T came from (EAGER = 0).
@@ -210,7 +217,8 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
     def restore_index(self) -> np.ndarray:
         """int64 [sum q]: for every query token in global order (request by request), its row
         in the PCP-gathered ``[P * T]`` buffer. Split tokens come from the rank that computed
-        them; decode and replicated tokens from PCP rank 0."""
+        them (an owned decode's from its owner); decode and replicated tokens from PCP rank
+        0."""
         p_size, t_pad = self.config.pcp_size, self.padded_num_tokens
         req = self.row_request.np()
         mode = self.mode.np()[req]
@@ -218,7 +226,7 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
         lens = self.row_num_tokens.np()
         start = self.row_token_start.np()
         take = np.ones((p_size, len(req)), dtype=bool)
-        take[1:, mode != MODE_SPLIT] = False
+        take[1:, ~np.isin(mode, PER_RANK_MODES)] = False
         rank, row = np.nonzero(take & (lens > 0))
         q = self.num_scheduled_tokens.np().astype(np.int64)
         qcu = np.concatenate(([0], np.cumsum(q)))

@@ -7,7 +7,7 @@ import argparse
 import numpy as np
 
 from cpplan.cli.common import PATHS_NOTE, add_config_flags, bounded_int, load_plans, path_arg
-from cpplan.schemas import MODE_DECODE, MODE_REPLICATED, MODE_SPLIT, StepPlan
+from cpplan.schemas import MODE_DECODE, MODE_OWNED, MODE_REPLICATED, MODE_SPLIT, StepPlan
 from cpplan.schemas.errors import CapacityError, OutputError
 from cpplan.schemas.files import check_output_target, write_atomic
 
@@ -19,7 +19,7 @@ config flags (--config, --pcp, ...) apply to a step file only: a plan carries it
 
 # How a mode looks: (hatch, edge colour). Fill colour is per request.
 MODE_STYLE = {MODE_DECODE: ("", "#1f4e79"), MODE_SPLIT: ("", "black"),
-              MODE_REPLICATED: ("///", "#7a5c00")}
+              MODE_REPLICATED: ("///", "#7a5c00"), MODE_OWNED: ("..", "#1f4e79")}
 LANE_HEIGHT = 0.6
 FIG_WIDTH = 12  # inches
 MIN_DPI, MAX_DPI = 10, 600
@@ -104,8 +104,10 @@ def render_png(plan: StepPlan, dpi: int = 120) -> bytes:
         Patch(facecolor="white", edgecolor="black", label="split prefill"),
         Patch(facecolor="white", edgecolor=MODE_STYLE[MODE_REPLICATED][1], hatch="///",
               label="replicated prefill"),
+        Patch(facecolor="white", edgecolor=MODE_STYLE[MODE_OWNED][1], hatch="..",
+              label="owned decode"),
         Patch(facecolor="#dddddd", edgecolor="grey", hatch="xx", label="padding"),
-    ], loc="lower right", fontsize=8, ncols=4, bbox_to_anchor=(1.0, 1.06), frameon=False)
+    ], loc="lower right", fontsize=8, ncols=5, bbox_to_anchor=(1.0, 1.06), frameon=False)
     fig.tight_layout()
     buffer = io.BytesIO()
     try:

@@ -105,7 +105,9 @@ def _header(console, report: dict) -> None:
         f"B={cfg['block_size']} kv={cfg['kv_cache_dtype']} heads={cfg['num_heads']} "
         f"topk={cfg['topk']} max_model_len={cfg['max_model_len']} "
         f"workspace={cfg['gather_workspace_tokens']} rows  |  T={report['padded_num_tokens']} "
-        f"({graph}), {report['num_decode_rows']} decode rows")
+        f"({graph}), {report['num_decode_rows']} decode rows"
+        + (", decodes owned by one rank each (shard_decode_requests)"
+           if cfg.get("shard_decode_requests") else ""))
 
 
 def _requests(console, report: dict) -> None:
@@ -113,10 +115,11 @@ def _requests(console, report: dict) -> None:
     table = _table(f"requests ({total})",
                    ("#", "req_id", "mode", "c", "q", "cs", "extent", "shard rows"),
                    left=("req_id", "mode"))
-    colour = {"decode": "cyan", "split": "green", "replicated": "yellow"}
+    colour = {"decode": "cyan", "split": "green", "replicated": "yellow", "owned": "magenta"}
     for r in report["requests"][:MAX_ROWS_SHOWN]:
+        owner = f" by rank {r['owner_rank']}" if "owner_rank" in r else ""
         table.add_row(str(r["index"]), markup(r["req_id"]),
-                      f"[{colour[r['mode']]}]{r['mode']}[/]",
+                      f"[{colour[r['mode']]}]{r['mode']}{owner}[/]",
                       str(r["num_computed_tokens"]), str(r["num_scheduled_tokens"]),
                       str(r["chunk_size"]), str(r["extent"]), str(r["dcp_shard_rows"]))
     console.print(table)

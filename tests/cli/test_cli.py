@@ -244,7 +244,7 @@ def _config_file(tmp_path):
     (None, ["inspect", "missing.msgpack"], "No such file or directory"),
     (_not_a_plan, ["inspect", "{f}"], "neither a plan nor a step file"),
     (_config_file, ["inspect", "{f}"], "neither a plan nor a step file"),
-    (_newer_schema, ["inspect", "{f}"], "schema version 3"),
+    (_newer_schema, ["inspect", "{f}"], f"schema version {codec.SCHEMA_VERSION + 1}"),
     (None, ["inspect", "tests/golden/v1/mixed_p2w2.step.json", "--pcp", "2", "--dcp", "3"],
      "unsupported topology"),
     (None, ["plan", "tests/golden/v1/mixed_p2w2.step.json", "--pcp", "x", "-o", "o.msgpack"],
@@ -271,7 +271,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, monkeypatch, make, args, words):
 
 def test_bad_input_is_one_line_exit_2_in_a_real_process(tmp_path):
     assert_one_line_error(cpplan("inspect", _newer_schema(tmp_path), cwd=ROOT), 2,
-                          "schema version 3")
+                          f"schema version {codec.SCHEMA_VERSION + 1}")
 
 
 def test_plan_output_not_written_on_error(tmp_path):

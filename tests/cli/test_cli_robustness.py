@@ -114,7 +114,7 @@ def test_schema_versions_below_one_are_refused(tmp_path, files, monkeypatch, ver
     bad.write_bytes(reseal(payload_of((files / "p2.msgpack").read_bytes())))
     monkeypatch.undo()
     one_line_error(run_cli("inspect", bad),
-                   f"{bad}: invalid schema version: got {version}, expected 1 to 2")
+                   f"{bad}: invalid schema version: got {version}, expected 1 to {codec.SCHEMA_VERSION}")
 
 
 def test_inspect_prints_the_files_schema_version(files, monkeypatch):

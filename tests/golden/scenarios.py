@@ -124,4 +124,19 @@ def scenarios() -> dict[str, tuple[ParallelConfig, StepInput]]:
     s["sampled_shared_p4w4_i16"] = (_cfg(4, 4, 16, num_layers=8, indexer_sources=glm),
                                     _step(47, _mixed(47, 30),
                                           [k % 3 != 1 for k in range(30)]))
+    # schema 3: vLLM's decode ownership (P > 1, W == 1): each decode on one rank in turn
+    owned = dict(shard_decode_requests=True)
+    vllm_batch = [(0, 100, True), (40, 1, False), (0, 3, True), (17, 1, False)]
+    s["owned_decodes_vllm_batch_p2"] = (_cfg(2, 1, **owned), _step(48, vllm_batch))
+    s["owned_decodes_only_p4"] = (_cfg(4, 1, **owned), _step(49, decodes))
+    s["owned_decodes_fewer_than_ranks_p8"] = (_cfg(8, 1, **owned),
+                                              _step(50, [(5, 1, False), (0, 9, True),
+                                                         (64, 2, False)]))
+    s["owned_decodes_mixed_p4"] = (_cfg(4, 1, **owned), _step(51, _mixed(51, 30)))
+    s["owned_decodes_sampled_p2"] = (_cfg(2, 1, **owned),
+                                     _step(52, vllm_batch, [True, True, False, True]))
+    s["owned_decodes_graph_sizes_p2"] = (_cfg(2, 1, cudagraph_token_sizes=(8, 16, 64), **owned),
+                                         _step(53, decodes))
+    s["owned_decodes_shared_indexer_p2"] = (_cfg(2, 1, num_layers=8, indexer_sources=glm,
+                                                 **owned), _step(54, mixed))
     return s

@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 
 from cpplan.planner import compile as compile_plan
-from cpplan.schemas import decode_config, decode_plan, decode_step, plan_payload
+from cpplan.schemas import (
+    config_fingerprint,
+    decode_config,
+    decode_plan,
+    decode_step,
+    digest,
+    plan_payload,
+)
+from cpplan.schemas.codec import read_envelope
 from tests.golden.regen import golden_dir, report_json
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,7 +58,7 @@ def test_regen_refuses_on_unbumped_schema(tmp_path, monkeypatch):
     (tmp_path / "v1").mkdir()
     (tmp_path / "v7").mkdir()
     monkeypatch.setattr(regen, "ROOT", tmp_path)
-    with pytest.raises(SystemExit, match="refusing: schema version is 2 but the newest golden "
+    with pytest.raises(SystemExit, match="refusing: schema version is 3 but the newest golden "
                                          "folder is v7"):
         regen.check_version_folder()
 
@@ -67,3 +75,29 @@ def test_schema_1_files_decode_to_the_plans_compiled_now(name):
     plan = compile_plan(decode_config((folder / f"{name}.config.json").read_bytes()),
                         decode_step((folder / f"{name}.step.json").read_bytes()))
     assert old == plan and old.is_sampled is None and old.config.indexer_sources == ()
+
+
+V2 = sorted(p.name[: -len(".msgpack")] for p in (ROOT / "tests" / "golden" / "v2").glob("*.msgpack"))
+
+
+def test_schema_2_corpus_is_all_there():
+    assert len(V2) >= 50
+
+
+@pytest.mark.parametrize("name", V2)
+def test_schema_3_leaves_every_schema_2_plan_byte_identical(name):
+    """Schema 3 added decode ownership, off by default: every plan of the version-2 corpus
+    compiles today to the same payload bytes and digest, from a config whose fingerprint is
+    unchanged, and the golden of version 3 holds the same payload."""
+    folder = ROOT / "tests" / "golden" / "v2"
+    data = (folder / f"{name}.msgpack").read_bytes()
+    config = decode_config((folder / f"{name}.config.json").read_bytes())
+    plan = compile_plan(config, decode_step((folder / f"{name}.step.json").read_bytes()))
+    envelope = read_envelope(data)
+    assert envelope.schema_version == 2
+    assert plan_payload(plan) == envelope.payload
+    assert digest(plan) == envelope.digest
+    assert config_fingerprint(plan.config) == envelope.config_fingerprint
+    assert not plan.config.shard_decode_requests
+    v3 = read_envelope((golden_dir() / f"{name}.msgpack").read_bytes())
+    assert (v3.payload, v3.digest) == (envelope.payload, envelope.digest)

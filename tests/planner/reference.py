@@ -11,7 +11,7 @@ the StepPlan field names; :func:`plan_facts` turns a StepPlan into the same form
 from __future__ import annotations
 
 from cpplan.schemas.config import ParallelConfig
-from cpplan.schemas.plan import EAGER, MODE_DECODE, MODE_REPLICATED, MODE_SPLIT, StepPlan
+from cpplan.schemas.plan import EAGER, MODE_DECODE, MODE_OWNED, MODE_REPLICATED, MODE_SPLIT, StepPlan
 from cpplan.schemas.step import StepInput
 
 KV_BYTES = {"fp8_ds_mla": 656, "bf16": 1152}
@@ -25,11 +25,13 @@ def chunk_bounds(q: int, k: int, cs: int) -> tuple[int, int]:
     return min(k * cs, q), min((k + 1) * cs, q)
 
 
-def request_mode(p_size: int, w_size: int, q: int, prefilling: bool) -> tuple[int, int]:
+def request_mode(p_size: int, w_size: int, q: int, prefilling: bool,
+                 owned: bool = False) -> tuple[int, int]:
     """(mode, chunk size) of one request (docs/design.md §3.1): a P > 1, W > 1 prefill is replicated when
-    fewer than S of its chunks are non-empty."""
+    fewer than S of its chunks are non-empty; a decode is owned by one rank when ``owned``
+    (the config's shard_decode_requests)."""
     if not prefilling:
-        return MODE_DECODE, q
+        return (MODE_OWNED if owned else MODE_DECODE), q
     if p_size == 1:
         return MODE_REPLICATED, q
     s = 2 * p_size
@@ -54,11 +56,18 @@ def local_len(extent: int, rank: int, w_size: int, inter: int) -> int:
 
 # ------------------------------------------------------------------ per rank
 def rank_rows(p: int, p_size: int, reqs: list[tuple[int, int, bool]], modes) -> list[tuple]:
-    """Rank p's rows in published order: (request, query offset, tokens, kv written)."""
+    """Rank p's rows in published order: (request, query offset, tokens, kv written). An owned
+    decode is this rank's when the decodes counted before it leave p as the next owner in
+    turn (rank 0, 1, ..., P-1, 0, ...); elsewhere its row is empty."""
     rows = []
+    decodes_seen = 0
     for i, (_c, q, _pre) in enumerate(reqs):
         if modes[i][0] == MODE_DECODE:
             rows.append((i, 0, q, 1))
+        elif modes[i][0] == MODE_OWNED:
+            mine = decodes_seen % p_size == p
+            rows.append((i, 0, q if mine else 0, 1 if mine else 0))
+            decodes_seen += 1
     s = 2 * p_size
     for i, (_c, q, _pre) in enumerate(reqs):
         mode, cs = modes[i]
@@ -80,7 +89,7 @@ def cut_chunks(config: ParallelConfig, reqs, modes) -> list[dict]:
     current: list[int] = []
     rows = 0
     for i, (c, q, _pre) in enumerate(reqs):
-        if modes[i][0] == MODE_DECODE:
+        if modes[i][0] in (MODE_DECODE, MODE_OWNED):
             continue
         pad = local_len(c + q, 0, w, inter)
         if current and w * (rows + pad) > config.gather_workspace_tokens:
@@ -155,7 +164,7 @@ def reference_sampled(step: StepInput, modes, per_rank, starts):
     source = {}
     for p, rows in enumerate(per_rank):
         for (req, off, n, _), start in zip(rows, starts[p]):
-            if not flags[req] or (p > 0 and modes[req][0] != MODE_SPLIT):
+            if not flags[req] or (p > 0 and modes[req][0] not in (MODE_SPLIT, MODE_OWNED)):
                 continue
             for j in range(n):
                 if off + j == q[req] - 1:
@@ -171,7 +180,8 @@ def reference_plan(config: ParallelConfig, step: StepInput) -> dict:
     p_size, w_size, inter = config.pcp_size, config.dcp_size, config.interleave_size
     reqs = [(r.num_computed_tokens, r.num_scheduled_tokens, r.is_prefilling)
             for r in step.requests()]
-    modes = [request_mode(p_size, w_size, q, pre) for (c, q, pre) in reqs]
+    owned = bool(config.shard_decode_requests)
+    modes = [request_mode(p_size, w_size, q, pre, owned) for (c, q, pre) in reqs]
     per_rank = [rank_rows(p, p_size, reqs, modes) for p in range(p_size)]
     starts, counts = [], []
     for rows in per_rank:

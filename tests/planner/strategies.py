@@ -15,8 +15,9 @@ INTERLEAVES = (1, 2, 16, 64)
 
 @st.composite
 def configs(draw, max_model_len: int = 262144, small_dims: bool = False) -> ParallelConfig:
-    """A supported ParallelConfig: topology, interleave, dtypes, graph sizes and a workspace from
-    the minimum up to a few times it (so steps need one or several gather chunks)."""
+    """A supported ParallelConfig: topology, interleave, dtypes, graph sizes, a workspace from
+    the minimum up to a few times it (so steps need one or several gather chunks) and, where it
+    is allowed (P > 1, W == 1), decode ownership on or off."""
     p, w = draw(st.sampled_from(TOPOLOGIES))
     inter = draw(st.sampled_from(INTERLEAVES))
     minimum = w * shard_rows(max_model_len, w, inter)
@@ -26,7 +27,9 @@ def configs(draw, max_model_len: int = 262144, small_dims: bool = False) -> Para
     layers = draw(st.sampled_from((61, 1, 4, 8)))
     pattern = draw(st.lists(st.sampled_from("FS"), min_size=layers - 1, max_size=layers - 1))
     sources = draw(st.sampled_from(((), indexer_sources_from_types(["F"] + pattern))))
+    shard = draw(st.booleans()) if p > 1 and w == 1 else False  # vLLM's decode ownership
     return ParallelConfig(
+        shard_decode_requests=shard,
         num_layers=layers, indexer_sources=sources,
         pcp_size=p, dcp_size=w, interleave_size=inter, max_model_len=max_model_len,
         gather_workspace_tokens=workspace, cudagraph_token_sizes=graphs,

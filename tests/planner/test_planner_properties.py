@@ -21,7 +21,7 @@ from hypothesis import given, note, settings
 from planner_strategies import configs, steps
 
 from cpplan import planner
-from cpplan.schemas import MODE_SPLIT, StepPlan
+from cpplan.schemas import MODE_OWNED, MODE_SPLIT, StepPlan
 from tests.lane import examples
 
 
@@ -118,7 +118,7 @@ def _check_restore(plan: StepPlan, facts: dict) -> None:
             facts["rank_row_request"], facts["row_query_offset"], facts["row_num_tokens"])):
         at = p * t_pad
         for i, o, n in zip(reqs, offs, lens):
-            if facts["mode"][i] == MODE_SPLIT or p == 0:
+            if facts["mode"][i] in (MODE_SPLIT, MODE_OWNED) or p == 0:  # their own tokens
                 buf[at:at + n] = qcu[i] + o + np.arange(n)
             at += n
     restore = plan.restore_index()
