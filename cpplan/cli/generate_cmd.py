@@ -7,8 +7,14 @@ processes, max(P, W) of them: gloo on CPU, or NCCL with one GPU each (``--device
 every rank runs the same scheduler (rank 0's tokens are printed; every rank's must agree).
 Progress goes to stderr.
 
+A request stops at the model's end-of-sequence token (``eos_token_id`` of the checkpoint's
+generation_config.json, else config.json; ``--ignore-eos`` turns it off), at one of its own
+``stop_token_ids`` or after its ``max_tokens``; its output says which (``finish_reason``
+"stop" or "length").
+
 Exit codes: 0 done (and ``--check`` passed), 1 ``--check`` found a difference (or the ranks'
-tokens differ), 2 bad input, 3 plan mismatch, 4 a rank was lost.
+tokens differ), 2 bad input, 3 plan mismatch, 4 a rank was lost, 5 an exception in a rank's
+work or in the check's reference (one line naming the rank, the step, the layer or phase).
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ EXAMPLE = """example:
   cpplan generate --model tiny-glm-5 --pcp 2 --dcp 2 --check
   cpplan generate --model ./ckpt --prompts p.jsonl --max-new-tokens 32 --json
 prompts file (JSONL): {"id": "a", "prompt_token_ids": [1, 2, 3]} one object a line
-  ("prompt": "text" where the checkpoint has a tokenizer; "max_new_tokens" per line)
+  ("prompt": "text" where the checkpoint has a tokenizer; "max_tokens" and
+  "stop_token_ids" per line)
 """
 
 
@@ -57,8 +64,14 @@ def register(sub) -> None:
                    help="KV blocks per rank incl. the reserved block 0 (default: the --max-num-seqs "
                         "largest requests at once); fewer makes the scheduler preempt")
     p.add_argument("--max-model-len", type=bounded_int(1, 1 << 24), default=None, metavar="N",
-                   help="longest prompt + new tokens (default the model's "
+                   help="longest prompt + new tokens (default and at most the model's "
                         "max_position_embeddings)")
+    p.add_argument("--allow-long-max-model-len", action="store_true",
+                   help="take a --max-model-len above the model's max_position_embeddings "
+                        "(positions it was not trained for)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at the model's end-of-sequence token (benchmarks); a "
+                        "line's own stop_token_ids still stop it")
     p.add_argument("--seed", type=bounded_int(0, 2**63 - 1), default=0,
                    help="seed of a preset's weights, the built-in prompts and sampling")
     p.add_argument("--temperature", type=float, default=0.0,
@@ -119,7 +132,9 @@ def run(args) -> int:
                    kv_cache_dtype=args.kv_cache_dtype,
                    max_num_batched_tokens=args.max_num_batched_tokens,
                    max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
-                   max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
+                   max_model_len=args.max_model_len,
+                   allow_long_max_model_len=args.allow_long_max_model_len,
+                   ignore_eos=args.ignore_eos, device=args.device, dtype=args.dtype,
                    temperature=args.temperature, top_p=args.top_p, keep_logits=args.check,
                    timeout_s=args.timeout, warmup=args.warmup,
                    cuda_graphs=args.device == "cuda" and not args.eager)
@@ -200,10 +215,29 @@ def _interrupt(signum, frame) -> None:
 
 
 def _failures(results, as_json: bool) -> int | None:
-    from cpplan.cli.simulate_cmd import _report_failures, rank_failures
+    """None where every rank finished; else one line per distinct root cause (a rank's own
+    failure over its peers' PeerFailedError; ranks failing alike share the line), and its
+    exit code: 3 (plans differ) over 5 (an exception in a rank) over 4 (a rank lost)."""
+    from cpplan.cli.simulate_cmd import rank_failures
+    from cpplan.cli.terminal import plain
+    from cpplan.schemas.errors import CpplanError, PeerFailedError
 
     failures = rank_failures(results)
-    return _report_failures(failures, as_json) if failures else None
+    if not failures:
+        return None
+    causes = [f for f in failures if not isinstance(f[1], PeerFailedError)] or failures
+    alike: dict[tuple[str, str], list[int]] = {}
+    for rank, exc, _ in causes:
+        alike.setdefault((type(exc).__name__, " ".join(str(exc).split())), []).append(rank)
+    for (name, text), ranks in alike.items():
+        who = ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, sorted(ranks)))
+        sys.stderr.write(plain(f"cpplan generate: error: {who}: {name}: {text}") + "\n")
+    codes = [exc.exit_code if isinstance(exc, CpplanError) else 5 for _, exc, _ in causes]
+    code = max(codes, key=lambda c: (c == 3, c == 5, c == 4, c))
+    if as_json:
+        print(json.dumps({"ok": False, "exit_code": code, "ranks_failed": len(failures),
+                          "error": str(causes[0][1])}))
+    return code
 
 
 def _fail(as_json: bool, code: int, message: str) -> int:
@@ -219,6 +253,7 @@ def _print(prep, values, elapsed: float, check, as_json: bool) -> None:
     rows = []
     for k, (p, out) in enumerate(zip(prep.prompts, head["outputs"])):
         row = {"id": p.id, "prompt_tokens": len(p.token_ids), "output_token_ids": out,
+               "finish_reason": head["finish_reasons"][k],
                "ttft_s": round(head["ttft_s"][k], 4), "tpot_s": round(head["tpot_s"][k], 4)}
         if prep.tokenizer is not None:
             row["output_text"] = prep.tokenizer.decode(out)
@@ -229,6 +264,7 @@ def _print(prep, values, elapsed: float, check, as_json: bool) -> None:
                "digest_checks": head["digest_checks"], "requests": len(rows),
                "prompt_tokens": sum(len(p.token_ids) for p in prep.prompts),
                "output_tokens": new, "query_tokens": head["tokens"],
+               "stopped": head["finish_reasons"].count("stop"),
                "mixed_steps": head["mixed_steps"], "preempted": head["preempted"],
                "graph_steps": head["graph_steps"], "graph_captures": head["captures"],
                "serve_s": round(head["seconds"], 3), "seconds": round(elapsed, 3),
@@ -252,7 +288,8 @@ def _print(prep, values, elapsed: float, check, as_json: bool) -> None:
     for r in rows:
         text = f" {r['output_text']!r}" if "output_text" in r else ""
         lines.append(f"{r['id']}: {r['prompt_tokens']} prompt tokens -> {r['output_token_ids']}"
-                     f"{text}  TTFT {r['ttft_s'] * 1e3:.0f} ms  TPOT {r['tpot_s'] * 1e3:.0f} ms")
+                     f"{text} ({r['finish_reason']})  TTFT {r['ttft_s'] * 1e3:.0f} ms  "
+                     f"TPOT {r['tpot_s'] * 1e3:.0f} ms")
     s = summary
     lines.append(f"{s['requests']} requests, {s['output_tokens']} new tokens in {s['steps']} "
                  f"steps ({s['mixed_steps']} mixed, {s['preempted']} preemptions, "

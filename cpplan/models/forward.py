@@ -77,6 +77,8 @@ class RankForward:
 
     def __init__(self, model: torch.nn.Module, spec: ModelSpec | None = None) -> None:
         self.model, self.spec = model, spec or model_spec(model)
+        # the part of the forward running now, for an error's report: "layer 2 (mlp)", ...
+        self.where = "the embedding"
         self.rope = rope_functions()
         self.layers = list(model.model.layers)
         s = self.spec
@@ -100,6 +102,7 @@ class RankForward:
         (:meth:`hidden_states`): the sampled rows restored to every rank, then the LM head.
         Runs outside a CUDA graph (restore's row count follows the step's sampled requests)."""
         lm_head = self.model.lm_head
+        self.where = "the lm head"
         return lm_head(sampled_hidden(executor, bound, hidden).to(lm_head.weight.dtype))
 
     @torch.no_grad()
@@ -114,6 +117,7 @@ class RankForward:
             with experts_implementation(self.model, CAPTURABLE_EXPERTS):
                 return self.hidden_states(executor, bound, caches, token_ids)
         act = self._check(executor, bound, caches, token_ids)
+        self.where = "the embedding"
         rows = rank_rows(bound)
         x = self.model.model.embed_tokens(token_ids)
         cos, sin = (t[0] for t in self.model.model.rotary_emb(x[None], rows.position_t[None]))
@@ -122,11 +126,13 @@ class RankForward:
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             x = self._layer(i, layer, executor, bound, cache, x, (cos, sin), act, shares,
                             indexed)
+        self.where = "the final norm"
         return self.model.model.norm(x).to(act)
 
     def _layer(self, i: int, layer, executor, bound, cache, x, cos_sin, act, shares: bool,
                indexed: dict) -> torch.Tensor:
         attn = layer.self_attn
+        self.where = f"layer {i} (attention)"
         h = layer.input_layernorm(x)
         q_resid = attn.q_a_layernorm(attn.q_a_proj(h))
         q, kv = self._mla(i, attn, h, q_resid, cos_sin)
@@ -139,6 +145,7 @@ class RankForward:
         w_uv = self.absorb[i][1]
         v = torch.einsum("thc,hvc->thv", out.to(w_uv.dtype), w_uv)
         x = x + attn.o_proj(v.reshape(v.shape[0], -1))
+        self.where = f"layer {i} ({'moe' if hasattr(layer.mlp, 'gate') else 'mlp'})"
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def _mla(self, i: int, attn, h, q_resid, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:

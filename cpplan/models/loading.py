@@ -17,7 +17,11 @@ Two families, both transformers >= 5.23: ``DeepseekV32ForCausalLM`` (model_type
 Every model is built with ``attn_implementation="eager"`` (the reference forward of
 :mod:`cpplan.models.reference` runs it; cpplan's own forward does not use it) and in eval mode.
 A missing transformers is one line naming the extra ``cpplan[hf]``; a model whose dims do not
-fit the runtime is one :class:`~cpplan.schemas.errors.ConfigError` line naming the field.
+fit the runtime, or whose config its own modules cannot run (an MoE gate whose experts do not
+divide into its groups, :func:`check_modules`), is one
+:class:`~cpplan.schemas.errors.ConfigError` line naming the field, from the config alone
+(:func:`model_config`: no weight read). :func:`eos_token_ids` reads the end-of-sequence ids
+the way transformers' ``generate`` does.
 """
 
 from __future__ import annotations
@@ -106,6 +110,93 @@ def check_dims(config) -> None:
                           f"for each of {get('num_hidden_layers')} layers, the first 'full'")
 
 
+def check_modules(config) -> None:
+    """The model's own modules can run ``config`` (a resolved transformers config): where a
+    layer is an MoE (``mlp_layer_types`` "sparse"), its gate (``TopkRouter``: the routed
+    experts in ``n_group`` groups, each group scored by its top-2 experts, the best
+    ``topk_group`` groups kept, ``num_experts_per_tok`` experts taken from them) needs the
+    experts divisible into the groups, at least 2 experts a group, ``1 <= topk_group <=
+    n_group`` and ``num_experts_per_tok`` within the kept groups' experts; else the gate
+    raises (``selected index k out of range``) or routes to masked experts mid-forward.
+    One-line ConfigError naming the fields otherwise."""
+    kinds = getattr(config, "mlp_layer_types", None) or ()
+    if "sparse" not in kinds:
+        return
+    experts, groups = config.n_routed_experts, config.n_group
+    topk_group, per_token = config.topk_group, config.num_experts_per_tok
+    for name, value in (("n_routed_experts", experts), ("n_group", groups),
+                        ("topk_group", topk_group), ("num_experts_per_tok", per_token)):
+        if type(value) is not int or value < 1:
+            raise ConfigError(f"{name}: got {value!r}; expected a positive integer (the MoE "
+                              "layers' gate)")
+    if experts % groups:
+        raise ConfigError(f"n_routed_experts {experts} in n_group {groups} groups: expected "
+                          "the experts divisible into the groups (the MoE gate's view)")
+    if experts // groups < 2:
+        raise ConfigError(f"n_routed_experts {experts} in n_group {groups} groups: "
+                          f"{experts // groups} expert(s) a group; expected at least 2 (the "
+                          "MoE gate scores each group by its top-2 experts)")
+    if topk_group > groups:
+        raise ConfigError(f"topk_group: got {topk_group}; expected at most n_group {groups}")
+    if per_token > topk_group * (experts // groups):
+        raise ConfigError(f"num_experts_per_tok: got {per_token}; expected at most the "
+                          f"{topk_group * (experts // groups)} experts of the topk_group "
+                          f"{topk_group} groups the gate keeps")
+
+
+def model_config(source: str):
+    """The transformers config of a preset or a checkpoint folder's ``config.json``, with
+    the family's defaults filled in; no weight is read. Dims (:func:`check_dims`) and the
+    modules (:func:`check_modules`) are checked; one-line ConfigError otherwise."""
+    if source in PRESETS:
+        config = preset_config(source)
+    else:
+        raw = _read_config_json(source)
+        check_dims(raw)
+        config_cls = getattr(require_transformers(), FAMILIES[raw["model_type"]][0])
+        try:
+            config = config_cls.from_pretrained(source, local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - any loader failure is one line
+            raise ConfigError(f"{os.path.join(source, 'config.json')}: cannot be read as a "
+                              f"{config_cls.__name__} ({_first_line(exc)})") from None
+    check_dims(config)
+    check_modules(config)
+    return config
+
+
+def eos_token_ids(source: str, config=None) -> tuple[int, ...]:
+    """The model's end-of-sequence token ids, as transformers' ``generate`` stops at them:
+    ``eos_token_id`` (an int, a list or null) of the folder's generation_config.json where
+    it has that key, else of its config (``config``, read if None); a preset's from its
+    config. ConfigError for a value that is no token id."""
+    found = _generation_eos(source)
+    if found is None:
+        config = config if config is not None else model_config(source)
+        found = (getattr(config, "eos_token_id", None), f"{source} config")
+    value, where = found
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if any(type(t) is not int or t < 0 for t in ids):
+        raise ConfigError(f"{where}: eos_token_id got {value!r}; expected a token id, a list "
+                          "of them or null")
+    return tuple(dict.fromkeys(ids))
+
+
+def _generation_eos(source: str) -> tuple[Any, str] | None:
+    """(eos_token_id, the file) of a folder's generation_config.json, None where it has no
+    such file or key."""
+    path = os.path.join(source, "generation_config.json")
+    if source in PRESETS or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            gen = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: cannot be read as JSON ({_first_line(exc)})") from None
+    if not isinstance(gen, dict) or "eos_token_id" not in gen:
+        return None
+    return gen["eos_token_id"], path
+
+
 def preset_config(name: str, **overrides):
     """The transformers config of preset ``name`` (:data:`PRESETS`), fields overridden by
     ``overrides`` (e.g. ``index_topk=512``); ConfigError for an unknown name."""
@@ -123,6 +214,7 @@ def build_model(config, *, seed: int = 0, dtype: torch.dtype = torch.float32,
     weights drawn from ``seed`` (the global RNG is left as it was), eval mode, eager
     attention, ``dtype`` on ``device``. ConfigError where the dims do not fit."""
     check_dims(config)
+    check_modules(config)
     _, model_cls = family_classes(config.model_type)
     config._attn_implementation = "eager"
     with torch.random.fork_rng(devices=[]):
@@ -139,6 +231,13 @@ def load_model(source: str, *, seed: int = 0, dtype: torch.dtype = torch.float32
     config.json, unreadable, truncated or incomplete weights."""
     if source in PRESETS:
         return build_model(preset_config(source), seed=seed, dtype=dtype, device=device)
+    config = model_config(source)
+    _, model_cls = family_classes(config.model_type)
+    return _from_folder(model_cls, source, dtype, device)
+
+
+def _read_config_json(source: str) -> dict:
+    """A checkpoint folder's config.json as a dict; ConfigError (one line) otherwise."""
     path = os.path.join(source, "config.json")
     if not os.path.isfile(path):
         raise ConfigError(f"model: got {source!r}; expected a preset ({', '.join(PRESETS)}) "
@@ -150,9 +249,7 @@ def load_model(source: str, *, seed: int = 0, dtype: torch.dtype = torch.float32
         raise ConfigError(f"{path}: cannot be read as JSON ({_first_line(exc)})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: got a JSON {type(raw).__name__}; expected an object")
-    check_dims(raw)
-    _, model_cls = family_classes(raw["model_type"])
-    return _from_folder(model_cls, source, dtype, device)
+    return raw
 
 
 def _from_folder(model_cls, folder: str, dtype, device) -> torch.nn.Module:

@@ -157,15 +157,24 @@ def teacher_forced_logits(model, tokens: Sequence[int], positions: Sequence[int]
 
 @torch.no_grad()
 def reference_generate(model, prompt: Sequence[int], max_new_tokens: int, *,
-                       indexer: str = "stock", kv_cache_dtype: str | None = None) -> list[int]:
-    """The model's own greedy ``generate`` (its cache, one sequence) of ``max_new_tokens``
-    tokens after ``prompt``, with :func:`reference_numerics`; returns the new tokens."""
+                       indexer: str = "stock", kv_cache_dtype: str | None = None,
+                       stop: bool = False, stop_token_ids: Sequence[int] = ()) -> list[int]:
+    """The model's own greedy ``generate`` (its cache, one sequence) of up to
+    ``max_new_tokens`` tokens after ``prompt``, with :func:`reference_numerics`; returns the
+    new tokens. ``stop``: it stops where transformers does, at the end-of-sequence ids of the
+    model's ``generation_config`` (and ``stop_token_ids`` besides), the token kept; else it
+    runs to ``max_new_tokens`` (``min_new_tokens``)."""
     device = model.lm_head.weight.device
     ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
+    if stop:
+        eos = model.generation_config.eos_token_id
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        limits = dict(eos_token_id=[*eos, *stop_token_ids] or None)
+    else:
+        limits = dict(min_new_tokens=max_new_tokens)
     with reference_numerics(model, indexer=indexer, kv_cache_dtype=kv_cache_dtype):
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                             pad_token_id=0)
+                             max_new_tokens=max_new_tokens, pad_token_id=0, **limits)
     return out[0, ids.shape[1]:].tolist()
 
 

@@ -14,7 +14,16 @@ So every rank appends the same tokens.
 :func:`serve_local` runs P = W = 1 in this process; a :class:`RankEngine` serves one
 workload after another on the same executor, caches and graphs. All return :func:`serve`'s
 dict, or a rank's failure as ``{"rank", "error": exception, "tb", ...}`` (as ``cpplan
-simulate``'s ranks report them).
+simulate``'s ranks report them). An exception that is not one of cpplan's own (the model's
+modules, the loop itself) becomes a :class:`RunError` naming the rank, the step and the layer
+or phase it was raised in; after ``bind`` the rank first refuses the step, so its peers raise
+``PeerFailedError`` naming it at once instead of waiting out a timeout.
+
+Stopping: a request ends at its first stop token (``stop_token_ids``: the model's
+end-of-sequence ids and the request's own, the token kept) or at its ``max_new_tokens``. The
+tokens are the same on every rank (greedy over identical logits, or per-request generators
+seeded alike), so every rank finishes the same requests in the same step and schedules the
+same next step; the digest check of that step would name a rank that did not.
 """
 
 from __future__ import annotations
@@ -32,6 +41,30 @@ from cpplan.serve.blocks import BlockBook
 from cpplan.serve.scheduler import Request, Scheduler
 
 
+class RunError(CpplanError, RuntimeError):
+    """An exception that is not one of cpplan's own, raised inside a rank's work (loading the
+    model, a layer's modules, sampling) or by ``--check``'s reference: one line naming where
+    (``rank``, the step, the layer or phase) and the exception's type and first line."""
+
+    exit_code = 5
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+    def __reduce__(self):  # keep the rank through pickling (the ranks' pipes)
+        return type(self), (str(self), self.rank)
+
+    @classmethod
+    def wrap(cls, exc: BaseException, where: str, rank: int | None = None) -> CpplanError:
+        """``exc`` as one line raised ``where``; cpplan's own errors are kept as they are."""
+        if isinstance(exc, CpplanError):
+            return exc
+        text = str(exc).strip().splitlines()
+        first = " ".join(text[0].split())[:300] if text else ""
+        return cls(f"{where}: {type(exc).__name__}" + (f": {first}" if first else ""), rank)
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerateJob:
     """Everything a rank needs (picklable). ``prompts``: per request its token ids;
@@ -41,6 +74,9 @@ class GenerateJob:
     seed: int
     prompts: tuple[tuple[int, ...], ...]
     max_new_tokens: tuple[int, ...]
+    # per request the token ids that end it once generated (the model's eos and its own);
+    # empty: none for any request
+    stop_token_ids: tuple[tuple[int, ...], ...] = ()
     pcp: int = 1
     dcp: int = 1
     interleave: int = 1
@@ -59,6 +95,8 @@ class GenerateJob:
     cuda_graphs: bool = False
     # fault injection for tests: (step, rank) where that rank's process exits without a word
     kill: tuple[int, int] | None = None
+    # (step, rank, layer) where that rank's layer's MLP raises a RuntimeError (tests)
+    fail: tuple[int, int, int] | None = None
     progress: bool = True
     timeout_s: float = 60.0
 
@@ -81,6 +119,7 @@ def model_dtype(device: str, dtype: str = "auto") -> torch.dtype:
 def serve_rank(ctx, job: GenerateJob) -> dict:
     """A spawned rank's body (``World.run``): Groups over the world, then :func:`serve`.
     ``job.device`` "cuda" means GPU ``ctx.local_rank`` (an NCCL world)."""
+    where = "loading the model"
     try:
         from cpplan.api import Groups
         from cpplan.models import load_model
@@ -88,12 +127,15 @@ def serve_rank(ctx, job: GenerateJob) -> dict:
         device = f"cuda:{ctx.local_rank}" if job.device == "cuda" else job.device
         model = load_model(job.model, seed=job.seed,
                            dtype=model_dtype(job.device, job.dtype), device=device)
+        where = "building the process groups"
         config = _config(model, job)
         groups = Groups.build(config, device=device, control_timeout_s=job.timeout_s,
                               store=ctx.store)
-        return serve(model, config, job, groups=groups, rank=ctx.rank)
+        where = "building the engine"
+        engine = RankEngine(model, config, job, groups=groups, rank=ctx.rank)
+        return engine.serve(job)
     except Exception as exc:  # noqa: BLE001 - every rank reports in one typed record
-        return _error(ctx.rank, exc)
+        return _error(ctx.rank, RunError.wrap(exc, where, ctx.rank), exc)
 
 
 def serve_local(model, job: GenerateJob, engine: RankEngine | None = None) -> dict:
@@ -103,10 +145,12 @@ def serve_local(model, job: GenerateJob, engine: RankEngine | None = None) -> di
     try:
         engine = engine or local_engine(model, job)
         return engine.serve(job)
+    except RunError as exc:
+        return _error(0, exc)
     except CpplanError:
         raise
     except Exception as exc:  # noqa: BLE001 - reported like a rank's
-        return _error(0, exc)
+        return _error(0, RunError.wrap(exc, "building the engine", 0), exc)
 
 
 def local_engine(model, job: GenerateJob) -> RankEngine:
@@ -125,9 +169,14 @@ def _config(model, job: GenerateJob):
                                                   if job.cuda_graphs else ()))
 
 
-def _error(rank: int, exc: BaseException) -> dict:
-    return {"rank": rank, "error": exc, "step": -1, "ledger": 0, "elapsed_s": 0.0,
-            "tb": "" if isinstance(exc, CpplanError) else traceback.format_exc()}
+def _error(rank: int, exc: BaseException, cause: BaseException | None = None) -> dict:
+    """A rank's failure record; ``tb`` the traceback of the untyped ``cause`` (shown with
+    CPPLAN_TRACEBACK=1), or of ``exc`` where it is untyped."""
+    cause = getattr(exc, "__cause__", None) or cause
+    if cause is None and not isinstance(exc, CpplanError):
+        cause = exc
+    tb = "".join(traceback.format_exception(cause)) if cause is not None else ""
+    return {"rank": rank, "error": exc, "step": -1, "ledger": 0, "elapsed_s": 0.0, "tb": tb}
 
 
 class Sampler:
@@ -219,92 +268,53 @@ class RankEngine:
 
     def serve(self, job: GenerateJob) -> dict:
         """Serve ``job``'s requests to the end. Returns ``{"rank", "outputs": [[ids]...]
-        (input order), "ttft_s", "tpot_s", "logits" ([n_new, vocab] float32 per request,
-        with keep_logits), "steps", "tokens", "collectives" (this rank's), "digest_checks",
-        "preempted", "graph_steps", "captures", "seconds"}``. ``job`` must match the
-        engine's :data:`ENGINE_FIELDS` (UsageError otherwise)."""
-        from cpplan.api import compile as compile_plan
-        from cpplan.models import rank_token_ids, sampled_requests
-
+        (input order), "finish_reasons" ("stop" / "length" per request), "first_steps" /
+        "finish_steps" (the step that first scheduled / finished each request), "preemptions"
+        (per request), "ttft_s",
+        "tpot_s", "logits" ([n_new, vocab] float32 per request, with keep_logits), "steps",
+        "tokens", "collectives" (this rank's), "digest_checks", "preempted", "graph_steps",
+        "captures", "seconds"}``. ``job`` must match the engine's :data:`ENGINE_FIELDS`
+        (UsageError otherwise). An untyped exception is raised as a :class:`RunError`
+        naming the rank, the step and the phase or layer."""
         self._check_job(job)
-        ex, config, rank = self.ex, self.config, self.rank
+        config = self.config
         book = BlockBook(job.num_blocks, config.block_size, config.dcp_size,
                          config.interleave_size)
-        width = book.blocks_for(config.max_model_len)
-        reqs = [Request(i, list(p), n) for i, (p, n) in enumerate(zip(job.prompts,
-                                                                       job.max_new_tokens))]
+        stops = job.stop_token_ids or ((),) * len(job.prompts)
+        reqs = [Request(i, list(p), n, stop=frozenset(st))
+                for i, (p, n, st) in enumerate(zip(job.prompts, job.max_new_tokens, stops))]
         sched = Scheduler(reqs, book, max_num_batched_tokens=job.max_num_batched_tokens,
                           max_num_seqs=job.max_num_seqs)
-        sample = Sampler(job)
         if job.warmup and not self.warmed:  # collective, like a step: every rank at once
             from cpplan.api import warmup
 
-            warmup(ex)
+            self._phase(lambda: warmup(self.ex), "warmup")
             self.warmed = True
-        checks0 = ex.check.passed if ex.check is not None else 0
-        captures0 = len(self.graphs.captured) if self.graphs is not None else 0
-        n, keep = len(reqs), job.keep_logits and rank == 0  # rank 0's: the same on every rank
-        first, last = [0.0] * n, [0.0] * n
-        logits_kept: list[list[torch.Tensor]] = [[] for _ in range(n)]
-        stats = dict(steps=0, tokens=0, collectives=0, mixed_steps=0, max_batch=0,
-                     graph_steps=0)
-        t0 = time.monotonic()
-        step_id = 0
+        run = _Run(self, job, sched, book)
         while sched.has_work:
-            if job.kill is not None and job.kill == (step_id, rank):
+            if job.kill is not None and job.kill == (run.step_id, self.rank):
                 os._exit(17)
-            step = sched.schedule(step_id)
-            plan = compile_plan(config, step)
-            bound = ex.bind(plan, book.table(self.dcp_rank, plan.req_ids, width),
-                            job.num_blocks)
-            token_ids = rank_token_ids(bound, [r.tokens for r, _ in sched.scheduled])
-            if self.graphs is not None:
-                hidden = self.graphs.run(bound, token_ids)
-                stats["graph_steps"] += int(bound.meta.graph_key is not None)
-            else:
-                hidden = self._layers(bound, token_ids)
-            logits = self.forward.head(ex, bound, hidden)
-            ex.finish(bound)
-            rows = sampled_requests(plan).tolist()
-            out = {}
-            reqs_now = [sched.scheduled[k][0] for k in rows]
-            tokens = sample.batch([r.index for r in reqs_now], logits)
-            now = time.monotonic() - t0  # the tokens are on the host: the step's work is done
-            for r, row, token in zip(reqs_now, logits, tokens):
-                out[r.index] = token
-                if keep:
-                    logits_kept[r.index].append(row.float().cpu())
-                if not r.output:
-                    first[r.index] = now
-                last[r.index] = now
-            q = [c for _, c in sched.scheduled]
-            stats["steps"] += 1
-            stats["tokens"] += sum(q)
-            stats["collectives"] += len(bound.ledger)
-            stats["mixed_steps"] += int(1 in q and any(c > 1 for c in q))
-            stats["max_batch"] = max(stats["max_batch"], len(q))
-            done = sched.complete(out)
-            if job.progress and rank == 0:
-                finished = n - len(sched.waiting) - len(sched.running)
-                sys.stderr.write(f"step {step_id:4d}: {len(q):3d} requests ({q.count(1)} "
-                                 f"decode), {sum(q):5d} tokens, {len(bound.ledger):3d} "
-                                 f"collectives, {finished}/{n} done"
-                                 f"{' +' + str(len(done)) if done else ''}\n")
-            step_id += 1
-        seconds = time.monotonic() - t0
-        tpot = [(last[i] - first[i]) / (len(r.output) - 1) if len(r.output) > 1 else 0.0
-                for i, r in enumerate(reqs)]
-        captures = len(self.graphs.captured) - captures0 if self.graphs is not None else 0
-        result = dict(rank=rank, outputs=[r.output for r in reqs], ttft_s=first, tpot_s=tpot,
-                      preempted=sched.preempted, seconds=seconds, captures=captures,
-                      digest_checks=(ex.check.passed - checks0) if ex.check is not None else 0,
-                      **stats)
-        groups = self.groups
-        if groups is not None and groups.control is not None:
-            result.update(_world_facts(groups, stats["collectives"], result["outputs"]))
-        if keep:
-            result["logits"] = [torch.stack(x) if x else torch.zeros(0) for x in logits_kept]
-        return result
+            run.step()
+        return run.result()
+
+    def _phase(self, fn, where: str, bound=None):
+        """``fn()``; an untyped exception as a RunError naming this rank and ``where`` (and,
+        for a step's phase, the forward's layer), the step refused first where it is bound
+        so that the peers are told at once."""
+        try:
+            return fn()
+        except CpplanError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one line naming where
+            if where.endswith("(forward)"):
+                where = where.replace("(forward)", self.forward.where)
+            err = RunError.wrap(exc, where, self.rank)
+            if bound is not None and not bound.finished:
+                try:
+                    self.ex.refuse(bound, err)
+                except BaseException:  # noqa: BLE001 - refuse raises err again by design
+                    pass
+            raise err from exc
 
     def _check_job(self, job: GenerateJob) -> None:
         from cpplan.schemas.errors import UsageError
@@ -314,6 +324,113 @@ class RankEngine:
             if got != want:
                 raise UsageError(f"RankEngine.serve: job {name} is {got!r}; expected the "
                                  f"engine's {want!r} (build another engine for it)")
+
+
+class _Run:
+    """One workload's loop state on one rank (:meth:`RankEngine.serve`)."""
+
+    def __init__(self, engine: RankEngine, job: GenerateJob, sched: Scheduler,
+                 book: BlockBook) -> None:
+        ex = engine.ex
+        self.engine, self.job, self.sched, self.book = engine, job, sched, book
+        self.width = book.blocks_for(engine.config.max_model_len)
+        self.sample = Sampler(job)
+        self.reqs = list(sched.waiting)
+        n = len(self.reqs)
+        self.keep = job.keep_logits and engine.rank == 0  # rank 0's: the same on every rank
+        self.first, self.last = [0.0] * n, [0.0] * n
+        self.logits_kept: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        self.stats = dict(steps=0, tokens=0, collectives=0, mixed_steps=0, max_batch=0,
+                          graph_steps=0)
+        self.checks0 = ex.check.passed if ex.check is not None else 0
+        self.captures0 = len(engine.graphs.captured) if engine.graphs is not None else 0
+        self.step_id = 0
+        self.t0 = time.monotonic()
+
+    def step(self) -> None:
+        """Schedule, compile, bind, forward, sample and complete one step."""
+        from cpplan.api import compile as compile_plan
+        from cpplan.models import rank_token_ids, sampled_requests
+
+        e, sched, stats, at = self.engine, self.sched, self.stats, f"step {self.step_id}"
+        ex = e.ex
+        step = e._phase(lambda: sched.schedule(self.step_id), f"{at} (scheduling)")
+        plan = e._phase(lambda: compile_plan(e.config, step), f"{at} (compile)")
+        bound = ex.bind(plan, self.book.table(e.dcp_rank, plan.req_ids, self.width),
+                        self.job.num_blocks)
+        token_ids = rank_token_ids(bound, [r.tokens for r, _ in sched.scheduled])
+
+        def forward():
+            if self.job.fail is not None and self.job.fail[:2] == (self.step_id, e.rank):
+                _inject_failure(e.model, self.job.fail[2])
+            if e.graphs is not None:
+                hidden = e.graphs.run(bound, token_ids)
+                stats["graph_steps"] += int(bound.meta.graph_key is not None)
+            else:
+                hidden = e._layers(bound, token_ids)
+            return e.forward.head(ex, bound, hidden)
+
+        logits = e._phase(forward, f"{at}, (forward)", bound)  # "step 3, layer 1 (moe)"
+        ex.finish(bound)
+        reqs_now = [sched.scheduled[k][0] for k in sampled_requests(plan).tolist()]
+        tokens = e._phase(lambda: self.sample.batch([r.index for r in reqs_now], logits),
+                          f"{at} (sampling)")
+        now = time.monotonic() - self.t0  # the tokens are on the host: the step's work is done
+        out = {}
+        for r, row, token in zip(reqs_now, logits, tokens):
+            out[r.index] = token
+            if self.keep:
+                self.logits_kept[r.index].append(row.float().cpu())
+            if not r.output:
+                self.first[r.index] = now
+            self.last[r.index] = now
+        q = [c for _, c in sched.scheduled]
+        stats["steps"] += 1
+        stats["tokens"] += sum(q)
+        stats["collectives"] += len(bound.ledger)
+        stats["mixed_steps"] += int(1 in q and any(c > 1 for c in q))
+        stats["max_batch"] = max(stats["max_batch"], len(q))
+        done = sched.complete(out)
+        if self.job.progress and e.rank == 0:
+            n = len(self.reqs)
+            finished = n - len(sched.waiting) - len(sched.running)
+            sys.stderr.write(f"step {self.step_id:4d}: {len(q):3d} requests ({q.count(1)} "
+                             f"decode), {sum(q):5d} tokens, {len(bound.ledger):3d} "
+                             f"collectives, {finished}/{n} done"
+                             f"{' +' + str(len(done)) if done else ''}\n")
+        self.step_id += 1
+
+    def result(self) -> dict:
+        """:meth:`RankEngine.serve`'s dict (collective over the control group, if any)."""
+        e, reqs, ex, first, last = self.engine, self.reqs, self.engine.ex, self.first, self.last
+        seconds = time.monotonic() - self.t0
+        tpot = [(last[i] - first[i]) / (len(r.output) - 1) if len(r.output) > 1 else 0.0
+                for i, r in enumerate(reqs)]
+        captures = len(e.graphs.captured) - self.captures0 if e.graphs is not None else 0
+        result = dict(rank=e.rank, outputs=[r.output for r in reqs],
+                      finish_reasons=[r.finish_reason for r in reqs],
+                      first_steps=[r.first_step for r in reqs],
+                      finish_steps=[r.finish_step for r in reqs],
+                      preemptions=[r.preemptions for r in reqs], ttft_s=first, tpot_s=tpot,
+                      preempted=self.sched.preempted, seconds=seconds, captures=captures,
+                      digest_checks=(ex.check.passed - self.checks0) if ex.check is not None
+                      else 0, **self.stats)
+        groups = e.groups
+        if groups is not None and groups.control is not None:
+            result.update(_world_facts(groups, self.stats["collectives"], result["outputs"]))
+        if self.keep:
+            result["logits"] = [torch.stack(x) if x else torch.zeros(0)
+                                for x in self.logits_kept]
+        return result
+
+
+def _inject_failure(model, layer: int) -> None:
+    """Layer ``layer``'s MLP raises once, on its next call (GenerateJob.fail)."""
+    def hook(module, args):
+        handle.remove()
+        raise RuntimeError("injected failure (GenerateJob.fail)")
+
+    handle = model.model.layers[layer].mlp.register_forward_pre_hook(hook)
 
 
 def _world_facts(groups, collectives: int, outputs) -> dict:

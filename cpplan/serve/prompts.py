@@ -4,11 +4,15 @@ model before any rank starts (docs/design.md §6.10: one line naming the file an
 File format: one JSON object a line (blank lines skipped)::
 
     {"id": "a", "prompt_token_ids": [1, 2, 3]}           # token ids, 0 <= id < vocab_size
-    {"id": "b", "prompt": "text", "max_new_tokens": 8}    # text: needs the model's tokenizer
+    {"id": "b", "prompt": "text", "max_tokens": 8}        # text: needs the model's tokenizer
+    {"id": "c", "prompt_token_ids": [7], "stop_token_ids": [13, 2]}
 
-``id`` (optional, default the line number) is a string or an integer; ``max_new_tokens``
-(optional) overrides ``--max-new-tokens`` for that request. Every prompt has at least one token
-and ``len(prompt) + max_new_tokens <= max_model_len``.
+``id`` (optional, default the line number) is a string or an integer; ``max_tokens`` (or its
+older name ``max_new_tokens``; optional) overrides ``--max-new-tokens`` for that request;
+``stop_token_ids`` (optional) are token ids that end the request once generated, besides the
+model's end-of-sequence ids (kept under ``--ignore-eos``). Every prompt has at least one token
+and ``len(prompt) + max_tokens <= max_model_len``; every token id (prompt and stop ids) is in
+``[0, vocab_size)``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import numpy as np
 from cpplan.schemas.errors import ConfigError
 
 BUILTIN_LENGTHS = (1, 3, 17, 64, 130, 300)  # q < 2P, around a block, a long chunked prompt
-KEYS = {"id", "prompt_token_ids", "prompt", "max_new_tokens"}
+KEYS = {"id", "prompt_token_ids", "prompt", "max_tokens", "max_new_tokens", "stop_token_ids"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +35,7 @@ class Prompt:
     token_ids: tuple[int, ...]
     max_new_tokens: int
     text: str | None = None
+    stop_token_ids: tuple[int, ...] = ()  # the line's own; the model's eos ids are added later
 
 
 def builtin_prompts(vocab_size: int, max_new_tokens: int, seed: int = 0) -> list[Prompt]:
@@ -97,10 +102,15 @@ def _prompt(obj, where: str, lineno: int, max_new_tokens: int, tokenizer) -> Pro
     rid = obj.get("id", str(lineno))
     if type(rid) not in (str, int):
         raise ConfigError(f"{where}: id got {type(rid).__name__}; expected a string")
-    n = obj.get("max_new_tokens", max_new_tokens)
+    if "max_tokens" in obj and "max_new_tokens" in obj:
+        raise ConfigError(f'{where}: both "max_tokens" and "max_new_tokens"; expected one')
+    key = "max_tokens" if "max_tokens" in obj else "max_new_tokens"
+    n = obj.get(key, max_new_tokens)
     if type(n) is not int or not 1 <= n <= 1_000_000:
-        raise ConfigError(f"{where}: max_new_tokens got {n!r}; expected an integer in "
-                             "[1, 1000000]")
+        raise ConfigError(f"{where}: {key} got {n!r}; expected an integer in [1, 1000000]")
+    stop = obj.get("stop_token_ids", [])
+    if not isinstance(stop, list) or any(type(t) is not int for t in stop):
+        raise ConfigError(f"{where}: stop_token_ids must be a list of integers")
     text = None
     if "prompt_token_ids" in obj and "prompt" in obj:
         raise ConfigError(f'{where}: both "prompt_token_ids" and "prompt"; expected one')
@@ -121,21 +131,31 @@ def _prompt(obj, where: str, lineno: int, max_new_tokens: int, tokenizer) -> Pro
                              '(or "prompt" text with a tokenizer)')
     if not ids:
         raise ConfigError(f"{where}: the prompt is empty; expected at least one token")
-    return Prompt(str(rid), tuple(ids), n, text)
+    return Prompt(str(rid), tuple(ids), n, text, tuple(stop))
 
 
 def check_prompts(prompts: list[Prompt], *, vocab_size: int, max_model_len: int,
                   source: str) -> None:
-    """Every token id in ``[0, vocab_size)``, every ``prompt + max_new_tokens`` within
-    ``max_model_len``; ConfigError naming the request otherwise."""
+    """Every token id (prompt and stop ids) in ``[0, vocab_size)``, every ``prompt +
+    max_new_tokens`` within ``max_model_len``; ConfigError naming the request otherwise."""
     for p in prompts:
-        arr = np.asarray(p.token_ids, dtype=np.int64) if all(
-            abs(t) < 2**62 for t in p.token_ids) else None
-        if arr is None or arr.min() < 0 or arr.max() >= vocab_size:
-            bad = next(t for t in p.token_ids if not 0 <= t < vocab_size)
-            raise ConfigError(f"{source} request {p.id!r}: token id {bad} is outside the "
-                              f"vocabulary; expected 0 <= id < {vocab_size}")
+        for what, ids in (("token id", p.token_ids), ("stop token id", p.stop_token_ids)):
+            bad = _outside(ids, vocab_size)
+            if bad is not None:
+                raise ConfigError(f"{source} request {p.id!r}: {what} {bad} is outside the "
+                                  f"vocabulary; expected 0 <= id < {vocab_size}")
         if len(p.token_ids) + p.max_new_tokens > max_model_len:
             raise ConfigError(f"{source} request {p.id!r}: {len(p.token_ids)} prompt tokens + "
                               f"{p.max_new_tokens} new tokens; expected at most max_model_len "
                               f"{max_model_len} in all")
+
+
+def _outside(ids, vocab_size: int) -> int | None:
+    """The first id of ``ids`` outside ``[0, vocab_size)`` (one vectorised pass), or None."""
+    if not ids:
+        return None
+    if all(abs(t) < 2**62 for t in ids):
+        arr = np.asarray(ids, dtype=np.int64)
+        if arr.min() >= 0 and arr.max() < vocab_size:
+            return None
+    return next(t for t in ids if not 0 <= t < vocab_size)

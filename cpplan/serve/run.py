@@ -3,8 +3,10 @@
 max(P, W) ranks: gloo on CPU, NCCL with one GPU a rank on CUDA); ``--check`` is
 :mod:`cpplan.serve.check`.
 
-Every input check (the model's dims and weights, the prompts, the topology, the block budget)
-happens in :func:`prepare`, before a rank starts or a byte of output is written.
+Every input check (the model's dims and gate, ``max_model_len``, the topology, the prompts, the
+block budget) happens in :func:`prepare` from the model's config alone, before its weights
+are read (on a real checkpoint that takes minutes), a rank starts or a byte of output is
+written; the weights' own checks (missing, truncated) follow as they load.
 """
 
 from __future__ import annotations
@@ -27,51 +29,59 @@ class Prepared:
     prompts: list[Prompt]
     tokenizer: object | None
     load_s: float
+    eos_token_ids: tuple[int, ...] = ()  # the model's, as served (none with --ignore-eos)
 
 
 def prepare(*, model: str, prompts_path: str | None, max_new_tokens: int, seed: int,
             pcp: int = 1, dcp: int = 1, interleave: int = 1, kv_cache_dtype="fp8_ds_mla",
             max_num_batched_tokens: int = 256, max_num_seqs: int = 64,
             num_blocks: int | None = None, max_model_len: int | None = None,
+            allow_long_max_model_len: bool = False, ignore_eos: bool = False,
             device: str = "cpu", dtype: str = "auto", temperature: float = 0.0, top_p: float = 1.0,
             keep_logits: bool = False, progress: bool = True, warmup: bool = False,
-            timeout_s: float = 60.0, cuda_graphs: bool = False) -> Prepared:
-    """Load the model (ConfigError for dims that do not fit, a missing transformers, missing
-    or truncated weights), read and check the prompts, derive the config (a bad topology is
-    a ConfigError) and the KV blocks per rank (default: the ``max_num_seqs`` largest requests
-    at once, so no preemption). ``cuda_graphs``: decode-only steps padded to graph sizes and,
-    on CUDA, replayed as captured graphs."""
-    from cpplan.models import load_model, parallel_config
+            timeout_s: float = 60.0, cuda_graphs: bool = False, before_load=None) -> Prepared:
+    """Check every input from the model's config alone (ConfigError: dims or an MoE gate its
+    modules cannot run, a missing transformers, a ``max_model_len`` above the model's
+    ``max_position_embeddings`` without ``allow_long_max_model_len``, a bad topology, the
+    prompts, the KV blocks per rank: default the ``max_num_seqs`` largest requests at once,
+    so no preemption), call ``before_load(config, prompts)`` (e.g. ``--check``'s memory
+    check), then load the weights (missing or truncated: ConfigError). Each request stops at
+    the model's end-of-sequence ids (none with ``ignore_eos``) and its own stop ids.
+    ``cuda_graphs``: decode-only steps padded to graph sizes and, on CUDA, replayed as
+    captured graphs."""
+    from cpplan.models import parallel_config
+    from cpplan.models.loading import eos_token_ids, load_model, model_config
 
     _check_device(device, pcp, dcp)
     if max(pcp, dcp) > MAX_SPAWNED:
         raise ConfigError(f"--pcp {pcp} --dcp {dcp} spawns {max(pcp, dcp)} processes; "
                           f"expected at most {MAX_SPAWNED}")
-    t0 = time.monotonic()
-    m = load_model(model, seed=seed, dtype=model_dtype(device, dtype), device=device)
-    load_s = time.monotonic() - t0
-    mml = max_model_len or m.config.max_position_embeddings
-    config = parallel_config(m, pcp=pcp, dcp=dcp, interleave=interleave,
+    if max_num_batched_tokens < 1 or max_num_seqs < 1:
+        raise ConfigError(f"--max-num-batched-tokens {max_num_batched_tokens}, --max-num-seqs "
+                          f"{max_num_seqs}: expected both >= 1")
+    cfg = model_config(model)
+    mml = _max_model_len(cfg, max_model_len, allow_long_max_model_len)
+    config = parallel_config(cfg, pcp=pcp, dcp=dcp, interleave=interleave,
                              kv_cache_dtype=kv_cache_dtype, max_model_len=mml, device=device,
                              activation_dtype=activation_dtype(device, dtype))
     tokenizer = load_tokenizer(model)
     if prompts_path is None:
-        prompts = builtin_prompts(m.config.vocab_size, max_new_tokens, seed)
+        prompts = builtin_prompts(cfg.vocab_size, max_new_tokens, seed)
         source = "the built-in prompts"
     else:
         prompts = read_prompts(prompts_path, max_new_tokens=max_new_tokens, tokenizer=tokenizer)
         source = prompts_path
-    check_prompts(prompts, vocab_size=m.config.vocab_size, max_model_len=mml, source=source)
-    book = BlockBook(2, config.block_size, config.dcp_size, config.interleave_size)
+    check_prompts(prompts, vocab_size=cfg.vocab_size, max_model_len=mml, source=source)
     if num_blocks is None:  # the max_num_seqs largest requests at once: no preemption
+        book = BlockBook(2, config.block_size, config.dcp_size, config.interleave_size)
         need = sorted((book.blocks_for(len(p.token_ids) + p.max_new_tokens) for p in prompts),
                       reverse=True)
         num_blocks = 1 + sum(need[:max_num_seqs])
-    if max_num_batched_tokens < 1 or max_num_seqs < 1:
-        raise ConfigError(f"--max-num-batched-tokens {max_num_batched_tokens}, --max-num-seqs "
-                          f"{max_num_seqs}: expected both >= 1")
+    eos = () if ignore_eos else eos_token_ids(model, cfg)
+    stops = tuple(tuple(dict.fromkeys((*eos, *p.stop_token_ids))) for p in prompts)
     job = GenerateJob(model=model, seed=seed, prompts=tuple(p.token_ids for p in prompts),
-                      max_new_tokens=tuple(p.max_new_tokens for p in prompts), pcp=pcp,
+                      max_new_tokens=tuple(p.max_new_tokens for p in prompts),
+                      stop_token_ids=stops, pcp=pcp,
                       dcp=dcp, interleave=interleave, kv_cache_dtype=kv_cache_dtype,
                       max_model_len=mml, max_num_batched_tokens=max_num_batched_tokens,
                       max_num_seqs=max_num_seqs, num_blocks=num_blocks, device=device,
@@ -80,7 +90,25 @@ def prepare(*, model: str, prompts_path: str | None, max_new_tokens: int, seed: 
                       progress=progress, timeout_s=timeout_s, warmup=warmup,
                       cuda_graphs=cuda_graphs)
     _check_blocks(job, config, [p.id for p in prompts])
-    return Prepared(job, m, prompts, tokenizer, load_s)
+    if before_load is not None:
+        before_load(cfg, prompts)
+    t0 = time.monotonic()
+    m = load_model(model, seed=seed, dtype=model_dtype(device, dtype), device=device)
+    return Prepared(job, m, prompts, tokenizer, time.monotonic() - t0, eos)
+
+
+def _max_model_len(cfg, max_model_len: int | None, allow_long: bool) -> int:
+    """``max_model_len`` (default the model's ``max_position_embeddings``); above that only
+    with ``allow_long`` (positions past the model's range: its RoPE was not trained there)."""
+    limit = cfg.max_position_embeddings
+    if max_model_len is None:
+        return limit
+    if max_model_len > limit and not allow_long:
+        raise ConfigError(f"--max-model-len {max_model_len} is above the model's "
+                          f"max_position_embeddings {limit}; expected at most {limit} (or "
+                          "--allow-long-max-model-len to serve positions the model was not "
+                          "trained for)")
+    return max_model_len
 
 
 def reference_model(prep: Prepared):

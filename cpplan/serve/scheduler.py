@@ -1,6 +1,9 @@
 """The serving scheduler of ``cpplan generate`` (no torch): continuous batching, chunked
-prefill under a token budget, prefills and decodes mixed in one step, finishes at each
-request's ``max_new_tokens``, and preemption by recompute when a DCP rank's blocks run out.
+prefill under a token budget, prefills and decodes mixed in one step, finishes at a stop
+token (the model's end-of-sequence ids and the request's own ``stop_token_ids``: finish reason
+"stop", the token kept as the last output) or at the request's ``max_new_tokens`` ("length"),
+and preemption by recompute when a DCP rank's blocks run out. A finished request's blocks are
+freed in :meth:`Scheduler.complete`, so the next step can admit a waiting request into them.
 
 A request holds its token ids (prompt + generated). Each step schedules ``min(remaining,
 budget left)`` of the tokens not yet in the KV cache (``remaining = len(tokens) - computed``:
@@ -32,9 +35,13 @@ class Request:
     computed: int = 0  # tokens whose KV is in the cache
     preemptions: int = 0
     tokens: list[int] = dataclasses.field(default_factory=list)  # prompt + output, kept
+    stop: frozenset[int] = frozenset()  # token ids that end the request once generated
+    first_step: int = -1  # the step that first scheduled it (-1: not yet)
+    finish_step: int = -1  # the step whose token finished it
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt) + list(self.output)
+        self.stop = frozenset(self.stop)
 
     @property
     def req_id(self) -> str:
@@ -49,8 +56,17 @@ class Request:
         return len(self.prompt) + len(self.output) - self.computed
 
     @property
+    def finish_reason(self) -> str | None:
+        """"stop" (the last token is a stop token), "length" (``max_new_tokens`` reached) or
+        None (running); a stop token at the last allowed position is a "stop", as engines
+        report it."""
+        if self.output and self.output[-1] in self.stop:
+            return "stop"
+        return "length" if len(self.output) >= self.max_new_tokens else None
+
+    @property
     def done(self) -> bool:
-        return len(self.output) >= self.max_new_tokens
+        return self.finish_reason is not None
 
 
 class Scheduler:
@@ -64,7 +80,7 @@ class Scheduler:
         self.budget, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.scheduled: list[tuple[Request, int]] = []
         self.preempted = 0
-        self._left, self._plan, self._gone = 0, {}, set()
+        self._left, self._plan, self._gone, self._step = 0, {}, set(), -1
         for r in requests:
             if not book.capacity_ok(len(r.prompt) + r.max_new_tokens):
                 raise ConfigError(
@@ -99,6 +115,10 @@ class Scheduler:
             raise ConfigError(f"step {step_id}: no request fits the KV blocks")
         plan = [(r, self._plan[r.index]) for r in self.running if r.index in self._plan]
         self.scheduled = plan
+        self._step = step_id
+        for r, _ in plan:
+            if r.first_step < 0:
+                r.first_step = step_id
         return StepInput.build(step_id, [r.req_id for r, _ in plan],
                                [r.computed for r, _ in plan], [n for _, n in plan],
                                [r.remaining > 1 for r, _ in plan],
@@ -129,13 +149,15 @@ class Scheduler:
 
     def complete(self, sampled: dict[int, int]) -> list[Request]:
         """Apply the last step: ``sampled`` maps a scheduled request's index to its new
-        token. Returns the requests that finished (their blocks freed)."""
+        token. Returns the requests that finished, at a stop token or at their length (their
+        blocks freed now: the next step may admit a waiting request into them)."""
         done = []
         for r, n in self.scheduled:
             r.computed += n
             if r.index in sampled:
                 r.append(int(sampled[r.index]))
             if r.done:
+                r.finish_step = self._step
                 done.append(r)
                 self.book.release(r.req_id)
         ids = {id(r) for r in done}
