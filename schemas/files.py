@@ -15,11 +15,17 @@ other names keep the old bytes). Every failure is an :class:`OutputError` naming
 
 A path is a str, bytes or ``os.PathLike``; anything else, or a path holding a NUL byte, is the
 same typed error, never os's ``TypeError`` / ``ValueError``.
+
+Parsing JSON that is not a cpplan file (a prompts line, a checkpoint's config.json):
+:func:`loads_json` refuses what the standard library would accept silently or fail on with a
+traceback, a key given twice in one object (last wins) and nesting past the interpreter's
+recursion limit (``RecursionError``), as one-line ``ValueError`` s.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 import tempfile
@@ -82,6 +88,50 @@ def read_input(path: str | os.PathLike, max_bytes: int = MAX_INPUT_BYTES) -> byt
         raise InputFileError(f"cannot read {name}: {_oserror_words(exc)}") from None
     finally:
         os.close(fd)
+
+
+def check_input_file(path: str | os.PathLike, max_bytes: int = MAX_INPUT_BYTES) -> int:
+    """The size of the regular file ``path`` (at most ``max_bytes``), else InputFileError: for
+    a file another library opens (a checkpoint's weights, a tokenizer), which would block on a
+    FIFO or read a device without end. Follows symlinks, as that library's open would."""
+    name = _path_name(path, InputFileError, "read")
+    try:
+        info = os.stat(name)
+    except OSError as exc:
+        raise InputFileError(f"cannot read {name}: {_oserror_words(exc)}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise InputFileError(
+            f"cannot read {name}: it is {_kind(info.st_mode)}; expected a regular file")
+    if info.st_size > max_bytes:
+        raise InputFileError(f"{name}: file too large: got {info.st_size:,} bytes, "
+                             f"limit {max_bytes:,}")
+    return info.st_size
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _refuse_duplicates(pairs):
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(f"key {key!r} given twice in one object")
+            seen.add(key)
+    return obj
+
+
+def loads_json(text: str | bytes):
+    """``json.loads(text)``, but a key given twice in one object, or nesting deeper than the
+    recursion limit, is a one-line ValueError (not the last value silently, nor a
+    RecursionError traceback)."""
+    try:
+        return json.loads(text, object_pairs_hook=_refuse_duplicates)
+    except RecursionError:
+        raise ValueError("nested too deeply: expected at most a few hundred levels of "
+                         "arrays and objects") from None
 
 
 def _read_capped(fd: int, name: str, max_bytes: int) -> bytes:

@@ -18,15 +18,18 @@ and ``len(prompt) + max_tokens <= max_model_len``; every token id (prompt and st
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import numpy as np
 
 from cpplan.schemas.errors import ConfigError
+from cpplan.schemas.files import loads_json, read_input
 
 BUILTIN_LENGTHS = (1, 3, 17, 64, 130, 300)  # q < 2P, around a block, a long chunked prompt
 KEYS = {"id", "prompt_token_ids", "prompt", "max_tokens", "max_new_tokens", "stop_token_ids"}
+# the prompts file's cap: its token lists as Python ints, a tuple and a numpy check each, stay
+# within a few hundred MB (a 2,000-request file of 2,000-token prompts is about 20 MB)
+MAX_PROMPTS_BYTES = 32 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +66,10 @@ def load_tokenizer(model_source: str):
 
 def read_prompts(path: str, *, max_new_tokens: int, tokenizer=None) -> list[Prompt]:
     """The prompts of a JSONL file (module docstring); ConfigError naming the line for a
-    malformed line, an empty file; OSError for an unreadable one."""
-    with open(path, "rb") as fh:
-        data = fh.read()
+    malformed line (a key given twice, nesting past the recursion limit included), an empty
+    file; InputFileError for one that is unreadable, not a regular file (a FIFO would block
+    the read) or over MAX_PROMPTS_BYTES."""
+    data = read_input(path, MAX_PROMPTS_BYTES)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -76,7 +80,7 @@ def read_prompts(path: str, *, max_new_tokens: int, tokenizer=None) -> list[Prom
             continue
         where = f"{path} line {lineno}"
         try:
-            obj = json.loads(line)
+            obj = loads_json(line)
         except ValueError as exc:
             raise ConfigError(f"{where}: not a JSON object ({str(exc).split(':')[0]})") \
                 from None
