@@ -44,6 +44,11 @@ FAMILIES = {
 REQUIRED_DIMS = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 128}
 POSITIVE_FIELDS = ("num_attention_heads", "index_n_heads", "index_topk", "qk_nope_head_dim",
                    "v_head_dim", "q_lora_rank", "hidden_size", "num_hidden_layers", "vocab_size")
+# upper bounds, checked before anything proportional to a size is built (transformers' config
+# makes per-layer lists of num_hidden_layers): DeepSeek-V3.2 has 61 layers and 128 heads,
+# GLM-5 78 layers; the rest within the int32 every plan's size fits
+MAX_DIMS = {"num_hidden_layers": 4096, "num_attention_heads": 4096, "index_n_heads": 4096}
+MAX_SIZE = 2**31 - 1
 
 _TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
              num_attention_heads=8, num_key_value_heads=8, n_routed_experts=4,
@@ -87,27 +92,31 @@ def family_classes(model_type: str) -> tuple[type, type]:
 
 def check_dims(config) -> None:
     """The model's dims fit the runtime (docs/design.md §4.1, §4.5): kv_lora_rank 512,
-    qk_rope_head_dim 64, index_head_dim 128, positive head counts and sizes, a first layer
-    with its own indexer. ``config``: a transformers config or a ``config.json`` dict.
+    qk_rope_head_dim 64, index_head_dim 128, positive head counts and sizes (at most
+    :data:`MAX_DIMS`, else int32: checked before anything of their size is built), a first
+    layer with its own indexer. ``config``: a transformers config or a ``config.json`` dict.
     One-line ConfigError naming the field, the value and what is expected otherwise."""
     get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
     family_type = get("model_type")
-    if family_type not in FAMILIES:
-        raise ConfigError(f"model_type: got {family_type!r}; expected one of "
+    if not isinstance(family_type, str) or family_type not in FAMILIES:
+        raise ConfigError(f"model_type: got {_short(family_type)}; expected one of "
                           f"{', '.join(FAMILIES)}")
     for name, want in REQUIRED_DIMS.items():
-        if get(name) != want:
-            raise ConfigError(f"{name}: got {get(name)!r}; expected {want}, the only value "
+        if type(get(name)) is not int or get(name) != want:
+            raise ConfigError(f"{name}: got {_short(get(name))}; expected {want}, the only value "
                               "cpplan's kernels and cache formats take")
     for name in POSITIVE_FIELDS:
-        value = get(name)
+        value, high = get(name), MAX_DIMS.get(name, MAX_SIZE)
         if type(value) is not int or value < 1:
-            raise ConfigError(f"{name}: got {value!r}; expected a positive integer")
-    kinds = get("indexer_types") or ["full"] * get("num_hidden_layers")
-    if len(kinds) != get("num_hidden_layers") or set(kinds) - {"full", "shared"} \
-            or kinds[0] != "full":
-        raise ConfigError(f"indexer_types: got {list(kinds)!r}; expected 'full' or 'shared' "
-                          f"for each of {get('num_hidden_layers')} layers, the first 'full'")
+            raise ConfigError(f"{name}: got {_short(value)}; expected a positive integer")
+        if value > high:
+            raise ConfigError(f"{name}: got {value}; expected at most {high}")
+    layers = get("num_hidden_layers")
+    kinds = get("indexer_types") or ("full",) * layers
+    if not isinstance(kinds, (list, tuple)) or len(kinds) != layers \
+            or any(k not in ("full", "shared") for k in kinds) or kinds[0] != "full":
+        raise ConfigError(f"indexer_types: got {_short(kinds)}; expected 'full' or 'shared' "
+                          f"for each of {layers} layers, the first 'full'")
 
 
 def check_modules(config) -> None:
@@ -268,6 +277,22 @@ def _from_folder(model_cls, folder: str, dtype, device) -> torch.nn.Module:
                           f"{missing[0]!r}); expected every tensor of the model")
     check_dims(model.config)
     return model.to(device=device).eval()
+
+
+def _short(value, limit: int = 120) -> str:
+    """``repr(value)`` cut to ``limit`` characters, a list to its first 8 items: an error line
+    names a bad value without quoting a 4,096-element list (or a 10,000-digit integer, whose
+    repr raises)."""
+    items = list(value) if isinstance(value, (list, tuple)) else None
+    try:
+        text = repr(items[:8] if items is not None else value)
+    except (ValueError, RecursionError):
+        return f"a {type(value).__name__} too large to show"
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    if items is not None and len(items) > 8:
+        text += f" (the first 8 of {len(items)} items)"
+    return text
 
 
 def _first_line(exc: BaseException) -> str:
