@@ -71,6 +71,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     _stand_in_for_closed_streams()
     _escape_unencodable_output()
+    saved_stdout = _checked_stdout()
+    try:
+        return _main(argv)
+    finally:
+        if saved_stdout is not None:
+            try:
+                sys.stdout.flush()
+            except OSError:  # already reported (or stdout gone): the exit code tells
+                pass
+            sys.stdout = saved_stdout
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
@@ -78,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     previous = _interrupt_on_sigterm()
     try:
-        return int(args.run(args) or 0)
+        code = int(args.run(args) or 0)
+        sys.stdout.flush()  # a write that fails here is exit 2, not a success cut short
+        return code
     except CpplanError as exc:
         _error_line(args.command, str(exc))
         return exc.exit_code
@@ -116,6 +131,62 @@ def _interrupt_on_sigterm():
     if threading.current_thread() is not threading.main_thread():
         return None
     return signal.signal(signal.SIGTERM, _sigterm)
+
+
+class _WholeWrites(io.RawIOBase):
+    """A standard output fd whose ``write`` takes every byte or raises: on a file system that
+    fills up (or past RLIMIT_FSIZE) the kernel takes part of a write, and Python's own stdout
+    then dropped the rest without an error (``--json`` cut at 4,096 bytes, exit 0). A failed
+    write is an OutputError naming stdout; EPIPE stays BrokenPipeError (``| head``)."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self._fd = fd
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def isatty(self) -> bool:
+        return os.isatty(self._fd)
+
+    def write(self, data) -> int:
+        from cpplan.schemas.errors import OutputError
+
+        view = memoryview(data).cast("B")
+        total = len(view)
+        while view:
+            try:
+                n = os.write(self._fd, view)
+            except BrokenPipeError:
+                raise
+            except OSError as exc:
+                raise OutputError(f"cannot write stdout: {exc.strerror or exc}; the output is "
+                                  "incomplete") from None
+            view = view[n:]
+        return total
+
+
+def _checked_stdout():
+    """sys.stdout rebuilt over :class:`_WholeWrites` where it is a real fd (not an in-process
+    capture or a closed stream); returns the stream it replaced, else None."""
+    stream = sys.stdout
+    try:
+        fd = stream.fileno()
+        os.fstat(fd)
+    except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
+        return None
+    try:
+        stream.flush()
+    except OSError:
+        return None
+    sys.stdout = io.TextIOWrapper(io.BufferedWriter(_WholeWrites(fd)),
+                                  encoding=getattr(stream, "encoding", None) or "utf-8",
+                                  errors="backslashreplace",
+                                  line_buffering=getattr(stream, "line_buffering", False))
+    return stream
 
 
 class _ClosedStdout:
