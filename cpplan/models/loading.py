@@ -6,6 +6,8 @@ Two families, both transformers >= 5.23: ``DeepseekV32ForCausalLM`` (model_type
 - a local checkpoint folder (``config.json`` + safetensors): ``from_pretrained(folder,
   local_files_only=True)``, never the network; the dims are checked from ``config.json``
   before any weight is read; a missing, truncated or incomplete weights file is one line;
+  every file it opens is first checked a regular file within its cap, and the weights must
+  be safetensors (:mod:`cpplan.models.checkpoint`);
 - a transformers config object (random weights from a seed);
 - a preset name (:data:`PRESETS`): a small random-weight model from a seed with the real
   attention dims (kv_lora_rank 512, qk_rope_head_dim 64, index_head_dim 128), a few layers,
@@ -26,12 +28,12 @@ the way transformers' ``generate`` does.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 import torch
 
+from cpplan.models.checkpoint import check_weights, read_json
 from cpplan.schemas.errors import ConfigError
 
 MIN_TRANSFORMERS = (5, 23)
@@ -194,13 +196,9 @@ def _generation_eos(source: str) -> tuple[Any, str] | None:
     """(eos_token_id, the file) of a folder's generation_config.json, None where it has no
     such file or key."""
     path = os.path.join(source, "generation_config.json")
-    if source in PRESETS or not os.path.isfile(path):
+    if source in PRESETS or not os.path.lexists(path):
         return None
-    try:
-        with open(path, encoding="utf-8") as fh:
-            gen = json.load(fh)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: cannot be read as JSON ({_first_line(exc)})") from None
+    gen = read_json(path)
     if not isinstance(gen, dict) or "eos_token_id" not in gen:
         return None
     return gen["eos_token_id"], path
@@ -242,20 +240,17 @@ def load_model(source: str, *, seed: int = 0, dtype: torch.dtype = torch.float32
         return build_model(preset_config(source), seed=seed, dtype=dtype, device=device)
     config = model_config(source)
     _, model_cls = family_classes(config.model_type)
+    check_weights(source)
     return _from_folder(model_cls, source, dtype, device)
 
 
 def _read_config_json(source: str) -> dict:
     """A checkpoint folder's config.json as a dict; ConfigError (one line) otherwise."""
     path = os.path.join(source, "config.json")
-    if not os.path.isfile(path):
+    if not os.path.isdir(source) or not os.path.lexists(path):
         raise ConfigError(f"model: got {source!r}; expected a preset ({', '.join(PRESETS)}) "
                           "or a folder holding config.json and safetensors weights")
-    try:
-        with open(path, encoding="utf-8") as fh:
-            raw = json.load(fh)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: cannot be read as JSON ({_first_line(exc)})") from None
+    raw = read_json(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: got a JSON {type(raw).__name__}; expected an object")
     return raw
@@ -267,6 +262,7 @@ def _from_folder(model_cls, folder: str, dtype, device) -> torch.nn.Module:
     try:
         model, info = model_cls.from_pretrained(folder, local_files_only=True, dtype=dtype,
                                                 attn_implementation="eager",
+                                                use_safetensors=True,
                                                 output_loading_info=True)
     except Exception as exc:  # noqa: BLE001 - OSError, SafetensorError, ValueError, ...
         raise ConfigError(f"{folder}: the weights cannot be loaded "

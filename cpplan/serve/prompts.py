@@ -52,11 +52,14 @@ def load_tokenizer(model_source: str):
     """The checkpoint folder's tokenizer (local files only), or None where it has none
     (presets never have one)."""
     if not os.path.isdir(model_source) or not any(
-            os.path.isfile(os.path.join(model_source, f))
+            os.path.lexists(os.path.join(model_source, f))
             for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
     from transformers import AutoTokenizer
 
+    from cpplan.models.checkpoint import check_tokenizer_files
+
+    check_tokenizer_files(model_source)  # a FIFO among them would block transformers' open
     try:
         return AutoTokenizer.from_pretrained(model_source, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - any loader failure is one line

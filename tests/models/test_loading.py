@@ -63,7 +63,7 @@ def test_bad_folders_are_one_line(tmp_path):
         load_model(str(tmp_path))
     assert "\n" not in str(err.value)
     weights.unlink()
-    with pytest.raises(ConfigError, match="the weights cannot be loaded"):
+    with pytest.raises(ConfigError, match="got no weights; expected safetensors weights"):
         load_model(str(tmp_path))
 
 
