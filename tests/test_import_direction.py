@@ -59,3 +59,30 @@ def test_the_scan_catches_upward_imports(tmp_path, source, hit):
     module = tmp_path / "x.py"
     module.write_text(source)
     assert bool(_violations(module)) is hit
+
+
+def _imports_vllm(module: str) -> bool:
+    return module == "vllm" or module.startswith("vllm.")
+
+
+def test_only_cpplan_vllm_imports_vllm():
+    """vLLM is an optional engine: nothing outside cpplan/vllm/ (and the tests of it) imports
+    it, so the planner, runtime and CLI install and run without it (issue 64's contract)."""
+    roots = [ROOT / d for d in ("planner", "schemas", "runtime", "cpplan", "bench")]
+    files = [p for r in roots for p in sorted(r.rglob("*.py"))
+             if not p.is_relative_to(ROOT / "cpplan" / "vllm")]
+    assert len(files) > 50
+    bad = [f"{p.relative_to(ROOT)}:{line} imports {mod}" for p in files
+           for line, mod in _imported_modules(ast.parse(p.read_text(), filename=str(p)))
+           if _imports_vllm(mod)]
+    assert bad == []
+    # and the scan would see one
+    assert _imports_vllm("vllm.v1.worker.gpu.pcp_manager") and not _imports_vllm("vllmx")
+
+
+def test_the_adapter_does_not_import_vllm():
+    """adapter.py and version.py run where vLLM is absent (a scheduler process, the main CI
+    venv): only the plugin (and check_vllm_version, lazily, inside a function) import it."""
+    for name in ("adapter.py", "guard.py", "record.py"):
+        tree = ast.parse((ROOT / "cpplan" / "vllm" / name).read_text())
+        assert not [m for _, m in _imported_modules(tree) if _imports_vllm(m)], name
