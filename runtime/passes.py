@@ -123,6 +123,12 @@ class LayerPasses:
         if want >= self.config.num_layers:
             raise UsageError(f"step {bound.plan.step_id}: {call} of layer {want}; expected at "
                              f"most num_layers = {self.config.num_layers} layers a step")
+        if call == "attend" and want >= bound.layers_inserted:
+            # the layer's caches lack this step's own keys until its insert: attention would
+            # read the old cache and run on, silently wrong for every prefill row
+            raise UsageError(f"step {bound.plan.step_id}: attend of layer {want} before its "
+                             f"insert; expected insert then attend for each layer "
+                             f"({bound.layers_inserted} layer(s) inserted so far)")
         return want
 
     def _attend(self, bound: BoundStep, cache: LayerCache, q, index_q, index_w,

@@ -445,3 +445,23 @@ def test_executor_data_timeout_nan_negative_or_not_a_number(value):
                            data_timeout_s=value)
     assert StepExecutor.local(CFG, sm_scale=0.1, max_tokens=64, max_requests=8,
                               data_timeout_s=2.5).data_timeout_s == 2.5
+
+
+def test_attend_before_its_layers_insert_is_refused():
+    """attend on a layer before its insert read the cache without the step's own new KV and
+    ran on (max error 1.0 on the prefill request; finish passed). The reference: the same
+    step, insert then attend, on a fresh executor."""
+    ex = StepExecutor.local(CFG, sm_scale=0.1, max_tokens=64, max_requests=8)
+    bound = ex.bind(_plan(), BT)
+    kv, ik, q, iq, iw = _inputs(bound.plan.padded_num_tokens)
+    cache = LayerCache.empty(CFG, 32, "cpu")
+    with pytest.raises(UsageError) as err:
+        ex.attend(bound, cache, q, iq, iw)
+    assert str(err.value) == ("step 1: attend of layer 0 before its insert; expected insert "
+                              "then attend for each layer (0 layer(s) inserted so far)")
+    ex.insert(bound, cache, kv, ik)  # the refused call left the step where it was
+    got = ex.attend(bound, cache, q, iq, iw)
+    ex.finish(bound)
+    want = _run_step(StepExecutor.local(CFG, sm_scale=0.1, max_tokens=64, max_requests=8),
+                     _plan(), LayerCache.empty(CFG, 32, "cpu"))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
