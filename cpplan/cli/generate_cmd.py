@@ -137,7 +137,8 @@ def run(args) -> int:
                    ignore_eos=args.ignore_eos, device=args.device, dtype=args.dtype,
                    temperature=args.temperature, top_p=args.top_p, keep_logits=args.check,
                    timeout_s=args.timeout, warmup=args.warmup,
-                   cuda_graphs=args.device == "cuda" and not args.eager)
+                   cuda_graphs=args.device == "cuda" and not args.eager,
+                   before_load=_check_memory(args) if args.check else None)
     job = prep.job
     if env is None or env.rank == 0:
         how = "this process" if max(job.pcp, job.dcp) == 1 and env is None else (
@@ -171,16 +172,32 @@ def run(args) -> int:
     check = None
     if args.check:
         from cpplan.serve.check import TOL, TOL_BF16_ACTIVATIONS, check_outputs
-        from cpplan.serve.engine import activation_dtype
+        from cpplan.serve.engine import RunError, activation_dtype
         from cpplan.serve.run import reference_model
 
-        check = check_outputs(reference_model(prep), job.prompts, head["outputs"],
-                              head["logits"], job.kv_cache_dtype, [p.id for p in prep.prompts],
-                              tol=TOL if activation_dtype(job.device, job.dtype) == "float32"
-                              else TOL_BF16_ACTIVATIONS)
+        try:
+            check = check_outputs(reference_model(prep), job.prompts, head["outputs"],
+                                  head["logits"], job.kv_cache_dtype,
+                                  [p.id for p in prep.prompts],
+                                  tol=TOL if activation_dtype(job.device, job.dtype) == "float32"
+                                  else TOL_BF16_ACTIVATIONS)
+        except Exception as exc:  # e.g. out of memory beyond the estimate: one line, exit 5
+            raise RunError.wrap(exc, "--check's reference") from None
         sys.stderr.write(check.line() + "\n")
     _print(prep, values, elapsed, check, args.json)
     return 0 if check is None or check.ok else 1
+
+
+def _check_memory(args):
+    """``prepare``'s ``before_load`` for ``--check``: the reference's memory
+    (:func:`cpplan.serve.check.check_memory`), before the weights load or a rank starts."""
+    def before_load(config, prompts):
+        from cpplan.serve.check import check_memory
+        from cpplan.serve.engine import model_dtype
+
+        check_memory(config, prompts, device=args.device,
+                     served_dtype=model_dtype(args.device, args.dtype))
+    return before_load
 
 
 def _as_torchrun_rank(prep, env, as_json: bool):

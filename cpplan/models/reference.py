@@ -21,17 +21,24 @@ and three KV caches (``kv_cache_dtype``): ``None`` (the stock fp32 latent), ``"b
 cpplan's cache stores it: the attention module's ``expand_kv`` sees the rounded row). With
 topk >= every context the indexer does not matter (every causal key is selected); the KV
 format always does.
+
+Long sequences: transformers' eager attention and both indexers score every query at once
+(O(S^2 x heads) memory); with ``rows`` (or where :func:`auto_rows` finds the memory free short)
+the attention modules run :mod:`cpplan.models.reference_attention` and the selections
+:func:`cpplan_topk` / :func:`stock_topk` a chunk of query rows at a time, O(rows x S).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import types
 from collections.abc import Sequence
 
 import torch
 
+from cpplan.models.reference_attention import causal, chunked_attention_forward
 from cpplan.schemas.errors import ConfigError
 
 INDEXERS = ("stock", "cpplan")
@@ -69,27 +76,57 @@ def round_kv(kv_nope: torch.Tensor, k_rot: torch.Tensor, kv_cache_dtype: str
     return (values * scale[..., None]).reshape(kv_nope.shape).to(kv_nope.dtype), rot
 
 
-def cpplan_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, allowed: torch.Tensor,
-                topk: int) -> torch.Tensor:
+def cpplan_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, allowed: torch.Tensor | None,
+                topk: int, *, rows: int | None = None) -> torch.Tensor:
     """cpplan's selection: q ``[B, S, Hi, 128]`` and k ``[B, T, 128]`` (post-RoPE), w
-    ``[B, S, Hi]`` float32 with every scale folded, allowed ``[B, S, T]`` bool (causal) ->
-    ``[B, S, min(topk, T)]`` int32 key positions, score descending then position ascending."""
+    ``[B, S, Hi]`` float32 with every scale folded, allowed ``[B, S, T]`` bool (None: causal,
+    query i at position T - S + i) -> ``[B, S, min(topk, T)]`` int32 key positions, score
+    descending then position ascending. ``rows``: queries scored at once (default all), so
+    the float64 logits take O(rows x T) memory; a query's result does not depend on it (its
+    logits of fp8 values are exact in float64, and each row sums its own heads)."""
+    b, s = q.shape[:2]
+    t = k.shape[1]
     qv, qs = fp8_pow2(q.float())
     kv, ks = fp8_pow2(k.float())
     kd = (kv * ks[..., None]).double()
-    logits = torch.einsum("bshd,btd->bsht", qv.double(), kd).clamp_min(0)
-    scores = torch.einsum("bsh,bsht->bst", (w.float() * qs).double(), logits)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-    return order[..., : min(topk, scores.shape[-1])].to(torch.int32)
+    wq = (w.float() * qs).double()
+    step = s if rows is None else max(1, rows)
+    out = []
+    for start in range(0, s, step):
+        stop = min(s, start + step)
+        logits = torch.einsum("bshd,btd->bsht", qv[:, start:stop].double(), kd).clamp_min(0)
+        scores = torch.einsum("bsh,bsht->bst", wq[:, start:stop], logits)
+        del logits
+        keep = (allowed[:, start:stop] if allowed is not None
+                else causal(t - s + start, t - s + stop, t, q.device))
+        scores = scores.masked_fill(~keep, float("-inf"))
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+        out.append(order[..., : min(topk, t)].to(torch.int32))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 
 
-def _cpplan_indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask,
-                            position_ids=None, past_key_values=None, cache=None):
-    """An HF indexer's forward (same signature, same q / k / weights from its weights) with
-    cpplan's numerics (module docstring); bound to one indexer module instance. The cache
-    argument is ``past_key_values`` in transformers 5.23 and ``cache`` from 5.24 on."""
-    past_key_values = cache if cache is not None else past_key_values
+def stock_topk(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, topk: int, *,
+               softmax_scale: float, rows: int) -> torch.Tensor:
+    """transformers' indexer selection restated in chunks of ``rows`` queries (its forward
+    scores every query at once): ``relu(q . k * softmax_scale)`` in float32 summed over the
+    heads with ``w`` ``[B, S, Hi]`` (``weights_proj`` times ``Hi ** -0.5``), causal keys only,
+    ``torch.topk`` (ties unspecified, as there); one sequence without a cache."""
+    s, t = q.shape[1], k.shape[1]
+    kt = k.transpose(-1, -2).float().unsqueeze(1)
+    out = []
+    for start in range(0, s, rows):
+        stop = min(s, start + rows)
+        scores = torch.relu(torch.matmul(q[:, start:stop].float(), kt) * softmax_scale)
+        index = torch.matmul(w[:, start:stop].unsqueeze(-2), scores).squeeze(-2)
+        del scores
+        index = index.masked_fill(~causal(start, stop, t, q.device), float("-inf"))
+        out.append(index.topk(min(topk, t), dim=-1).indices.to(torch.int32))
+    return torch.cat(out, dim=1)
+
+
+def _indexer_qk(self, hidden_states, q_resid, position_embeddings, past_key_values=None):
+    """An HF indexer module's post-RoPE queries ``[B, S, Hi, D]`` and keys ``[B, T, D]``,
+    from its own weights and RoPE function, as its forward computes them."""
     b, s, _ = hidden_states.shape
     cos, sin = position_embeddings
     rope = getattr(sys.modules[type(self).__module__], _HF_INDEXER_ROPE[self.config.model_type])
@@ -101,8 +138,42 @@ def _cpplan_indexer_forward(self, hidden_states, q_resid, position_embeddings, a
     k = torch.cat([k_rot, k[..., r:]], dim=-1).squeeze(2)
     if past_key_values is not None:
         k = past_key_values.update_indexer(k, self.layer_idx)
+    return q, k
+
+
+def _indexer_weights(self, hidden_states) -> torch.Tensor:
+    """The indexer's head weights ``[B, S, Hi]`` float32 times ``Hi ** -0.5``."""
     w = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype)).float()
-    w = w * (self.n_heads ** -0.5) * self.softmax_scale
+    return w * (self.n_heads ** -0.5)
+
+
+def cpplan_select(rows: int):
+    """A ``select`` for :func:`~cpplan.models.reference_attention.chunked_attention_forward`:
+    cpplan's numerics, ``rows`` queries at a time."""
+    def select(ix, hidden_states, q_resid, position_embeddings):
+        q, k = _indexer_qk(ix, hidden_states, q_resid, position_embeddings)
+        w = _indexer_weights(ix, hidden_states) * ix.softmax_scale
+        return cpplan_topk(q, k, w, None, ix.index_topk, rows=rows)
+    return select
+
+
+def stock_select(rows: int):
+    """A ``select``: transformers' numerics (:func:`stock_topk`), ``rows`` queries at a time."""
+    def select(ix, hidden_states, q_resid, position_embeddings):
+        q, k = _indexer_qk(ix, hidden_states, q_resid, position_embeddings)
+        return stock_topk(q, k, _indexer_weights(ix, hidden_states), ix.index_topk,
+                          softmax_scale=ix.softmax_scale, rows=rows)
+    return select
+
+
+def _cpplan_indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask,
+                            position_ids=None, past_key_values=None, cache=None):
+    """An HF indexer's forward (same signature, same q / k / weights from its weights) with
+    cpplan's numerics (module docstring); bound to one indexer module instance. The cache
+    argument is ``past_key_values`` in transformers 5.23 and ``cache`` from 5.24 on."""
+    past_key_values = cache if cache is not None else past_key_values
+    q, k = _indexer_qk(self, hidden_states, q_resid, position_embeddings, past_key_values)
+    w = _indexer_weights(self, hidden_states) * self.softmax_scale
     allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
     return cpplan_topk(q, k, w, allowed, self.index_topk)
 
@@ -114,19 +185,30 @@ def _rounding_expand_kv(original, kv_cache_dtype: str):
 
 
 @contextlib.contextmanager
-def reference_numerics(model, *, indexer: str = "stock", kv_cache_dtype: str | None = None):
+def reference_numerics(model, *, indexer: str = "stock", kv_cache_dtype: str | None = None,
+                       rows: int | None = None, select=None):
     """Within the block, ``model`` (this instance only) runs with the given indexer and KV
-    rounding (module docstring); restored on exit. ConfigError for an unknown choice."""
+    rounding (module docstring); restored on exit. ConfigError for an unknown choice.
+    ``rows``: every attention module's forward computes ``rows`` queries at a time
+    (:mod:`cpplan.models.reference_attention`: one sequence, no cache; call the model with
+    ``attention_mask={"indexed_attention": None}``), its selection by ``select`` (default the
+    chosen indexer's, chunked alike); None: the model's own eager forward."""
     if indexer not in INDEXERS:
         raise ConfigError(f"indexer: got {indexer!r}; expected one of {INDEXERS}")
     if kv_cache_dtype not in KV_FORMATS:
         raise ConfigError(f"kv_cache_dtype: got {kv_cache_dtype!r}; expected one of "
                           f"{KV_FORMATS}")
+    if rows is not None and select is None:
+        select = (cpplan_select if indexer == "cpplan" else stock_select)(rows)
     patched = []  # (module, attribute name)
     try:
         for layer in model.model.layers:
             attn = layer.self_attn
-            if indexer == "cpplan" and getattr(attn, "indexer", None) is not None:
+            if rows is not None:
+                attn.forward = functools.partial(chunked_attention_forward, attn,
+                                                 select=select, rows=rows)
+                patched.append((attn, "forward"))
+            elif indexer == "cpplan" and getattr(attn, "indexer", None) is not None:
                 attn.indexer.forward = types.MethodType(_cpplan_indexer_forward, attn.indexer)
                 patched.append((attn.indexer, "forward"))
             if kv_cache_dtype is not None:
@@ -138,21 +220,45 @@ def reference_numerics(model, *, indexer: str = "stock", kv_cache_dtype: str | N
             delattr(module, name)  # the class's method shows through again
 
 
+def auto_rows(model, num_tokens: int, num_logits: int | None = None, *,
+              what: str = "one sequence") -> int | None:
+    """Query rows the reference forward over ``num_tokens`` tokens computes at once within
+    the memory free on the model's device (:mod:`cpplan.models.memory`); None where every
+    row fits (then the model's own eager forward runs); ConfigError where not one does."""
+    from cpplan.models.memory import check_fits, free_bytes, reference_bytes
+
+    need = reference_bytes(model.config, num_tokens, num_logits)
+    rows = check_fits(need, free_bytes(model.lm_head.weight.device), what=what)
+    return None if rows >= num_tokens else rows
+
+
 @torch.no_grad()
 def teacher_forced_logits(model, tokens: Sequence[int], positions: Sequence[int] | None = None,
-                          *, indexer: str = "stock", kv_cache_dtype: str | None = None
-                          ) -> torch.Tensor:
+                          *, indexer: str = "stock", kv_cache_dtype: str | None = None,
+                          rows: int | None = None) -> torch.Tensor:
     """The model's logits ``[len(positions), vocab]`` float32 (all positions by default) of
     one forward over ``tokens`` (one sequence, no cache), with :func:`reference_numerics`;
-    row i predicts the token after ``tokens[positions[i]]``."""
+    row i predicts the token after ``tokens[positions[i]]``. ``rows``: queries computed at
+    once (default :func:`auto_rows`: the model's own forward where every query fits); the
+    logits of the chunked forward equal the model's own to float32 rounding (its matrix
+    products are split differently), its selection the same keys."""
     device = model.lm_head.weight.device
     ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
-    with reference_numerics(model, indexer=indexer, kv_cache_dtype=kv_cache_dtype):
-        logits = model(input_ids=ids, use_cache=False).logits[0].float()
-    if positions is None:
-        return logits
-    return logits.index_select(0, torch.as_tensor(list(positions), dtype=torch.long,
-                                                  device=device))
+    if rows is None:
+        rows = auto_rows(model, ids.shape[1], None if positions is None else len(positions))
+    if rows is None:
+        with reference_numerics(model, indexer=indexer, kv_cache_dtype=kv_cache_dtype):
+            logits = model(input_ids=ids, use_cache=False).logits[0].float()
+        if positions is None:
+            return logits
+        return logits.index_select(0, torch.as_tensor(list(positions), dtype=torch.long,
+                                                      device=device))
+    keep = torch.as_tensor(list(range(ids.shape[1]) if positions is None else positions),
+                           dtype=torch.long, device=device)
+    with reference_numerics(model, indexer=indexer, kv_cache_dtype=kv_cache_dtype, rows=rows):
+        out = model(input_ids=ids, attention_mask={"indexed_attention": None}, use_cache=False,
+                    logits_to_keep=keep)
+    return out.logits[0].float()
 
 
 @torch.no_grad()
@@ -179,33 +285,53 @@ def reference_generate(model, prompt: Sequence[int], max_new_tokens: int, *,
 
 
 @torch.no_grad()
-def selection_overlap(model, tokens: Sequence[int]) -> list[float]:
+def selection_overlap(model, tokens: Sequence[int], *, rows: int | None = None) -> list[float]:
     """Per full-indexer layer, the mean fraction of the stock indexer's top-k keys that
     cpplan's numerics also select (same hidden states: the stock forward over ``tokens``),
-    over the queries with more causal keys than topk (1.0 where there are none)."""
+    over the queries with more causal keys than topk (1.0 where there are none). ``rows``:
+    as :func:`teacher_forced_logits` (default :func:`auto_rows`); chunked, the stock
+    selection is :func:`stock_topk`'s."""
     found = []
+
+    def share(stock, ours, topk):
+        width = stock.shape[1]
+        a, b = (torch.zeros(*x.shape[:-1], width, dtype=torch.bool, device=x.device)
+                .scatter(-1, x.long(), True) for x in (stock, ours))
+        keys = torch.arange(width, device=stock.device) + 1
+        over = keys > topk  # queries whose selection drops keys
+        part = (a & b).sum(-1)[0].double() / stock.shape[-1]
+        found.append(float(part[over].mean()) if bool(over.any()) else 1.0)
 
     def both(self, hidden_states, q_resid, position_embeddings, attention_mask, *args, **kw):
         stock = type(self).forward(self, hidden_states, q_resid, position_embeddings,
                                    attention_mask, *args, **kw)
         ours = _cpplan_indexer_forward(self, hidden_states, q_resid, position_embeddings,
                                        attention_mask, *args, **kw)
-        width = attention_mask.shape[-1]
-        a, b = (torch.zeros(*x.shape[:-1], width, dtype=torch.bool, device=x.device)
-                .scatter(-1, x.long(), True) for x in (stock, ours))
-        keys = torch.arange(hidden_states.shape[1], device=stock.device) + 1
-        over = keys > self.index_topk  # queries whose selection drops keys
-        share = (a & b).sum(-1)[0].double() / stock.shape[-1]
-        found.append(float(share[over].mean()) if bool(over.any()) else 1.0)
+        share(stock, ours, self.index_topk)
         return stock
 
+    device = model.lm_head.weight.device
+    ids = torch.tensor([list(tokens)], device=device)
+    if rows is None:
+        rows = auto_rows(model, ids.shape[1], 1)
+    if rows is not None:
+        stock_rows, ours_rows = stock_select(rows), cpplan_select(rows)
+
+        def select(ix, *inputs):
+            stock = stock_rows(ix, *inputs)
+            share(stock, ours_rows(ix, *inputs), ix.index_topk)
+            return stock
+
+        with reference_numerics(model, rows=rows, select=select):
+            model(input_ids=ids, attention_mask={"indexed_attention": None}, use_cache=False,
+                  logits_to_keep=1)
+        return found
     indexers = [layer.self_attn.indexer for layer in model.model.layers
                 if getattr(layer.self_attn, "indexer", None) is not None]
     try:
         for ix in indexers:
             ix.forward = types.MethodType(both, ix)
-        model(input_ids=torch.tensor([list(tokens)], device=model.lm_head.weight.device),
-              use_cache=False)
+        model(input_ids=ids, use_cache=False)
     finally:
         for ix in indexers:
             del ix.forward

@@ -99,7 +99,7 @@ def check_outputs(model, prompts, outputs, logits, kv_cache_dtype: str, ids, *,
     ``logits[i]`` ``[len(outputs[i]), vocab]`` cpplan's sampled logits (float32), ``ids[i]``
     the request's id (for the report); ``tol``: :data:`TOL`, or
     :data:`TOL_BF16_ACTIVATIONS` where cpplan ran with bf16 activations."""
-    from cpplan.models.reference import selection_overlap, teacher_forced_logits
+    from cpplan.models.reference import auto_rows, selection_overlap, teacher_forced_logits
 
     res = CheckResult(tol=tol)
     topk = model.config.index_topk
@@ -107,11 +107,12 @@ def check_outputs(model, prompts, outputs, logits, kv_cache_dtype: str, ids, *,
         tokens = list(prompt) + list(out)
         stock = len(tokens) - 1 <= topk
         res.stock += int(stock)
-        if not stock:
-            res.overlaps += selection_overlap(model, tokens[:-1])
         pos = list(range(len(prompt) - 1, len(tokens) - 1))
+        rows = auto_rows(model, len(tokens) - 1, len(pos), what=f"request {rid!r}")
+        if not stock:
+            res.overlaps += selection_overlap(model, tokens[:-1], rows=rows)
         ref = teacher_forced_logits(model, tokens[:-1], pos, kv_cache_dtype=kv_cache_dtype,
-                                    indexer="stock" if stock else "cpplan").cpu()
+                                    indexer="stock" if stock else "cpplan", rows=rows).cpu()
         ours = ours.float()
         got = torch.as_tensor(list(out), dtype=torch.long)
         best = ref.argmax(-1)
@@ -139,3 +140,19 @@ def check_outputs(model, prompts, outputs, logits, kv_cache_dtype: str, ids, *,
     if kv_cache_dtype == "bf16" and res.stock == len(outputs) and tol == TOL:
         res.min_close = 1.0
     return res
+
+
+def check_memory(config, prompts, *, device: str, served_dtype) -> None:
+    """Before the weights load: ConfigError (one line, the numbers) where the reference
+    forward over the longest request (prompt + its new tokens) could not run on ``device``
+    even one query row at a time, beside the float32 reference weights (and the served ones
+    where ``served_dtype`` is not float32: the reference is then a float32 copy)."""
+    from cpplan.models.memory import check_fits, free_bytes, reference_bytes, weight_bytes
+
+    longest = max(prompts, key=lambda p: len(p.token_ids) + p.max_new_tokens)
+    weights = weight_bytes(config, torch.float32)
+    if served_dtype != torch.float32:
+        weights += weight_bytes(config, served_dtype)
+    need = reference_bytes(config, len(longest.token_ids) + longest.max_new_tokens - 1,
+                           longest.max_new_tokens)
+    check_fits(need, free_bytes(device), weights=weights, what=f"request {longest.id!r}")

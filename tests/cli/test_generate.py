@@ -368,11 +368,16 @@ def test_a_torchrun_world_of_the_wrong_size_is_one_line_from_rank_0(monkeypatch,
         assert (res.code, res.stdout, res.stderr) == (2, "", "")
 
 
+@pytest.mark.parametrize("rows", [None, 5])
 @pytest.mark.parametrize("wrong", ["mla-rope", "sm-scale"])
-def test_check_fails_when_the_forward_is_wrong(prompts_file, monkeypatch, wrong):
+def test_check_fails_when_the_forward_is_wrong(prompts_file, monkeypatch, wrong, rows):
     """--check is a real reference: a wrong RoPE convention or softmax scale in the serving
-    side (the reference is the model's own forward, untouched) exits 1 with one line."""
-    from cpplan.models import derive
+    side (the reference is the model's own forward, untouched) exits 1 with one line; also
+    with the reference computed 5 query rows at a time (as where memory is short)."""
+    from cpplan.models import derive, reference
+
+    if rows is not None:
+        monkeypatch.setattr(reference, "auto_rows", lambda *a, **k: rows)
 
     if wrong == "mla-rope":
         monkeypatch.setitem(derive.ROPE, "deepseek_v32", ("half", "half"))
@@ -385,3 +390,37 @@ def test_check_fails_when_the_forward_is_wrong(prompts_file, monkeypatch, wrong)
     assert json.loads(res.stdout.splitlines()[-1])["ok"] is False
     failed = [x for x in res.stderr.splitlines() if x.startswith("check FAILED")]
     assert len(failed) == 1 and "first difference" in failed[0]
+
+
+def test_check_refused_before_the_weights_load_where_memory_is_short(prompts_file, monkeypatch):
+    """Where the reference of the longest request cannot fit one query row beside its weights,
+    --check is one line, exit 2, before the weights load or a token is generated."""
+    from cpplan.models import loading, memory
+
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 1 << 20)
+
+    def never(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(loading, "load_model", never)
+    res = run_cli("generate", "--model", MODEL, "--prompts", prompts_file, "--max-new-tokens",
+                  NEW, "--check")
+    _one_line(res, "--check: the reference forward over request 'p140' (143 tokens)",
+              "GiB free")
+    assert run_cli("generate", "--model", MODEL, "--prompts", prompts_file, "--max-new-tokens",
+                   NEW).code == 99  # without --check nothing is refused: it reaches the stub load
+
+
+def test_an_out_of_memory_error_in_the_check_is_one_line_exit_5(prompts_file, monkeypatch):
+    from cpplan.serve import check
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 38.72 GiB\nmore")
+
+    monkeypatch.setattr(check, "check_outputs", oom)
+    res = run_cli("generate", "--model", MODEL, "--prompts", prompts_file, "--max-new-tokens",
+                  NEW, "--check")
+    assert res.code == 5 and "Traceback" not in res.stderr, res.stderr
+    errors = [x for x in res.stderr.splitlines() if "error:" in x]
+    assert errors == ["cpplan generate: error: --check's reference: OutOfMemoryError: CUDA out "
+                      "of memory. Tried to allocate 38.72 GiB"], res.stderr

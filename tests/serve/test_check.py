@@ -2,7 +2,7 @@
 tokens and logits built here from the model's own teacher-forced forward (a greedy loop written
 in this file), then moved where the verdict must pass or fail: a token differing where every
 logit is within the tolerance fails; one differing where its logits are beyond it passes only
-where rounding is involved and enough positions stay close; logits shifted everywhere fail."""
+where rounding is involved and enough positions stay close; logits shifted everywhere fail; each with the reference whole and in chunks of query rows."""
 
 from __future__ import annotations
 
@@ -22,6 +22,17 @@ NEW = 6
 @pytest.fixture(scope="module")
 def model():
     return load_model("tiny-deepseek-v32", seed=0)
+
+
+@pytest.fixture(autouse=True, params=[None, 2], ids=["whole", "chunks-of-2"])
+def rows(request, monkeypatch):
+    """The reference as the memory free chooses it (every query at once here), and 2 query
+    rows at a time (as on a long request): the verdicts must not change."""
+    if request.param is not None:
+        from cpplan.models import reference
+
+        monkeypatch.setattr(reference, "auto_rows", lambda *a, **k: request.param)
+    return request.param
 
 
 def _served(model, kv: str):
