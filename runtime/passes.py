@@ -107,6 +107,12 @@ class LayerPasses:
                 self._expect(bound, "attend", "index_q", index_q,
                              (T, cfg.index_num_heads, cfg.index_head_dim))
                 self._expect(bound, "attend", "index_w", index_w, (T, cfg.index_num_heads))
+            if layer >= bound.layers_inserted:
+                # the layer's caches lack this step's own keys until its insert: attention
+                # would read the old cache and run on, silently wrong for every prefill row
+                raise UsageError(f"step {bound.plan.step_id}: attend of layer {layer} before "
+                                 f"its insert; expected insert then attend for each layer "
+                                 f"({bound.layers_inserted} layer(s) inserted so far)")
             bound.layers_attended += 1
             ctx = LayerPass(layer, source, return_selection, keeps_selection(cfg, layer))
             out = self._attend(bound, cache, q, index_q, index_w, ctx)
@@ -123,12 +129,6 @@ class LayerPasses:
         if want >= self.config.num_layers:
             raise UsageError(f"step {bound.plan.step_id}: {call} of layer {want}; expected at "
                              f"most num_layers = {self.config.num_layers} layers a step")
-        if call == "attend" and want >= bound.layers_inserted:
-            # the layer's caches lack this step's own keys until its insert: attention would
-            # read the old cache and run on, silently wrong for every prefill row
-            raise UsageError(f"step {bound.plan.step_id}: attend of layer {want} before its "
-                             f"insert; expected insert then attend for each layer "
-                             f"({bound.layers_inserted} layer(s) inserted so far)")
         return want
 
     def _attend(self, bound: BoundStep, cache: LayerCache, q, index_q, index_w,

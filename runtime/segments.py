@@ -97,6 +97,8 @@ class AliasCheck:
         self.stamps = np.zeros(0, dtype=np.int64)  # per block: the bind that last wrote it
         self.writer = np.zeros(0, dtype=np.int64)  # request * 2**32 + column of that write
         self.generation = 0
+        self.reads = np.zeros(0, dtype=np.int64)  # per block: the (bind, request) last reading
+        self.read_generation = 0
 
     MAX_STAMPS = 1 << 24  # blocks a stamp array covers (256 MiB with the writers)
 
@@ -118,12 +120,22 @@ class AliasCheck:
             size = max(top + 1, 2 * len(self.stamps))
             self.stamps = np.zeros(size, dtype=np.int64)
             self.writer = np.zeros(size, dtype=np.int64)
-            self.generation = 0
+            self.reads = np.zeros(size, dtype=np.int64)
+            self.generation = self.read_generation = 0
         self.generation += 1
         cfg = plan.config
         i, j, i2, j2 = _first_alias(bt, plan.num_computed_tokens.np(), plan.dcp_local_lens.np(),
                                     dcp_rank, cfg.dcp_size, cfg.interleave_size, cfg.block_size,
                                     self.stamps, self.writer, self.generation)
+        if i < 0:
+            i, j, j2 = _first_repeat(bt, plan.dcp_local_lens.np(), dcp_rank, cfg.block_size,
+                                     self.reads, self.read_generation)
+            self.read_generation += bt.shape[0] + 1
+            if i >= 0:
+                raise StepInputError(
+                    f"step {plan.step_id}: block {int(given[i, j])} is used by request {i} "
+                    f"({plan.req_ids[i]!r}) at block-table columns {j2} and {j}; expected each "
+                    "block of a request at one column (requests may share read-only blocks)")
         if i >= 0:
             ids = plan.req_ids
             other = (f"request {i2} ({ids[i2]!r}) at column {j2}" if i2 != i
@@ -170,6 +182,23 @@ def _first_alias(bt, computed, local_lens, dcp_rank, dcp_size, interleave, block
                 w = writer[b]
                 return w >> 32, w & 0xFFFFFFFF, i, j
     return -1, -1, -1, -1
+
+
+@njit(cache=True)
+def _first_repeat(bt, local_lens, dcp_rank, block_size, reads, base):
+    """(i, j, j2): the first block bt[i, j] that request i also touches at its column j2 < j,
+    or all -1 (two of a request's positions would read one block's KV). ``reads[b]`` is
+    stamped ``base + i + 1`` per request, so no clearing between binds."""
+    for i in range(bt.shape[0]):
+        stamp = base + i + 1
+        for j in range(-(-np.int64(local_lens[i, dcp_rank]) // block_size)):
+            b = bt[i, j]
+            if reads[b] == stamp:
+                for j2 in range(j):
+                    if bt[i, j2] == b:
+                        return i, j, j2
+            reads[b] = stamp
+    return -1, -1, -1
 
 
 @njit(cache=True)

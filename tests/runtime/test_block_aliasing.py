@@ -16,7 +16,8 @@ B = 64
 
 def _walk_aliases(plan, dcp_rank: int, bt: np.ndarray) -> bool:
     """True when some block a request writes (a position in [c, c + q) that this rank owns)
-    is also used at another (request, column): walking every token of every request."""
+    is also used at another (request, column), or a request uses one block at two columns:
+    walking every token of every request."""
     cfg = plan.config
     c = plan.num_computed_tokens.np().astype(int)
     e = plan.extent().astype(int)
@@ -30,7 +31,8 @@ def _walk_aliases(plan, dcp_rank: int, bt: np.ndarray) -> bool:
             uses.setdefault(int(bt[i, col]), set()).add((i, col))
             if p >= c[i]:
                 written.add(int(bt[i, col]))
-    return any(len(uses[b]) > 1 for b in written)
+    repeated = any(len({i for i, _ in u}) < len(u) for u in uses.values())  # one request's
+    return repeated or any(len(uses[b]) > 1 for b in written)  # two columns, or a write shared
 
 
 @pytest.mark.parametrize("w,inter", [(1, 1), (2, 1), (2, 2), (4, 64)])
@@ -59,7 +61,8 @@ def test_the_check_agrees_with_a_token_walk(w, inter):
             ex.bind(plan, bt, n * width + 1)
             got = False
         except StepInputError as exc:
-            assert "expected each block a step writes to belong to one request" in str(exc)
+            assert ("expected each block a step writes to belong to one request" in str(exc)
+                    or "expected each block of a request at one column" in str(exc))
             got = True
         assert got == want, (trial, bt.tolist(), c.tolist(), q.tolist())
         refused += got
@@ -89,3 +92,22 @@ def test_huge_block_ids_are_checked_without_a_huge_stamp_array():
     assert len(ex._aliases.stamps) < 1 << 20
     with pytest.raises(StepInputError, match=f"block {big + 1} is written by request 1"):
         ex.bind(compile(cfg, step), np.array([[big, big + 1], [big, big + 1]], np.int64))
+
+
+def test_a_block_repeated_inside_one_requests_read_columns_is_refused():
+    """One request's row mapping two logical blocks to one physical block (read-only) was
+    accepted: attention read block 5's KV for both positions (max error 0.21). Two requests
+    sharing a read-only block (a common prefix) stay legal."""
+    cfg = ParallelConfig(num_heads=8, topk=16, index_num_heads=4, max_model_len=1024,
+                         num_layers=1, hidden_size=64)
+    plan = compile(cfg, StepInput.build(1, ["a", "b"], [200, 200], [1, 1], [False, False]))
+    ex = StepExecutor.local(cfg, sm_scale=0.1, max_tokens=64, max_requests=8)
+    shared = np.array([[5, 6, 7, 8], [5, 9, 10, 11]])  # block 5 read by both: a prefix
+    assert not _walk_aliases(plan, 0, shared)
+    ex.bind(plan, shared)
+    repeated = np.array([[5, 6, 5, 8], [12, 9, 10, 11]])
+    with pytest.raises(StepInputError) as err:
+        ex.bind(plan, repeated)
+    assert str(err.value) == ("step 1: block 5 is used by request 0 ('a') at block-table "
+                              "columns 0 and 2; expected each block of a request at one column "
+                              "(requests may share read-only blocks)")
