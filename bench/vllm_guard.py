@@ -46,7 +46,7 @@ def guard_costs(n_requests: int, p: int, w: int, repeats: int) -> tuple[float, f
     from cpplan.schemas.codec import digest
     from cpplan.vllm import adapter
     from cpplan.vllm.guard import check_partition
-    from tests.vllm import batches, vllm_side
+    from tests.with_vllm import batches, vllm_side
 
     rng = np.random.default_rng(n_requests)
     cols = batches.random_batch(rng, max_reqs=n_requests, max_chunk=64, decode_share=0.9)

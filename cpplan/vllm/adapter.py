@@ -4,7 +4,7 @@ An engine that hands cpplan its global batch (:func:`step_input`) gets back a pl
 are the rows vLLM's ``PCPManager.partition_batch`` gives each PCP rank; :func:`local_batch`
 states that partition in vLLM's own field names, and :func:`dsa_metadata` what vLLM's sparse-MLA
 builders (the DSA indexer's and FlashMLA-sparse's) derive from it on the host. A guard compares
-them with what vLLM built; a differential suite (tests/vllm/test_differential.py) holds them equal
+them with what vLLM built; a differential suite (tests/with_vllm/test_differential.py) holds them equal
 to vLLM's code. Numpy only, so they run in a scheduler process and in CI without vLLM.
 
 Inputs the plan does not hold, and what is assumed of them (vLLM's value would differ if the

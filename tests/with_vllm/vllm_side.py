@@ -1,6 +1,6 @@
 """vLLM 0.32's own answer for one global batch: its ``PCPManager.partition_batch`` on every PCP
 rank, and what its DSA indexer and FlashMLA-sparse builders derive on the host from that rank's
-local batch. The reference of tests/vllm/test_differential.py (needs vLLM).
+local batch. The reference of tests/with_vllm/test_differential.py (needs vLLM).
 
 Everything vLLM computes here is vLLM's code, called as its model runner calls it. Where a
 builder as a whole cannot run on the CPU (the indexer's ``build`` launches a Triton kernel;

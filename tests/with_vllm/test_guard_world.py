@@ -67,7 +67,7 @@ def perturbed(cols: dict) -> tuple[dict, int]:
 
 
 def input_batch(cols: dict):
-    from tests.vllm.batches import input_batch as build
+    from tests.with_vllm.batches import input_batch as build
 
     return build(cols)
 

@@ -1,12 +1,12 @@
 """cpplan.vllm's ``local_batch`` and ``dsa_metadata`` against vLLM 0.32's own code
-(tests/vllm/vllm_side.py), field by field, over seeded random global batches and hand cases.
+(tests/with_vllm/vllm_side.py), field by field, over seeded random global batches and hand cases.
 
 Each case draws a topology (P in {1, 2, 4, 8}, W in {1, 2, 4, 8} as cpplan's configs allow them:
 W == 1, P == 1 or W == P), an interleave in {1, 4, 16, 64}, the decode ownership (vLLM's
 ``shard_decode_requests``, on or off where P > 1 and W == 1), a CUDA-graph mode (eager,
 PIECEWISE padded to a size at or above vLLM's own dispatch count, FULL for decode-only batches
 under PCP) and the DSA budgets; cpplan compiles the plan from the batch's columns
-(tests/vllm/batches.py ``step_of``), vLLM partitions its own InputBatch. A disagreement is
+(tests/with_vllm/batches.py ``step_of``), vLLM partitions its own InputBatch. A disagreement is
 shrunk (requests dropped, then shortened, while it still disagrees) and reported by field.
 Needs vLLM: the CI's second venv (.ci/run) runs this file.
 """
@@ -25,7 +25,7 @@ pytest.importorskip("vllm")
 from cpplan.planner import compile as compile_plan  # noqa: E402
 from cpplan.schemas.errors import ConfigError  # noqa: E402
 from cpplan.vllm import DSA_FIELDS, LOCAL_BATCH_FIELDS, adapter  # noqa: E402
-from tests.vllm import batches, vllm_side  # noqa: E402
+from tests.with_vllm import batches, vllm_side  # noqa: E402
 
 CASES = int(os.environ.get("CPPLAN_VLLM_CASES", "2000"))
 TOPOLOGIES = [(1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (4, 1), (8, 1), (2, 2), (4, 4), (8, 8)]

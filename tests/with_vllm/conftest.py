@@ -1,4 +1,5 @@
-"""tests/vllm runs in the CI's second venv, where vLLM 0.32 is installed (.ci/run); in the main
+"""(Not named tests/vllm: pytest puts tests/ on sys.path, where a folder named vllm would
+shadow vLLM itself.) tests/with_vllm runs in the CI's second venv, where vLLM 0.32 is installed (.ci/run); in the main
 venv its vLLM tests skip. vLLM is imported once here with the warnings of its own import-time
 dependencies silenced (requests warns about a missing charset detector, which vLLM never
 uses); the suite's warnings-are-errors rule holds for everything after."""
