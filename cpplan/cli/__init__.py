@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 
+from cpplan import INSTALL_COMMAND
 from cpplan._version import __version__
 from cpplan.cli.terminal import plain, quiet_broken_pipe
 from cpplan.schemas.errors import CpplanError
@@ -39,7 +40,7 @@ EXIT_BAD_INPUT = 2
 
 # optional packages -> the extra of pyproject.toml that installs them
 OPTIONAL_EXTRAS = {"rich": "cli", "matplotlib": "cli", "torch": "runtime", "triton": "runtime",
-                   "flash_mla": "flashmla"}
+                   "transformers": "hf", "safetensors": "hf", "flash_mla": "flashmla"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -103,7 +104,8 @@ def _main(argv: list[str] | None) -> int:
     except ModuleNotFoundError as exc:  # an optional package left out, or a broken install
         top = (exc.name or "?").partition(".")[0]
         extra = OPTIONAL_EXTRAS.get(top)
-        hint = f'pip install "cpplan[{extra}]"' if extra else "reinstall cpplan"
+        hint = (f'pip install "cpplan[{extra}]"' if extra == "flashmla" else
+                f"{INSTALL_COMMAND} (the README's install)" if extra else "reinstall cpplan")
         _error_line(args.command, f"needs {exc.name if top == 'cpplan' else top}, which is "
                                   f"not installed: {hint}")
         return EXIT_BAD_INPUT

@@ -18,7 +18,7 @@ Two families, both transformers >= 5.23: ``DeepseekV32ForCausalLM`` (model_type
 
 Every model is built with ``attn_implementation="eager"`` (the reference forward of
 :mod:`cpplan.models.reference` runs it; cpplan's own forward does not use it) and in eval mode.
-A missing transformers is one line naming the extra ``cpplan[hf]``; a model whose dims do not
+A missing transformers is one line giving the README's install command; a model whose dims do not
 fit the runtime, or whose config its own modules cannot run (an MoE gate whose experts do not
 divide into its groups, :func:`check_modules`), is one
 :class:`~cpplan.schemas.errors.ConfigError` line naming the field, from the config alone
@@ -68,17 +68,22 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def require_transformers():
-    """The ``transformers`` module, >= 5.23; ConfigError (one line naming ``cpplan[hf]``)
-    where it is missing or older."""
+    """The ``transformers`` module, >= 5.23; ConfigError (one line giving the README's
+    install command, :data:`cpplan.INSTALL_COMMAND`) where it is missing or older."""
     try:
         import transformers
     except ImportError:
+        from cpplan import INSTALL_COMMAND
+
         raise ConfigError("transformers is not installed: got no module 'transformers'; "
-                          "expected transformers>=5.23 (pip install 'cpplan[hf]')") from None
+                          f"expected transformers>=5.23 ({INSTALL_COMMAND}, the README's "
+                          "install)") from None
     version = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
     if version < MIN_TRANSFORMERS:
+        from cpplan import INSTALL_COMMAND
+
         raise ConfigError(f"transformers {transformers.__version__} is too old: expected "
-                          ">=5.23 (pip install 'cpplan[hf]')")
+                          f">=5.23 ({INSTALL_COMMAND}, the README's install)")
     return transformers
 
 

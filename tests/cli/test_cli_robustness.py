@@ -168,7 +168,8 @@ def test_missing_rich_is_one_line_and_json_needs_no_rich(files, monkeypatch):
     _block(monkeypatch, "rich")
     result = run_cli("inspect", files / "p2.msgpack")
     one_line_error(result, 'cpplan inspect: error: needs rich, which is not installed: '
-                           'pip install "cpplan[cli]"')
+                           'pip install "torch==2.13.0" -e ".[runtime,cli,hf]" (the README\'s '
+                           'install)')
     assert result.stdout == ""
     assert run_cli("inspect", files / "p2.msgpack", "--json").code == 0
 
@@ -178,12 +179,13 @@ def test_missing_matplotlib_is_one_line_and_writes_nothing(files, monkeypatch):
     before = _listing(files)
     one_line_error(run_cli("draw", files / "p2.msgpack", "-o", files / "d.png"),
                    'cpplan draw: error: needs matplotlib, which is not installed: '
-                   'pip install "cpplan[cli]"')
+                   'pip install "torch==2.13.0" -e ".[runtime,cli,hf]" (the README\'s install)')
     assert _listing(files) == before
 
 
 @pytest.mark.parametrize("module, words", [
-    ("torch", 'needs torch, which is not installed: pip install "cpplan[runtime]"'),
+    ("torch", 'needs torch, which is not installed: pip install "torch==2.13.0" -e '
+              '".[runtime,cli,hf]" (the README\'s install)'),
     ("numba", "needs numba, which is not installed: reinstall cpplan"),
 ])
 def test_a_command_needing_a_missing_package_is_one_line(files, monkeypatch, module, words):
