@@ -58,6 +58,7 @@ SLOW = (
     "tests/cli/test_cli_simulate.py::test_simulate_injection_*",
     "tests/cli/test_cli_simulate.py::test_simulate_record_write_failure_*",
     "tests/cli/test_generate.py::*",
+    "tests/cli/test_generate_progress.py::test_per_step_lines_only_with_verbose*",
     # a real `cpplan` process per case (the in-process tests check the same refusals)
     "tests/cli/test_cli.py::*",
     "tests/cli/test_closed_streams.py::*",

@@ -5,7 +5,8 @@ print each request's tokens; ``--check`` compares them with the model's own forw
 P = W = 1 runs in this process (``--device cpu`` or ``cuda``); larger worlds are spawned
 processes, max(P, W) of them: gloo on CPU, or NCCL with one GPU each (``--device cuda``);
 every rank runs the same scheduler (rank 0's tokens are printed; every rank's must agree).
-Progress goes to stderr.
+Progress goes to stderr: one line rewritten in place on a terminal (requests done, tokens/s,
+ETA), nothing per step otherwise; ``--verbose`` one line per step, ``--quiet`` none at all.
 
 A request stops at the model's end-of-sequence token (``eos_token_id`` of the checkpoint's
 generation_config.json, else config.json; ``--ignore-eos`` turns it off), at one of its own
@@ -95,6 +96,12 @@ def register(sub) -> None:
                         "agreeing: docs/serving.md)")
     p.add_argument("--timeout", type=float, default=60.0, metavar="S",
                    help="seconds before a silent rank is declared lost (default 60)")
+    shown = p.add_mutually_exclusive_group()
+    shown.add_argument("--verbose", action="store_true",
+                       help="one stderr line per step (default: one live line on a terminal, "
+                            "none otherwise)")
+    shown.add_argument("--quiet", action="store_true",
+                       help="no progress on stderr (errors and the check's line only)")
     p.add_argument("--json", action="store_true",
                    help="stdout: one JSON object per request, then a summary object")
     p.set_defaults(run=run)
@@ -136,11 +143,12 @@ def run(args) -> int:
                    allow_long_max_model_len=args.allow_long_max_model_len,
                    ignore_eos=args.ignore_eos, device=args.device, dtype=args.dtype,
                    temperature=args.temperature, top_p=args.top_p, keep_logits=args.check,
-                   timeout_s=args.timeout, warmup=args.warmup,
+                   timeout_s=args.timeout, warmup=args.warmup, progress=not args.quiet,
+                   verbose=args.verbose,
                    cuda_graphs=args.device == "cuda" and not args.eager,
                    before_load=_check_memory(args) if args.check else None)
     job = prep.job
-    if env is None or env.rank == 0:
+    if (env is None or env.rank == 0) and not args.quiet:
         how = "this process" if max(job.pcp, job.dcp) == 1 and env is None else (
             "torchrun" if env is not None else "spawned")
         sys.stderr.write(f"cpplan generate: {args.model} P={job.pcp} W={job.dcp} "

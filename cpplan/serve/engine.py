@@ -97,7 +97,8 @@ class GenerateJob:
     kill: tuple[int, int] | None = None
     # (step, rank, layer) where that rank's layer's MLP raises a RuntimeError (tests)
     fail: tuple[int, int, int] | None = None
-    progress: bool = True
+    progress: bool = True  # False: nothing on stderr per step (--quiet)
+    verbose: bool = False  # one stderr line per step (else one live line on a terminal)
     timeout_s: float = 60.0
 
 
@@ -114,6 +115,25 @@ def activation_dtype(device: str, dtype: str = "auto") -> str:
 def model_dtype(device: str, dtype: str = "auto") -> torch.dtype:
     """The weights' dtype: the activations' (the model's modules run on them)."""
     return DTYPES[activation_dtype(device, dtype)]
+
+
+def live_line(reqs, finished: int, seconds: float, *, end: bool = False, out=None) -> str:
+    """The one progress line of a terminal, rewritten in place (carriage return, cut to the
+    terminal's width so it never wraps): requests done, new tokens per second, and the time
+    left at that rate for every request's remaining ``max_new_tokens`` (an upper bound: a
+    request may stop early). Returns the line; ``end`` closes it with a newline."""
+    import shutil
+
+    new = sum(len(r.output) for r in reqs)
+    left = sum(max(0, r.max_new_tokens - len(r.output)) for r in reqs if r.finish_step < 0)
+    rate = new / seconds if seconds > 0 else 0.0
+    eta = f"ETA {left / rate:.0f} s" if rate > 0 and not end else ("done" if end else "ETA -")
+    line = f"{finished}/{len(reqs)} requests done, {new} tokens, {rate:.1f} tokens/s, {eta}"
+    width = shutil.get_terminal_size((80, 24)).columns - 1
+    out = sys.stderr if out is None else out
+    out.write("\r" + line[:width].ljust(width) + ("\n" if end else ""))
+    out.flush()
+    return line
 
 
 def serve_rank(ctx, job: GenerateJob) -> dict:
@@ -394,10 +414,14 @@ class _Run:
         if self.job.progress and e.rank == 0:
             n = len(self.reqs)
             finished = n - len(sched.waiting) - len(sched.running)
-            sys.stderr.write(f"step {self.step_id:4d}: {len(q):3d} requests ({q.count(1)} "
-                             f"decode), {sum(q):5d} tokens, {len(bound.ledger):3d} "
-                             f"collectives, {finished}/{n} done"
-                             f"{' +' + str(len(done)) if done else ''}\n")
+            if self.job.verbose:
+                sys.stderr.write(f"step {self.step_id:4d}: {len(q):3d} requests ({q.count(1)} "
+                                 f"decode), {sum(q):5d} tokens, {len(bound.ledger):3d} "
+                                 f"collectives, {finished}/{n} done"
+                                 f"{' +' + str(len(done)) if done else ''}\n")
+            elif sys.stderr.isatty():
+                live_line(self.reqs, finished, time.monotonic() - self.t0,
+                          end=finished == n)
         self.step_id += 1
 
     def result(self) -> dict:

@@ -38,7 +38,8 @@ def prepare(*, model: str, prompts_path: str | None, max_new_tokens: int, seed: 
             num_blocks: int | None = None, max_model_len: int | None = None,
             allow_long_max_model_len: bool = False, ignore_eos: bool = False,
             device: str = "cpu", dtype: str = "auto", temperature: float = 0.0, top_p: float = 1.0,
-            keep_logits: bool = False, progress: bool = True, warmup: bool = False,
+            keep_logits: bool = False, progress: bool = True, verbose: bool = False,
+            warmup: bool = False,
             timeout_s: float = 60.0, cuda_graphs: bool = False, before_load=None) -> Prepared:
     """Check every input from the model's config alone (ConfigError: dims or an MoE gate its
     modules cannot run, a missing transformers, a ``max_model_len`` above the model's
@@ -87,7 +88,7 @@ def prepare(*, model: str, prompts_path: str | None, max_new_tokens: int, seed: 
                       max_num_seqs=max_num_seqs, num_blocks=num_blocks, device=device,
                       dtype=dtype,
                       temperature=temperature, top_p=top_p, keep_logits=keep_logits,
-                      progress=progress, timeout_s=timeout_s, warmup=warmup,
+                      progress=progress, verbose=verbose, timeout_s=timeout_s, warmup=warmup,
                       cuda_graphs=cuda_graphs)
     _check_blocks(job, config, [p.id for p in prompts])
     if before_load is not None:
