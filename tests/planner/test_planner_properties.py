@@ -41,6 +41,9 @@ def _check_coverage(plan: StepPlan) -> None:
             spans = sorted(s for p in range(p_size) for s in seen[(i, p)] if s[1] > 0)
             ends = [o + n for o, n in spans]
             assert [o for o, _ in spans] == [0] + ends[:-1] and ends[-1] == q[i]
+        elif mode[i] == MODE_OWNED:  # the whole query on exactly one rank, empty elsewhere
+            spans = sorted(s for p in range(p_size) for s in seen[(i, p)])
+            assert spans == [(0, 0)] * (p_size - 1) + [(0, int(q[i]))]
         else:
             for p in range(p_size):
                 assert seen[(i, p)] == [(0, int(q[i]))]
