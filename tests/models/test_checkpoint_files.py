@@ -154,9 +154,9 @@ def test_a_tokenizer_file_as_a_fifo(tmp_path):
 @pytest.mark.slow  # builds, saves and loads the tiny model through transformers
 def test_a_folder_of_pickled_weights_does_not_load(tmp_path):
     pytest.importorskip("transformers")
-    from cpplan.models import build_model, load_model, preset_config
-
     import torch
+
+    from cpplan.models import build_model, load_model, preset_config
 
     model = build_model(preset_config("tiny-deepseek-v32"))
     model.save_pretrained(tmp_path)
