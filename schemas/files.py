@@ -76,13 +76,7 @@ def read_input(path: str | os.PathLike, max_bytes: int = MAX_INPUT_BYTES) -> byt
     except OSError as exc:
         raise InputFileError(f"cannot read {name}: {_oserror_words(exc)}") from None
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise InputFileError(
-                f"cannot read {name}: it is {_kind(info.st_mode)}; expected a regular file")
-        if info.st_size > max_bytes:
-            raise InputFileError(f"{name}: file too large: got {info.st_size:,} bytes, "
-                                 f"limit {max_bytes:,}")
+        _check_regular(name, os.fstat(fd), max_bytes)
         return _read_capped(fd, name, max_bytes)
     except OSError as exc:
         raise InputFileError(f"cannot read {name}: {_oserror_words(exc)}") from None
@@ -99,13 +93,18 @@ def check_input_file(path: str | os.PathLike, max_bytes: int = MAX_INPUT_BYTES) 
         info = os.stat(name)
     except OSError as exc:
         raise InputFileError(f"cannot read {name}: {_oserror_words(exc)}") from None
+    _check_regular(name, info, max_bytes)
+    return info.st_size
+
+
+def _check_regular(name: str, info: os.stat_result, max_bytes: int) -> None:
+    """InputFileError unless ``info`` is a regular file of at most ``max_bytes``."""
     if not stat.S_ISREG(info.st_mode):
         raise InputFileError(
             f"cannot read {name}: it is {_kind(info.st_mode)}; expected a regular file")
     if info.st_size > max_bytes:
         raise InputFileError(f"{name}: file too large: got {info.st_size:,} bytes, "
                              f"limit {max_bytes:,}")
-    return info.st_size
 
 
 class _DuplicateKey(ValueError):

@@ -5,13 +5,13 @@ a device or an unpickled file (issue 68 items 5, 9, 10)."""
 
 import json
 import os
-import threading
 
 import pytest
 
 from cpplan.models.checkpoint import check_tokenizer_files, check_weights, read_json
 from cpplan.models.loading import PRESETS, model_config
 from cpplan.schemas.errors import ConfigError, InputFileError
+from tests.fifo import raised_without_blocking
 
 
 def _config_json(folder) -> None:
@@ -19,26 +19,10 @@ def _config_json(folder) -> None:
     (folder / "config.json").write_text(json.dumps({"model_type": model_type, **fields}))
 
 
-def _raises_at_once(fn, fifo, seconds=10.0) -> BaseException:
-    """``fn()``'s exception; the test fails if ``fn`` is still blocked after ``seconds`` (the
-    FIFO is then opened for writing, so the blocked reader returns)."""
-    box = {}
-
-    def call():
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            box["exc"] = exc
-
-    thread = threading.Thread(target=call, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        thread.join(5)
-        pytest.fail(f"opening the FIFO {fifo} blocked for {seconds} s")
-    assert "exc" in box, "no error raised"
-    return box["exc"]
+def _raises_at_once(fn, fifo) -> BaseException:
+    exc = raised_without_blocking(fn, fifo)
+    assert exc is not None, "no error raised"
+    return exc
 
 
 def _fifo_message(path) -> str:

@@ -3,45 +3,23 @@ file over the cap, nesting past the recursion limit, a key given twice. Each is 
 naming the file (exit 2 through the CLI), never a hang, an unbounded read or a traceback."""
 
 import os
-import threading
 
 import pytest
 
 from cpplan.schemas.errors import ConfigError, InputFileError
 from cpplan.serve import prompts as prompts_mod
 from cpplan.serve.prompts import read_prompts
+from tests.fifo import raised_without_blocking
 
 
 def _read(path):
     return read_prompts(str(path), max_new_tokens=4)
 
 
-def _without_hanging(fn, fifo, seconds=10.0):
-    """``fn()``'s exception, or the test fails if it is still blocked after ``seconds`` (the
-    FIFO is then opened for writing so the blocked reader returns and the thread ends)."""
-    box = {}
-
-    def call():
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            box["exc"] = exc
-
-    thread = threading.Thread(target=call, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-        os.close(fd)
-        thread.join(5)
-        pytest.fail(f"reading the FIFO {fifo} blocked for {seconds} s")
-    return box.get("exc")
-
-
 def test_a_fifo_is_refused_at_once(tmp_path):
     fifo = tmp_path / "p.jsonl"
     os.mkfifo(fifo)
-    exc = _without_hanging(lambda: _read(fifo), fifo)
+    exc = raised_without_blocking(lambda: _read(fifo), fifo)
     assert isinstance(exc, InputFileError)
     assert str(exc) == f"cannot read {fifo}: it is a FIFO; expected a regular file"
 
@@ -96,7 +74,7 @@ def test_generate_refuses_a_fifo_in_one_line(tmp_path):
     fifo = tmp_path / "p.jsonl"
     os.mkfifo(fifo)
     box = {}
-    exc = _without_hanging(lambda: box.setdefault("res", run_cli(
+    exc = raised_without_blocking(lambda: box.setdefault("res", run_cli(
         "generate", "--prompts", fifo, "--max-new-tokens", 2)), fifo, seconds=60.0)
     assert exc is None
     res = box["res"]

@@ -182,47 +182,41 @@ def disagreement(managers, cols, case: Case) -> str | None:
     return None
 
 
+def _smaller(cols):
+    """Every one-step smaller batch: one request dropped, then one request's q or c halved
+    (a decode kept a decode, a prefill chunk kept inside its prompt)."""
+    n = len(cols["req_ids"])
+    for i in range(n if n > 1 else 0):
+        keep = [k for k in range(n) if k != i]
+        yield batches.columns([cols["req_ids"][k] for k in keep], cols["c"][keep],
+                              cols["q"][keep], cols["prefill_len"][keep], cols["idx"][keep])
+    for i in range(n):
+        for field, low in (("q", 1), ("c", 0)):
+            value = int(cols[field][i])
+            if value <= low:
+                continue
+            smaller = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in cols.items()}
+            smaller[field][i] = max(low, value // 2)
+            if field == "c" and smaller["c"][i] < smaller["prefill_len"][i] <= value:
+                continue  # keep a decode a decode
+            if field == "q":
+                smaller["prefill_len"][i] -= value - smaller["q"][i]
+            yield smaller
+
+
 def shrink(managers, cols, case: Case) -> tuple[dict, str]:
-    """The smallest batch (fewest requests, then fewest tokens) that still disagrees."""
+    """The smallest batch (fewest requests, then fewest tokens) that still disagrees: the
+    first smaller batch that disagrees is taken, until none does."""
     found = disagreement(managers, cols, case)
     assert found is not None
-    progress = True
-    while progress:
-        progress = False
-        n = len(cols["req_ids"])
-        for i in range(n):
-            if n == 1:
-                break
-            keep = [k for k in range(n) if k != i]
-            smaller = batches.columns([cols["req_ids"][k] for k in keep], cols["c"][keep],
-                                      cols["q"][keep], cols["prefill_len"][keep],
-                                      cols["idx"][keep])
+    while True:
+        for smaller in _smaller(cols):
             d = _try(managers, smaller, case)
             if d:
-                cols, found, progress = smaller, d, True
+                cols, found = smaller, d
                 break
-        if progress:
-            continue
-        for i in range(len(cols["req_ids"])):
-            for field in ("q", "c"):
-                value = int(cols[field][i])
-                low = 1 if field == "q" else 0
-                if value <= low:
-                    continue
-                smaller = {k: (v.copy() if isinstance(v, np.ndarray) else v)
-                           for k, v in cols.items()}
-                smaller[field][i] = max(low, value // 2)
-                if field == "c" and smaller["c"][i] < smaller["prefill_len"][i] <= value:
-                    continue  # keep a decode a decode
-                if field == "q":
-                    smaller["prefill_len"][i] -= value - smaller["q"][i]
-                d = _try(managers, smaller, case)
-                if d:
-                    cols, found, progress = smaller, d, True
-                    break
-            if progress:
-                break
-    return cols, found
+        else:
+            return cols, found
 
 
 def _try(managers, cols, case):
